@@ -1,0 +1,77 @@
+"""The ``emapg`` command: one entry point, one subcommand per job.
+
+Each subcommand lives in the package that owns it and exposes ``main(argv) -> int``;
+this module only dispatches, so ``emapg --help`` stays fast (nothing heavy is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from emapg import __version__
+from emapg.config import ConfigError
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad path, bad option): printed as one line, exit code 2."""
+
+
+# name -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "index": ("retriever.cli", "index_main", "build or inspect a FAISS/BM25 index of a passage corpus"),
+    "serve": ("retriever.cli", "serve_main", "serve an index over HTTP (Search-R1 compatible /retrieve)"),
+    "train": ("trainer.cli", "main", "train a policy with EMA-PG or GRPO from a YAML config"),
+    "eval": ("eval.cli", "main", "evaluate a model on the QA or math suites; `eval compare` for side-by-side reports"),
+    "plot": ("trainer.plot", "main", "plot training curves of one or several runs to PNG"),
+    "demo": ("emapg.demo", "main", "the whole pipeline on bundled data: index, serve, train, eval, report"),
+    "models": ("emapg.model_cli", "main", "prepare the offline default models (convert SmolLM2, locate MiniLM)"),
+    "config": ("emapg.config_cli", "main", "show a config with overrides applied, or the reference of all options"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="emapg",
+        description="ema-pg: train and evaluate LLM search agents and math reasoners with EMA-PG "
+        "(EMA anchor + Top-k KL on GRPO). Run `emapg <command> --help` for a command's options.",
+    )
+    p.add_argument("--version", action="version", version=f"emapg {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="<command>")
+    for name, (_, _, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = _parser()
+    if not argv or argv[0] not in COMMANDS:
+        if argv and not argv[0].startswith("-"):
+            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+        parser.parse_args(argv)  # handles --help / --version
+        parser.print_help()
+        return 2
+    module_name, func_name, _ = COMMANDS[argv[0]]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            print(f"emapg {argv[0]}: not yet available in this build ({module_name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    try:
+        return int(getattr(module, func_name)(argv[1:]) or 0)
+    except (UserError, ConfigError) as e:
+        print(f"emapg {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"emapg {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Typed YAML configuration: dataclass schemas, dotted overrides, readable errors.
+
+Every config in the project is a (possibly nested) ``@dataclass`` whose fields are
+declared with :func:`option`, which carries a help text. :func:`load_config` reads a
+YAML file, applies ``a.b.c=value`` overrides from the command line, and validates
+everything against the schema *before* any model is loaded. Mistakes are reported
+as :class:`ConfigError` naming the full dotted field, e.g.::
+
+    config error: trainer.kl.topk: expected int, got 'abc'
+    config error: unknown key 'trainer.klx' (did you mean 'trainer.kl'?)
+
+A dataclass may define ``validate(self)`` to check cross-field constraints; it is
+called after construction and should raise ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted path of the offending field."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """Declare a config field with a help text (shown in ``--help`` and the README reference)."""
+    if not help:
+        raise TypeError("every config option needs a help text")
+    kwargs: dict[str, Any] = {"metadata": {"help": help}}
+    if default_factory is not dataclasses.MISSING:
+        kwargs["default_factory"] = default_factory
+    elif isinstance(default, (list, dict, set)):
+        kwargs["default_factory"] = lambda d=default: type(d)(d)
+    else:
+        kwargs["default"] = default
+    return dataclasses.field(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert the harmless cases."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(repr(c) for c in choices)}{extra}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        _, val_tp = get_args(tp) or (str, Any)
+        return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a plain mapping, rejecting unknown keys and bad types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            hint = difflib.get_close_matches(str(key), sorted(names), n=1)
+            extra = f" (did you mean '{prefix + '.' if prefix else ''}{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"unknown key '{where}'{extra}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            where = f"{prefix}.{f.name}" if prefix else f.name
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], where)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field without default
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as e:
+            raise ConfigError(f"{prefix + ': ' if prefix else ''}{e}") from None
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data view of a config (for YAML dumps, logs and checkpoints)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b=3"`` -> (["a", "b"], 3). The value is parsed as YAML (so ``true``, ``1e-6``, ``[1,2]`` work)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.subkey=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted key in a nested mapping (creating intermediate mappings)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """YAML file (optional) + dotted overrides -> validated ``cls`` instance."""
+    data = read_yaml(path) if path else {}
+    apply_overrides(data, list(overrides or []))
+    return from_dict(cls, data)
+
+
+def dump_yaml(obj: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """Rows (dotted key, type, default, help) for every leaf option of a config schema."""
+    rows = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, key + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = "(required)"
+        rows.append((key, _type_name(tp), repr(default), f.metadata.get("help", "")))
+    return rows
+
+
+def markdown_reference(cls: type, title: str) -> str:
+    """A markdown table of every option, generated from the help texts."""
+    lines = [f"#### {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, tp, default, help_ in describe(cls):
+        escaped = help_.replace("|", "\\|")
+        lines.append(f"| `{key}` | {tp} | `{default}` | {escaped} |")
+    return "\n".join(lines) + "\n"

