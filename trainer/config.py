@@ -1,0 +1,319 @@
+"""``TrainConfig``: the schema of ``emapg train`` configs (``configs/*.yaml``).
+
+Every field has a help text (``emapg config --reference``). Numbers in the paper
+presets are traced to ``docs/ALGORITHM.md`` in comments next to them. Cross-field
+checks live in ``validate`` methods so that a bad config fails with a one-line
+:class:`~emapg.config.ConfigError` before any model is loaded.
+
+Coefficient convention: ``ema.decay`` is η, the weight on the *old* anchor
+(θ_ema ← η·θ_ema + (1−η)·θ), as in the paper's ``ref_policy_ema_tau``. TRL's
+``ref_model_mixup_alpha`` is the weight on the *policy*, i.e. α = 1 − η.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from emapg.config import ConfigError, option
+
+KL_TYPES = (
+    "topk_reverse",
+    "topk_forward",
+    "full_reverse",
+    "full_forward",
+    "k1",
+    "k2",
+    "k3",
+    "k3plusplus",
+    "k4",
+    "k5",
+)
+TOPK_KL_TYPES = ("topk_reverse", "topk_forward")
+
+
+@dataclass
+class RunConfig:
+    name: str = option("run", help="run name; the default output folder is runs/<name>")
+    output_dir: str | None = option(None, help="folder for checkpoints, metrics.jsonl and TensorBoard logs (default runs/<name>)")
+    seed: int = option(0, help="seed for data order, sampling and initialisation")
+    total_steps: int = option(10, help="number of training steps (one rollout batch each)")
+    save_every: int = option(50, help="write a checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)")
+    keep_last: int = option(3, help="keep the last N checkpoints (0: keep all)")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", help="training device; auto picks cuda when available")
+    precision: Literal["auto", "bf16", "fp32"] = option(
+        "auto", help="compute precision: bf16 autocast over fp32 master weights on GPU, fp32 on CPU (auto)"
+    )
+    max_consecutive_nonfinite: int = option(
+        3, help="stop with an error after this many consecutive steps whose loss or gradient is NaN/inf (each is skipped)"
+    )
+    rollout_retries: int = option(2, help="retry a rollout batch that raised this many times before giving up")
+    deterministic: bool = option(
+        True, help="use deterministic torch algorithms where available (needed for bit-for-bit resume on GPU)"
+    )
+
+    def validate(self) -> None:
+        if self.total_steps < 1:
+            raise ConfigError(f"run.total_steps must be >= 1, got {self.total_steps}")
+        if self.save_every < 0 or self.keep_last < 0:
+            raise ConfigError("run.save_every and run.keep_last must be >= 0")
+        if self.max_consecutive_nonfinite < 1:
+            raise ConfigError("run.max_consecutive_nonfinite must be >= 1")
+        if self.rollout_retries < 0:
+            raise ConfigError("run.rollout_retries must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    policy: str = option(
+        "tiny-qwen2", help="policy to train: a hub name, a local HF folder, or an alias (tiny-qwen2, smollm2-135m-instruct)"
+    )
+    gradient_checkpointing: bool = option(False, help="recompute activations in the backward pass (less memory, ~30% slower)")
+    attn_implementation: str | None = option(None, help="transformers attention implementation (e.g. sdpa, flash_attention_2)")
+    chunk_size: int = option(1024, help="tokens per chunk when computing log-probs/top-k/entropy from the LM head")
+
+    def validate(self) -> None:
+        if not self.policy:
+            raise ConfigError("model.policy must name a model")
+        if self.chunk_size < 1:
+            raise ConfigError("model.chunk_size must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    task: Literal["search", "math"] = option("search", help="search: multi-turn retrieval agent; math: single-turn reasoning")
+    train: str = option(
+        "nq", help="training prompts: a dataset name of eval.datasets (nq, hotpotqa, aime2024, math500, ...) or a .jsonl/.json/.parquet file"
+    )
+    split: str = option("train", help="dataset split to train on")
+    limit: int | None = option(None, help="use only the first N examples (after loading, before shuffling)")
+    shuffle: bool = option(True, help="reshuffle the prompts every epoch (seeded by run.seed and the epoch)")
+    prompts_per_step: int = option(8, help="prompts sampled per training step (each expanded to rollout.group_size trajectories)")
+
+    def validate(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ConfigError("data.prompts_per_step must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError("data.limit must be >= 1 when set")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = option("hf", help="generation engine: vllm (colocated) or hf (transformers generate)")
+    group_size: int = option(5, help="trajectories per prompt (GRPO group size n)")
+    temperature: float = option(1.0, help="sampling temperature (log-probs are computed at the same temperature)")
+    top_p: float = option(1.0, help="nucleus sampling threshold")
+    max_turns: int = option(4, help="search turns before the final answer-only turn (search task)")
+    max_tokens_per_turn: int = option(500, help="generated tokens per model turn")
+    max_obs_tokens: int = option(500, help="tokens kept from each <information> observation")
+    max_response_tokens: int = option(4096, help="cap on the whole response (model turns + observations)")
+    max_prompt_tokens: int = option(2048, help="prompts longer than this are truncated from the left")
+    vllm_gpu_memory_utilization: float = option(0.4, help="fraction of GPU memory vLLM may take when colocated")
+    vllm_sleep: bool = option(True, help="put the colocated vLLM engine to sleep during training (frees its KV cache)")
+    vllm_tensor_parallel_size: int = option(1, help="vLLM tensor parallel size")
+    vllm_server_url: str | None = option(None, help="use a separate vLLM server at this URL instead of a colocated engine")
+
+    def validate(self) -> None:
+        if self.group_size < 1:
+            raise ConfigError("rollout.group_size must be >= 1")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature <= 0:
+            raise ConfigError("rollout.temperature must be > 0 for training (sampling); use eval for greedy decoding")
+        for name in ("max_tokens_per_turn", "max_obs_tokens", "max_response_tokens", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1")
+        if self.max_turns < 0:
+            raise ConfigError("rollout.max_turns must be >= 0")
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ConfigError("rollout.vllm_gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass
+class RetrieverConfig:
+    urls: list[str] = option([], help="base URLs of running retriever servers (several = replicas, load-balanced)")
+    index_dir: str | None = option(None, help="launch a retriever server on this index for the run (when urls is empty)")
+    topk: int = option(3, help="passages per search")
+    timeout: float = option(30.0, help="seconds per retrieval request")
+    retries: int = option(3, help="retries per retrieval request before the search counts as failed")
+    api_key_env: str | None = option(None, help="name of an environment variable holding the retriever API key")
+
+    def validate(self) -> None:
+        if self.topk < 1:
+            raise ConfigError("retriever.topk must be >= 1")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"retriever.urls: {url!r} is not an http(s) URL")
+
+
+@dataclass
+class KLConfig:
+    enabled: bool = option(True, help="add beta * KL(policy, anchor) to the loss (never to the reward)")
+    type: str = option("topk_reverse", help=f"estimator: {', '.join(KL_TYPES)}")
+    coef: float = option(0.001, help="beta, the KL loss coefficient")
+    topk: int = option(32, help="k for Top-k KL (topk_reverse/topk_forward)")
+    tail_sampling: bool = option(True, help="add the sampled tail term to Top-k KL (false: truncated KL)")
+    importance_weight: bool = option(True, help="multiply the sampled (tail) part by s = pi_theta/pi_old")
+    iw_clip: list[float] | None = option(None, help="optional [low, high] clip of the importance weight")
+    tail_grad: Literal["paper", "exact"] = option(
+        "paper", help="Top-k gradient: 'paper' reproduces the release (bias +-grad pi(q)); 'exact' is unbiased"
+    )
+
+    def validate(self) -> None:
+        if self.type not in KL_TYPES:
+            import difflib
+
+            hint = difflib.get_close_matches(self.type, KL_TYPES, n=1)
+            raise ConfigError(
+                f"kl.type: {self.type!r} is not one of {', '.join(KL_TYPES)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            )
+        if self.coef < 0:
+            raise ConfigError("kl.coef must be >= 0")
+        if self.type in TOPK_KL_TYPES and self.topk < 0:
+            raise ConfigError("kl.topk must be >= 0")
+        if self.iw_clip is not None and (len(self.iw_clip) != 2 or not 0 <= self.iw_clip[0] <= self.iw_clip[1]):
+            raise ConfigError(f"kl.iw_clip must be [low, high] with 0 <= low <= high, got {self.iw_clip}")
+
+
+@dataclass
+class EMAConfig:
+    decay: float = option(
+        1.0, help="eta: anchor <- eta*anchor + (1-eta)*policy every `period` steps; 1.0 keeps a frozen reference (GRPO)"
+    )
+    period: int = option(10, help="P: update the anchor after steps P, 2P, 3P, ...")
+    dtype: Literal["fp32", "bf16"] = option("fp32", help="anchor dtype: fp32 (exact blend) or bf16 (as the paper's release)")
+    offload: bool = option(False, help="keep the anchor on CPU between uses (GPU runs)")
+
+    def validate(self) -> None:
+        if not 0.0 <= self.decay <= 1.0:
+            raise ConfigError(f"ema.decay must be in [0, 1], got {self.decay}")
+        if self.period < 1:
+            raise ConfigError("ema.period must be >= 1")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["emapg", "grpo"] = option("emapg", help="label for logs and plots (the behaviour is set by kl/ema fields)")
+    clip_low: float = option(0.2, help="PPO clip epsilon below 1")
+    clip_high: float = option(0.28, help="PPO clip epsilon above 1 (clip-higher)")
+    dual_clip: float | None = option(None, help="dual-clip constant c for negative advantages (math: 3.0); null disables")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "microbatch-token-mean"] = option(
+        "token-mean", help="loss aggregation, normalised over the whole rollout mini-batch (microbatch-token-mean: Search-R1 legacy)"
+    )
+    adv_std: Literal["unbiased", "biased", "none"] = option(
+        "unbiased", help="group std used to normalise advantages (none = Dr.GRPO, mean-centred only)"
+    )
+    adv_eps: float = option(1e-6, help="epsilon added to the group std")
+    entropy_coef: float = option(0.0, help="entropy bonus coefficient")
+    mini_batch_size: int = option(
+        256, help="trajectories per optimizer step; the rollout batch is split into batch/mini_batch_size PPO updates"
+    )
+    micro_batch_size: int = option(8, help="trajectories per forward/backward (gradient accumulation inside a mini-batch)")
+    ppo_epochs: int = option(1, help="passes over the rollout batch")
+    kl: KLConfig = option(default_factory=KLConfig, help="KL loss term")
+    ema: EMAConfig = option(default_factory=EMAConfig, help="EMA anchor")
+
+    def validate(self) -> None:
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError("algorithm.dual_clip must be > 1 when set")
+        if self.mini_batch_size < 1 or self.micro_batch_size < 1 or self.ppo_epochs < 1:
+            raise ConfigError("algorithm.mini_batch_size, micro_batch_size and ppo_epochs must be >= 1")
+        if self.micro_batch_size > self.mini_batch_size:
+            raise ConfigError("algorithm.micro_batch_size must be <= algorithm.mini_batch_size")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ConfigError("algorithm.mini_batch_size must be a multiple of algorithm.micro_batch_size")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = option(1e-6, help="AdamW learning rate")
+    betas: list[float] = option([0.9, 0.999], help="AdamW betas")
+    eps: float = option(1e-8, help="AdamW epsilon")
+    weight_decay: float = option(0.01, help="AdamW weight decay")
+    grad_clip: float = option(1.0, help="clip the global gradient norm to this value (0: off)")
+    warmup_ratio: float = option(0.0, help="linear warm-up over int(warmup_ratio * run.total_steps) steps, then constant")
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError("optim.lr must be > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError("optim.warmup_ratio must be in [0, 1)")
+
+
+@dataclass
+class RewardConfig:
+    math_timeout: float = option(10.0, help="seconds allowed to grade one math answer (in a worker process)")
+    math_workers: int = option(2, help="worker processes for math grading")
+
+    def validate(self) -> None:
+        if self.math_timeout <= 0 or self.math_workers < 1:
+            raise ConfigError("reward.math_timeout must be > 0 and reward.math_workers >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = option(True, help="write TensorBoard event files to <output_dir>/tensorboard")
+    wandb: bool = option(False, help="also log to Weights & Biases (when the wandb package is installed)")
+    wandb_project: str = option("ema-pg", help="wandb project name")
+    progress: bool = option(True, help="show a rich progress bar with the step's metrics")
+    log_samples: int = option(1, help="trajectories printed to samples.jsonl per step (0: none)")
+
+
+@dataclass
+class DistributedConfig:
+    fsdp: Literal["auto", "on", "off"] = option("auto", help="FSDP2 sharding under torchrun: auto = on when world size > 1")
+    cpu_offload: bool = option(False, help="FSDP2 CPU offload of parameters, gradients and optimizer state")
+    backend: Literal["auto", "nccl", "gloo"] = option("auto", help="process group backend (auto: nccl on GPU, gloo on CPU)")
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``emapg train`` needs; see ``configs/`` for presets."""
+
+    run: RunConfig = option(default_factory=RunConfig, help="run bookkeeping")
+    model: ModelConfig = option(default_factory=ModelConfig, help="the policy")
+    data: DataConfig = option(default_factory=DataConfig, help="training prompts")
+    rollout: RolloutConfig = option(default_factory=RolloutConfig, help="generation and the agent loop")
+    retriever: RetrieverConfig = option(default_factory=RetrieverConfig, help="search backend (search task)")
+    algorithm: AlgorithmConfig = option(default_factory=AlgorithmConfig, help="loss, advantages, KL and EMA anchor")
+    optim: OptimConfig = option(default_factory=OptimConfig, help="optimizer and schedule")
+    reward: RewardConfig = option(default_factory=RewardConfig, help="reward computation")
+    logging: LoggingConfig = option(default_factory=LoggingConfig, help="metrics and progress")
+    distributed: DistributedConfig = option(default_factory=DistributedConfig, help="torchrun / FSDP2")
+
+    def validate(self) -> None:
+        batch = self.data.prompts_per_step * self.rollout.group_size
+        mini = self.algorithm.mini_batch_size
+        if batch % mini:
+            raise ConfigError(
+                f"algorithm.mini_batch_size ({mini}) must divide the rollout batch "
+                f"data.prompts_per_step * rollout.group_size = {batch}"
+            )
+        if self.data.task == "search" and not self.retriever.urls and not self.retriever.index_dir:
+            raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
+        if self.retriever.index_dir and not Path(self.retriever.index_dir).expanduser().exists():
+            raise ConfigError(f"retriever.index_dir: {self.retriever.index_dir} does not exist")
+        kl = self.algorithm.kl
+        if kl.enabled and kl.type in TOPK_KL_TYPES and kl.topk == 0 and kl.tail_sampling is False:
+            raise ConfigError("kl.topk=0 with kl.tail_sampling=false leaves no KL term; disable kl instead")
+        if self.rollout.vllm_server_url and self.rollout.engine != "vllm":
+            raise ConfigError("rollout.vllm_server_url needs rollout.engine=vllm")
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.run.output_dir or Path("runs") / self.run.name)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.data.prompts_per_step * self.rollout.group_size
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.optim.warmup_ratio * self.run.total_steps)
