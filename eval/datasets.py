@@ -126,9 +126,10 @@ def load_dataset(
             ``path``, any label (used as ``data_source`` when rows do not carry one). When the
             file mixes several ``data_source`` values and ``name`` is one of them, only those
             rows are kept, so a Search-R1 7-dataset test parquet can be loaded per dataset.
-        split: which bundled split (``"test"`` or ``"train"``); the split of an ``hf:`` name
-            without ``@split``.
-        path: a user file overriding the bundled one.
+        split: which bundled split (``"test"`` or ``"train"``), or the split of an ``hf:``
+            name without ``@split``; ignored with ``path``.
+        path: a user file (``.jsonl``, ``.json``, optionally gzipped, or ``.parquet``) used
+            instead of the bundled one.
         limit: keep this many examples, chosen by a seeded hash of the id: the same subset on
             every run and platform, and the subset for ``limit=n`` contains the one for ``n-1``.
             Examples keep their file order.

@@ -309,6 +309,27 @@ def test_hf_name_without_datasets_package(monkeypatch):
         load_dataset("hf:RUC-NLPIR/FlashRAG_datasets:nq@test")
 
 
+def test_hf_name_with_unreachable_hub(monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DatasetError, match=r"cannot load Hugging Face dataset 'no-such-org/no-such-set'"):
+        load_dataset("hf:no-such-org/no-such-set@test")
+
+
+def test_hf_name_loads_through_datasets(tmp_path, monkeypatch):
+    """`datasets.load_dataset` also takes a local folder: the hf: path end to end, offline."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "myqa"
+    folder.mkdir()
+    _write_jsonl(folder / "test.jsonl", [{"question": "q1", "golden_answers": ["a"]},
+                                         {"question": "q2", "golden_answers": ["b", "c"]}])
+    exs = load_dataset(f"hf:{folder}@test")
+    assert [(e.id, e.question, e.answers, e.data_source) for e in exs] == [
+        ("myqa-1", "q1", ["a"], "myqa"), ("myqa-2", "q2", ["b", "c"], "myqa")]
+
+
 # --------------------------------------------------------------------------- reproducibility
 
 SHARED = REPO_ROOT.parent / "shared" / "data"
