@@ -1,0 +1,394 @@
+"""GRPO: group advantages, the PPO clipped policy loss, loss aggregation, and the KL loss entry.
+
+What the training loop calls, once per micro-batch (shapes ``(B, T)`` over response tokens):
+
+    agg = LossAggregation.for_batch("token-mean", full_batch_loss_mask, num_micro_batches=M)
+    pg, m1 = compute_policy_loss(logp, old_logp, adv, mask, agg, clip_low=0.2, clip_high=0.28)
+    kl, m2 = kl_loss("topk_reverse", policy=stats, anchor=anchor_stats, labels=ids,
+                     loss_mask=mask, agg=agg, old_logp=old_logp, use_iw=True)
+    (pg + beta * kl).backward()
+
+``agg`` is built once per optimizer step from the loss mask of the **whole** step (every
+micro-batch, and every data-parallel rank with ``all_reduce=True``), so summing the
+micro-batch losses gives exactly the full-batch loss whatever the micro-batch size.  The one
+exception is the ``microbatch-token-mean`` mode, which reproduces the Search-R1 / paper-search
+behaviour (per-micro-batch masked mean divided by the accumulation count) and therefore does
+depend on how the batch is split.
+
+Loss masks are 0 on tool-observation and padding tokens; those tokens then receive exactly
+zero gradient (the per-token losses are multiplied by the mask, not indexed, and
+non-finite values there are zeroed first so a NaN in an observation cannot leak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from trainer.kl import LOG_RATIO_CLAMP, get_kl_estimator, importance_weight
+from trainer.logprobs import TokenStats
+from trainer.topk_kl import exact_kl, not_in_topk_mask, topk_kl
+
+__all__ = [
+    "group_index",
+    "grpo_advantages",
+    "broadcast_advantages",
+    "ppo_clip_loss",
+    "AggMode",
+    "AGG_MODES",
+    "LossAggregation",
+    "aggregate_loss",
+    "compute_policy_loss",
+    "kl_loss",
+    "KL_KINDS_TOPK",
+]
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "microbatch-token-mean"]
+AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "microbatch-token-mean",
+)
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+
+
+def group_index(group_ids: Sequence[Hashable] | Tensor) -> Tensor:
+    """Map arbitrary hashable group ids (uuid strings, ints, tuples) to 0..G−1, first-seen order.
+
+    Ids must be unique **per prompt** (e.g. a uuid4 per prompt); per-dataset row indices are
+    not, and merge groups across datasets (the Search-R1 / ema-pg-search uid quirk).
+    """
+    ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
+    mapping: dict[Hashable, int] = {}
+    return torch.tensor([mapping.setdefault(g, len(mapping)) for g in ids], dtype=torch.long)
+
+
+def grpo_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[Hashable] | Tensor,
+    *,
+    norm_by_std: bool = True,
+    unbiased_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Outcome advantages ``(N,)`` from scalar rewards ``(N,)`` grouped by prompt.
+
+    A_i = (R_i − mean_g) / (std_g + eps), std unbiased (N−1, the paper's torch default) or
+    biased; ``norm_by_std=False`` is Dr.GRPO's A_i = R_i − mean_g.  A group of size 1 gets
+    mean 0 and std 1 (paper code), so its advantage is R_i / (1 + eps), or R_i with Dr.GRPO.
+    Computed in float64 and returned in the rewards' float dtype.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be (N,), got {tuple(rewards.shape)}")
+    idx = group_index(group_ids).to(rewards.device)
+    if idx.numel() != rewards.numel():
+        raise ValueError(f"{idx.numel()} group ids for {rewards.numel()} rewards")
+    r = rewards.to(torch.float64)
+    G = int(idx.max()) + 1 if idx.numel() else 0
+    count = torch.bincount(idx, minlength=G).to(torch.float64)
+    mean = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, idx, r) / count
+    sq = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, idx, (r - mean[idx]) ** 2)
+    var = sq / (count - 1).clamp(min=1) if unbiased_std else sq / count
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(var), var.sqrt())
+    adv = r - mean[idx]
+    if norm_by_std:
+        adv = adv / (std[idx] + eps)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def broadcast_advantages(advantages: Tensor, loss_mask: Tensor) -> Tensor:
+    """``(N,)`` sequence advantages → ``(N, T)`` token advantages, zero where the mask is 0."""
+    return advantages[:, None].to(torch.float32) * loss_mask.to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO clipped loss
+
+
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip_c: float | None = None,
+    log_ratio_clamp: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token PPO loss ``(B, T)`` and per-token indicator tensors.
+
+    loss = max(−A·ρ, −A·clip(ρ, 1−clip_low, 1+clip_high)), ρ = exp(logp − old_logp); with
+    ``dual_clip_c = c`` (math: 3.0) tokens with A < 0 are further capped at −A·c.
+    ``log_ratio_clamp`` (math: 20.0) clamps log ρ before ``exp``.  ``advantages`` is ``(B, T)``
+    or ``(B,)`` (broadcast over tokens).
+
+    Returned indicators (float, ``(B, T)``): ``ratio``, ``clipped_low`` (ρ < 1−ε_low with A < 0,
+    the clipped branch is active), ``clipped_high`` (ρ > 1+ε_high with A > 0), ``dual_clipped``.
+    """
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError("clip ranges must be non-negative")
+    if advantages.dim() == logp.dim() - 1:
+        advantages = advantages[..., None]
+    advantages = advantages.to(logp.dtype).detach()
+    log_ratio = logp - old_logp.detach()
+    if log_ratio_clamp is not None:
+        log_ratio = torch.clamp(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = (clipped > unclipped).detach()
+    neg = (advantages < 0).expand_as(loss)
+    info = {
+        "ratio": ratio.detach(),
+        "clipped_low": (clip_active & neg).float(),
+        "clipped_high": (clip_active & ~neg).float(),
+    }
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        dual = neg & (loss > cap).detach()
+        loss = torch.where(neg, torch.minimum(loss, cap), loss)
+        info["dual_clipped"] = dual.float()
+    else:
+        info["dual_clipped"] = torch.zeros_like(loss, dtype=torch.float32)
+    return loss, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """How per-token losses of one micro-batch become the scalar to ``backward()``.
+
+    Normalisers are those of the **whole optimizer step** (all micro-batches, all ranks):
+
+    * ``token-mean``: Σ_tokens loss / ``global_tokens`` (DAPO; paper search ≈ this).
+    * ``seq-mean-token-mean``: Σ_seqs mean_tokens(loss) / ``global_seqs`` (paper math).
+    * ``seq-mean-token-sum``: Σ_seqs Σ_tokens loss / ``global_seqs``.
+    * ``seq-mean-token-sum-norm``: Σ_tokens loss / (``global_seqs`` · ``norm_length``) (Dr.GRPO;
+      ``norm_length`` is a constant, usually the maximum response length).
+    * ``microbatch-token-mean`` (legacy): masked mean over the micro-batch / ``num_micro_batches``
+      (Search-R1 / paper search code; depends on micro-batch composition).
+
+    Sequences without any loss token count in neither normaliser.  ``dp_size`` multiplies the
+    loss to undo the gradient *averaging* of DDP/FSDP, so the rank-summed gradient is that of
+    the global normalised loss.
+    """
+
+    mode: AggMode
+    global_tokens: float
+    global_seqs: float
+    norm_length: float | None = None
+    num_micro_batches: int = 1
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in AGG_MODES:
+            raise ValueError(f"unknown loss aggregation mode {self.mode!r}; known: {', '.join(AGG_MODES)}")
+        if self.mode == "seq-mean-token-sum-norm" and not (self.norm_length and self.norm_length > 0):
+            raise ValueError("seq-mean-token-sum-norm needs norm_length > 0 (e.g. the max response length)")
+        if self.num_micro_batches < 1 or self.dp_size < 1:
+            raise ValueError("num_micro_batches and dp_size must be >= 1")
+
+    @classmethod
+    def for_batch(
+        cls,
+        mode: AggMode,
+        loss_mask: Tensor | Sequence[Tensor],
+        *,
+        num_micro_batches: int = 1,
+        norm_length: float | None = None,
+        all_reduce: bool = False,
+    ) -> "LossAggregation":
+        """Build from the loss mask(s) of every micro-batch of this optimizer step.
+
+        ``loss_mask``: one ``(N, T)`` tensor or a list of per-micro-batch masks (lengths may
+        differ).  ``all_reduce=True`` sums the counts over the default process group and sets
+        ``dp_size`` to its world size.
+        """
+        masks = [loss_mask] if isinstance(loss_mask, Tensor) else list(loss_mask)
+        tokens = sum(float(m.sum()) for m in masks)
+        seqs = sum(float((m.sum(-1) > 0).sum()) for m in masks)
+        dp = 1
+        if all_reduce and dist.is_available() and dist.is_initialized():
+            counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=masks[0].device)
+            dist.all_reduce(counts)
+            tokens, seqs = float(counts[0]), float(counts[1])
+            dp = dist.get_world_size()
+        return cls(mode, tokens, seqs, norm_length, num_micro_batches, dp)
+
+    def __call__(self, values: Tensor, loss_mask: Tensor) -> Tensor:
+        return aggregate_loss(values, loss_mask, self)
+
+
+def aggregate_loss(values: Tensor, loss_mask: Tensor, agg: LossAggregation) -> Tensor:
+    """Scalar loss of one micro-batch from per-token ``values`` ``(B, T)`` and ``loss_mask`` ``(B, T)``."""
+    if values.shape != loss_mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and loss_mask {tuple(loss_mask.shape)} differ")
+    mask = loss_mask.to(values.dtype)
+    # Zero masked positions with `where` first: 0 * NaN would be NaN (and so would its gradient).
+    masked = torch.where(loss_mask.bool(), values, torch.zeros_like(values)) * mask
+    mode = agg.mode
+    if mode == "microbatch-token-mean":
+        total = masked.sum() / mask.sum().clamp(min=1) / agg.num_micro_batches
+    elif mode == "token-mean":
+        total = masked.sum() / max(agg.global_tokens, 1.0)
+    elif mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+        total = per_seq.sum() / max(agg.global_seqs, 1.0)
+    elif mode == "seq-mean-token-sum":
+        total = masked.sum() / max(agg.global_seqs, 1.0)
+    else:  # seq-mean-token-sum-norm
+        total = masked.sum() / (max(agg.global_seqs, 1.0) * float(agg.norm_length))
+    return total * agg.dp_size
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(torch.float32)
+    return (torch.where(mask.bool(), x.float(), torch.zeros_like(x, dtype=torch.float32)) * m).sum() / m.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entries called by the trainer
+
+
+def compute_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    agg: LossAggregation,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip_c: float | None = None,
+    log_ratio_clamp: float | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Aggregated PPO/GRPO policy loss of one micro-batch, minus ``entropy_coef``·entropy.
+
+    Args:
+        logp, old_logp: ``(B, T)`` log-probs of the sampled tokens (current / rollout policy).
+        advantages: ``(B, T)`` or ``(B,)``.
+        loss_mask: ``(B, T)``, 0 on prompt padding, response padding and tool observations.
+        agg: the optimizer step's :class:`LossAggregation`.
+        entropy: optional ``(B, T)`` policy entropy (e.g. ``TokenStats.entropy``); always
+            reported, subtracted ×``entropy_coef`` (0 in both paper settings).
+
+    Returns ``(loss, metrics)``; metrics are detached 0-dim tensors, token means over this
+    micro-batch's mask (weight them by ``metrics["tokens"]`` to average over micro-batches):
+    ``pg_loss`` (aggregated PG term), ``pg_clipfrac``, ``pg_clipfrac_low``,
+    ``pg_clipfrac_high``, ``pg_clipfrac_dual``, ``ppo_kl`` (mean log π_old − log πθ),
+    ``approx_kl_k3`` (K3 of π_old vs πθ), ``ratio_mean``, ``ratio_max``, ``ratio_min``,
+    ``entropy`` (if given), ``tokens``.
+    """
+    pg_tok, info = ppo_clip_loss(
+        logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high,
+        dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp,
+    )
+    pg = agg(pg_tok, loss_mask)
+    loss = pg
+    m = loss_mask.bool()
+    with torch.no_grad():
+        ratio = info["ratio"]
+        log_ratio = (logp - old_logp).detach()
+        lr_c = torch.clamp(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        big = torch.finfo(ratio.dtype).max
+        metrics = {
+            "pg_loss": pg.detach(),
+            "pg_clipfrac": _masked_mean(info["clipped_low"] + info["clipped_high"], m),
+            "pg_clipfrac_low": _masked_mean(info["clipped_low"], m),
+            "pg_clipfrac_high": _masked_mean(info["clipped_high"], m),
+            "pg_clipfrac_dual": _masked_mean(info["dual_clipped"], m),
+            "ppo_kl": _masked_mean(-log_ratio, m),
+            "approx_kl_k3": _masked_mean(torch.exp(lr_c) - lr_c - 1, m),
+            "ratio_mean": _masked_mean(ratio, m),
+            "ratio_max": torch.where(m, ratio, torch.full_like(ratio, -big)).max() if m.any() else ratio.new_tensor(float("nan")),
+            "ratio_min": torch.where(m, ratio, torch.full_like(ratio, big)).min() if m.any() else ratio.new_tensor(float("nan")),
+            "tokens": m.sum().to(torch.float32),
+        }
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy.detach(), m)
+        if entropy_coef:
+            loss = loss - entropy_coef * agg(entropy, loss_mask)
+    return loss, metrics
+
+
+#: ``kl_loss`` kinds beyond the sampled estimator names of :mod:`trainer.kl`.
+KL_KINDS_TOPK = ("topk_reverse", "topk_forward", "exact_reverse", "exact_forward")
+
+
+def kl_loss(
+    kind: str,
+    *,
+    policy: TokenStats,
+    anchor: TokenStats,
+    labels: Tensor,
+    loss_mask: Tensor,
+    agg: LossAggregation,
+    old_logp: Tensor | None = None,
+    use_iw: bool = False,
+    iw_clip: tuple[float | None, float | None] | None = None,
+    tail_sampling: bool = True,
+    tail_grad: Literal["paper", "exact"] = "paper",
+    policy_logits: Tensor | None = None,
+    anchor_logits: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Aggregated KL(πθ, π_anchor) loss of one micro-batch (multiply by β yourself).
+
+    ``kind``:
+      * a sampled estimator name (``k1``, ``k3``/``low_var_kl``, ``k3_ratio``, ``reverse_reinforce``,
+        ``forward_importance``, ``k3+``, …): uses ``policy.logp`` and ``anchor.logp``;
+        ``use_iw`` multiplies the whole estimate by s = πθ/π_old (needs ``old_logp``).
+      * ``topk_reverse`` / ``topk_forward``: Top-k KL from stats gathered at the same indices
+        (old-policy top-k / anchor top-k); ``use_iw`` weights the tail only; ``tail_sampling``,
+        ``tail_grad`` as in :mod:`trainer.topk_kl`.
+      * ``exact_reverse`` / ``exact_forward``: exact full-vocabulary KL from ``policy_logits`` and
+        ``anchor_logits`` ``(B, T, V)`` (O(V) anchor storage per token; for comparisons).
+
+    Metrics (detached, token means over the mask): ``kl`` (the aggregated loss), ``kl_token_mean``,
+    and for Top-k ``kl_tail_frac`` (sampled token ∉ q), with IW ``kl_iw_mean`` / ``kl_iw_max``.
+    """
+    if use_iw and old_logp is None:
+        raise ValueError("use_iw=True needs old_logp (log π_old of the sampled tokens)")
+    iw_old = old_logp if use_iw else None
+    metrics: dict[str, Tensor] = {}
+    m = loss_mask.bool()
+    if kind in ("topk_reverse", "topk_forward"):
+        per_tok = topk_kl(
+            kind.split("_")[1], policy, anchor, labels,  # type: ignore[arg-type]
+            old_logp=iw_old, iw_clip=iw_clip, tail_sampling=tail_sampling, tail_grad=tail_grad,
+        )
+        metrics["kl_tail_frac"] = _masked_mean(not_in_topk_mask(labels, anchor.topk_indices).float(), m)
+    elif kind in ("exact_reverse", "exact_forward"):
+        if policy_logits is None or anchor_logits is None:
+            raise ValueError(f"{kind} needs policy_logits and anchor_logits of shape (B, T, V)")
+        per_tok = exact_kl(policy_logits, anchor_logits, direction=kind.split("_")[1])  # type: ignore[arg-type]
+    else:
+        est = get_kl_estimator(kind)
+        per_tok = est(policy.logp, anchor.logp.detach())
+        if iw_old is not None:
+            per_tok = importance_weight(policy.logp, iw_old, iw_clip) * per_tok
+    if iw_old is not None:
+        s = importance_weight(policy.logp, iw_old, iw_clip)
+        metrics["kl_iw_mean"] = _masked_mean(s, m)
+        metrics["kl_iw_max"] = s[m].max() if m.any() else s.new_tensor(float("nan"))
+    loss = agg(per_tok, loss_mask)
+    metrics["kl"] = loss.detach()
+    metrics["kl_token_mean"] = _masked_mean(per_tok.detach(), m)
+    return loss, metrics
