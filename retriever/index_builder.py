@@ -1,0 +1,317 @@
+"""Build a dense FAISS index (and optionally BM25) over a passage corpus, resumably.
+
+Layout of an index directory::
+
+    meta.json            written last: its presence means the index is complete
+    docs.bin, *.npy      memory-mapped document store (retriever.corpus)
+    emb/chunk_00000.npy  passage embeddings, one file per ``chunk_size`` rows
+    emb/progress.json    build settings + finished chunks (the resume point)
+    index.faiss          the FAISS index (any ``index_factory`` string)
+    bm25/                bm25s index (with ``--bm25``)
+
+Resuming: a rerun with the same corpus and encoder settings skips the document store if complete
+and every chunk listed in ``progress.json`` whose file is present, so a build killed at 80% only
+encodes the last 20%. Chunk files are written to a temporary name and renamed (atomic on POSIX),
+and ``progress.json`` is updated after the rename, so a kill at any instant leaves either a whole
+chunk or none. A rerun with different settings refuses to mix embeddings and asks for ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from retriever.corpus import DocStore, docstore_complete, file_checksum, iter_corpus, write_docstore
+from retriever.encoder import Encoder, EncoderSpec, make_spec
+
+META_FILE = "meta.json"
+INDEX_FILE = "index.faiss"
+EMB_DIR = "emb"
+PROGRESS_FILE = "progress.json"
+BM25_DIR = "bm25"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class BuildConfig:
+    """Options of ``emapg index build`` (see ``retriever.cli`` for the help text of each)."""
+
+    corpus: str
+    out: str
+    encoder: str = "minilm"
+    pooling: Literal["mean", "cls"] | None = None
+    query_prefix: str | None = None
+    passage_prefix: str | None = None
+    max_length: int = 256
+    index_type: str = "Flat"
+    metric: Literal["ip", "l2"] = "ip"
+    bm25: bool = False
+    chunk_size: int = 8192
+    batch_size: int = 64
+    device: str = "auto"
+    fp16: bool | None = None
+    train_sample: int = 100_000
+    nprobe: int = 16
+    seed: int = 0
+    limit: int | None = None
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    rows: int
+    chunks_total: int
+    chunks_encoded: int
+    chunks_reused: int
+    encode_seconds: float
+    passages_per_s: float
+    total_seconds: float
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp.npy")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_meta(index_dir: str | Path) -> dict:
+    """``meta.json`` of a finished index, or a readable error."""
+    path = Path(index_dir) / META_FILE
+    if not path.is_file():
+        if (Path(index_dir) / EMB_DIR / PROGRESS_FILE).is_file():
+            raise FileNotFoundError(f"{index_dir} holds an unfinished build; rerun `emapg index build` to resume it")
+        raise FileNotFoundError(f"{index_dir} is not an index directory (no {META_FILE}); build one with `emapg index build`")
+    return json.loads(path.read_text())
+
+
+def faiss_metric(metric: str) -> int:
+    import faiss
+
+    return {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}[metric]
+
+
+def _validate_factory(index_type: str, dim: int, metric: str) -> None:
+    import faiss
+
+    try:
+        faiss.index_factory(dim, index_type, faiss_metric(metric))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else str(e)
+        raise ValueError(f"--index-type {index_type!r} is not a valid faiss index_factory string ({first})") from None
+
+
+def _chunk_path(emb_dir: Path, i: int) -> Path:
+    return emb_dir / f"chunk_{i:05d}.npy"
+
+
+def _settings_fingerprint(cfg: BuildConfig, spec: EncoderSpec, checksum: str) -> dict:
+    """What the saved embeddings depend on; a resume is allowed only if this is unchanged."""
+    return {
+        "corpus_checksum": checksum,
+        "limit": cfg.limit,
+        "encoder": spec.to_dict(),
+        "chunk_size": cfg.chunk_size,
+        "fp16": cfg.fp16,
+    }
+
+
+def _load_progress(emb_dir: Path) -> dict | None:
+    path = emb_dir / PROGRESS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def build_index(cfg: BuildConfig, log=print) -> BuildResult:
+    """Build (or resume building) the index described by ``cfg``."""
+    t_start = time.perf_counter()
+    out = Path(cfg.out)
+    corpus = Path(cfg.corpus)
+    if not corpus.is_file():
+        raise FileNotFoundError(f"corpus file not found: {corpus}")
+    if cfg.chunk_size < 1 or cfg.batch_size < 1:
+        raise ValueError("--chunk-size and --batch-size must be positive")
+    spec = make_spec(
+        cfg.encoder, pooling=cfg.pooling, query_prefix=cfg.query_prefix, passage_prefix=cfg.passage_prefix, max_length=cfg.max_length
+    )
+    if out.exists() and cfg.overwrite:
+        shutil.rmtree(out)
+    if (out / META_FILE).is_file():
+        raise FileExistsError(f"{out} already holds a finished index; pass --overwrite to rebuild it")
+    out.mkdir(parents=True, exist_ok=True)
+    emb_dir = out / EMB_DIR
+    emb_dir.mkdir(exist_ok=True)
+
+    checksum = file_checksum(corpus)
+    fingerprint = _settings_fingerprint(cfg, spec, checksum)
+    progress = _load_progress(emb_dir)
+    if progress is not None and progress["settings"] != fingerprint:
+        raise FileExistsError(
+            f"{out} holds a partial build with different settings or another corpus; "
+            "pass --overwrite to start over (or use the original options to resume)"
+        )
+    if progress is None:
+        progress = {"settings": fingerprint, "done": []}
+        _atomic_write_text(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
+
+    # 1. Document store (streamed; skipped when a previous run completed it).
+    if not docstore_complete(out):
+        log(f"writing document store from {corpus} ...")
+        rows = write_docstore(iter_corpus(corpus, limit=cfg.limit), out)
+    else:
+        rows = len(DocStore(out))
+    if rows == 0:
+        raise ValueError(f"corpus {corpus} has no passages")
+    store = DocStore(out)
+
+    # 2. Encode chunk by chunk; every finished chunk is a resume point.
+    n_chunks = (rows + cfg.chunk_size - 1) // cfg.chunk_size
+    done = {i for i in progress["done"] if _chunk_path(emb_dir, i).is_file()}
+    todo = [i for i in range(n_chunks) if i not in done]
+    if done:
+        log(f"resuming: {len(done)}/{n_chunks} chunks already encoded, {len(todo)} to go")
+    encoder = None
+    t_enc = time.perf_counter()
+    encoded_rows = 0
+    if todo:
+        encoder = Encoder(spec, device=cfg.device, fp16=cfg.fp16)
+        bar = _progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress)
+        try:
+            for i in todo:
+                lo, hi = i * cfg.chunk_size, min(rows, (i + 1) * cfg.chunk_size)
+                texts = store.contents(np.arange(lo, hi))
+                emb = encoder.encode_passages(texts, batch_size=cfg.batch_size)
+                _atomic_save_npy(_chunk_path(emb_dir, i), emb.astype(np.float32))
+                progress["done"] = sorted(done | {i})
+                done.add(i)
+                _atomic_write_text(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
+                encoded_rows += hi - lo
+                bar.update(hi - lo)
+        finally:
+            bar.close()
+            encoder.close()
+    enc_seconds = time.perf_counter() - t_enc
+    dim = int(np.load(_chunk_path(emb_dir, 0), mmap_mode="r").shape[1])
+
+    # 3. FAISS index: train IVF/PQ types on a seeded sample, then add chunk by chunk.
+    index = _build_faiss(cfg, emb_dir, n_chunks, rows, dim, log)
+    import faiss
+
+    tmp_index = out / (INDEX_FILE + ".tmp")
+    faiss.write_index(index, str(tmp_index))
+    os.replace(tmp_index, out / INDEX_FILE)
+
+    # 4. Optional BM25.
+    if cfg.bm25:
+        _build_bm25(store, out / BM25_DIR, log)
+
+    total = time.perf_counter() - t_start
+    pps = encoded_rows / enc_seconds if encoded_rows else 0.0
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "encoder": spec.to_dict(),
+        "dim": dim,
+        "metric": cfg.metric,
+        "index_type": cfg.index_type,
+        "nprobe": cfg.nprobe,
+        "rows": rows,
+        "corpus": {"path": str(corpus.resolve()), "checksum": checksum, "rows": rows, "limit": cfg.limit},
+        "bm25": bool(cfg.bm25),
+        "chunk_size": cfg.chunk_size,
+        "build": {
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "encode_seconds": round(enc_seconds, 3),
+            "passages_per_s": round(pps, 2),
+            "total_seconds": round(total, 3),
+            "fp16": encoder.fp16 if encoder is not None else cfg.fp16,
+        },
+    }
+    _atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
+    log(f"index ready: {out} ({rows} passages, dim {dim}, {cfg.index_type}, {cfg.metric})")
+    return BuildResult(out, rows, n_chunks, len(todo), n_chunks - len(todo), enc_seconds, pps, total)
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="passages", unit_scale=True, desc="encoding", disable=not enabled, smoothing=0.1)
+
+
+def _iter_chunks(emb_dir: Path, n_chunks: int):
+    for i in range(n_chunks):
+        yield np.load(_chunk_path(emb_dir, i), mmap_mode="r")
+
+
+def _build_faiss(cfg: BuildConfig, emb_dir: Path, n_chunks: int, rows: int, dim: int, log):
+    import faiss
+
+    _validate_factory(cfg.index_type, dim, cfg.metric)
+    index = faiss.index_factory(dim, cfg.index_type, faiss_metric(cfg.metric))
+    if not index.is_trained:
+        n_train = min(rows, cfg.train_sample)
+        rng = np.random.default_rng(cfg.seed)
+        pick = np.sort(rng.choice(rows, size=n_train, replace=False))
+        sample = np.empty((n_train, dim), dtype=np.float32)
+        for i, chunk in enumerate(_iter_chunks(emb_dir, n_chunks)):
+            lo = i * cfg.chunk_size
+            sel = pick[(pick >= lo) & (pick < lo + len(chunk))]
+            sample[np.searchsorted(pick, sel)] = chunk[sel - lo]
+        log(f"training {cfg.index_type} on {n_train} sampled vectors (seed {cfg.seed}) ...")
+        try:
+            index.train(sample)
+        except RuntimeError as e:
+            raise ValueError(
+                f"training {cfg.index_type} failed on {n_train} vectors: {str(e).strip().splitlines()[-1]} "
+                "(use fewer IVF lists or a larger corpus / --train-sample)"
+            ) from None
+    for chunk in _iter_chunks(emb_dir, n_chunks):
+        index.add(np.ascontiguousarray(chunk, dtype=np.float32))
+    return index
+
+
+def _build_bm25(store: DocStore, out_dir: Path, log) -> None:
+    import bm25s
+
+    log("building BM25 (bm25s) ...")
+    texts = store.contents(np.arange(len(store)))
+    tokens = bm25s.tokenize(texts, stopwords="en", show_progress=False)
+    retriever = bm25s.BM25()
+    retriever.index(tokens, show_progress=False)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    retriever.save(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def index_info(index_dir: str | Path) -> dict:
+    """``meta.json`` plus the sizes of the files (bytes), for ``emapg index info``."""
+    d = Path(index_dir)
+    meta = read_meta(d)
+    sizes = {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
+    emb = d / EMB_DIR
+    if emb.is_dir():
+        sizes[EMB_DIR + "/"] = sum(p.stat().st_size for p in emb.iterdir() if p.is_file())
+    bm = d / BM25_DIR
+    if bm.is_dir():
+        sizes[BM25_DIR + "/"] = sum(p.stat().st_size for p in bm.iterdir() if p.is_file())
+    return {**meta, "files": sizes, "path": str(d.resolve())}

@@ -1,0 +1,191 @@
+"""Load an index directory and answer batches of queries (encoder + FAISS [+ BM25] + doc store).
+
+Not thread-safe on purpose: the server gives a ``Searcher`` to exactly one worker thread,
+because FAISS GPU indexes are not thread-safe even for searches (faiss wiki,
+"Threads and asynchronous calls") and one batched call is faster than many small ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from retriever.corpus import DocStore
+from retriever.encoder import Encoder, EncoderSpec
+from retriever.index_builder import BM25_DIR, INDEX_FILE, read_meta
+
+
+class EncoderMismatchError(ValueError):
+    """The encoder asked for at serve time is not the one the index was built with."""
+
+
+def same_encoder(requested: str, built_with: str) -> bool:
+    """True if two encoder names denote the same model (same string or same local folder)."""
+    from emapg.models import resolve_model
+
+    if requested.strip().lower() == built_with.strip().lower():
+        return True
+    try:
+        a, b = Path(resolve_model(requested)), Path(resolve_model(built_with))
+    except (ValueError, RuntimeError):
+        return False
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def check_encoder(index_dir: str | Path, requested: str | None) -> dict:
+    """Read ``meta.json``; raise :class:`EncoderMismatchError` if ``requested`` differs from it."""
+    meta = read_meta(index_dir)
+    built = meta["encoder"]["name"]
+    if requested is not None and not same_encoder(requested, built):
+        raise EncoderMismatchError(
+            f"the index at {index_dir} was built with encoder {built!r} "
+            f"(pooling {meta['encoder']['pooling']}, dim {meta['dim']}), but --encoder {requested!r} was given; "
+            "queries must be encoded by the same model as the passages: drop --encoder or rebuild the index"
+        )
+    return meta
+
+
+def rrf_fuse(rankings: list[np.ndarray], k: int, rrf_k: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    """Reciprocal-rank fusion of several rankings of one query (Cormack et al. 2009).
+
+    rankings: list of int arrays of document indices, best first (-1 = no hit).
+    Returns (indices (<=k,), fused scores (<=k,)), score(d) = sum_r 1 / (rrf_k + rank_r(d)), rank from 1.
+    """
+    scores: dict[int, float] = {}
+    for ranking in rankings:
+        for rank, doc in enumerate(ranking.tolist(), 1):
+            if doc >= 0:
+                scores[doc] = scores.get(doc, 0.0) + 1.0 / (rrf_k + rank)
+    best = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+    return np.array([d for d, _ in best], dtype=np.int64), np.array([s for _, s in best], dtype=np.float32)
+
+
+class Searcher:
+    """Everything needed to turn query strings into ranked passages."""
+
+    def __init__(
+        self,
+        index_dir: str | Path,
+        *,
+        device: str = "auto",
+        fp16: bool | None = None,
+        gpu_shards: int = -1,
+        gpu_replicate: bool = False,
+        hybrid_bm25: bool = False,
+        rrf_k: int = 60,
+        nprobe: int | None = None,
+        encode_batch_size: int = 64,
+    ):
+        import faiss
+
+        self.index_dir = Path(index_dir)
+        self.meta = read_meta(self.index_dir)
+        self.store = DocStore(self.index_dir)
+        if len(self.store) != self.meta["rows"]:
+            raise ValueError(f"{index_dir}: document store has {len(self.store)} rows, meta.json says {self.meta['rows']}")
+        self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16)
+        if self.encoder.dim != self.meta["dim"]:
+            raise EncoderMismatchError(f"encoder produces {self.encoder.dim}-d vectors, the index holds {self.meta['dim']}-d")
+        self.encode_batch_size = encode_batch_size
+        index = faiss.read_index(str(self.index_dir / INDEX_FILE))
+        if index.ntotal != self.meta["rows"]:
+            raise ValueError(f"{index_dir}: FAISS index has {index.ntotal} vectors, meta.json says {self.meta['rows']}")
+        self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
+        self.index_device = "cpu"
+        self._gpu_resources = None
+        on_gpu = self.encoder.devices[0].startswith("cuda")
+        if on_gpu and gpu_shards != 0 and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+            index = self._to_gpu(index, gpu_shards, gpu_replicate, bool(self.encoder.fp16 if fp16 is None else fp16))
+        self.index = index
+        self.rrf_k = rrf_k
+        self.bm25 = None
+        if hybrid_bm25:
+            if not self.meta.get("bm25"):
+                raise ValueError(f"--hybrid-bm25 needs a BM25 index: rebuild {index_dir} with `emapg index build --bm25`")
+            import bm25s
+
+            self.bm25 = bm25s.BM25.load(str(self.index_dir / BM25_DIR))
+
+    @staticmethod
+    def _set_search_params(index, nprobe: int) -> None:
+        import faiss
+
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None:
+            ivf.nprobe = min(nprobe, ivf.nlist)
+        hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
+        if hnsw is not None:
+            hnsw.efSearch = max(hnsw.efSearch, 64)
+
+    def _to_gpu(self, index, shards: int, replicate: bool, fp16: bool):
+        """One GPU, or shard (default) / replicate over ``shards`` GPUs (-1: all)."""
+        import faiss
+
+        ngpu = faiss.get_num_gpus()
+        n = ngpu if shards < 0 else min(shards, ngpu)
+        if n == 1:
+            self._gpu_resources = faiss.StandardGpuResources()
+            co = faiss.GpuClonerOptions()
+            co.useFloat16 = fp16
+            self.index_device = "cuda:0"
+            return faiss.index_cpu_to_gpu(self._gpu_resources, 0, index, co)
+        co = faiss.GpuMultipleClonerOptions()
+        co.useFloat16 = fp16
+        co.shard = not replicate
+        self.index_device = f"{n} GPUs ({'replicated' if replicate else 'sharded'})"
+        return faiss.index_cpu_to_all_gpus(index, co=co, ngpu=n)
+
+    def search(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
+        """queries (B,) -> (indices (B, k), scores (B, k)); -1 marks a missing hit."""
+        k = min(topk, len(self.store))
+        q = self.encoder.encode_queries(queries, batch_size=self.encode_batch_size)
+        if self.bm25 is None:
+            scores, idx = self.index.search(q, k)
+            return idx.astype(np.int64), scores
+        return self._hybrid(queries, q, k)
+
+    def _hybrid(self, queries: list[str], q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import bm25s
+
+        depth = min(len(self.store), max(4 * k, 20))  # fuse deeper lists than we return
+        _, dense = self.index.search(q, depth)
+        sparse, _ = self.bm25.retrieve(bm25s.tokenize(queries, stopwords="en", show_progress=False), k=depth, show_progress=False)
+        idx = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        for b in range(len(queries)):
+            i, s = rrf_fuse([dense[b], np.asarray(sparse[b], dtype=np.int64)], k, self.rrf_k)
+            idx[b, : len(i)], scores[b, : len(s)] = i, s
+        return idx, scores
+
+    def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]:
+        """queries (B,) -> per query a list of ``{"id", "contents", "score"}``, best first."""
+        idx, scores = self.search(queries, topk)
+        valid = idx >= 0
+        docs = iter(self.store.lookup(idx[valid]))  # one vectorised gather for the whole batch
+        out = []
+        for b in range(idx.shape[0]):
+            hits = []
+            for j in range(idx.shape[1]):
+                if valid[b, j]:
+                    d = next(docs)
+                    d["score"] = float(scores[b, j])
+                    hits.append(d)
+            out.append(hits)
+        return out
+
+    def info(self) -> dict:
+        m = self.meta
+        return {
+            "rows": m["rows"],
+            "dim": m["dim"],
+            "index_type": m["index_type"],
+            "metric": m["metric"],
+            "encoder": m["encoder"]["name"],
+            "pooling": m["encoder"]["pooling"],
+            "corpus_checksum": m["corpus"]["checksum"],
+            "encoder_device": self.encoder.devices[0] if len(self.encoder.devices) == 1 else ",".join(self.encoder.devices),
+            "index_device": self.index_device,
+            "fp16": self.encoder.fp16,
+            "hybrid_bm25": self.bm25 is not None,
+        }

@@ -1,0 +1,536 @@
+"""FastAPI retrieval server, a drop-in replacement for Search-R1's ``retrieval_server.py``.
+
+``POST /retrieve`` takes ``{"queries": [str], "topk": int, "return_scores": bool}`` and answers
+``{"result": [[{"document": {"id", "contents"}, "score": float}, ...], ...]}`` with scores, or
+``{"result": [[{"id", "contents"}, ...], ...]}`` without (Search-R1 crashes on that branch).
+
+Design (where it departs from Search-R1, and why):
+
+* One worker thread owns encoder, FAISS index and document store. Search-R1 runs a sync endpoint
+  in FastAPI's thread pool, so GPU FAISS is searched from several threads at once (unsafe) and
+  every request is encoded alone.
+* Requests go into a queue; a collector forms micro-batches **across requests** (at most
+  ``max_batch`` queries, the first one waiting at most ``max_wait_ms``), so 64 clients sending one
+  query each are encoded together. Whole requests are never split between batches.
+* If a batch fails, each of its requests is retried alone, so only the request that causes the
+  failure gets a 500; the worker survives every error.
+* Validation returns 4xx with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, Field
+
+log = logging.getLogger("retriever.server")
+
+
+@dataclass
+class ServeConfig:
+    """Options of ``emapg serve`` (help texts in ``retriever.cli``)."""
+
+    index: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    topk: int = 3
+    max_topk: int = 100
+    max_batch: int = 64
+    max_wait_ms: float = 5.0
+    api_key: str | None = None
+    max_queries_per_request: int = 512
+    max_query_chars: int = 2000
+    max_body_bytes: int = 4 << 20
+    device: str = "auto"
+    fp16: bool | None = None
+    gpu_shards: int = -1
+    gpu_replicate: bool = False
+    hybrid_bm25: bool = False
+    rrf_k: int = 60
+    nprobe: int | None = None
+    encode_batch_size: int = 64
+    encoder: str | None = None
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        for name in ("topk", "max_topk", "max_batch", "max_queries_per_request", "max_query_chars", "max_body_bytes", "encode_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.topk > self.max_topk:
+            raise ValueError(f"--topk {self.topk} exceeds --max-topk {self.max_topk}")
+        if self.max_wait_ms < 0:
+            raise ValueError("--max-wait-ms must be >= 0")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port")
+
+
+# ----------------------------------------------------------------------------- API schema (OpenAPI)
+
+
+class RetrieveRequest(BaseModel):
+    """Search-R1's request body."""
+
+    queries: list[str] = Field(..., description="one or more non-empty query strings", min_length=1)
+    topk: int | None = Field(None, description="hits per query (default: the server's --topk)", ge=1)
+    return_scores: bool = Field(False, description="true: [[{document, score}]]; false: [[document]] (Search-R1 default)")
+
+
+class Document(BaseModel):
+    id: str
+    contents: str = Field(..., description='"Title"\\ntext (Search-R1 / wiki-18 form)')
+
+
+class ScoredHit(BaseModel):
+    document: Document
+    score: float
+
+
+class RetrieveResponse(BaseModel):
+    result: list[list[ScoredHit]] | list[list[Document]]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.total += 1
+        self.sum += v
+
+    def render(self, name: str) -> list[str]:
+        lines = [f'{name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        lines += [f'{name}_bucket{{le="+Inf"}} {self.total}', f"{name}_sum {self.sum:.6f}", f"{name}_count {self.total}"]
+        return lines
+
+
+class Metrics:
+    """Prometheus text exposition (format 0.0.4), no extra dependency."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.queries = 0
+        self.batches = 0
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.queue_depth = 0
+
+    def request(self, path: str, status: int, seconds: float | None) -> None:
+        with self.lock:
+            self.requests[(path, status)] += 1
+            if seconds is not None:
+                self.latency.observe(seconds)
+
+    def error(self, kind: str) -> None:
+        with self.lock:
+            self.errors[kind] += 1
+
+    def batch(self, n_queries: int) -> None:
+        with self.lock:
+            self.batches += 1
+            self.queries += n_queries
+            self.batch_size.observe(n_queries)
+
+    def render(self) -> str:
+        with self.lock:
+            out = ["# HELP retriever_requests_total HTTP requests by path and status.", "# TYPE retriever_requests_total counter"]
+            out += [f'retriever_requests_total{{path="{p}",status="{s}"}} {n}' for (p, s), n in sorted(self.requests.items())]
+            out += ["# HELP retriever_queries_total Queries answered.", "# TYPE retriever_queries_total counter", f"retriever_queries_total {self.queries}"]
+            out += ["# HELP retriever_batches_total Micro-batches run by the worker.", "# TYPE retriever_batches_total counter", f"retriever_batches_total {self.batches}"]
+            out += ["# HELP retriever_errors_total Failed requests by kind.", "# TYPE retriever_errors_total counter"]
+            out += [f'retriever_errors_total{{kind="{k}"}} {n}' for k, n in sorted(self.errors.items())]
+            out += ["# HELP retriever_batch_size Queries per micro-batch.", "# TYPE retriever_batch_size histogram"]
+            out += self.batch_size.render("retriever_batch_size")
+            out += ["# HELP retriever_request_latency_seconds /retrieve latency.", "# TYPE retriever_request_latency_seconds histogram"]
+            out += self.latency.render("retriever_request_latency_seconds")
+            out += ["# HELP retriever_queue_depth Queries waiting for the worker.", "# TYPE retriever_queue_depth gauge", f"retriever_queue_depth {self.queue_depth}"]
+            return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- micro-batching
+
+
+@dataclass
+class _Job:
+    queries: list[str]
+    topk: int
+    future: asyncio.Future
+
+
+class MicroBatcher:
+    """Collects jobs from many requests into batches run one at a time by a single worker thread.
+
+    ``process(queries, topk) -> list[list[dict]]`` runs in the worker thread.
+    """
+
+    def __init__(self, process, executor: ThreadPoolExecutor, max_batch: int, max_wait_s: float, metrics: Metrics):
+        self.process = process
+        self.executor = executor
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.metrics = metrics
+        self.pending: collections.deque[_Job] = collections.deque()
+        self.pending_queries = 0
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+        while self.pending:
+            job = self.pending.popleft()
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("server is shutting down"))
+
+    async def submit(self, queries: list[str], topk: int) -> list[list[dict]]:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(_Job(queries, topk, fut))
+        self.pending_queries += len(queries)
+        self.metrics.queue_depth = self.pending_queries
+        self.wakeup.set()
+        return await fut
+
+    def _take_batch(self) -> list[_Job]:
+        jobs, n = [], 0
+        while self.pending:
+            job = self.pending[0]
+            if jobs and n + len(job.queries) > self.max_batch:
+                break  # whole requests only; the rest waits for the next batch
+            self.pending.popleft()
+            self.pending_queries -= len(job.queries)
+            if job.future.done():  # the client went away
+                continue
+            jobs.append(job)
+            n += len(job.queries)
+        self.metrics.queue_depth = self.pending_queries
+        return jobs
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.pending:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            deadline = loop.time() + self.max_wait_s
+            while self.pending_queries < self.max_batch:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            jobs = self._take_batch()
+            if not jobs:
+                continue
+            try:
+                results = await loop.run_in_executor(self.executor, self._run_batch, jobs)
+            except Exception as e:  # noqa: BLE001 - e.g. executor shut down; fail these jobs, keep serving
+                results = [e] * len(jobs)
+            for job, res in zip(jobs, results):
+                if job.future.done():
+                    continue
+                if isinstance(res, BaseException):
+                    job.future.set_exception(res)
+                else:
+                    job.future.set_result(res)
+
+    def _run_batch(self, jobs: list[_Job]) -> list[Any]:
+        """Worker thread: one encoder/FAISS call for all jobs; on failure, each job alone."""
+        queries = [q for job in jobs for q in job.queries]
+        k = max(job.topk for job in jobs)
+        try:
+            hits = self.process(queries, k)
+            self.metrics.batch(len(queries))
+        except Exception as e:  # noqa: BLE001 - isolate below
+            if len(jobs) == 1:
+                log.exception("retrieval failed")
+                return [e]
+            log.warning("batch of %d requests failed (%s); retrying them one by one", len(jobs), e)
+            return [self._run_batch([job])[0] for job in jobs]
+        out, pos = [], 0
+        for job in jobs:
+            out.append([h[: job.topk] for h in hits[pos : pos + len(job.queries)]])
+            pos += len(job.queries)
+        return out
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+ALLOWED_FIELDS = ("queries", "topk", "return_scores")
+
+
+def parse_retrieve_body(body: bytes, cfg: ServeConfig) -> tuple[list[str], int, bool]:
+    """Check a /retrieve body; raise :class:`BadRequest` with a fix-it message."""
+    if not body.strip():
+        raise BadRequest(400, 'empty body: send JSON like {"queries": ["who wrote hamlet"], "topk": 3}')
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(400, f'body is not valid JSON ({e}); send {{"queries": ["..."], "topk": 3}}') from None
+    if not isinstance(data, dict):
+        raise BadRequest(422, f"body must be a JSON object with a 'queries' list, got a JSON {type(data).__name__}")
+    unknown = sorted(set(data) - set(ALLOWED_FIELDS))
+    if unknown:
+        raise BadRequest(422, f"unknown field(s) {unknown}; allowed fields are {list(ALLOWED_FIELDS)}")
+    if "queries" not in data:
+        raise BadRequest(422, "missing field 'queries': a list of query strings")
+    queries = data["queries"]
+    if isinstance(queries, str):
+        raise BadRequest(422, "'queries' must be a list of strings, got a single string; wrap it in a list")
+    if not isinstance(queries, list):
+        raise BadRequest(422, f"'queries' must be a list of strings, got {type(queries).__name__}")
+    if not queries:
+        raise BadRequest(422, "'queries' is empty: send at least one query")
+    if len(queries) > cfg.max_queries_per_request:
+        raise BadRequest(
+            413, f"too many queries: {len(queries)} > {cfg.max_queries_per_request} per request; split them over several requests"
+        )
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise BadRequest(422, f"queries[{i}] must be a string, got {type(q).__name__}")
+        if not q.strip():
+            raise BadRequest(422, f"queries[{i}] is empty or whitespace; every query needs text")
+        if len(q) > cfg.max_query_chars:
+            raise BadRequest(422, f"queries[{i}] has {len(q)} characters, more than the limit of {cfg.max_query_chars}; shorten it")
+    topk = data.get("topk")
+    if topk is None:
+        topk = cfg.topk
+    elif isinstance(topk, bool) or not isinstance(topk, int):
+        raise BadRequest(422, f"'topk' must be an integer, got {json.dumps(topk)}")
+    elif not 1 <= topk <= cfg.max_topk:
+        raise BadRequest(422, f"'topk' must be between 1 and {cfg.max_topk}, got {topk}")
+    return_scores = data.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise BadRequest(422, f"'return_scores' must be true or false, got {json.dumps(return_scores)}")
+    return queries, topk, return_scores
+
+
+def format_result(hits: list[list[dict]], return_scores: bool) -> dict:
+    """Search-R1 response shapes: [[{document, score}]] or [[document]]."""
+    if return_scores:
+        return {"result": [[{"document": {"id": h["id"], "contents": h["contents"]}, "score": h["score"]} for h in q] for q in hits]}
+    return {"result": [[{"id": h["id"], "contents": h["contents"]} for h in q] for q in hits]}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+# ----------------------------------------------------------------------------- app
+
+
+class _State:
+    def __init__(self) -> None:
+        self.status = "loading"
+        self.error: str | None = None
+        self.searcher = None
+        self.batcher: MicroBatcher | None = None
+        self.executor: ThreadPoolExecutor | None = None
+
+
+def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
+    """Build the app. The index loads in the worker thread after startup; /health says when it is ready."""
+    from contextlib import asynccontextmanager
+
+    cfg.validate()
+    metrics = Metrics()
+    state = _State()
+
+    def load():
+        from retriever.searcher import Searcher
+
+        return Searcher(
+            cfg.index,
+            device=cfg.device,
+            fp16=cfg.fp16,
+            gpu_shards=cfg.gpu_shards,
+            gpu_replicate=cfg.gpu_replicate,
+            hybrid_bm25=cfg.hybrid_bm25,
+            rrf_k=cfg.rrf_k,
+            nprobe=cfg.nprobe,
+            encode_batch_size=cfg.encode_batch_size,
+        )
+
+    async def load_in_worker():
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            state.searcher = await loop.run_in_executor(state.executor, load)
+        except Exception as e:  # noqa: BLE001 - reported through /health and the exit code
+            state.status, state.error = "failed", f"{type(e).__name__}: {e}"
+            log.error("loading the index failed: %s", state.error)
+            if on_fatal is not None:
+                on_fatal(state.error)
+            return
+        state.batcher = MicroBatcher(state.searcher.retrieve, state.executor, cfg.max_batch, cfg.max_wait_ms / 1000, metrics)
+        state.batcher.start()
+        state.status = "ok"
+        log.info("index loaded in %.1f s: %s", time.perf_counter() - t0, state.searcher.info())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-worker")
+        loader = asyncio.get_running_loop().create_task(load_in_worker())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if state.batcher is not None:
+                await state.batcher.stop()
+            state.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        title="ema-pg retriever",
+        version="1",
+        description="Search-R1 compatible dense/BM25 retrieval with cross-request micro-batching.",
+        lifespan=lifespan,
+    )
+    app.state.retriever = state
+    app.state.metrics = metrics
+
+    def authorized(request: Request) -> bool:
+        if not cfg.api_key:
+            return True
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        return hmac.compare_digest(given.encode(), cfg.api_key.encode())
+
+    def unauthorized() -> JSONResponse:
+        metrics.error("unauthorized")
+        return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
+            raise BadRequest(413, f"body of {declared} bytes exceeds the limit of {cfg.max_body_bytes} bytes; send fewer or shorter queries")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise BadRequest(413, f"body exceeds the limit of {cfg.max_body_bytes} bytes; send fewer or shorter queries")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.post(
+        "/retrieve",
+        response_model=RetrieveResponse,
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": RetrieveRequest.model_json_schema()}}}},
+        responses={400: {"description": "not JSON"}, 401: {"description": "API key"}, 413: {"description": "too large"}, 422: {"description": "invalid field"}, 503: {"description": "still loading"}},
+    )
+    async def retrieve(request: Request):
+        """Top-k passages for each query (Search-R1 request/response format)."""
+        t0 = time.perf_counter()
+        path = "/retrieve"
+        if not authorized(request):
+            metrics.request(path, 401, None)
+            return unauthorized()
+        try:
+            queries, topk, return_scores = parse_retrieve_body(await read_body(request), cfg)
+        except BadRequest as e:
+            metrics.request(path, e.status, None)
+            metrics.error("bad_request")
+            return _error(e.status, e.message)
+        if state.status != "ok":
+            metrics.request(path, 503, None)
+            return _error(503, f"index is {state.status}{': ' + state.error if state.error else ''}; retry when GET /health returns 200")
+        try:
+            hits = await state.batcher.submit(queries, topk)
+        except Exception as e:  # noqa: BLE001 - this request only
+            metrics.request(path, 500, time.perf_counter() - t0)
+            metrics.error("retrieval")
+            return _error(500, f"retrieval failed: {type(e).__name__}: {e}")
+        body = json.dumps(format_result(hits, return_scores), ensure_ascii=False).encode("utf-8")
+        metrics.request(path, 200, time.perf_counter() - t0)
+        return Response(body, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        """200 with index info once the index is loaded; 503 while loading or after a failed load."""
+        if state.status == "ok":
+            info = state.searcher.info()
+            info.update(max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms, topk=cfg.topk, max_topk=cfg.max_topk)
+            return {"status": "ok", "index": info}
+        body = {"status": state.status}
+        if state.error:
+            body["error"] = state.error
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_endpoint(request: Request):
+        """Prometheus text format: requests, queries, batch sizes, latency, errors."""
+        if not authorized(request):
+            return unauthorized()
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Run the server until interrupted. Returns the process exit code."""
+    import uvicorn
+
+    from retriever.searcher import check_encoder
+
+    cfg.validate()
+    check_encoder(cfg.index, cfg.encoder)  # refuse before binding the port
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
+    exit_code = {"code": 0}
+    server: uvicorn.Server | None = None
+
+    def on_fatal(message: str) -> None:
+        exit_code["code"] = 1
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(cfg, on_fatal=on_fatal)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096)
+    server = uvicorn.Server(config)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
+        log.warning("binding %s without an API key: anyone who can reach this port can query the index", cfg.host)
+    log.info("serving %s on http://%s:%d (max batch %d, max wait %.1f ms)", cfg.index, cfg.host, cfg.port, cfg.max_batch, cfg.max_wait_ms)
+    server.run()
+    if not server.started and exit_code["code"] == 0:
+        return 1  # e.g. the port was taken; uvicorn has logged why
+    return exit_code["code"]
