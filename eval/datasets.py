@@ -160,8 +160,8 @@ def load_dataset(
         label, origin = name, str(file)
         records = _read_file(file)
         meta = {"split": split, "upstream_split": info.upstream_split[split]}
-    task = info.task if info is not None else None
     records = _select_source(records, label)
+    task = task_of(label)  # a registered label fixes the task; otherwise it is read off each row
     examples = [_to_example(n, row, label, task, meta, origin) for n, row in records]
     _make_ids_unique(examples, origin)
     return examples if limit is None else _sample(examples, limit, seed)

@@ -15,6 +15,7 @@ import argparse
 import gzip
 import io
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -160,8 +161,6 @@ def build_nq_gold(shared: Path, out: Path) -> dict[str, int]:
     corpus builder's dedup key (whitespace collapsed, title and text lower-cased), so retrieval
     recall can be computed by id.
     """
-    import re
-
     def key(title: str, text: str) -> tuple[str, str]:
         return title.strip().lower(), re.sub(r"\s+", " ", text).strip().lower()
 
