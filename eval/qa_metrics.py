@@ -1,0 +1,155 @@
+"""QA metrics: the paper's exact-match reward, token F1, cover-EM and retrieval recall.
+
+The normalisation is the SQuAD rule used by Search-R1's ``qa_em.py`` (and therefore by the
+EMA-PG search reward, ALGORITHM.md §4.5): lowercase, drop ASCII punctuation
+(``string.punctuation``), remove the articles a/an/the as whole words, collapse whitespace.
+It is reproduced exactly, including its limits: non-ASCII punctuation (curly quotes, en
+dashes) is *kept* and accents are not folded, so ``"Beyoncé"`` does not match ``"Beyonce"``.
+
+Answer extraction departs from the paper in where it looks, not in what it finds:
+
+* The paper decodes **prompt + response** and takes the last ``<answer>…</answer>`` only if
+  there are at least two matches, because the prompt's own example ``<answer> Beijing
+  </answer>`` always supplies one. That rule silently breaks with any prompt whose example
+  differs (no example: a correct single answer scores 0; two examples: the prompt's example
+  is graded when the model answers nothing).
+* We score the **response only** and take its last match. On the paper's prompt the two
+  rules agree whenever the response holds at least one answer tag.
+  ``extract_answer(text, paper_prompt_included=True)`` reproduces the paper's rule on
+  prompt + response text, for comparisons with published numbers.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "normalize_answer",
+    "extract_answer",
+    "exact_match",
+    "cover_exact_match",
+    "token_f1",
+    "retrieval_recall",
+    "qa_reward",
+    "qa_scores",
+]
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation, in SQuAD's order: lowercase, punctuation, articles, whitespace."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCT)
+    text = _ARTICLES_RE.sub(" ", text)
+    return " ".join(text.split())
+
+
+def extract_answer(text: str, *, paper_prompt_included: bool = False) -> str | None:
+    """Content (stripped) of the last ``<answer>…</answer>`` in ``text``; ``None`` if absent.
+
+    ``paper_prompt_included=True`` applies the paper's rule to prompt + response text: fewer
+    than two matches gives ``None`` (the first is assumed to be the prompt's example).
+    Matching is the paper's non-greedy DOTALL regex, so ``<answer><answer>x</answer>`` yields
+    ``"<answer>x"`` and an unclosed ``<answer>`` yields nothing.
+    """
+    matches = _ANSWER_RE.findall(text)
+    if len(matches) < (2 if paper_prompt_included else 1):
+        return None
+    return matches[-1].strip()
+
+
+def _as_list(golds: str | Iterable[str]) -> list[str]:
+    if isinstance(golds, str):
+        return [golds]
+    out = [str(g) for g in golds]
+    if not out:
+        raise ValueError("at least one gold answer is needed")
+    return out
+
+
+def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold, else 0.0 (``None`` → 0)."""
+    golds = _as_list(golds)
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction)
+    return float(any(pred == normalize_answer(g) for g in golds))
+
+
+def cover_exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 if some normalised gold is a substring of the normalised prediction (Search-R1's
+    ``subem``). An empty normalised gold never covers: it would match every prediction."""
+    golds = _as_list(golds)
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction)
+    return float(any((g := normalize_answer(gold)) and g in pred for gold in golds))
+
+
+def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+    if not pred_tokens or not gold_tokens:  # SQuAD v2 convention: both empty is a match
+        return float(pred_tokens == gold_tokens)
+    common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision = common / len(pred_tokens)
+    recall = common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """SQuAD token F1 on normalised text, maximised over the gold answers."""
+    golds = _as_list(golds)
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction).split()
+    return max(_f1(pred, normalize_answer(g).split()) for g in golds)
+
+
+def retrieval_recall(passages: Iterable[str], golds: str | Iterable[str]) -> float:
+    """1.0 if any retrieved passage contains a gold answer, else 0.0.
+
+    Both sides are normalised and the match is token-bounded (``" 1 "`` in ``" 1 2 "``), which
+    is stricter than FlashRAG's raw substring test: a one-digit gold would otherwise be found
+    inside almost any passage.
+    """
+    golds = [g for g in (normalize_answer(x) for x in _as_list(golds)) if g]
+    for passage in passages:
+        padded = f" {normalize_answer(passage)} "
+        if any(f" {g} " in padded for g in golds):
+            return 1.0
+    return 0.0
+
+
+def qa_reward(response_text: str, golds: str | Sequence[str]) -> float:
+    """The search-task reward: exact match of the response's last ``<answer>`` (0.0 if none).
+
+    Format reward is 0, as in the paper. ``response_text`` must be the response only (model
+    turns and observations), not the prompt; see the module docstring.
+    """
+    return exact_match(extract_answer(response_text), golds)
+
+
+def qa_scores(
+    response_text: str,
+    golds: str | Sequence[str],
+    passages: Iterable[str] | None = None,
+) -> dict[str, float]:
+    """All per-item QA metrics for one response: ``em``, ``f1``, ``cover_em`` and, when the
+    retrieved passages are given, ``retrieval_recall``."""
+    pred = extract_answer(response_text)
+    scores = {
+        "em": exact_match(pred, golds),
+        "f1": token_f1(pred, golds),
+        "cover_em": cover_exact_match(pred, golds),
+        "has_answer": float(pred is not None),
+    }
+    if passages is not None:
+        scores["retrieval_recall"] = retrieval_recall(passages, golds)
+    return scores
