@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 
 pytest_plugins = [
     "tests.fixtures.models",
+    "tests.fixtures.retriever",
 ]
 
 
