@@ -1,0 +1,210 @@
+"""``emapg demo``: the whole product on bundled data, on a laptop-class CPU.
+
+1. prepare the offline policy (SmolLM2-135M-Instruct, converted once) and the encoder (MiniLM);
+2. build a FAISS index of the bundled Wikipedia corpus (cached; a killed build resumes);
+3. start the retrieval server on a free local port;
+4. evaluate the base policy on a small sample of all seven QA benchmarks through the real retriever;
+5. train it briefly with EMA-PG on the bundled NQ train sample (same retriever);
+6. evaluate the trained policy on the same questions;
+7. write a report (markdown table, results.json, plots, example trajectories), stop the server,
+   and print the report folder as the last line.
+
+Each stage runs as its own ``emapg`` subprocess in its own process group, so Ctrl-C stops every
+process the demo started; the index cache is only ever completed by an atomic rename, so an
+interrupted demo leaves it consistent (the next run resumes the build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from emapg.cli import UserError
+from emapg.paths import CONFIG_DIR, REPO_ROOT, cache_dir
+
+
+@dataclass(frozen=True)
+class DemoPreset:
+    """What one demo run does; `default` fits in about 15 minutes on 2 CPU cores."""
+
+    policy: str
+    train_config: Path
+    index_limit: int | None  # passages indexed (None: the whole bundled corpus)
+    eval_limit: int  # questions per QA dataset
+    engine: str
+    train_overrides: tuple[str, ...] = ()
+
+
+PRESETS = {
+    "default": DemoPreset(
+        policy="smollm2-135m-instruct",
+        train_config=CONFIG_DIR / "demo_smollm2_cpu.yaml",
+        index_limit=None,
+        eval_limit=4,
+        engine="vllm",
+    ),
+    # CI-sized: a 1.7M-parameter random model, a 2k-passage index; checks the plumbing, not learning.
+    "tiny": DemoPreset(
+        policy="tiny-qwen2",
+        train_config=CONFIG_DIR / "search_tiny_cpu.yaml",
+        index_limit=2000,
+        eval_limit=2,
+        engine="hf",
+        train_overrides=("run.total_steps=2",),
+    ),
+}
+
+
+class _Stages:
+    """Runs stage subprocesses; on Ctrl-C/SIGTERM kills the running one's whole process group."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.current: subprocess.Popen | None = None
+        self.t0 = time.monotonic()
+
+    def banner(self, n: int, total: int, text: str) -> None:
+        elapsed = time.monotonic() - self.t0
+        print(f"\n\033[1m[{n}/{total}] {text}\033[0m  (t+{elapsed / 60:.1f} min)", flush=True)
+
+    def run(self, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "emapg.cli", *args]
+        self.current = subprocess.Popen(cmd, env=self.env, cwd=REPO_ROOT, start_new_session=True)
+        try:
+            code = self.current.wait()
+        finally:
+            self.kill()
+        if code != 0:
+            raise UserError(f"stage `emapg {' '.join(args[:2])}` failed with exit code {code} (its output is above)")
+
+    def kill(self) -> None:
+        proc, self.current = self.current, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGINT)  # let it save/clean up first
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+def _index_dir(preset: DemoPreset) -> Path:
+    suffix = f"-first{preset.index_limit}" if preset.index_limit else ""
+    return cache_dir() / "indexes" / f"wiki_mini-minilm-flat{suffix}"
+
+
+def _index_ready(path: Path) -> bool:
+    # The builder writes meta.json last, atomically: its presence means the index is complete.
+    return (path / "meta.json").is_file()
+
+
+def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
+    """A few full trajectories (prompt excluded) from the trained policy's per-item results."""
+    blocks = []
+    for items in sorted((eval_dir / "items").glob("*.jsonl"))[:n]:
+        line = items.read_text().splitlines()[0] if items.stat().st_size else ""
+        if not line:
+            continue
+        row = json.loads(line)
+        text = row.get("response") or row.get("trajectory") or ""
+        blocks.append(
+            f"**{items.stem}** — question: {row.get('question')!s}  \n"
+            f"gold: {row.get('golds') or row.get('answers')} · prediction: {row.get('prediction')!r}\n\n"
+            f"```text\n{str(text)[:3000]}\n```\n"
+        )
+    return "\n".join(blocks)
+
+
+def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> Path:
+    from retriever.launch import RetrieverServer
+
+    preset = PRESETS[preset_name]
+    out = (out or REPO_ROOT / "runs" / f"demo-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    stages = _Stages(env)
+    total = 7
+
+    def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        stages.banner(1, total, f"preparing the offline models ({preset.policy}, minilm)")
+        stages.run(["models", preset.policy, "minilm"])
+
+        index_dir = _index_dir(preset)
+        stages.banner(2, total, f"index of the bundled Wikipedia corpus -> {index_dir}")
+        if _index_ready(index_dir):
+            print("cached: reusing the finished index", flush=True)
+        else:
+            build = ["index", "build", "--corpus", str(REPO_ROOT / "data/corpus/wiki_mini.jsonl.gz"), "--out", str(index_dir),
+                     "--encoder", "minilm", "--index-type", "Flat"]  # fmt: skip
+            if preset.index_limit:
+                build += ["--limit", str(preset.index_limit)]
+            stages.run(build)
+
+        stages.banner(3, total, "starting the retrieval server")
+        with RetrieverServer(index_dir, log_path=out / "retriever.log") as server:
+            print(f"retriever ready at {server.url} (log: {out / 'retriever.log'})", flush=True)
+            eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--retriever-url", server.url,
+                           "--engine", preset.engine]  # fmt: skip
+
+            stages.banner(4, total, f"evaluating the base policy on {preset.eval_limit} questions x 7 QA datasets")
+            stages.run(["eval", "--model", preset.policy, "--out", str(out / "eval_base"), "--name", "base", *eval_common])
+
+            stages.banner(5, total, "training with EMA-PG on the bundled NQ train sample")
+            train_dir = out / "train"
+            stages.run(["train", "--config", str(preset.train_config), f"model.policy={preset.policy}",
+                        f"retriever.urls=[{server.url}]", "retriever.index_dir=null", f"run.output_dir={train_dir}",
+                        "logging.progress=true", *preset.train_overrides])  # fmt: skip
+            policy = train_dir / "checkpoints" / "latest" / "policy"
+            if not policy.exists():
+                raise UserError(f"training finished without a checkpoint at {policy}")
+
+            stages.banner(6, total, "evaluating the trained policy on the same questions")
+            stages.run(["eval", "--model", str(policy.resolve()), "--out", str(out / "eval_trained"), "--name", "ema-pg",
+                        *eval_common])  # fmt: skip
+
+        stages.banner(7, total, "writing the report")
+        report = out / "report"
+        stages.run(["eval", "compare", str(out / "eval_base"), str(out / "eval_trained"), "--out", str(report)])
+        stages.run(["plot", str(train_dir), "--out", str(report / "training_curves.png")])
+        examples = _example_trajectories(out / "eval_trained")
+        if examples:
+            with open(report / "report.md", "a") as f:
+                f.write("\n## Example trajectories (trained policy)\n\n" + examples)
+        shutil.copy2(preset.train_config, report / "train_config.yaml")
+        elapsed = (time.monotonic() - stages.t0) / 60
+        print(f"\ndemo finished in {elapsed:.1f} min. Report: {report / 'report.md'}", flush=True)
+        return report
+    except KeyboardInterrupt:
+        stages.kill()
+        print("\ndemo interrupted: every process it started was stopped; the index cache is consistent.", file=sys.stderr)
+        raise
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="emapg demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="default: SmolLM2-135M on the whole bundled corpus (~15 min on 2 cores); "
+                        "tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-<preset>-<timestamp>)")
+    args = p.parse_args(argv)
+    report = run_demo(args.preset, args.out)
+    print(report)  # contract: the last line is the report folder
+    return 0
