@@ -1,0 +1,171 @@
+"""The engine interface: token ids in, token ids (+ the sampling log-probs) out.
+
+Every engine takes *token ids* and returns *token ids*; text never makes a round trip
+through the tokenizer, so the rollout can append exactly the tokens that were sampled.
+
+What ``GenerationOutput.logprobs`` means (identical for every engine): for each
+generated token, the log-probability of that token under the distribution it was
+actually sampled from, i.e.::
+
+    logits -> keep only allowed_token_ids -> / temperature -> top-k -> top-p -> log_softmax
+
+(vLLM's ``logprobs_mode="processed_logprobs"``). With temperature 0 (greedy) the
+temperature step is skipped, so the value is the plain log-softmax. At temperature 1
+with top_p 1 and top_k -1 it equals the model's own log-softmax, which is what the
+trainer recomputes. Tokens outside the top-p nucleus cannot be sampled, so values are
+finite. Note the trainer's pi_old is *recomputed* (ALGORITHM.md notation), these are
+the sampler's own numbers, kept for diagnostics and importance-sampling corrections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings shared by all engines (a small subset of vLLM's).
+
+    ``stop`` strings end a sequence as soon as the decoded generated text contains one;
+    the token that completes the string is kept (vLLM ``include_stop_str_in_output``)
+    and nothing after it is generated. ``seed`` makes each sequence reproducible: the
+    i-th prompt of a call is sampled with seed ``seed + i`` independently of the
+    others, so a trajectory's sample does not depend on what else is in the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 500
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        # Accept lists from callers but store tuples: the dataclass is frozen and hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be None or non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class GenerationOutput:
+    """One generated continuation.
+
+    token_ids: the sampled tokens, in order (an EOS token that ended the sequence is included).
+    logprobs: one float per token (see the module docstring for the exact meaning).
+    finish_reason: "stop" (EOS, stop token or stop string) or "length" (hit max_tokens).
+    stop_reason: the stop string that matched, the stop token id, or None (EOS / length).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+
+
+@dataclass
+class EngineInfo:
+    """What an engine can do, for callers that adapt (the trainer, the async driver)."""
+
+    kind: str
+    model_path: str
+    max_model_len: int
+    supports_sleep: bool = False
+    continuous_batching: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation engine (vLLM or transformers). All methods are synchronous.
+
+    ``submit``/``step`` are the continuous-batching interface used by the async rollout
+    driver: ``submit`` queues one request, each ``step`` advances generation and returns
+    the requests that finished during it. An engine without real continuous batching
+    may run everything queued in one ``step``.
+    """
+
+    tokenizer: object
+    info: EngineInfo
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationOutput]: ...
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+
+    def step(self) -> list[tuple[str, GenerationOutput]]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def score(self, token_ids: list[list[int]], start: list[int]) -> list[list[float]]: ...
+
+    def load_weights(self, state_dict: dict) -> None: ...
+
+    def sleep(self) -> bool: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def per_prompt_params(params: SamplingParams | list[SamplingParams], n: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt.
+
+    A single ``params`` with ``seed=s`` gives prompt i the seed ``s + i``; a list is used
+    as is (each entry's seed is that prompt's seed), which lets a caller give every
+    sequence its own budget and a seed that does not depend on batch composition.
+    """
+    if isinstance(params, SamplingParams):
+        if params.seed is None:
+            return [params] * n
+        return [params.with_(seed=params.seed + i) for i in range(n)]
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def check_prompts(prompt_ids: list[list[int]], vocab_size: int, max_model_len: int, max_tokens: int | list[int]) -> None:
+    """Reject inputs that would fail deep inside an engine with a confusing error."""
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
+    for i, (ids, max_tokens) in enumerate(zip(prompt_ids, budgets)):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+        if len(ids) + max_tokens > max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} it exceeds "
+                f"max_model_len={max_model_len}"
+            )

