@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.retriever",
+    "tests.fixtures.agent",
 ]
 
 
