@@ -16,21 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from agent.rollout import RolloutConfig as AgentRolloutConfig
 from emapg.config import ConfigError, option
 
-KL_TYPES = (
-    "topk_reverse",
-    "topk_forward",
-    "full_reverse",
-    "full_forward",
-    "k1",
-    "k2",
-    "k3",
-    "k3plusplus",
-    "k4",
-    "k5",
-)
 TOPK_KL_TYPES = ("topk_reverse", "topk_forward")
+EXACT_KL_TYPES = ("exact_reverse", "exact_forward")
+
+
+def kl_types() -> list[str]:
+    """Every accepted ``algorithm.kl.type``: Top-k, exact full-vocabulary, and the sampled estimators."""
+    from trainer.kl import kl_estimator_names
+
+    return [*TOPK_KL_TYPES, *EXACT_KL_TYPES, *kl_estimator_names()]
 
 
 @dataclass
@@ -82,14 +79,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: Literal["search", "math"] = option("search", help="search: multi-turn retrieval agent; math: single-turn reasoning")
     train: str = option(
         "nq", help="training prompts: a dataset name of eval.datasets (nq, hotpotqa, aime2024, math500, ...) or a .jsonl/.json/.parquet file"
     )
     split: str = option("train", help="dataset split to train on")
     limit: int | None = option(None, help="use only the first N examples (after loading, before shuffling)")
     shuffle: bool = option(True, help="reshuffle the prompts every epoch (seeded by run.seed and the epoch)")
-    prompts_per_step: int = option(8, help="prompts sampled per training step (each expanded to rollout.group_size trajectories)")
+    prompts_per_step: int = option(8, help="prompts sampled per training step (each expanded to rollout.n_samples trajectories)")
 
     def validate(self) -> None:
         if self.prompts_per_step < 1:
@@ -99,49 +95,34 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
-    engine: Literal["hf", "vllm"] = option("hf", help="generation engine: vllm (colocated) or hf (transformers generate)")
-    group_size: int = option(5, help="trajectories per prompt (GRPO group size n)")
-    temperature: float = option(1.0, help="sampling temperature (log-probs are computed at the same temperature)")
-    top_p: float = option(1.0, help="nucleus sampling threshold")
-    max_turns: int = option(4, help="search turns before the final answer-only turn (search task)")
-    max_tokens_per_turn: int = option(500, help="generated tokens per model turn")
-    max_obs_tokens: int = option(500, help="tokens kept from each <information> observation")
-    max_response_tokens: int = option(4096, help="cap on the whole response (model turns + observations)")
-    max_prompt_tokens: int = option(2048, help="prompts longer than this are truncated from the left")
+class TrainRolloutConfig(AgentRolloutConfig):
+    """The agent loop's settings (:class:`agent.rollout.RolloutConfig`; ``n_samples`` is the GRPO
+    group size, ``task`` picks search or math) plus the generation engine the trainer runs."""
+
+    engine: Literal["hf", "vllm"] = option("hf", help="generation engine: vllm (colocated with the trainer) or hf (transformers)")
     vllm_gpu_memory_utilization: float = option(0.4, help="fraction of GPU memory vLLM may take when colocated")
-    vllm_sleep: bool = option(True, help="put the colocated vLLM engine to sleep during training (frees its KV cache)")
+    vllm_sleep: bool = option(True, help="put the colocated vLLM engine to sleep during training (frees weights and KV cache)")
     vllm_tensor_parallel_size: int = option(1, help="vLLM tensor parallel size")
-    vllm_server_url: str | None = option(None, help="use a separate vLLM server at this URL instead of a colocated engine")
 
     def validate(self) -> None:
-        if self.group_size < 1:
-            raise ConfigError("rollout.group_size must be >= 1")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        super().validate()
         if self.temperature <= 0:
-            raise ConfigError("rollout.temperature must be > 0 for training (sampling); use eval for greedy decoding")
-        for name in ("max_tokens_per_turn", "max_obs_tokens", "max_response_tokens", "max_prompt_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name} must be >= 1")
-        if self.max_turns < 0:
-            raise ConfigError("rollout.max_turns must be >= 0")
+            raise ConfigError("rollout.temperature must be > 0 for training (sampling); greedy decoding is for eval")
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ConfigError("rollout.vllm_gpu_memory_utilization must be in (0, 1]")
+        if self.vllm_tensor_parallel_size < 1:
+            raise ConfigError("rollout.vllm_tensor_parallel_size must be >= 1")
 
 
 @dataclass
 class RetrieverConfig:
     urls: list[str] = option([], help="base URLs of running retriever servers (several = replicas, load-balanced)")
     index_dir: str | None = option(None, help="launch a retriever server on this index for the run (when urls is empty)")
-    topk: int = option(3, help="passages per search")
     timeout: float = option(30.0, help="seconds per retrieval request")
     retries: int = option(3, help="retries per retrieval request before the search counts as failed")
     api_key_env: str | None = option(None, help="name of an environment variable holding the retriever API key")
 
     def validate(self) -> None:
-        if self.topk < 1:
-            raise ConfigError("retriever.topk must be >= 1")
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"retriever.urls: {url!r} is not an http(s) URL")
@@ -150,7 +131,11 @@ class RetrieverConfig:
 @dataclass
 class KLConfig:
     enabled: bool = option(True, help="add beta * KL(policy, anchor) to the loss (never to the reward)")
-    type: str = option("topk_reverse", help=f"estimator: {', '.join(KL_TYPES)}")
+    type: str = option(
+        "topk_reverse",
+        help="estimator: topk_reverse/topk_forward (Top-k KL), exact_reverse/exact_forward (full vocabulary), "
+        "or a sampled estimator of trainer.kl (k1, k2, k3 = low_var_kl, k3_ratio, k4 = reverse_reinforce, k5, '+' variants)",
+    )
     coef: float = option(0.001, help="beta, the KL loss coefficient")
     topk: int = option(32, help="k for Top-k KL (topk_reverse/topk_forward)")
     tail_sampling: bool = option(True, help="add the sampled tail term to Top-k KL (false: truncated KL)")
@@ -161,12 +146,13 @@ class KLConfig:
     )
 
     def validate(self) -> None:
-        if self.type not in KL_TYPES:
+        types = kl_types()
+        if self.type not in types:
             import difflib
 
-            hint = difflib.get_close_matches(self.type, KL_TYPES, n=1)
+            hint = difflib.get_close_matches(self.type, types, n=1)
             raise ConfigError(
-                f"kl.type: {self.type!r} is not one of {', '.join(KL_TYPES)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                f"kl.type: {self.type!r} is not one of {', '.join(types)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
             )
         if self.coef < 0:
             raise ConfigError("kl.coef must be >= 0")
@@ -251,6 +237,9 @@ class OptimConfig:
 class RewardConfig:
     math_timeout: float = option(10.0, help="seconds allowed to grade one math answer (in a worker process)")
     math_workers: int = option(2, help="worker processes for math grading")
+    math_grader: Literal["math_verify", "mathd_or_math_verify"] = option(
+        "mathd_or_math_verify", help="math equivalence check (the paper: MATH-style string normalisation OR a symbolic check)"
+    )
 
     def validate(self) -> None:
         if self.math_timeout <= 0 or self.math_workers < 1:
@@ -280,7 +269,7 @@ class TrainConfig:
     run: RunConfig = option(default_factory=RunConfig, help="run bookkeeping")
     model: ModelConfig = option(default_factory=ModelConfig, help="the policy")
     data: DataConfig = option(default_factory=DataConfig, help="training prompts")
-    rollout: RolloutConfig = option(default_factory=RolloutConfig, help="generation and the agent loop")
+    rollout: TrainRolloutConfig = option(default_factory=TrainRolloutConfig, help="generation and the agent loop")
     retriever: RetrieverConfig = option(default_factory=RetrieverConfig, help="search backend (search task)")
     algorithm: AlgorithmConfig = option(default_factory=AlgorithmConfig, help="loss, advantages, KL and EMA anchor")
     optim: OptimConfig = option(default_factory=OptimConfig, help="optimizer and schedule")
@@ -289,22 +278,20 @@ class TrainConfig:
     distributed: DistributedConfig = option(default_factory=DistributedConfig, help="torchrun / FSDP2")
 
     def validate(self) -> None:
-        batch = self.data.prompts_per_step * self.rollout.group_size
+        batch = self.data.prompts_per_step * self.rollout.n_samples
         mini = self.algorithm.mini_batch_size
         if batch % mini:
             raise ConfigError(
                 f"algorithm.mini_batch_size ({mini}) must divide the rollout batch "
-                f"data.prompts_per_step * rollout.group_size = {batch}"
+                f"data.prompts_per_step * rollout.n_samples = {batch}"
             )
-        if self.data.task == "search" and not self.retriever.urls and not self.retriever.index_dir:
+        if self.rollout.task == "search" and not self.retriever.urls and not self.retriever.index_dir:
             raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
         if self.retriever.index_dir and not Path(self.retriever.index_dir).expanduser().exists():
             raise ConfigError(f"retriever.index_dir: {self.retriever.index_dir} does not exist")
         kl = self.algorithm.kl
         if kl.enabled and kl.type in TOPK_KL_TYPES and kl.topk == 0 and kl.tail_sampling is False:
             raise ConfigError("kl.topk=0 with kl.tail_sampling=false leaves no KL term; disable kl instead")
-        if self.rollout.vllm_server_url and self.rollout.engine != "vllm":
-            raise ConfigError("rollout.vllm_server_url needs rollout.engine=vllm")
 
     @property
     def output_path(self) -> Path:
@@ -312,7 +299,7 @@ class TrainConfig:
 
     @property
     def rollout_batch_size(self) -> int:
-        return self.data.prompts_per_step * self.rollout.group_size
+        return self.data.prompts_per_step * self.rollout.n_samples
 
     @property
     def warmup_steps(self) -> int:

@@ -1,0 +1,59 @@
+"""``emapg train --config FILE [dotted.key=value ...] [--resume [DIR]]``.
+
+The config is loaded and validated (including the dataset name and the index folder)
+before any model is loaded, so mistakes cost a second, not a model load. ``--resume``
+alone continues the run in ``run.output_dir`` from its latest checkpoint (or starts it
+when there is none); ``--resume DIR`` continues from a run folder or a ``step_N`` folder.
+Under ``torchrun`` every rank runs this same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from emapg.cli import UserError
+from emapg.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="emapg train",
+        description="Train a policy with EMA-PG or GRPO. Presets: configs/*.yaml. "
+        "Every option can be overridden as dotted.key=value (see `emapg config --reference`).",
+    )
+    p.add_argument("--config", required=True, help="YAML config (e.g. configs/search_tiny_cpu.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.total_steps=20 optim.lr=1e-5")
+    p.add_argument(
+        "--resume", nargs="?", const="", default=None, metavar="DIR",
+        help="continue from the latest checkpoint of the run (or of DIR: a run folder or a step_N folder)",
+    )
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    for o in args.overrides:
+        if "=" not in o:
+            raise UserError(f"override {o!r} must look like key.subkey=value")
+    from trainer.config import TrainConfig
+    from trainer.data import load_prompts
+
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)  # fail fast on bad data
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from trainer.loop import TrainingError, train
+
+    try:
+        history = train(cfg, resume=args.resume)
+    except TrainingError as e:
+        print(f"emapg train: {e}", file=sys.stderr)
+        return 1
+    except ConfigError:
+        raise
+    if history:
+        last = history[-1]
+        print(f"finished step {len(history)} of this session; reward/mean={last.get('reward/mean', float('nan')):.4f}; "
+              f"run folder: {cfg.output_path}")
+    return 0

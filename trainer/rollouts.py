@@ -1,0 +1,62 @@
+"""The trainer's side of rollouts: call the agent loop, score, summarise.
+
+Kept apart from the loop so that tests and benchmarks can drive the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from trainer.data import SampledPrompt
+from trainer.rewards import compute_rewards
+
+
+def generate(
+    engine: Any, tokenizer: Any, prompts: list[SampledPrompt], retriever: Any, cfg: Any, *, seed: int
+) -> tuple[list[Any], Any]:
+    """``cfg.rollout.n_samples`` trajectories per prompt (group-major) and the batch's
+    :class:`agent.rollout.RolloutStats`, sampled with ``seed``.
+
+    The agent loop derives a seed per (prompt, sample, turn) from ``seed``, so a step's
+    samples depend only on the run seed and the step (bit-for-bit resume).
+    """
+    from agent.rollout import RolloutConfig, run_rollouts_with_stats
+
+    fields = {f: getattr(cfg.rollout, f) for f in RolloutConfig.__dataclass_fields__}
+    agent_cfg = replace(RolloutConfig(**fields), seed=seed)
+    trajs, stats = run_rollouts_with_stats(engine, [p.example for p in prompts], retriever, agent_cfg, batch_tag=f"s{prompts[0].group_id}")
+    n = cfg.rollout.n_samples
+    if len(trajs) != len(prompts) * n:
+        raise RuntimeError(f"the agent returned {len(trajs)} trajectories for {len(prompts)} prompts x {n}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    for t in trajs:
+        if not t.prompt_ids:  # the prompt could not be built (e.g. too long): keep the slot, train on nothing
+            t.prompt_ids = [pad]
+            t.response_ids, t.loss_mask = [], []
+    return trajs, stats
+
+
+def score(trajectories: list[Any], prompts: list[SampledPrompt], cfg: Any, tokenizer: Any) -> tuple[list[float], dict[str, float]]:
+    """Rewards of every trajectory against its prompt's gold answers (errored trajectories score 0)."""
+    n = cfg.rollout.n_samples
+    golds = [prompts[i // n].example.answers for i in range(len(trajectories))]
+    texts = [t.response_text if t.stop_reason != "error" else "" for t in trajectories]
+    r = cfg.reward
+    rewards, counts = compute_rewards(
+        cfg.rollout.task, texts, golds, math_timeout=r.math_timeout, math_workers=r.math_workers, math_grader=r.math_grader
+    )
+    counts = dict(counts, rollout_errors=float(sum(t.stop_reason == "error" for t in trajectories)))
+    return rewards, counts
+
+
+def trajectory_stats(trajectories: list[Any], stats: Any) -> dict[str, float]:
+    """Sums over trajectories and the batch's wall times (the caller reduces over ranks)."""
+    return {
+        "searches": float(sum(t.num_searches for t in trajectories)),
+        "search_failures": float(sum(t.search_failures for t in trajectories)),
+        "turns": float(sum(t.num_turns for t in trajectories)),
+        "truncated": float(sum(t.stop_reason in ("length", "context") for t in trajectories)),
+        "generation_time": float(stats.generation_s),
+        "retrieval_time": float(stats.retrieval_wait_s),
+    }
