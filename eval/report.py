@@ -1,0 +1,276 @@
+"""Reports: markdown tables, JSON and PNG plots for one run or several side by side.
+
+A run directory holds ``results.json`` (written by :mod:`eval.runner`)::
+
+    {"name", "model", "suite", "engine", "protocol": {...}, "grader", "timestamp",
+     "primary_metric": "em" | "pass@1", "metric_names": [...],
+     "datasets": {"<dataset>": {"n_items": int, "<metric>": value, ...}, ...},
+     "average": {"<metric>": unweighted mean over datasets, ...}}
+
+Metric values are fractions in [0, 1] in JSON (``searches``, ``turns``, ``response_tokens``
+and ``timeouts`` are counts); tables show rates as percentages with one decimal.
+
+``emapg eval compare RUN_DIR... --out DIR`` puts several runs side by side, plus the
+paper's published numbers as clearly labelled reference columns: those are the paper's
+models (Qwen2.5-3B base for search, DeepSeek-R1-Distill-Qwen-1.5B for math) on the full
+test sets and wiki-18, not ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PAPER_REFERENCE",
+    "COUNT_METRICS",
+    "load_run",
+    "results_table",
+    "comparison_table",
+    "plot_bars",
+    "plot_passk",
+    "write_run_report",
+    "compare_runs",
+]
+
+#: Published numbers (percent) from the EMA-PG paper (arXiv 2602.04417), GRPO vs EMA-PG.
+PAPER_REFERENCE: dict[str, dict[str, Any]] = {
+    "qa": {
+        "metric": "em",
+        "model": "Qwen2.5-3B base, wiki-18 e5 retriever, full test sets",
+        "columns": {
+            "paper GRPO": {"hotpotqa": 29.7, "2wikimultihopqa": 27.4, "bamboogle": 12.8},
+            "paper EMA-PG": {"hotpotqa": 44.1, "2wikimultihopqa": 40.1, "bamboogle": 33.1},
+        },
+        "note": "The paper reports EMA-PG +33.3% relative to GRPO on the average over the 7 QA sets; "
+        "per-dataset numbers for NQ, TriviaQA, PopQA and MuSiQue are not public.",
+    },
+    "math": {
+        "metric": "pass@1",
+        "model": "DeepSeek-R1-Distill-Qwen-1.5B, n=32, T=0.8, top_p=0.9",
+        "columns": {
+            "paper GRPO": {"olympiadbench": 50.8},
+            "paper EMA-PG": {"olympiadbench": 53.9},
+        },
+        "note": "Only OlympiadBench is public per dataset. The paper's AMC is LiveMathBench AMC, "
+        "not the bundled AMC 2022-23 set, and its grader is mathd-or-sympy, not math-verify.",
+    },
+}
+
+#: Metrics that are counts or means of counts, shown as plain numbers rather than percentages.
+COUNT_METRICS = {"searches", "turns", "response_tokens", "timeouts", "n_items", "n_samples"}
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """``results.json`` of a run directory, with ``run_dir`` added."""
+    path = Path(run_dir) / "results.json"
+    if not path.is_file():
+        from emapg.cli import UserError
+
+        raise UserError(f"{run_dir} is not an evaluation run directory (no results.json)")
+    data = json.loads(path.read_text())
+    data["run_dir"] = str(run_dir)
+    return data
+
+
+def _fmt(metric: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if metric in COUNT_METRICS:
+        return f"{value:.2f}" if isinstance(value, float) and not float(value).is_integer() else str(int(value))
+    return f"{100 * value:.1f}"
+
+
+def _label(metric: str) -> str:
+    return metric if metric in COUNT_METRICS else f"{metric} (%)"
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """One run: datasets × all metrics, plus the unweighted average row."""
+    metrics = list(results["metric_names"])
+    head = "| dataset | n | " + " | ".join(_label(m) for m in metrics) + " |"
+    sep = "|---|---:|" + "---:|" * len(metrics)
+    rows = [head, sep]
+    for ds, vals in results["datasets"].items():
+        rows.append(f"| {ds} | {vals['n_items']} | " + " | ".join(_fmt(m, vals.get(m)) for m in metrics) + " |")
+    avg = results["average"]
+    n_total = sum(v["n_items"] for v in results["datasets"].values())
+    rows.append(f"| **average** | {n_total} | " + " | ".join(f"**{_fmt(m, avg.get(m))}**" for m in metrics) + " |")
+    return "\n".join(rows)
+
+
+def _run_label(run: dict[str, Any]) -> str:
+    return str(run.get("name") or Path(run.get("run_dir", "run")).name)
+
+
+def comparison_table(runs: Sequence[dict[str, Any]], metric: str, reference: dict[str, dict[str, float]] | None = None) -> str:
+    """Datasets × runs for one metric (percent), the unweighted average row, and optional
+    reference columns (already in percent, e.g. the paper's)."""
+    datasets: list[str] = []
+    for run in runs:
+        datasets += [d for d in run["datasets"] if d not in datasets]
+    reference = reference or {}
+    cols = [_run_label(r) for r in runs] + list(reference)
+    rows = ["| dataset | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for ds in datasets:
+        cells = [_fmt(metric, r["datasets"].get(ds, {}).get(metric)) for r in runs]
+        cells += [f"{ref[ds]:.1f}" if ds in ref else "–" for ref in reference.values()]
+        rows.append(f"| {ds} | " + " | ".join(cells) + " |")
+    cells = [f"**{_fmt(metric, r['average'].get(metric))}**" if set(r["datasets"]) == set(datasets)
+             else "–" for r in runs]  # an average over different datasets would not compare
+    cells += ["–"] * len(reference)
+    rows.append("| **average** | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_bars(runs: Sequence[dict[str, Any]], metric: str, path: str | Path,
+              reference: dict[str, dict[str, float]] | None = None) -> Path:
+    """Grouped bar chart: one group per dataset, one bar per run (and per reference column)."""
+    plt = _pyplot()
+    datasets: list[str] = []
+    for run in runs:
+        datasets += [d for d in run["datasets"] if d not in datasets]
+    series = [(_run_label(r), [100 * r["datasets"].get(d, {}).get(metric, float("nan")) for d in datasets]) for r in runs]
+    for label, ref in (reference or {}).items():
+        series.append((label + " (paper)", [ref.get(d, float("nan")) for d in datasets]))
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(datasets) + 2), 4))
+    for i, (label, values) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(datasets))]
+        ax.bar(xs, values, width, label=label, hatch="//" if "(paper)" in label else None)
+    ax.set_xticks(range(len(datasets)))
+    ax.set_xticklabels(datasets, rotation=20, ha="right")
+    ax.set_ylabel(_label(metric))
+    ax.set_title(f"{metric} per dataset")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_passk(runs: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
+    """pass@k curves (log2 k axis): one panel per dataset, one line per run. None if no run
+    has pass@k beyond k = 1."""
+    def curve(vals: dict[str, Any]) -> list[tuple[int, float]]:
+        pts = [(int(m.split("@")[1]), v) for m, v in vals.items() if m.startswith("pass@") and v is not None]
+        return sorted(pts)
+
+    datasets: list[str] = []
+    for run in runs:
+        datasets += [d for d, v in run["datasets"].items() if len(curve(v)) > 1 and d not in datasets]
+    if not datasets:
+        return None
+    plt = _pyplot()
+    cols = min(3, len(datasets))
+    nrows = math.ceil(len(datasets) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
+    for ax, ds in zip(axes.flat, datasets):
+        for run in runs:
+            pts = curve(run["datasets"].get(ds, {}))
+            if pts:
+                ax.plot([k for k, _ in pts], [100 * v for _, v in pts], marker="o", label=_run_label(run))
+        ax.set_xscale("log", base=2)
+        ax.set_title(ds)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k (%)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(datasets):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+    p = results["protocol"]
+    lines = [
+        f"- model: `{results['model']}`",
+        f"- suite: {results['suite']}, engine: {results.get('engine', '?')}, protocol: `{p['name']}` "
+        f"(n={p['n']}, T={p['temperature']}, top_p={p['top_p']}, max_tokens={p['max_tokens']}, seed={p['seed']}"
+        + (f", max_turns={p['max_turns']}, topk={p['retrieval_topk']}" if results["suite"] == "qa" else "")
+        + ")",
+    ]
+    if results["suite"] == "math":
+        lines.append(f"- grader: `{results['grader']}` (per-item timeout {p['grade_timeout']} s; timeouts count as wrong)")
+    else:
+        lines.append("- scoring: SQuAD-normalised exact match of the response's last `<answer>` (the paper's reward)")
+    if results.get("retriever"):
+        lines.append(f"- retriever: {results['retriever']}")
+    lines.append(f"- written: {results['timestamp']}; average = unweighted mean over datasets")
+    return lines
+
+
+def write_run_report(results: dict[str, Any], out_dir: str | Path, exceptions: str | None = None) -> Path:
+    """``report.md`` (+ ``<metric>.png`` and ``pass_at_k.png`` for math) for one run."""
+    out_dir = Path(out_dir)
+    metric = results["primary_metric"]
+    bars = plot_bars([results], metric, out_dir / f"{metric.replace('@', '_at_')}.png")
+    lines = [f"# Evaluation: {results['name']}", "", *_header(results), "", results_table(results), "",
+             f"![{metric}]({bars.name})"]
+    passk = plot_passk([results], out_dir / "pass_at_k.png")
+    if passk is not None:
+        lines += ["", f"![pass@k]({passk.name})"]
+    if exceptions:
+        lines += ["", exceptions]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper: bool = True) -> dict[str, Any]:
+    """Side-by-side report of several runs of one suite; writes ``report.md``,
+    ``comparison.json`` and plots to ``out_dir``; returns the comparison data."""
+    from emapg.cli import UserError
+
+    runs = [load_run(d) for d in run_dirs]
+    if not runs:
+        raise UserError("give at least one run directory to compare")
+    suites = {r["suite"] for r in runs}
+    if len(suites) != 1:
+        raise UserError(f"cannot compare runs of different suites: {', '.join(sorted(suites))}")
+    suite = suites.pop()
+    metric = runs[0]["primary_metric"]
+    ref = PAPER_REFERENCE[suite]
+    reference = ref["columns"] if with_paper and ref["metric"] == metric else None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bars = plot_bars(runs, metric, out_dir / f"{metric.replace('@', '_at_')}.png", reference)
+    passk = plot_passk(runs, out_dir / "pass_at_k.png")
+    lines = [f"# Comparison ({suite}, {metric})", ""]
+    for r in runs:
+        p = r["protocol"]
+        lines.append(f"- **{_run_label(r)}**: `{r['model']}`, protocol `{p['name']}` (n={p['n']}, T={p['temperature']}), "
+                     f"{'grader `' + r['grader'] + '`, ' if suite == 'math' else ''}{r['timestamp']}")
+    lines += ["", comparison_table(runs, metric, reference), ""]
+    if reference:
+        lines += [f"Columns marked *paper* are the published numbers of the EMA-PG paper (arXiv 2602.04417) for "
+                  f"{ref['model']} -- **not produced by this code or these runs**. {ref['note']}", ""]
+    lines.append(f"![{metric}]({bars.name})")
+    if passk is not None:
+        lines += ["", f"![pass@k]({passk.name})"]
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    data = {
+        "suite": suite,
+        "metric": metric,
+        "runs": [{k: r[k] for k in ("name", "model", "run_dir", "datasets", "average", "protocol", "grader", "timestamp")}
+                 for r in runs],
+        "paper_reference": {"columns": reference, "model": ref["model"], "note": ref["note"]} if reference else None,
+    }
+    (out_dir / "comparison.json").write_text(json.dumps(data, indent=2) + "\n")
+    return data

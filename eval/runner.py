@@ -1,0 +1,521 @@
+"""The evaluation runner: a model, a suite of datasets, a protocol -> per-item JSONL, results, report.
+
+Evaluation goes through the training stack itself (``agent.engines.make_engine`` and
+``agent.rollout.run_rollouts``), so a score means what the training reward means: QA is
+the Search-R1 multi-turn loop against a real retrieval server, scored by
+:func:`eval.qa_metrics.qa_scores`; math is one turn scored by :func:`eval.math_grader.grade_many`.
+
+Layout of ``out_dir``::
+
+    run.json               settings of the run (checked on resume)
+    items/<dataset>.jsonl  one line per question: prompt, full trajectory text, prediction,
+                           golds, scores, searches, turns (all samples when n > 1)
+    results.json           per-dataset metrics, unweighted average, model, protocol, grader, time
+    report.md, *.png       the table and plots (eval.report)
+
+Resume: questions are processed in fixed batches (batch b of a dataset is always the same
+questions, in the same order, with a seed derived from the protocol seed, the dataset and
+b), and a batch's lines are appended in one write once the batch is finished. A rerun with
+the same settings skips questions already in ``items/``; because batches are fixed, a
+resumed run produces the same samples as an uninterrupted one (also at T > 0). A torn last
+line (killed mid-write) is dropped and its question redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from emapg.cli import UserError
+from emapg.config import ConfigError, option, to_dict
+from eval.protocols import EvalProtocol
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "run.json"
+ITEMS_DIR = "items"
+
+QA_METRICS = ("em", "f1", "cover_em", "retrieval_recall", "has_answer", "searches", "turns", "response_tokens")
+MATH_METRICS = ("answered", "timeouts", "response_tokens")  # plus pass@k for k in default_ks(n)
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate and where the results go (``emapg eval``)."""
+
+    model: str = option(help="checkpoint folder, alias (tiny-qwen2, smollm2-135m-instruct) or hub name")
+    out: str = option(help="output folder (created; a rerun resumes)")
+    protocol: EvalProtocol = option(default_factory=EvalProtocol, help="sampling and scoring settings")
+    datasets: list[str] = option(default_factory=list, help="dataset names (default: every dataset of the suite)")
+    data_paths: dict[str, str] = option(default_factory=dict, help="dataset name -> user file replacing the bundled one")
+    limit: int | None = option(None, help="questions per dataset (a deterministic, seeded sample); None: all")
+    data_seed: int = option(0, help="seed of the --limit sample")
+    name: str | None = option(None, help="run label in reports (default: the output folder's name)")
+    engine: Literal["vllm", "hf"] = option("vllm", help="generation engine; 'hf' (transformers) is the fallback")
+    batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
+    retriever_url: str | None = option(None, help="qa: URL of a running retrieval server")
+    index: str | None = option(None, help="qa: index folder to serve if no --retriever-url (default: the bundled index)")
+    retriever_api_key: str | None = option(None, help="qa: API key of the retrieval server, if it needs one (the CLI reads EMAPG_RETRIEVER_API_KEY)")
+    rollout_mode: Literal["batched", "async"] = option("batched", help="rollout driver (see agent.rollout)")
+    grader_workers: int = option(2, help="math: grading worker processes")
+    progress: bool = option(True, help="show a progress bar (only on a terminal)")
+
+    def validate(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.grader_workers < 1:
+            raise ConfigError(f"grader_workers must be >= 1, got {self.grader_workers}")
+
+
+# --------------------------------------------------------------------------- per-item files
+
+
+def read_items(path: Path) -> list[dict[str, Any]]:
+    """Records of an items file; a torn last line is removed from the file (and not returned)."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    records, good_end, start = [], 0, 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        if end < 0:
+            break  # no newline: a write was cut short
+        try:
+            records.append(json.loads(data[start:end]))
+        except json.JSONDecodeError:
+            break
+        good_end = start = end + 1
+    if good_end < len(data):
+        log.warning("%s: dropping a torn record at byte %d (interrupted write); it will be redone", path, good_end)
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return records
+
+
+def _append_items(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append a batch's records in one write, flushed to disk, so a batch is all-or-nothing."""
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    with open(path, "ab") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _batch_seed(seed: int, dataset: str, batch_index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{dataset}/{batch_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def _observation_texts(traj, tokenizer) -> list[str]:
+    """The retrieved text the model was shown (each successful search's observation)."""
+    return [
+        tokenizer.decode(traj.response_ids[s.start : s.end], skip_special_tokens=True)
+        for s in traj.spans
+        if s.role == "observation" and s.action == "information"
+    ]
+
+
+def _sample_record(traj, tokenizer) -> dict[str, Any]:
+    return {
+        "response": traj.response_text,
+        "stop_reason": traj.stop_reason,
+        "turns": traj.num_turns,
+        "searches": traj.num_searches,
+        "queries": list(traj.queries),
+        "retrieved_ids": [list(ids) for ids in traj.retrieved_ids],
+        "search_failures": traj.search_failures,
+        "invalid_actions": traj.invalid_actions,
+        "response_tokens": len(traj.response_ids),
+        "model_tokens": traj.num_model_tokens,
+        "error": traj.error,
+    }
+
+
+def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
+    """Per-item record for a QA example from its trajectories (one per sample)."""
+    from eval.qa_metrics import extract_answer, qa_scores
+
+    samples = []
+    for t in trajs:
+        rec = _sample_record(t, tokenizer)
+        rec["prediction"] = extract_answer(t.response_text)
+        rec["scores"] = qa_scores(t.response_text, example.answers, _observation_texts(t, tokenizer))
+        samples.append(rec)
+    keys = samples[0]["scores"].keys()
+    scores = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in keys}
+    scores["searches"] = sum(s["searches"] for s in samples) / len(samples)
+    scores["turns"] = sum(s["turns"] for s in samples) / len(samples)
+    scores["response_tokens"] = sum(s["response_tokens"] for s in samples) / len(samples)
+    return _item_record(example, trajs, tokenizer, samples, scores)
+
+
+def score_math_batch(examples: Sequence, trajs_per_item: Sequence[Sequence], tokenizer, protocol: EvalProtocol,
+                     pool) -> list[dict[str, Any]]:
+    """Per-item records for math examples; all samples of the batch are graded in one pool call."""
+    from eval.math_grader import grade_many
+
+    flat = [(ex, t) for ex, trajs in zip(examples, trajs_per_item) for t in trajs]
+    grades = grade_many([t.response_text for _, t in flat], [ex.answers for ex, _ in flat],
+                        timeout=protocol.grade_timeout, grader=protocol.grader, pool=pool)
+    out, i = [], 0
+    for ex, trajs in zip(examples, trajs_per_item):
+        samples = []
+        for t in trajs:
+            g = grades[i]
+            i += 1
+            rec = _sample_record(t, tokenizer)
+            rec.update(prediction=g.extracted, correct=g.correct, grade_reason=g.reason)
+            samples.append(rec)
+        n, c = len(samples), sum(s["correct"] for s in samples)
+        scores = {
+            "n_samples": n,
+            "n_correct": c,
+            "accuracy": c / n,
+            "answered": sum(s["prediction"] is not None for s in samples) / n,
+            "timeouts": sum(s["grade_reason"] == "timeout" for s in samples),
+            "response_tokens": sum(s["response_tokens"] for s in samples) / n,
+        }
+        out.append(_item_record(ex, trajs, tokenizer, samples, scores))
+    return out
+
+
+def _item_record(example, trajs, tokenizer, samples, scores) -> dict[str, Any]:
+    first = samples[0]
+    return {
+        "id": example.id,
+        "dataset": example.data_source,
+        "question": example.question,
+        "golds": list(example.answers),
+        "prompt": tokenizer.decode(trajs[0].prompt_ids, skip_special_tokens=False),
+        "prediction": first["prediction"],
+        "response": first["response"],
+        "searches": first["searches"],
+        "turns": first["turns"],
+        "scores": scores,
+        "samples": samples,
+    }
+
+
+def aggregate(suite: str, records: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Dataset-level metrics from per-item records (means over items; pass@k for math)."""
+    if not records:
+        raise ValueError("no records to aggregate")
+    out: dict[str, Any] = {"n_items": len(records)}
+    if suite == "qa":
+        for m in QA_METRICS:
+            out[m] = sum(r["scores"][m] for r in records) / len(records)
+        return out
+    from eval.passk import default_ks, mean_pass_at_k
+
+    counts = [r["scores"]["n_correct"] for r in records]
+    ns = [r["scores"]["n_samples"] for r in records]
+    for k in default_ks(n):
+        out[f"pass@{k}"] = mean_pass_at_k(counts, ns, k)
+    out["answered"] = sum(r["scores"]["answered"] for r in records) / len(records)
+    out["timeouts"] = sum(r["scores"]["timeouts"] for r in records)
+    out["response_tokens"] = sum(r["scores"]["response_tokens"] for r in records) / len(records)
+    return out
+
+
+def metric_names(suite: str, n: int) -> list[str]:
+    if suite == "qa":
+        return list(QA_METRICS)
+    from eval.passk import default_ks
+
+    return [f"pass@{k}" for k in default_ks(n)] + list(MATH_METRICS)
+
+
+# --------------------------------------------------------------------------- setup helpers
+
+
+def _fingerprint(cfg: EvalConfig, engine_kind: str) -> dict[str, Any]:
+    """Settings that must match for a rerun to resume (labels and progress may change)."""
+    return {
+        "model": cfg.model,
+        "suite": cfg.protocol.suite,
+        "engine": engine_kind,
+        "protocol": to_dict(cfg.protocol),
+        "limit": cfg.limit,
+        "data_seed": cfg.data_seed,
+        "data_paths": dict(cfg.data_paths),
+        "batch_size": cfg.batch_size,
+        "rollout_mode": cfg.rollout_mode,
+    }
+
+
+def _check_resume(out_dir: Path, fingerprint: dict[str, Any]) -> None:
+    path = out_dir / RUN_FILE
+    if path.exists():
+        old = json.loads(path.read_text()).get("fingerprint", {})
+        diffs = [k for k in fingerprint if old.get(k) != fingerprint[k]]
+        if "protocol" in diffs:
+            p_old, p_new = old.get("protocol") or {}, fingerprint["protocol"]
+            diffs.remove("protocol")
+            diffs += [f"protocol.{k}" for k in p_new if p_old.get(k) != p_new[k]]
+        if diffs:
+            details = "; ".join(f"{d}: {_lookup(old, d)!r} -> {_lookup(fingerprint, d)!r}" for d in diffs)
+            raise UserError(f"{out_dir} holds a run with different settings ({details}); "
+                            "use another --out folder (or delete this one) to start fresh")
+
+
+def _lookup(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _default_index_dir() -> Path:
+    """The bundled corpus's MiniLM Flat index, shared with ``emapg demo`` (built on first use)."""
+    from emapg.paths import cache_dir
+
+    return cache_dir() / "indexes" / "wiki_mini-minilm-flat"
+
+
+def _ensure_bundled_index(index_dir: Path) -> Path:
+    if (index_dir / "meta.json").is_file():
+        return index_dir
+    from emapg.paths import DATA_DIR
+    from retriever.index_builder import BuildConfig, build_index
+
+    print(f"building the bundled Wikipedia index (43k passages, MiniLM, one time) -> {index_dir}", file=sys.stderr)
+    build_index(BuildConfig(corpus=str(DATA_DIR / "corpus" / "wiki_mini.jsonl.gz"), out=str(index_dir),
+                            encoder="minilm", index_type="Flat"))
+    return index_dir
+
+
+def _max_model_len(model_path: str, wanted: int) -> int:
+    """The protocol's context length, capped by what the model supports."""
+    try:
+        from transformers import AutoConfig
+
+        limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    except Exception:  # hub name without a hub: let the engine report it
+        return wanted
+    return min(wanted, limit) if limit else wanted
+
+
+def _make_engine(cfg: EvalConfig):
+    from agent.engines import make_engine
+    from emapg.models import resolve_model
+
+    path = resolve_model(cfg.model)
+    max_len = _max_model_len(path, cfg.protocol.max_model_len)
+    if cfg.engine == "vllm":
+        try:
+            return make_engine("vllm", path, max_model_len=max_len, seed=cfg.protocol.seed), "vllm"
+        except ImportError as e:
+            print(f"emapg eval: vLLM is not available ({e}); falling back to the transformers engine", file=sys.stderr)
+    return make_engine("hf", path, max_model_len=max_len, seed=cfg.protocol.seed), "hf"
+
+
+def _rollout_config(p: EvalProtocol, mode: str, seed: int):
+    from agent.rollout import RolloutConfig
+
+    return RolloutConfig(
+        task="search" if p.suite == "qa" else "math",
+        template=p.template,
+        max_turns=p.max_turns,
+        max_tokens_per_turn=p.max_tokens,
+        max_obs_tokens=p.max_obs_tokens,
+        max_response_tokens=4096 if p.suite == "qa" else p.max_tokens,
+        max_prompt_tokens=p.max_prompt_tokens,
+        prompt_truncation="truncate_question",
+        topk=p.retrieval_topk,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=seed,
+        n_samples=p.n,
+        mode=mode,
+    )
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="q", disable=not enabled or not sys.stderr.isatty())
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """Evaluate ``cfg.model`` on ``cfg.datasets``; returns the ``results.json`` content.
+
+    ``on_batch(dataset, items_done)`` is called after every batch is written (for callers
+    that show progress their own way).
+    """
+    from eval.datasets import MATH_DATASETS, QA_DATASETS, load_dataset, task_of
+
+    cfg.validate()
+    cfg.protocol.validate()
+    p = cfg.protocol
+    suite = p.suite
+    datasets = list(cfg.datasets) or list(QA_DATASETS if suite == "qa" else MATH_DATASETS)
+    for ds in datasets:
+        task = task_of(ds)
+        if task is not None and task != suite:
+            raise UserError(f"dataset {ds!r} belongs to the {task} suite, not {suite}")
+    if len(set(datasets)) != len(datasets):
+        raise UserError(f"datasets listed twice: {datasets}")
+    # Load every dataset before the (slow) engine, so a bad name fails fast.
+    examples = {ds: load_dataset(ds, path=cfg.data_paths.get(ds), limit=cfg.limit, seed=cfg.data_seed) for ds in datasets}
+    for ds, exs in examples.items():
+        if not exs:
+            raise UserError(f"dataset {ds!r} has no questions")
+
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / ITEMS_DIR).mkdir(exist_ok=True)
+    done = {ds: read_items(out_dir / ITEMS_DIR / f"{ds}.jsonl") for ds in datasets}
+    # The engine kind is part of the fingerprint; check against the requested one first so a
+    # mismatch fails before the model loads (a vLLM -> hf fallback is re-checked below).
+    _check_resume(out_dir, _fingerprint(cfg, cfg.engine))
+    todo = {ds: [ex for ex in exs if ex.id not in {r["id"] for r in done[ds]}] for ds, exs in examples.items()}
+
+    engine = engine_kind = server = retriever = pool = None
+    retriever_desc = None
+    try:
+        if any(todo.values()):
+            engine, engine_kind = _make_engine(cfg)
+            _check_resume(out_dir, _fingerprint(cfg, engine_kind))
+            (out_dir / RUN_FILE).write_text(json.dumps({"fingerprint": _fingerprint(cfg, engine_kind),
+                                                        "started": _now()}, indent=2) + "\n")
+            if suite == "qa":
+                retriever, server, retriever_desc = _open_retriever(cfg)
+            else:
+                from eval.math_grader import GraderPool
+
+                pool = GraderPool(workers=cfg.grader_workers)
+        elif (out_dir / RUN_FILE).exists():  # everything was done by an earlier run
+            engine_kind = json.loads((out_dir / RUN_FILE).read_text())["fingerprint"]["engine"]
+        else:
+            engine_kind = cfg.engine
+        for ds in datasets:
+            _run_dataset(cfg, ds, examples[ds], done[ds], engine, retriever, pool, out_dir, on_batch)
+    finally:
+        if pool is not None:
+            pool.close()
+        if retriever is not None:
+            retriever.close()
+        if server is not None:
+            server.stop()
+        if engine is not None:
+            engine.close()
+
+    records = {ds: _ordered(read_items(out_dir / ITEMS_DIR / f"{ds}.jsonl"), examples[ds]) for ds in datasets}
+    per_ds = {ds: aggregate(suite, recs, p.n) for ds, recs in records.items()}
+    names = metric_names(suite, p.n)
+    results = {
+        "name": cfg.name or out_dir.resolve().name,
+        "model": cfg.model,
+        "suite": suite,
+        "engine": engine_kind,
+        "protocol": to_dict(p),
+        "grader": p.grader if suite == "math" else "squad_em_last_answer",
+        "retriever": retriever_desc,
+        "limit": cfg.limit,
+        "data_seed": cfg.data_seed,
+        "timestamp": _now(),
+        "primary_metric": "em" if suite == "qa" else "pass@1",
+        "metric_names": names,
+        "datasets": per_ds,
+        "average": {m: sum(v[m] for v in per_ds.values()) / len(per_ds) for m in names},
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    from eval.report import write_run_report
+
+    write_run_report(results, out_dir, exceptions=_grading_notes(records) if suite == "math" else None)
+    return results
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _ordered(records: list[dict], examples: list) -> list[dict]:
+    """Records of this run's questions, in dataset order (an items file may hold more if
+    an earlier run used a larger --limit with another fingerprint; never mixed in)."""
+    by_id = {r["id"]: r for r in records}
+    missing = [ex.id for ex in examples if ex.id not in by_id]
+    if missing:
+        raise RuntimeError(f"{len(missing)} questions have no result (first: {missing[0]})")
+    return [by_id[ex.id] for ex in examples]
+
+
+def _grading_notes(records: dict[str, list[dict]]) -> str | None:
+    timeouts = sum(r["scores"]["timeouts"] for recs in records.values() for r in recs)
+    if not timeouts:
+        return None
+    return f"Grading: {timeouts} sample(s) hit the per-item grading timeout and count as incorrect."
+
+
+def _open_retriever(cfg: EvalConfig):
+    from retriever.client import RetrieverClient
+
+    server = None
+    if cfg.retriever_url:
+        url = cfg.retriever_url
+        desc = url
+    else:
+        from retriever.launch import RetrieverServer
+
+        index_dir = Path(cfg.index) if cfg.index else _ensure_bundled_index(_default_index_dir())
+        if not (index_dir / "meta.json").is_file():
+            raise UserError(f"{index_dir} is not a finished index (no meta.json); build one with `emapg index build`")
+        server = RetrieverServer(index_dir, topk=cfg.protocol.retrieval_topk, api_key=cfg.retriever_api_key).start()
+        url = server.url
+        desc = f"started on {index_dir}"
+    client = RetrieverClient(url, api_key=cfg.retriever_api_key)
+    try:
+        client.health()
+    except Exception as e:
+        client.close()
+        if server is not None:
+            server.stop()
+        raise UserError(f"retrieval server at {url} is not reachable: {e}") from None
+    return client, server, desc
+
+
+def _run_dataset(cfg, ds, examples, done_records, engine, retriever, pool, out_dir, on_batch) -> None:
+    from agent.rollout import run_rollouts
+
+    p = cfg.protocol
+    done_ids = {r["id"] for r in done_records}
+    n_done = sum(ex.id in done_ids for ex in examples)
+    if n_done == len(examples):
+        return
+    path = out_dir / ITEMS_DIR / f"{ds}.jsonl"
+    bar = _progress(len(examples), n_done, ds, cfg.progress)
+    try:
+        for b in range(0, len(examples), cfg.batch_size):
+            batch = [ex for ex in examples[b : b + cfg.batch_size] if ex.id not in done_ids]
+            if not batch:
+                continue
+            rcfg = _rollout_config(p, cfg.rollout_mode, _batch_seed(p.seed, ds, b // cfg.batch_size))
+            trajs = run_rollouts(engine, batch, retriever, rcfg, batch_tag=f"{ds}-{b // cfg.batch_size}")
+            per_item = [trajs[i * p.n : (i + 1) * p.n] for i in range(len(batch))]
+            if p.suite == "qa":
+                records = [score_qa(ex, ts, engine.tokenizer) for ex, ts in zip(batch, per_item)]
+            else:
+                records = score_math_batch(batch, per_item, engine.tokenizer, p, pool)
+            _append_items(path, records)
+            n_done += len(batch)
+            bar.update(len(batch))
+            if on_batch is not None:
+                on_batch(ds, n_done)
+    finally:
+        bar.close()
