@@ -17,6 +17,11 @@ Answer extraction departs from the paper in where it looks, not in what it finds
   rules agree whenever the response holds at least one answer tag.
   ``extract_answer(text, paper_prompt_included=True)`` reproduces the paper's rule on
   prompt + response text, for comparisons with published numbers.
+* :func:`qa_reward` and :func:`qa_scores` first remove the environment's text
+  (:func:`strip_observations`): the ``<information>`` blocks and Search-R1's corrective
+  message, which itself contains ``<answer> and </answer>``. The paper scans them too; as a
+  model answer always ends the trajectory, that changes the exact match only for the gold
+  answer "and", but it would make every invalid-action trajectory look "answered".
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Iterable, Sequence
 
 __all__ = [
     "normalize_answer",
+    "strip_observations",
     "extract_answer",
     "exact_match",
     "cover_exact_match",
@@ -38,6 +44,8 @@ __all__ = [
 ]
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# An observation block; one cut short (no closing tag) runs to the end of the text.
+_INFORMATION_RE = re.compile(r"<information>.*?(?:</information>|\Z)", re.DOTALL)
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
@@ -48,6 +56,14 @@ def normalize_answer(text: str) -> str:
     text = "".join(ch for ch in text if ch not in _PUNCT)
     text = _ARTICLES_RE.sub(" ", text)
     return " ".join(text.split())
+
+
+def strip_observations(response_text: str) -> str:
+    """The model's own text: ``<information>`` blocks and the invalid-action message removed."""
+    from agent.actions import INVALID_ACTION_MESSAGE
+
+    text = response_text.replace(INVALID_ACTION_MESSAGE.strip(), "")
+    return _INFORMATION_RE.sub("", text)
 
 
 def extract_answer(text: str, *, paper_prompt_included: bool = False) -> str | None:
@@ -130,10 +146,11 @@ def retrieval_recall(passages: Iterable[str], golds: str | Iterable[str]) -> flo
 def qa_reward(response_text: str, golds: str | Sequence[str]) -> float:
     """The search-task reward: exact match of the response's last ``<answer>`` (0.0 if none).
 
-    Format reward is 0, as in the paper. ``response_text`` must be the response only (model
-    turns and observations), not the prompt; see the module docstring.
+    Format reward is 0, as in the paper. ``response_text`` is the response only (model turns
+    and observations, e.g. ``Trajectory.response_text``), not the prompt; observations are
+    ignored (see the module docstring).
     """
-    return exact_match(extract_answer(response_text), golds)
+    return exact_match(extract_answer(strip_observations(response_text)), golds)
 
 
 def qa_scores(
@@ -143,7 +160,7 @@ def qa_scores(
 ) -> dict[str, float]:
     """All per-item QA metrics for one response: ``em``, ``f1``, ``cover_em`` and, when the
     retrieved passages are given, ``retrieval_recall``."""
-    pred = extract_answer(response_text)
+    pred = extract_answer(strip_observations(response_text))
     scores = {
         "em": exact_match(pred, golds),
         "f1": token_f1(pred, golds),

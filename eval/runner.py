@@ -146,12 +146,12 @@ def _sample_record(traj, tokenizer) -> dict[str, Any]:
 
 def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
     """Per-item record for a QA example from its trajectories (one per sample)."""
-    from eval.qa_metrics import extract_answer, qa_scores
+    from eval.qa_metrics import extract_answer, qa_scores, strip_observations
 
     samples = []
     for t in trajs:
         rec = _sample_record(t, tokenizer)
-        rec["prediction"] = extract_answer(t.response_text)
+        rec["prediction"] = extract_answer(strip_observations(t.response_text))
         rec["scores"] = qa_scores(t.response_text, example.answers, _observation_texts(t, tokenizer))
         samples.append(rec)
     keys = samples[0]["scores"].keys()
