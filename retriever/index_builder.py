@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -111,14 +112,42 @@ def faiss_metric(metric: str) -> int:
     return {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}[metric]
 
 
+def _faiss_message(e: Exception) -> str:
+    """The useful last part of a FAISS C++ exception ("Error in <signature> at file:line: <what>")."""
+    lines = str(e).strip().splitlines()
+    last = lines[-1] if lines else str(e)
+    m = re.search(r" at \S+:\d+: (.*)$", last)
+    return m.group(1) if m else last
+
+
 def _validate_factory(index_type: str, dim: int, metric: str) -> None:
     import faiss
 
     try:
         faiss.index_factory(dim, index_type, faiss_metric(metric))
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else str(e)
-        raise ValueError(f"--index-type {index_type!r} is not a valid faiss index_factory string ({first})") from None
+        raise ValueError(f"--index-type {index_type!r} is not a valid faiss index_factory string ({_faiss_message(e)})") from None
+
+
+def _encoder_dim(spec: EncoderSpec) -> int:
+    from transformers import AutoConfig
+
+    from emapg.models import resolve_model
+
+    return int(AutoConfig.from_pretrained(resolve_model(spec.name)).hidden_size)
+
+
+def _check_ivf_size(cfg: BuildConfig, dim: int, rows: int) -> None:
+    """Reject an IVF with more lists than training vectors before hours of encoding, not after."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(faiss.index_factory(dim, cfg.index_type, faiss_metric(cfg.metric)))
+    n_train = min(rows, cfg.train_sample)
+    if ivf is not None and ivf.nlist > n_train:
+        raise ValueError(
+            f"training {cfg.index_type} failed: {ivf.nlist} IVF lists need at least {ivf.nlist} training vectors, "
+            f"but only {n_train} are available (use fewer IVF lists, a larger corpus or a larger --train-sample)"
+        )
 
 
 def _chunk_path(emb_dir: Path, i: int) -> Path:
@@ -153,6 +182,8 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     spec = make_spec(
         cfg.encoder, pooling=cfg.pooling, query_prefix=cfg.query_prefix, passage_prefix=cfg.passage_prefix, max_length=cfg.max_length
     )
+    model_dim = _encoder_dim(spec)
+    _validate_factory(cfg.index_type, model_dim, cfg.metric)  # fail before touching --out
     if out.exists() and cfg.overwrite:
         shutil.rmtree(out)
     if (out / META_FILE).is_file():
@@ -182,6 +213,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     if rows == 0:
         raise ValueError(f"corpus {corpus} has no passages")
     store = DocStore(out)
+    _check_ivf_size(cfg, model_dim, rows)
 
     # 2. Encode chunk by chunk; every finished chunk is a resume point.
     n_chunks = (rows + cfg.chunk_size - 1) // cfg.chunk_size
@@ -280,7 +312,7 @@ def _build_faiss(cfg: BuildConfig, emb_dir: Path, n_chunks: int, rows: int, dim:
             index.train(sample)
         except RuntimeError as e:
             raise ValueError(
-                f"training {cfg.index_type} failed on {n_train} vectors: {str(e).strip().splitlines()[-1]} "
+                f"training {cfg.index_type} failed on {n_train} vectors: {_faiss_message(e)} "
                 "(use fewer IVF lists or a larger corpus / --train-sample)"
             ) from None
     for chunk in _iter_chunks(emb_dir, n_chunks):

@@ -3,7 +3,7 @@
     with RetrieverServer("indexes/wiki_mini") as server:
         client = RetrieverClient(server.url)
 
-The server runs as ``python -m emapg.cli serve`` in its own process group (so stopping it also
+The server runs as ``emapg serve`` in its own process group (so stopping it also
 stops anything it spawned); output goes to a log file whose tail is quoted in every error.
 """
 
@@ -112,7 +112,7 @@ class RetrieverServer:
         return self
 
     def _start_once(self) -> None:
-        cmd = [sys.executable, "-m", "emapg.cli", "serve", *self.args, "--port", str(self.port)]
+        cmd = [*emapg_command(), "serve", *self.args, "--port", str(self.port)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, cwd=_repo_root())
         deadline = time.monotonic() + self.startup_timeout
@@ -157,6 +157,15 @@ class RetrieverServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def emapg_command() -> list[str]:
+    """argv prefix that runs the ``emapg`` CLI with this interpreter, installed or not.
+
+    Not ``python -m emapg.cli``: that runs the module as ``__main__``, whose ``UserError`` class is
+    not the one the subcommands raise, so user errors would print tracebacks instead of one line.
+    """
+    return [sys.executable, "-c", "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 
 def _repo_root() -> str:

@@ -1,0 +1,196 @@
+"""Corpus reading, the document store, and index builds (including a build killed mid-way and resumed)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from emapg.paths import REPO_ROOT
+from retriever.corpus import CorpusError, DocStore, iter_corpus, split_contents, write_docstore
+from retriever.launch import emapg_command
+from retriever.index_builder import EMB_DIR, INDEX_FILE, META_FILE, PROGRESS_FILE, BuildConfig, build_index, read_meta
+
+BUNDLED = REPO_ROOT / "data" / "corpus" / "wiki_mini.jsonl.gz"
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*emapg_command(), *args], capture_output=True, text=True, env=_env(), cwd=REPO_ROOT, **kw)
+
+
+def test_reader_handles_quoted_unquoted_title_text_and_gzip(tmp_path):
+    rows = [
+        {"id": "a", "contents": '"Paris"\nParis is the capital of France.'},
+        {"id": "b", "contents": "Berlin\nBerlin is the capital of Germany.", "source": "x"},
+        {"id": 3, "title": "Rome", "text": "Rome is the capital of Italy."},
+    ]
+    plain = tmp_path / "c.jsonl"
+    plain.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    gz = tmp_path / "c.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(plain.read_text())
+    for path in (plain, gz):
+        ps = list(iter_corpus(path))
+        assert [p.id for p in ps] == ["a", "b", "3"]
+        assert [p.contents for p in ps] == ['"Paris"\nParis is the capital of France.', '"Berlin"\nBerlin is the capital of Germany.', '"Rome"\nRome is the capital of Italy.']
+        assert [p.title for p in ps] == ["Paris", "Berlin", "Rome"]
+    assert split_contents('"A "quoted" title"\nbody\nmore') == ('A "quoted" title', "body\nmore")
+
+
+def test_reader_errors_name_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "contents": "T\\nx"}\n{oops\n')
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: not valid JSON"):
+        list(iter_corpus(bad))
+    bad.write_text('{"id": "a", "body": "x"}\n')
+    with pytest.raises(CorpusError, match=r"bad.jsonl:1: a passage needs 'contents'"):
+        list(iter_corpus(bad))
+    with pytest.raises(CorpusError, match="not found"):
+        list(iter_corpus(tmp_path / "missing.jsonl"))
+
+
+def test_docstore_vectorised_lookup_matches_the_corpus(tmp_path):
+    passages = list(iter_corpus(BUNDLED, limit=500))
+    assert write_docstore(iter(passages), tmp_path) == 500
+    store = DocStore(tmp_path)
+    idx = np.array([[499, 0, 7], [7, 123, 1]])
+    docs = store.lookup(idx)
+    assert [d["id"] for d in docs] == [passages[i].id for i in idx.ravel()]
+    assert [d["contents"] for d in docs] == [passages[i].contents for i in idx.ravel()]
+    assert any("\u00f6" in p.contents or ord(max(p.contents)) > 127 for p in passages)  # non-ASCII round-trips
+    with pytest.raises(IndexError):
+        store.lookup(np.array([500]))
+
+
+def test_bundled_corpus_is_read_in_search_r1_format():
+    first = next(iter_corpus(BUNDLED))
+    assert first.id == "vital-0" and first.contents.startswith('"0"\n0 is a number')
+
+
+def _small_corpus(path: Path, n: int) -> Path:
+    with open(path, "w") as f:
+        for p in iter_corpus(BUNDLED, limit=n):
+            f.write(json.dumps({"id": p.id, "contents": p.contents}) + "\n")
+    return path
+
+
+BUILD_ARGS = ["--max-length", "32", "--chunk-size", "10", "--batch-size", "10", "--device", "cpu", "--no-progress"]
+
+
+def test_killed_build_resumes_from_the_last_chunk_and_equals_a_clean_build(tmp_path):
+    import faiss
+
+    corpus = _small_corpus(tmp_path / "corpus.jsonl", 300)  # 30 chunks
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen(
+        [*emapg_command(), "index", "build", "--corpus", str(corpus), "--out", str(out), *BUILD_ARGS],
+        env=_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    progress = out / EMB_DIR / PROGRESS_FILE
+    deadline = time.monotonic() + 120
+    done: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress.is_file():
+            try:
+                done = json.loads(progress.read_text())["done"]
+            except (json.JSONDecodeError, KeyError):  # pragma: no cover - the file is replaced atomically
+                done = []
+            if len(done) >= 3:
+                break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / META_FILE).exists(), "the build finished before it could be killed"
+    done = json.loads(progress.read_text())["done"]
+    assert 3 <= len(done) < 30
+    before = {i: (out / EMB_DIR / f"chunk_{i:05d}.npy").stat().st_mtime_ns for i in done}
+    with pytest.raises(FileNotFoundError, match="unfinished build"):
+        read_meta(out)
+
+    r = _cli("index", "build", "--corpus", str(corpus), "--out", str(out), *BUILD_ARGS)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["chunks_reused"] == len(done) and report["chunks_encoded"] == 30 - len(done)
+    assert f"resuming: {len(done)}/30 chunks already encoded" in r.stderr
+    after = {i: (out / EMB_DIR / f"chunk_{i:05d}.npy").stat().st_mtime_ns for i in done}
+    assert after == before, "finished chunks were re-encoded"
+
+    clean = tmp_path / "clean"
+    res = build_index(BuildConfig(corpus=str(corpus), out=str(clean), max_length=32, chunk_size=10, batch_size=10, device="cpu", progress=False), log=lambda m: None)
+    assert res.chunks_encoded == 30 and res.rows == 300
+    a, b = faiss.read_index(str(out / INDEX_FILE)), faiss.read_index(str(clean / INDEX_FILE))
+    assert a.ntotal == b.ntotal == 300
+    np.testing.assert_allclose(a.reconstruct_n(0, 300), b.reconstruct_n(0, 300), rtol=0, atol=1e-6)
+    for name in ("docs.bin", "ids.bin"):
+        assert (out / name).read_bytes() == (clean / name).read_bytes()
+    m1, m2 = read_meta(out), read_meta(clean)
+    assert m1["corpus"]["checksum"] == m2["corpus"]["checksum"] and m1["encoder"] == m2["encoder"]
+
+
+def test_resume_with_other_settings_is_refused_and_finished_index_is_kept(tmp_path):
+    corpus = _small_corpus(tmp_path / "corpus.jsonl", 20)
+    out = tmp_path / "idx"
+    cfg = dict(corpus=str(corpus), out=str(out), chunk_size=10, batch_size=10, device="cpu", progress=False)
+    build_index(BuildConfig(max_length=32, **cfg), log=lambda m: None)
+    with pytest.raises(FileExistsError, match="already holds a finished index"):
+        build_index(BuildConfig(max_length=32, **cfg), log=lambda m: None)
+    (out / META_FILE).unlink()  # pretend the build stopped before the end
+    with pytest.raises(FileExistsError, match="different settings"):
+        build_index(BuildConfig(max_length=64, **cfg), log=lambda m: None)
+    res = build_index(BuildConfig(max_length=32, **cfg), log=lambda m: None)
+    assert res.chunks_reused == 2 and res.chunks_encoded == 0
+
+
+def test_ivf_index_bm25_and_info(tmp_path):
+    corpus = _small_corpus(tmp_path / "corpus.jsonl", 120)
+    out = tmp_path / "ivf"
+    r = _cli("index", "build", "--corpus", str(corpus), "--out", str(out), "--index-type", "IVF4,SQ8", "--bm25", "--train-sample", "100", *BUILD_ARGS)
+    assert r.returncode == 0, r.stderr
+    info = _cli("index", "info", str(out))
+    assert info.returncode == 0, info.stderr
+    meta = json.loads(info.stdout)
+    assert meta["index_type"] == "IVF4,SQ8" and meta["rows"] == 120 and meta["bm25"] is True
+    assert meta["encoder"] == {"name": "minilm", "pooling": "mean", "query_prefix": "", "passage_prefix": "", "max_length": 32, "normalize": True}
+    assert meta["corpus"]["checksum"].startswith("sha256:") and meta["files"]["index.faiss"] > 0
+
+    from retriever.searcher import Searcher
+
+    s = Searcher(out, device="cpu")
+    target = next(p for i, p in enumerate(iter_corpus(corpus)) if i == 57)
+    hits = s.retrieve([target.title], topk=3)[0]
+    assert target.id in [h["id"] for h in hits]
+    hybrid = Searcher(out, device="cpu", hybrid_bm25=True)
+    hits = hybrid.retrieve([target.title], topk=3)[0]
+    assert target.id in [h["id"] for h in hits]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--index-type", "NotAnIndex"], "not a valid faiss index_factory string"),
+        (["--index-type", "IVF4096,Flat"], "training IVF4096,Flat failed"),
+        (["--corpus", "/nonexistent.jsonl"], "corpus file not found"),
+    ],
+)
+def test_build_errors_are_one_readable_line(tmp_path, capsys, args, message):
+    from emapg.cli import main
+
+    corpus = _small_corpus(tmp_path / "corpus.jsonl", 12)
+    base = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "x"), *BUILD_ARGS]
+    if args[0] == "--corpus":
+        base[3] = args[1]
+        args = []
+    assert main([*base, *args]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("emapg index: error:") and message in last, last
