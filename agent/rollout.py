@@ -264,6 +264,11 @@ class _Loop:
         self.engine, self.retriever, self.cfg = engine, retriever, config
         self.tok = engine.tokenizer
         self.ctx_limit = config.max_context_tokens or engine.info.max_model_len
+        if config.max_prompt_tokens >= self.ctx_limit:
+            log.warning(
+                "max_prompt_tokens=%d leaves no room to generate in a %d-token context; long prompts will stop "
+                "with stop_reason='context'", config.max_prompt_tokens, self.ctx_limit,
+            )
         self.stats = RolloutStats()
 
     # --- budgets
