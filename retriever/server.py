@@ -513,7 +513,9 @@ def serve(cfg: ServeConfig) -> int:
     from retriever.searcher import check_encoder
 
     cfg.validate()
-    check_encoder(cfg.index, cfg.encoder)  # refuse before binding the port
+    meta = check_encoder(cfg.index, cfg.encoder)  # refuse before binding the port
+    if cfg.hybrid_bm25 and not meta.get("bm25"):
+        raise ValueError(f"--hybrid-bm25 needs a BM25 index: rebuild {cfg.index} with `emapg index build --bm25`")
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     exit_code = {"code": 0}

@@ -1,0 +1,161 @@
+"""Start-up checks, API keys, the loading phase, batch-failure isolation and the launcher's errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from emapg.cli import main as emapg_main
+from emapg.paths import REPO_ROOT
+from retriever.client import RetrievalError, RetrieverClient
+from retriever.launch import RetrieverServer, ServerStartError, emapg_command, free_port
+from retriever.searcher import EncoderMismatchError, check_encoder, rrf_fuse, same_encoder
+from retriever.server import Metrics, MicroBatcher
+
+
+def test_encoder_mismatch_is_refused_with_a_clear_error(retriever_index, capsys):
+    with pytest.raises(EncoderMismatchError, match="built with encoder 'minilm'"):
+        check_encoder(retriever_index.index_dir, "intfloat/e5-base-v2")
+    assert check_encoder(retriever_index.index_dir, "sentence-transformers/all-MiniLM-L6-v2")["rows"] == retriever_index.rows
+    assert same_encoder("MiniLM", "minilm")
+    code = emapg_main(["serve", "--index", str(retriever_index.index_dir), "--port", str(free_port()), "--encoder", "intfloat/e5-base-v2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "built with encoder 'minilm'" in err and "--encoder 'intfloat/e5-base-v2'" in err
+
+
+def test_serve_refuses_bad_setups_before_binding(retriever_index, tmp_path, capsys):
+    port = str(free_port())
+    cases = [
+        (["--index", str(tmp_path)], "not an index directory"),
+        (["--index", str(retriever_index.index_dir), "--hybrid-bm25"], "needs a BM25 index"),
+        (["--index", str(retriever_index.index_dir), "--topk", "200"], "exceeds --max-topk"),
+        (["--index", str(retriever_index.index_dir), "--max-batch", "0"], "--max-batch must be at least 1"),
+    ]
+    for args, message in cases:
+        assert emapg_main(["serve", *args, "--port", port]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_api_key_and_health_while_loading(retriever_index):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EMAPG_RETRIEVER_API_KEY": "s3cret"}
+    proc = subprocess.Popen(
+        [*emapg_command(), "serve", "--index", str(retriever_index.index_dir), "--port", str(port), "--device", "cpu"],
+        env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(url + "/health", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.02)
+                continue
+            seen.append(r.status_code)
+            if r.status_code == 503:
+                assert r.json() == {"status": "loading"}
+                early = httpx.post(url + "/retrieve", json={"queries": ["x"]}, headers={"X-API-Key": "s3cret"})
+                assert early.status_code in (503, 200)  # 200 if loading finished in between
+            if r.status_code == 200:
+                break
+            time.sleep(0.02)
+        assert seen and seen[-1] == 200 and 503 in seen, seen
+        body = {"queries": ["who got the first nobel prize in physics"]}
+        assert httpx.post(url + "/retrieve", json=body).status_code == 401
+        wrong = httpx.post(url + "/retrieve", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "API key" in wrong.json()["detail"]
+        assert httpx.post(url + "/retrieve", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.post(url + "/retrieve", json=body, headers={"X-API-Key": "s3cret"}).status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/metrics", headers={"X-API-Key": "s3cret"}).status_code == 200
+        with RetrieverClient(url, api_key="s3cret") as client:
+            assert len(client.retrieve(["x", "y"], topk=2)) == 2
+        with RetrieverClient(url, retries=3) as client, pytest.raises(RetrievalError, match="HTTP 401"):
+            client.retrieve(["x"])
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+
+
+def test_launcher_reports_the_servers_error(tmp_path):
+    with pytest.raises(ServerStartError, match=r"exited with code 2(.|\n)*not an index directory"):
+        RetrieverServer(tmp_path, startup_timeout=60).start()
+
+
+def test_a_failing_request_does_not_fail_its_batch_mates():
+    """Real batcher and worker thread; the process function fails on one query, as a bad input would."""
+    calls: list[list[str]] = []
+
+    def process(queries: list[str], topk: int) -> list[list[dict]]:
+        calls.append(list(queries))
+        if "boom" in queries:
+            raise RuntimeError("encoder blew up")
+        return [[{"id": q, "contents": q, "score": float(i)} for i in range(topk)] for q in queries]
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = MicroBatcher(process, executor, max_batch=8, max_wait_s=0.05, metrics=Metrics())
+        batcher.start()
+        results = await asyncio.gather(
+            batcher.submit(["a1", "a2"], 2), batcher.submit(["boom"], 1), batcher.submit(["b"], 3), return_exceptions=True
+        )
+        after = await batcher.submit(["c"], 1)  # the worker survived
+        await batcher.stop()
+        executor.shutdown()
+        return results, after
+
+    (a, boom, b), after = asyncio.run(scenario())
+    assert calls[0] == ["a1", "a2", "boom", "b"]  # batched across requests first
+    assert [[h["id"] for h in hh] for hh in a] == [["a1", "a1"], ["a2", "a2"]]
+    assert isinstance(boom, RuntimeError) and "blew up" in str(boom)
+    assert [len(hh) for hh in b] == [3]
+    assert after[0][0]["id"] == "c"
+
+
+def test_micro_batches_respect_max_batch_and_never_split_a_request():
+    sizes: list[int] = []
+
+    def process(queries, topk):
+        sizes.append(len(queries))
+        return [[{"id": q, "contents": q, "score": 0.0}] for q in queries]
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = MicroBatcher(process, executor, max_batch=4, max_wait_s=0.05, metrics=Metrics())
+        batcher.start()
+        reqs = [[f"r{i}q{j}" for j in range(n)] for i, n in enumerate([3, 2, 1, 6, 1])]
+        out = await asyncio.gather(*(batcher.submit(r, 1) for r in reqs))
+        await batcher.stop()
+        executor.shutdown()
+        return reqs, out
+
+    reqs, out = asyncio.run(scenario())
+    assert [[hh[0]["id"] for hh in o] for o in out] == reqs
+    assert sizes == [3, 3, 6, 1]  # [3] [2,1] [6] alone (bigger than max_batch, not split) [1]
+
+
+def test_rrf_fusion_exact():
+    dense = np.array([3, 1, 2, -1])
+    sparse = np.array([2, 3, 7])
+    idx, scores = rrf_fuse([dense, sparse], k=3, rrf_k=60)
+    expected = {3: 1 / 61 + 1 / 62, 2: 1 / 63 + 1 / 61, 1: 1 / 62, 7: 1 / 63}
+    best = sorted(expected, key=lambda d: -expected[d])[:3]
+    assert idx.tolist() == best
+    np.testing.assert_allclose(scores, [expected[d] for d in best], rtol=1e-6)
+
+
+def test_index_info_cli(retriever_index, capsys):
+    assert emapg_main(["index", "info", str(retriever_index.index_dir)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["rows"] == retriever_index.rows and info["encoder"]["name"] == "minilm"
