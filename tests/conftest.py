@@ -15,6 +15,7 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.retriever",
     "tests.fixtures.agent",
+    "tests.fixtures.trainer",
 ]
 
 
