@@ -542,7 +542,8 @@ class Trainer:
         t_train = time.perf_counter() - t0
         self.step += 1
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
-        self._weights_dirty = True
+        if train["actor/updates"] > 0:
+            self._weights_dirty = True
         metrics = self._rollout_metrics(ro, batch)
         metrics.update(train)
         metrics.update(timings)
