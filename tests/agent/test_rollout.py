@@ -10,45 +10,9 @@ from agent.actions import INVALID_ACTION_MESSAGE
 from agent.engines import make_engine
 from agent.rollout import RolloutConfig, run_rollouts, run_rollouts_with_stats, summarize
 from retriever.client import RetrieverClient
-from tests.fixtures.agent import ANSWER_SCRIPT, SEARCH_SCRIPT
+from tests.fixtures.agent import ANSWER_SCRIPT, SEARCH_SCRIPT, Recorder, check_token_exact
 
 FAST = dict(max_tokens_per_turn=24, max_obs_tokens=96, temperature=1.0, top_p=0.95)
-
-
-class Recorder:
-    """Delegates to a real engine and records every call (the observer, not the thing under test)."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-        self.tokenizer, self.info = engine.tokenizer, engine.info
-
-    def generate(self, prompt_ids, params):
-        outs = self.engine.generate(prompt_ids, params)
-        self.calls.extend(zip(map(tuple, prompt_ids), outs))
-        return outs
-
-
-def check_token_exact(trajs, calls):
-    """Every model span is exactly one recorded engine output for exactly that context; masks match spans."""
-    by_context = {}
-    for ctx, out in calls:
-        by_context.setdefault(ctx, []).append(out)
-    for t in trajs:
-        assert len(t.response_ids) == len(t.loss_mask) == len(t.sampling_logprobs)
-        pos = 0
-        for span in t.spans:
-            assert span.start == pos and span.end > span.start
-            pos = span.end
-            mask = t.loss_mask[span.start : span.end]
-            if span.role == "model":
-                (out,) = by_context[tuple(t.prompt_ids + t.response_ids[: span.start])]
-                assert t.response_ids[span.start : span.end] == out.token_ids
-                assert t.sampling_logprobs[span.start : span.end] == out.logprobs
-                assert mask == [1] * len(mask)
-            else:
-                assert mask == [0] * len(mask)
-                assert t.sampling_logprobs[span.start : span.end] == [0.0] * len(mask)
-        assert pos == len(t.response_ids)
 
 
 @pytest.fixture(scope="module")
