@@ -10,8 +10,8 @@ Design (where it departs from Search-R1, and why):
   in FastAPI's thread pool, so GPU FAISS is searched from several threads at once (unsafe) and
   every request is encoded alone.
 * Requests go into a queue; a collector forms micro-batches **across requests** (at most
-  ``max_batch`` queries, the first one waiting at most ``max_wait_ms``), so 64 clients sending one
-  query each are encoded together. Whole requests are never split between batches.
+  ``max_batch`` queries, the first one waiting at most ``max_wait_ms`` when traffic is concurrent),
+  so 64 clients sending one query each are encoded together. Whole requests are never split.
 * If a batch fails, each of its requests is retried alone, so only the request that causes the
   failure gets a 500; the worker survives every error.
 * Validation returns 4xx with a message that says what to fix.
@@ -197,6 +197,7 @@ class MicroBatcher:
         self.pending_queries = 0
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.last_batch_requests = 0
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -242,7 +243,10 @@ class MicroBatcher:
             if not self.pending:
                 self.wakeup.clear()
                 await self.wakeup.wait()
-            deadline = loop.time() + self.max_wait_s
+            # Wait for company only under concurrent traffic (the last batch held several requests):
+            # a lone client would pay max_wait on every request for nothing. When the worker is busy,
+            # requests queue up anyway and the next batch takes them all.
+            deadline = loop.time() + (self.max_wait_s if self.last_batch_requests > 1 else 0.0)
             while self.pending_queries < self.max_batch:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -255,6 +259,7 @@ class MicroBatcher:
             jobs = self._take_batch()
             if not jobs:
                 continue
+            self.last_batch_requests = len(jobs)
             try:
                 results = await loop.run_in_executor(self.executor, self._run_batch, jobs)
             except Exception as e:  # noqa: BLE001 - e.g. executor shut down; fail these jobs, keep serving
