@@ -67,6 +67,19 @@ class TokenStats:
 
         return TokenStats(d(self.logp), d(self.logsumexp), d(self.topk_logits), d(self.topk_indices), d(self.entropy))
 
+    def compact(self, logits_dtype: torch.dtype = torch.float32, index_dtype: torch.dtype = torch.int64) -> "TokenStats":
+        """Detached copy for storage between passes: top-k logits in ``logits_dtype`` (e.g. the
+        model's bf16) and indices in ``index_dtype`` (int32 suffices for any real vocabulary).
+        ``logp``/``logsumexp`` stay float32: rounding Z would shift every head log-prob.
+        Stored int32 indices can be passed back as ``gather_indices`` directly."""
+        if index_dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"index_dtype must be int32 or int64, got {index_dtype}")
+        st = self.detach()
+        if st.topk_logits is not None:
+            st.topk_logits = st.topk_logits.to(logits_dtype)
+            st.topk_indices = st.topk_indices.to(index_dtype)
+        return st
+
     def storage_bytes(self) -> int:
         """Bytes held by the tensors (what storing these stats per token costs)."""
         return sum(

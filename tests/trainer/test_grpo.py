@@ -198,3 +198,45 @@ def test_kl_loss_sampled_with_importance_weight():
         kl_loss("k3", policy=pol, anchor=anc, labels=None, loss_mask=mask, agg=agg, use_iw=True)
     with pytest.raises(KeyError, match="known"):
         kl_loss("k9", policy=pol, anchor=anc, labels=None, loss_mask=mask, agg=agg)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_end_to_end_micro_batching_on_a_real_model(tiny_model_dir, mode):
+    """PG + Top-k KL through the fused token-stats pass of a real (tiny) Qwen2: 1×8 == 8×1."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.logprobs import causal_lm_token_stats
+    from trainer.grpo import LossAggregation as Agg
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    n, P, R = 8, 4, 6
+    ids = torch.randint(3, model.config.vocab_size, (n, P + R))
+    attn = torch.ones_like(ids)
+    lengths = torch.tensor([6, 2, 5, 3, 6, 1, 4, 6])
+    loss_mask = (torch.arange(R)[None] < lengths[:, None]).double()
+    loss_mask[0, 2:4] = 0  # observation tokens
+    adv = grpo_advantages(torch.tensor([1.0, 0, 1, 0, 1, 1, 0, 0]), ["a", "a", "b", "b", "c", "c", "d", "d"])
+    with torch.no_grad():
+        old = causal_lm_token_stats(model, ids, attn, R, topk=5).detach()
+        anchor = causal_lm_token_stats(model, ids, attn, R, gather_indices=old.topk_indices).detach()
+        anchor.logp = anchor.logp - 0.1  # a distinct anchor
+    old_logp = old.logp - 0.05
+
+    def step(micro: int) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        agg = Agg.for_batch(mode, loss_mask, num_micro_batches=n // micro)
+        for s in range(0, n, micro):
+            sl = slice(s, s + micro)
+            stats = causal_lm_token_stats(model, ids[sl], attn[sl], R, gather_indices=old.topk_indices[sl])
+            pg, _ = compute_policy_loss(stats.logp, old_logp[sl], adv[sl], loss_mask[sl], agg)
+            sub = TokenStats(anchor.logp[sl], anchor.logsumexp[sl], anchor.topk_logits[sl], anchor.topk_indices[sl])
+            kl, _ = kl_loss("topk_reverse", policy=stats, anchor=sub, labels=ids[sl, -R:], loss_mask=loss_mask[sl],
+                            agg=agg, old_logp=old_logp[sl], use_iw=True)
+            (pg + 0.5 * kl).backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    big, small = step(8), step(1)
+    assert big
+    for k in big:
+        assert torch.allclose(big[k], small[k], atol=1e-10, rtol=1e-8), k

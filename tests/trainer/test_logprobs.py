@@ -147,3 +147,15 @@ def test_causal_lm_pass_equals_the_models_own_logits(tiny_model_dir):
     for n, p in model.named_parameters():
         if p.grad is not None:
             assert torch.allclose(got_grads[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_compact_storage_bf16_int32_round_trips_as_gather_indices():
+    hidden, weight, _, labels, _, _ = _data(5, dtype=torch.float32)
+    full = token_stats_from_hidden(hidden, weight, labels, topk=4)
+    small = full.compact(torch.bfloat16, torch.int32)
+    assert small.topk_indices.dtype == torch.int32 and small.topk_logits.dtype == torch.bfloat16
+    assert small.storage_bytes() == B * T * (4 + 4 + 4 * 2 + 4 * 4)
+    again = token_stats_from_hidden(hidden, weight, labels, gather_indices=small.topk_indices)
+    assert torch.equal(again.topk_logits, full.topk_logits)
+    with pytest.raises(ValueError):
+        full.compact(index_dtype=torch.int16)
