@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from emapg.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
 from retriever.corpus import CorpusError, DocStore, iter_corpus, split_contents, write_docstore
 from retriever.launch import emapg_command
@@ -23,10 +24,6 @@ BUNDLED = REPO_ROOT / "data" / "corpus" / "wiki_mini.jsonl.gz"
 
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*emapg_command(), *args], capture_output=True, text=True, env=_env(), cwd=REPO_ROOT, **kw)
 
 
 def test_reader_handles_quoted_unquoted_title_text_and_gzip(tmp_path):
@@ -85,13 +82,14 @@ def _small_corpus(path: Path, n: int) -> Path:
     return path
 
 
+N_CHUNKS = 20
 BUILD_ARGS = ["--max-length", "32", "--chunk-size", "10", "--batch-size", "10", "--device", "cpu", "--no-progress"]
 
 
 def test_killed_build_resumes_from_the_last_chunk_and_equals_a_clean_build(tmp_path):
     import faiss
 
-    corpus = _small_corpus(tmp_path / "corpus.jsonl", 300)  # 30 chunks
+    corpus = _small_corpus(tmp_path / "corpus.jsonl", 10 * N_CHUNKS)
     out = tmp_path / "resumed"
     proc = subprocess.Popen(
         [*emapg_command(), "index", "build", "--corpus", str(corpus), "--out", str(out), *BUILD_ARGS],
@@ -113,25 +111,25 @@ def test_killed_build_resumes_from_the_last_chunk_and_equals_a_clean_build(tmp_p
     proc.wait()
     assert not (out / META_FILE).exists(), "the build finished before it could be killed"
     done = json.loads(progress.read_text())["done"]
-    assert 3 <= len(done) < 30
+    assert 3 <= len(done) < N_CHUNKS
     before = {i: (out / EMB_DIR / f"chunk_{i:05d}.npy").stat().st_mtime_ns for i in done}
     with pytest.raises(FileNotFoundError, match="unfinished build"):
         read_meta(out)
 
-    r = _cli("index", "build", "--corpus", str(corpus), "--out", str(out), *BUILD_ARGS)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout.strip().splitlines()[-1])
-    assert report["chunks_reused"] == len(done) and report["chunks_encoded"] == 30 - len(done)
-    assert f"resuming: {len(done)}/30 chunks already encoded" in r.stderr
+    logs: list[str] = []
+    cfg = dict(corpus=str(corpus), max_length=32, chunk_size=10, batch_size=10, device="cpu", progress=False)
+    res = build_index(BuildConfig(out=str(out), **cfg), log=logs.append)  # the same command, rerun
+    assert (res.chunks_reused, res.chunks_encoded) == (len(done), N_CHUNKS - len(done))
+    assert f"resuming: {len(done)}/{N_CHUNKS} chunks already encoded, {N_CHUNKS - len(done)} to go" in logs
     after = {i: (out / EMB_DIR / f"chunk_{i:05d}.npy").stat().st_mtime_ns for i in done}
     assert after == before, "finished chunks were re-encoded"
 
     clean = tmp_path / "clean"
-    res = build_index(BuildConfig(corpus=str(corpus), out=str(clean), max_length=32, chunk_size=10, batch_size=10, device="cpu", progress=False), log=lambda m: None)
-    assert res.chunks_encoded == 30 and res.rows == 300
+    res = build_index(BuildConfig(out=str(clean), **cfg), log=lambda m: None)
+    assert res.chunks_encoded == N_CHUNKS and res.rows == 10 * N_CHUNKS
     a, b = faiss.read_index(str(out / INDEX_FILE)), faiss.read_index(str(clean / INDEX_FILE))
-    assert a.ntotal == b.ntotal == 300
-    np.testing.assert_allclose(a.reconstruct_n(0, 300), b.reconstruct_n(0, 300), rtol=0, atol=1e-6)
+    assert a.ntotal == b.ntotal == res.rows
+    np.testing.assert_allclose(a.reconstruct_n(0, res.rows), b.reconstruct_n(0, res.rows), rtol=0, atol=1e-6)
     for name in ("docs.bin", "ids.bin"):
         assert (out / name).read_bytes() == (clean / name).read_bytes()
     m1, m2 = read_meta(out), read_meta(clean)
@@ -152,14 +150,14 @@ def test_resume_with_other_settings_is_refused_and_finished_index_is_kept(tmp_pa
     assert res.chunks_reused == 2 and res.chunks_encoded == 0
 
 
-def test_ivf_index_bm25_and_info(tmp_path):
+def test_ivf_index_bm25_and_info(tmp_path, capsys):
     corpus = _small_corpus(tmp_path / "corpus.jsonl", 120)
     out = tmp_path / "ivf"
-    r = _cli("index", "build", "--corpus", str(corpus), "--out", str(out), "--index-type", "IVF4,SQ8", "--bm25", "--train-sample", "100", *BUILD_ARGS)
-    assert r.returncode == 0, r.stderr
-    info = _cli("index", "info", str(out))
-    assert info.returncode == 0, info.stderr
-    meta = json.loads(info.stdout)
+    assert emapg_main(["index", "build", "--corpus", str(corpus), "--out", str(out), "--index-type", "IVF4,SQ8", "--bm25", "--train-sample", "100", *BUILD_ARGS]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["rows"] == 120 and report["chunks_encoded"] == 12
+    assert emapg_main(["index", "info", str(out)]) == 0
+    meta = json.loads(capsys.readouterr().out)
     assert meta["index_type"] == "IVF4,SQ8" and meta["rows"] == 120 and meta["bm25"] is True
     assert meta["encoder"] == {"name": "minilm", "pooling": "mean", "query_prefix": "", "passage_prefix": "", "max_length": 32, "normalize": True}
     assert meta["corpus"]["checksum"].startswith("sha256:") and meta["files"]["index.faiss"] > 0
@@ -184,13 +182,11 @@ def test_ivf_index_bm25_and_info(tmp_path):
     ],
 )
 def test_build_errors_are_one_readable_line(tmp_path, capsys, args, message):
-    from emapg.cli import main
-
     corpus = _small_corpus(tmp_path / "corpus.jsonl", 12)
     base = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "x"), *BUILD_ARGS]
     if args[0] == "--corpus":
         base[3] = args[1]
         args = []
-    assert main([*base, *args]) == 2
+    assert emapg_main([*base, *args]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("emapg index: error:") and message in last, last
