@@ -30,10 +30,12 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-try:  # torch >= 2.4
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch builds without distributed
     DTensor = None  # type: ignore[assignment,misc]
+    FSDPModule = None  # type: ignore[assignment,misc]
 
 __all__ = ["EMAAnchor", "from_trl_mixup_alpha", "to_trl_mixup_alpha"]
 
@@ -59,6 +61,20 @@ def _local(t: Tensor) -> Tensor:
     if DTensor is not None and isinstance(t, DTensor):
         return t.to_local()
     return t
+
+
+def _reshard(model: nn.Module) -> None:
+    """Put every FSDP2 module of ``model`` back in its sharded state.
+
+    A forward without backward leaves the FSDP root (and modules with
+    ``reshard_after_forward=False``) holding unsharded parameters; resharding makes the sharded
+    parameters the registered ones again and forces the next forward to all-gather them.
+    """
+    if FSDPModule is None:
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -105,6 +121,7 @@ class EMAAnchor:
         self.device = None if device is None else torch.device(device)
         self.num_updates = 0
         self.last_update_step: int | None = None
+        _reshard(model)  # capture the sharded parameter objects, which FSDP2 keeps for its lifetime
         self._sources: dict[str, Tensor] = dict(model.named_parameters())
         if include_buffers:
             self._sources.update((n, b) for n, b in model.named_buffers() if b.is_floating_point())
@@ -198,10 +215,13 @@ class EMAAnchor:
         Inside the block the model *is* the anchor policy (compute anchor log-probs, top-k
         stats, or generate for evaluation); on exit the original weights are restored
         bit-exactly, even on error.  ``backup_device="cpu"`` keeps the backup off the GPU.
-        With FSDP2 the sharded parameters are overwritten shard-locally; the model must be in
-        its resharded state (a forward without backward leaves the root unsharded: call
-        ``model.reshard()`` first), and the next forward all-gathers the anchor weights.
+        With FSDP2 the sharded parameters are overwritten shard-locally; the model is resharded
+        on entry and on exit so that forwards inside the block all-gather the anchor weights and
+        forwards after it the policy's again.
         """
+        if model is not None:
+            _reshard(model)
+        _reshard(self.model)
         if model is None or model is self.model:
             targets = self._sources  # the (sharded) parameter objects captured at construction
         else:
@@ -214,7 +234,7 @@ class EMAAnchor:
             if _local(targets[name]).shape != a.shape:
                 raise ValueError(
                     f"{name!r}: model tensor {tuple(_local(targets[name]).shape)} vs anchor {tuple(a.shape)}; "
-                    "an FSDP2 model must be resharded (after backward, or model.reshard())"
+                    "is this the model (and sharding) the anchor was built from?"
                 )
         backups: dict[str, Tensor] = {}
         try:
@@ -225,6 +245,7 @@ class EMAAnchor:
                     loc.copy_(a)
             yield self.model if model is None else model
         finally:
+            _reshard(self.model if model is None else model)
             with torch.no_grad():
                 for name, b in backups.items():
                     _local(targets[name]).copy_(b)

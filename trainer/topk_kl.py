@@ -171,7 +171,9 @@ def topk_kl(
     for who, st in (("policy", policy), ("anchor", anchor)):
         if st.topk_logits is None or st.topk_indices is None:
             raise ValueError(f"{who} stats carry no top-k logits; compute them with gather_indices/topk")
-    if policy.topk_indices.shape != anchor.topk_indices.shape or not torch.equal(policy.topk_indices, anchor.topk_indices):
+    if policy.topk_indices.shape != anchor.topk_indices.shape or not torch.equal(
+        policy.topk_indices.long(), anchor.topk_indices.long()
+    ):
         raise ValueError("policy and anchor top-k logits were gathered at different indices")
     fn = {"reverse": topk_reverse_kl, "forward": topk_forward_kl}.get(direction)
     if fn is None:

@@ -220,15 +220,16 @@ def _fsdp_worker(rank: int, world: int, port: int) -> None:
         plain = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
         plain.load_state_dict({n: t.float() for n, t in full.items()})
         x = torch.randn(3, 5)
-        with ema.swap_into():
-            out = model(x)
-            model.reshard()  # a forward without backward leaves the FSDP root unsharded
-        assert torch.allclose(out, plain(x), atol=1e-6)
-        # Restored: the policy again (compare with its gathered weights).
         policy_plain = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
         policy_plain.load_state_dict({n: p.full_tensor() for n, p in model.named_parameters()})
-        assert torch.allclose(model(x), policy_plain(x), atol=1e-6)
-        model.reshard()
+        with torch.no_grad():
+            before = model(x)  # a forward without backward leaves the FSDP root unsharded
+            with ema.swap_into():
+                out = model(x)
+            after = model(x)
+        assert torch.allclose(before, policy_plain(x), atol=1e-6)
+        assert torch.allclose(out, plain(x), atol=1e-6)  # the anchor, not stale unsharded weights
+        assert torch.allclose(after, policy_plain(x), atol=1e-6)  # the policy again
         state = ema.state_dict()
         restored = EMAAnchor(model, anchor_decay=0.8, update_period=2)
         restored.load_state_dict(state)

@@ -169,6 +169,8 @@ def test_plumbing_old_policy_indices_through_token_stats():
         topk_indices=old.topk_indices, labels=labels, old_logp=old.logp,
     )
     assert torch.allclose(got, want, atol=1e-12)
+    # Stored compactly (int32 indices) the anchor stats give the same result.
+    assert torch.allclose(topk_kl("reverse", cur, anchor.compact(torch.float64, torch.int32), labels, old_logp=old.logp), want, atol=1e-12)
     g1 = torch.autograd.grad(got.sum(), w_cur, retain_graph=True)[0]
     g2 = torch.autograd.grad(want.sum(), w_cur)[0]
     assert torch.allclose(g1, g2, atol=1e-12)
