@@ -1,12 +1,24 @@
 """GRPO: group advantages, the PPO clipped policy loss, loss aggregation, and the KL loss entry.
 
-What the training loop calls, once per micro-batch (shapes ``(B, T)`` over response tokens):
+One EMA-PG step with TopkReverseKL (search setting), shapes ``(B, T)`` over response tokens::
 
-    agg = LossAggregation.for_batch("token-mean", full_batch_loss_mask, num_micro_batches=M)
-    pg, m1 = compute_policy_loss(logp, old_logp, adv, mask, agg, clip_low=0.2, clip_high=0.28)
-    kl, m2 = kl_loss("topk_reverse", policy=stats, anchor=anchor_stats, labels=ids,
-                     loss_mask=mask, agg=agg, old_logp=old_logp, use_iw=True)
+    # after the rollout, no grad: π_old's log-probs and top-k ids, then the anchor at those ids
+    old = causal_lm_token_stats(model, ids, attn, T, topk=32).detach()
+    with anchor.swap_into():
+        ref = causal_lm_token_stats(model, ids, attn, T, gather_indices=old.topk_indices).compact()
+    adv = grpo_advantages(rewards, prompt_uuids)                  # (N,)
+    # per optimizer step, per micro-batch
+    agg = LossAggregation.for_batch("token-mean", step_loss_masks, num_micro_batches=M)
+    cur = causal_lm_token_stats(model, ids, attn, T, gather_indices=old.topk_indices)
+    pg, m1 = compute_policy_loss(cur.logp, old.logp, adv, mask, agg, clip_low=0.2, clip_high=0.28)
+    kl, m2 = kl_loss("topk_reverse", policy=cur, anchor=ref, labels=ids[:, -T:],
+                     loss_mask=mask, agg=agg, old_logp=old.logp, use_iw=True)
     (pg + beta * kl).backward()
+    # after the step's optimizer updates
+    anchor.maybe_update(step)                                     # steps count from 1
+
+(The math setting: ``kl_loss("k3", ...)`` with ``use_iw=False``, ``seq-mean-token-mean``,
+``dual_clip_c=3.0``, ``log_ratio_clamp=20.0``; η = 0.95.)
 
 ``agg`` is built once per optimizer step from the loss mask of the **whole** step (every
 micro-batch, and every data-parallel rank with ``all_reduce=True``), so summing the
@@ -44,7 +56,7 @@ __all__ = [
     "aggregate_loss",
     "compute_policy_loss",
     "kl_loss",
-    "KL_KINDS_TOPK",
+    "VOCAB_KL_KINDS",
 ]
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "microbatch-token-mean"]
@@ -329,8 +341,9 @@ def compute_policy_loss(
     return loss, metrics
 
 
-#: ``kl_loss`` kinds beyond the sampled estimator names of :mod:`trainer.kl`.
-KL_KINDS_TOPK = ("topk_reverse", "topk_forward", "exact_reverse", "exact_forward")
+#: ``kl_loss`` kinds beyond the sampled estimator names of :mod:`trainer.kl` (they use more
+#: than the sampled token: Top-k sets or the whole vocabulary).
+VOCAB_KL_KINDS = ("topk_reverse", "topk_forward", "exact_reverse", "exact_forward")
 
 
 def kl_loss(
@@ -380,7 +393,10 @@ def kl_loss(
             raise ValueError(f"{kind} needs policy_logits and anchor_logits of shape (B, T, V)")
         per_tok = exact_kl(policy_logits, anchor_logits, direction=kind.split("_")[1])  # type: ignore[arg-type]
     else:
-        est = get_kl_estimator(kind)
+        try:
+            est = get_kl_estimator(kind)
+        except KeyError as e:
+            raise KeyError(f"{e.args[0]}; or one of {', '.join(VOCAB_KL_KINDS)}") from None
         per_tok = est(policy.logp, anchor.logp.detach())
         if iw_old is not None:
             per_tok = importance_weight(policy.logp, iw_old, iw_clip) * per_tok
