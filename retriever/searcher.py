@@ -150,11 +150,12 @@ class Searcher:
 
         depth = min(len(self.store), max(4 * k, 20))  # fuse deeper lists than we return
         _, dense = self.index.search(q, depth)
-        sparse, _ = self.bm25.retrieve(bm25s.tokenize(queries, stopwords="en", show_progress=False), k=depth, show_progress=False)
+        sparse, sparse_scores = self.bm25.retrieve(bm25s.tokenize(queries, stopwords="en", show_progress=False), k=depth, show_progress=False)
+        sparse = np.where(np.asarray(sparse_scores) > 0, np.asarray(sparse, dtype=np.int64), -1)  # no shared term: no vote
         idx = np.full((len(queries), k), -1, dtype=np.int64)
         scores = np.zeros((len(queries), k), dtype=np.float32)
         for b in range(len(queries)):
-            i, s = rrf_fuse([dense[b], np.asarray(sparse[b], dtype=np.int64)], k, self.rrf_k)
+            i, s = rrf_fuse([dense[b], sparse[b]], k, self.rrf_k)
             idx[b, : len(i)], scores[b, : len(s)] = i, s
         return idx, scores
 

@@ -171,6 +171,8 @@ def test_ivf_index_bm25_and_info(tmp_path, capsys):
     hybrid = Searcher(out, device="cpu", hybrid_bm25=True)
     hits = hybrid.retrieve([target.title], topk=3)[0]
     assert target.id in [h["id"] for h in hits]
+    nonsense = ["zzqxv qqzvw"]  # no BM25 term in common with any passage: fusion keeps the dense order
+    assert [h["id"] for h in hybrid.retrieve(nonsense, 3)[0]] == [h["id"] for h in s.retrieve(nonsense, 3)[0]]
 
 
 @pytest.mark.parametrize(
