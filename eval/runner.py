@@ -385,11 +385,14 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     # mismatch fails before the model loads (a vLLM -> hf fallback is re-checked below).
     _check_resume(out_dir, _fingerprint(cfg, cfg.engine))
     todo = {ds: [ex for ex in exs if ex.id not in {r["id"] for r in done[ds]}] for ds, exs in examples.items()}
+    n_todo = sum(map(len, todo.values()))
 
     engine = engine_kind = server = retriever = pool = None
     retriever_desc = None
+    t_start = time.perf_counter()
+    t_ready = t_start
     try:
-        if any(todo.values()):
+        if n_todo:
             engine, engine_kind = _make_engine(cfg)
             _check_resume(out_dir, _fingerprint(cfg, engine_kind))
             (out_dir / RUN_FILE).write_text(json.dumps({"fingerprint": _fingerprint(cfg, engine_kind),
@@ -404,8 +407,10 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
             engine_kind = json.loads((out_dir / RUN_FILE).read_text())["fingerprint"]["engine"]
         else:
             engine_kind = cfg.engine
+        t_ready = time.perf_counter()
         for ds in datasets:
             _run_dataset(cfg, ds, examples[ds], done[ds], engine, retriever, pool, out_dir, on_batch)
+        t_end = time.perf_counter()
     finally:
         if pool is not None:
             pool.close()
@@ -434,6 +439,13 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         "metric_names": names,
         "datasets": per_ds,
         "average": {m: sum(v[m] for v in per_ds.values()) / len(per_ds) for m in names},
+        # this invocation only (a resumed run times the questions it ran)
+        "timing": {
+            "setup_s": t_ready - t_start,
+            "eval_s": t_end - t_ready,
+            "questions_run": n_todo,
+            "questions_per_s": n_todo / (t_end - t_ready) if n_todo and t_end > t_ready else None,
+        },
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     from eval.report import write_run_report
