@@ -119,7 +119,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=64, help="most queries encoded together across requests; 1 disables micro-batching (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long the first query of a batch waits for company (default 5 ms)")
     p.add_argument("--api-key", default=None, help="require this key in 'Authorization: Bearer KEY' or 'X-API-Key: KEY' (default: $EMAPG_RETRIEVER_API_KEY, else no key)")
-    p.add_argument("--max-queries-per-request", type=int, default=512, help="reject requests with more queries (default 512)")
+    p.add_argument("--max-queries-per-request", type=int, default=4096, help="reject requests with more queries (default 4096; Search-R1 sends a whole rollout batch in one request)")
     p.add_argument("--max-query-chars", type=int, default=2000, help="reject queries longer than this many characters (default 2000)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="reject request bodies larger than this (default 4 MiB)")
     p.add_argument("--device", default="auto", help="encoder device: auto, cpu, cuda (all GPUs) or cuda:N (default auto)")

@@ -84,13 +84,16 @@ class Searcher:
         self.store = DocStore(self.index_dir)
         if len(self.store) != self.meta["rows"]:
             raise ValueError(f"{index_dir}: document store has {len(self.store)} rows, meta.json says {self.meta['rows']}")
+        try:  # the index before the encoder: a broken file fails in milliseconds, not after a model load
+            index = faiss.read_index(str(self.index_dir / INDEX_FILE))
+        except RuntimeError as e:
+            raise ValueError(f"{self.index_dir / INDEX_FILE} is not a readable FAISS index ({str(e).strip().splitlines()[-1]}); rebuild it") from None
+        if index.ntotal != self.meta["rows"]:
+            raise ValueError(f"{index_dir}: FAISS index has {index.ntotal} vectors, meta.json says {self.meta['rows']}")
         self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16)
         if self.encoder.dim != self.meta["dim"]:
             raise EncoderMismatchError(f"encoder produces {self.encoder.dim}-d vectors, the index holds {self.meta['dim']}-d")
         self.encode_batch_size = encode_batch_size
-        index = faiss.read_index(str(self.index_dir / INDEX_FILE))
-        if index.ntotal != self.meta["rows"]:
-            raise ValueError(f"{index_dir}: FAISS index has {index.ntotal} vectors, meta.json says {self.meta['rows']}")
         self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
         self.index_device = "cpu"
         self._gpu_resources = None

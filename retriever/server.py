@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ class ServeConfig:
     max_batch: int = 64
     max_wait_ms: float = 5.0
     api_key: str | None = None
-    max_queries_per_request: int = 512
+    max_queries_per_request: int = 4096  # Search-R1 sends a whole rollout batch (e.g. 512 x 5) at once
     max_query_chars: int = 2000
     max_body_bytes: int = 4 << 20
     device: str = "auto"
@@ -103,7 +104,7 @@ class RetrieveResponse(BaseModel):
 # ----------------------------------------------------------------------------- metrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class Histogram:
@@ -376,8 +377,6 @@ class _State:
 
 def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
     """Build the app. The index loads in the worker thread after startup; /health says when it is ready."""
-    from contextlib import asynccontextmanager
-
     cfg.validate()
     metrics = Metrics()
     state = _State()

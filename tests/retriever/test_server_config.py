@@ -159,3 +159,28 @@ def test_index_info_cli(retriever_index, capsys):
     assert emapg_main(["index", "info", str(retriever_index.index_dir)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["rows"] == retriever_index.rows and info["encoder"]["name"] == "minilm"
+
+
+def test_a_broken_index_fails_health_and_stops_the_server(retriever_index, tmp_path):
+    """The index loads after the port is bound: a failure must show in /health and end the process."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from retriever.server import ServeConfig, create_app
+
+    broken = tmp_path / "broken"
+    shutil.copytree(retriever_index.index_dir, broken)
+    (broken / "index.faiss").write_bytes(b"not a faiss index")
+    fatal: list[str] = []
+    app = create_app(ServeConfig(index=str(broken), device="cpu"), on_fatal=fatal.append)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "is not a readable FAISS index" in health.json()["error"]
+        r = client.post("/retrieve", json={"queries": ["x"]})
+        assert r.status_code == 503 and "failed" in r.json()["detail"]
+    assert len(fatal) == 1 and fatal[0] == health.json()["error"]
