@@ -282,6 +282,25 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     return BuildResult(out, rows, n_chunks, len(todo), n_chunks - len(todo), enc_seconds, pps, total)
 
 
+def ensure_index(cfg: BuildConfig, log=print) -> Path:
+    """The finished index at ``cfg.out`` if it matches ``cfg`` (corpus, encoder, index type); else build
+    or resume it. A finished index built differently is an error, never silently replaced."""
+    out = Path(cfg.out)
+    if (out / META_FILE).is_file() and not cfg.overwrite:
+        meta = read_meta(out)
+        spec = make_spec(cfg.encoder, pooling=cfg.pooling, query_prefix=cfg.query_prefix, passage_prefix=cfg.passage_prefix, max_length=cfg.max_length)
+        wanted = {"checksum": file_checksum(cfg.corpus), "limit": cfg.limit, "encoder": spec.to_dict(), "index_type": cfg.index_type, "metric": cfg.metric}
+        found = {"checksum": meta["corpus"]["checksum"], "limit": meta["corpus"].get("limit"), "encoder": meta["encoder"], "index_type": meta["index_type"], "metric": meta["metric"]}
+        if wanted != found:
+            diff = sorted(k for k in wanted if wanted[k] != found[k])
+            raise FileExistsError(f"{out} holds an index built with other settings ({', '.join(diff)}); choose another directory or overwrite it")
+        if cfg.bm25 and not meta.get("bm25"):
+            raise FileExistsError(f"{out} holds an index without BM25; rebuild it with --bm25")
+        return out
+    build_index(cfg, log=log)
+    return out
+
+
 def _progress_bar(total: int, initial: int, enabled: bool):
     from tqdm import tqdm
 

@@ -192,3 +192,18 @@ def test_build_errors_are_one_readable_line(tmp_path, capsys, args, message):
     assert emapg_main([*base, *args]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("emapg index: error:") and message in last, last
+
+
+def test_ensure_index_reuses_a_matching_index_and_refuses_a_different_one(tmp_path):
+    from retriever.index_builder import ensure_index
+
+    corpus = _small_corpus(tmp_path / "corpus.jsonl", 10)
+    cfg = dict(corpus=str(corpus), out=str(tmp_path / "idx"), max_length=32, chunk_size=10, device="cpu", progress=False)
+    out = ensure_index(BuildConfig(**cfg), log=lambda m: None)
+    stamp = (out / INDEX_FILE).stat().st_mtime_ns
+    assert ensure_index(BuildConfig(**cfg), log=lambda m: None) == out
+    assert (out / INDEX_FILE).stat().st_mtime_ns == stamp  # reused, not rebuilt
+    with pytest.raises(FileExistsError, match=r"other settings \(encoder\)"):
+        ensure_index(BuildConfig(**{**cfg, "max_length": 64}), log=lambda m: None)
+    with pytest.raises(FileExistsError, match=r"other settings \(index_type\)"):
+        ensure_index(BuildConfig(**{**cfg, "index_type": "HNSW32"}), log=lambda m: None)
