@@ -199,6 +199,7 @@ class MicroBatcher:
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.last_batch_requests = 0
+        self.last_batch_queries = 0
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -245,10 +246,12 @@ class MicroBatcher:
                 self.wakeup.clear()
                 await self.wakeup.wait()
             # Wait for company only under concurrent traffic (the last batch held several requests):
-            # a lone client would pay max_wait on every request for nothing. When the worker is busy,
-            # requests queue up anyway and the next batch takes them all.
+            # a lone client would pay max_wait on every request for nothing. Stop waiting once as many
+            # queries are queued as last time: closed-loop clients (rollout workers) have all come back.
+            # When the worker is busy, requests queue up anyway and the next batch takes them all.
             deadline = loop.time() + (self.max_wait_s if self.last_batch_requests > 1 else 0.0)
-            while self.pending_queries < self.max_batch:
+            enough = min(self.max_batch, max(1, self.last_batch_queries))
+            while self.pending_queries < enough:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -261,6 +264,7 @@ class MicroBatcher:
             if not jobs:
                 continue
             self.last_batch_requests = len(jobs)
+            self.last_batch_queries = sum(len(job.queries) for job in jobs)
             try:
                 results = await loop.run_in_executor(self.executor, self._run_batch, jobs)
             except Exception as e:  # noqa: BLE001 - e.g. executor shut down; fail these jobs, keep serving
