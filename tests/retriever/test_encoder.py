@@ -1,0 +1,74 @@
+"""Encoder: pooling against a direct transformers computation, explicit prefixes, order with sorting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from emapg.models import resolve_model
+from retriever.encoder import Encoder, EncoderSpec, make_spec
+
+TEXTS = [
+    "who got the first nobel prize in physics",
+    '"Wilhelm Röntgen"\nWilhelm Conrad Röntgen was a German mechanical engineer and physicist who produced X-rays in 1895.',
+    "a",
+    "the capital of France is Paris, which is also its largest city",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from transformers import AutoModel, AutoTokenizer
+
+    path = resolve_model("minilm")
+    return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _reference(minilm, texts: list[str], pooling: str) -> np.ndarray:
+    """One text at a time, no padding at all: what the batched, length-sorted encoder must equal."""
+    tok, model = minilm
+    out = []
+    with torch.no_grad():
+        for t in texts:
+            b = tok([t], return_tensors="pt", truncation=True, max_length=256)
+            h = model(**b).last_hidden_state[0]
+            v = h[0] if pooling == "cls" else h.mean(0)
+            out.append(torch.nn.functional.normalize(v, dim=-1).numpy())
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_pooling_matches_unpadded_reference_and_keeps_input_order(minilm, pooling):
+    enc = Encoder(EncoderSpec(name="minilm", pooling=pooling), device="cpu")
+    got = enc.encode(TEXTS, batch_size=3)  # sorted by length inside, padded per batch
+    np.testing.assert_allclose(got, _reference(minilm, TEXTS, pooling), atol=2e-5)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert enc.encode([]).shape == (0, 384)
+
+
+def test_prefixes_are_applied_explicitly(minilm):
+    enc = Encoder(EncoderSpec(name="minilm", query_prefix="query: ", passage_prefix="passage: "), device="cpu")
+    np.testing.assert_allclose(enc.encode_queries(TEXTS[:1]), enc.encode(["query: " + TEXTS[0]]), atol=1e-6)
+    np.testing.assert_allclose(enc.encode_passages(TEXTS[1:2]), enc.encode(["passage: " + TEXTS[1]]), atol=1e-6)
+    assert not np.allclose(enc.encode_queries(TEXTS[:1]), enc.encode(TEXTS[:1]), atol=1e-3)
+
+
+def test_prefixes_come_from_exact_names_only():
+    e5 = make_spec("intfloat/e5-base-v2")
+    assert (e5.pooling, e5.query_prefix, e5.passage_prefix) == ("mean", "query: ", "passage: ")
+    bge = make_spec("BAAI/bge-base-en-v1.5")
+    assert bge.pooling == "cls" and bge.query_prefix.startswith("Represent this sentence") and bge.passage_prefix == ""
+    # Search-R1 infers e5 prefixes from the substring "e5"; an unknown name gets none unless given.
+    other = make_spec("someone/my-e5-small-finetune", pooling="mean")
+    assert (other.query_prefix, other.passage_prefix) == ("", "")
+    explicit = make_spec("someone/my-e5-small-finetune", pooling="mean", query_prefix="query: ", passage_prefix="passage: ")
+    assert (explicit.query_prefix, explicit.passage_prefix) == ("query: ", "passage: ")
+    assert make_spec(resolve_model("minilm")).pooling == "mean"  # a folder: its sentence-transformers config
+    with pytest.raises(ValueError, match="pooling"):
+        make_spec("minilm", pooling="max")
+
+
+def test_fp16_on_cpu_is_refused():
+    with pytest.raises(ValueError, match="only supported on GPU"):
+        Encoder(EncoderSpec(name="minilm"), device="cpu", fp16=True)
