@@ -252,7 +252,7 @@ class LoggingConfig:
     wandb: bool = option(False, help="also log to Weights & Biases (when the wandb package is installed)")
     wandb_project: str = option("ema-pg", help="wandb project name")
     progress: bool = option(True, help="show a rich progress bar with the step's metrics")
-    log_samples: int = option(1, help="trajectories printed to samples.jsonl per step (0: none)")
+    log_samples: int = option(2, help="decoded trajectories appended to samples.jsonl per step (0: none)")
 
 
 @dataclass

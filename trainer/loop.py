@@ -106,6 +106,7 @@ class Trainer:
         self._stop_signal: int | None = None
         self._weights_dirty = False
         self._closers: list[Any] = []
+        self._last_samples: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> "Trainer":
@@ -142,19 +143,18 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         self.fsdp = cfg.distributed.fsdp == "on" or (cfg.distributed.fsdp == "auto" and self.dist.distributed)
-        if self.fsdp:
-            model.to(dev)
-            D.apply_fsdp2(model, bf16=self.bf16, cpu_offload=cfg.distributed.cpu_offload)
-        elif self.dist.distributed:
+        if self.dist.distributed and not self.fsdp:
             raise ConfigError("multi-process training needs distributed.fsdp=on or auto")
-        else:
-            model.to(dev)
+        model.to(dev)
+        self.forward = D.PolicyForward(model)
+        if self.fsdp:
+            D.apply_fsdp2(self.forward, bf16=self.bf16, cpu_offload=cfg.distributed.cpu_offload)
         model.train()
         self.model = model
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+            self.forward.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
             foreach=dev.type == "cuda" or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_warmup_constant(cfg.warmup_steps))
@@ -214,7 +214,7 @@ class Trainer:
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         opt = load_optimizer_state(path)
         if opt is not None or self.fsdp:
-            D.load_optimizer_state(self.model, self.optimizer, opt or {})
+            D.load_optimizer_state(self.forward, self.optimizer, opt or {})
         sched = load_scheduler_state(path)
         if sched is not None:
             self.scheduler.load_state_dict(sched)
@@ -307,7 +307,7 @@ class Trainer:
         cfg = self.cfg
         if self._weights_dirty:
             self.engine.wake()
-            self.engine.load_weights(D.full_state_dict(self.model))
+            self.engine.load_weights(self._policy_state(all_ranks=True))
             self._weights_dirty = False
         self.engine.wake()
         seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)
@@ -327,6 +327,11 @@ class Trainer:
         rewards, counts = score(trajectories, prompts, cfg, self.engine.tokenizer)
         return Rollouts(prompts, trajectories, group_ids, torch.tensor(rewards, dtype=torch.float32), counts, stats)
 
+    def _stats(self, mb: MicroBatch, **kwargs: Any):
+        from trainer.logprobs import TokenStats
+
+        return TokenStats(*self.forward(mb.input_ids, mb.attention_mask, mb.response_width, **kwargs))
+
     def _micro_rows(self, n: int) -> list[slice]:
         mb = self.cfg.algorithm.micro_batch_size
         return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
@@ -334,8 +339,6 @@ class Trainer:
     @torch.no_grad()
     def compute_stored_stats(self, batch: TokenBatch) -> dict[str, float]:
         """π_old log-probs (+ its top-k indices, entropy) and the anchor's statistics, stored per token."""
-        from trainer.logprobs import causal_lm_token_stats
-
         cfg = self.cfg
         kl = cfg.algorithm.kl
         temp = cfg.rollout.temperature
@@ -351,9 +354,8 @@ class Trainer:
         for rows in self._micro_rows(n):
             mb = batch.micro(rows, self.dist.device)
             with self._autocast():
-                st = causal_lm_token_stats(
-                    self.model, mb.input_ids, mb.attention_mask, mb.response_width,
-                    topk=k if need_old_topk else 0, entropy=True, temperature=temp, chunk_size=chunk,
+                st = self._stats(
+                    mb, topk=k if need_old_topk else 0, entropy=True, temperature=temp, chunk_size=chunk,
                 )
             w = mb.response_width
             old_logp[rows, :w] = st.logp.float().cpu()
@@ -375,9 +377,8 @@ class Trainer:
                 w = mb.response_width
                 gather = topk_idx[rows, :w].to(self.dist.device) if need_old_topk else None
                 with self._autocast():
-                    st = causal_lm_token_stats(
-                        self.model, mb.input_ids, mb.attention_mask, w,
-                        topk=k if (k and kl.type == "topk_forward") else 0, gather_indices=gather,
+                    st = self._stats(
+                        mb, topk=k if (k and kl.type == "topk_forward") else 0, gather_indices=gather,
                         temperature=temp, chunk_size=chunk,
                     )
                 ref_logp[rows, :w] = st.logp.float().cpu()
@@ -397,7 +398,7 @@ class Trainer:
     def _micro_loss(self, mb: MicroBatch, agg, sums: dict[str, float]) -> torch.Tensor:
         """Loss of one micro-batch (already normalised for the whole mini-batch)."""
         from trainer.grpo import compute_policy_loss, kl_loss
-        from trainer.logprobs import TokenStats, causal_lm_token_stats, token_stats_from_logits
+        from trainer.logprobs import TokenStats, token_stats_from_logits
 
         cfg = self.cfg
         alg = cfg.algorithm
@@ -409,18 +410,16 @@ class Trainer:
         policy_logits = anchor_logits = None
         with self._autocast():
             if kl.enabled and kl.type in EXACT_KL_TYPES:
-                pos = (mb.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-                full = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).logits
-                policy_logits = full[:, -mb.response_width - 1 : -1].float() / temp
                 with torch.no_grad(), self.anchor.swap_into(self.model):
-                    ref = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).logits
-                anchor_logits = ref[:, -mb.response_width - 1 : -1].float() / temp
+                    (ref,) = self.forward(mb.input_ids, mb.attention_mask, mb.response_width, logits=True)
+                anchor_logits = ref.float() / temp
+                (full,) = self.forward(mb.input_ids, mb.attention_mask, mb.response_width, logits=True)
+                policy_logits = full.float() / temp
                 stats = token_stats_from_logits(policy_logits, labels, entropy=want_entropy, chunk_size=cfg.model.chunk_size)
             else:
-                gather = s.get("topk_indices")
-                stats = causal_lm_token_stats(
-                    self.model, mb.input_ids, mb.attention_mask, mb.response_width,
-                    gather_indices=gather, entropy=want_entropy, temperature=temp, chunk_size=cfg.model.chunk_size,
+                stats = self._stats(
+                    mb, gather_indices=s.get("topk_indices"), entropy=want_entropy, temperature=temp,
+                    chunk_size=cfg.model.chunk_size,
                 )
         loss, m = compute_policy_loss(
             stats.logp, s["old_logp"], s["advantages"], mb.loss_mask, agg,
@@ -482,9 +481,9 @@ class Trainer:
                         finite = False
                     loss.backward()
                 if cfg.optim.grad_clip > 0:
-                    gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+                    gn = torch.nn.utils.clip_grad_norm_(self.forward.parameters(), cfg.optim.grad_clip)
                 else:
-                    gn = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+                    gn = torch.nn.utils.get_total_norm([p.grad for p in self.forward.parameters() if p.grad is not None])
                 gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
                 flag = torch.tensor([0.0 if (finite and math.isfinite(gn)) else 1.0])
                 if D.all_reduce_max(flag).item() > 0:
@@ -545,6 +544,11 @@ class Trainer:
         if train["actor/updates"] > 0:
             self._weights_dirty = True
         metrics = self._rollout_metrics(ro, batch)
+        self._last_samples = [
+            {"group_id": g, "reward": float(r), "stop_reason": t.stop_reason, "searches": t.num_searches,
+             "question": t.question, "response": t.response_text}
+            for t, g, r in list(zip(ro.trajectories, ro.group_ids, ro.rewards.tolist()))[: cfg.logging.log_samples]
+        ]
         metrics.update(train)
         metrics.update(timings)
         metrics["ema/updated"] = float(ema_updated)
@@ -622,6 +626,7 @@ class Trainer:
                 metrics = self.train_step()
                 history.append(metrics)
                 self.tracker.log(self.step, metrics)
+                self.tracker.log_samples(self.step, self._last_samples)
                 if self.nonfinite_streak >= cfg.run.max_consecutive_nonfinite:
                     raise TrainingError(
                         f"{self.nonfinite_streak} consecutive steps had a NaN/inf loss or gradient "
@@ -640,9 +645,14 @@ class Trainer:
             self._restore_signal_handlers(previous)
         return history
 
+    def _policy_state(self, *, all_ranks: bool) -> dict[str, torch.Tensor]:
+        """The policy's full HF-named state dict (gathered from the shards under FSDP)."""
+        sd = D.full_state_dict(self.forward, all_ranks=all_ranks)
+        return {k.removeprefix("lm."): v for k, v in sd.items()}
+
     def save(self) -> Path:
         cfg = self.cfg
-        policy_state = D.full_state_dict(self.model, all_ranks=False) if self.fsdp else None
+        policy_state = self._policy_state(all_ranks=False) if self.fsdp else None
         anchor_full = self.anchor.full_state_dict() if self.anchor is not None else None
         anchor_sched = {}
         if self.anchor is not None:
@@ -654,7 +664,7 @@ class Trainer:
             model=self.model,
             tokenizer=self.tokenizer,
             anchor_state=anchor_full if self.dist.is_main else None,
-            optimizer_state=D.optimizer_state(self.model, self.optimizer),
+            optimizer_state=D.optimizer_state(self.forward, self.optimizer),
             scheduler_state=self.scheduler.state_dict(),
             trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak, "anchor": anchor_sched},
             config=cfg,

@@ -29,11 +29,17 @@ def generate(
     n = cfg.rollout.n_samples
     if len(trajs) != len(prompts) * n:
         raise RuntimeError(f"the agent returned {len(trajs)} trajectories for {len(prompts)} prompts x {n}")
+    errors = [t for t in trajs if t.stop_reason == "error"]
+    if errors and len(errors) == len(trajs):
+        # The agent isolates failures per trajectory; all of them failing means the batch crashed.
+        raise RuntimeError(f"every trajectory of the batch failed, e.g.: {errors[0].error}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     for t in trajs:
         if not t.prompt_ids:  # the prompt could not be built (e.g. too long): keep the slot, train on nothing
             t.prompt_ids = [pad]
             t.response_ids, t.loss_mask = [], []
+        elif t.stop_reason == "error":  # a trajectory cut short by an error is scored 0 and not trained on
+            t.loss_mask = [0] * len(t.response_ids)
     return trajs, stats
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 
 # What the progress bar shows, in order: (metric key, short label, format).
 PROGRESS_FIELDS = (
@@ -136,6 +137,14 @@ class Tracker:
             self._wandb.log(numbers, step=step)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, stats=format_stats(numbers))
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Append a few decoded trajectories to ``samples.jsonl`` (for reading what the policy does)."""
+        if not self.enabled or not samples:
+            return
+        with open(self.run_dir / SAMPLES_FILE, "a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **s}) + "\n")
 
     def message(self, text: str) -> None:
         """A line above the progress bar (or on stderr)."""

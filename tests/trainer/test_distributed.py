@@ -1,0 +1,137 @@
+"""Distributed logic on CPU: 2 gloo processes with FSDP2 (``fully_shard``) against one process.
+
+The same global batch of trajectories (whole GRPO groups per rank) is trained one PPO
+update by (a) two FSDP2 ranks, each holding half the batch and half of every parameter,
+gradient and Adam state, with the EMA anchor on local shards, and (b) one plain process
+with the whole batch. The loss normalisers are summed over ranks and FSDP's gradient
+averaging is undone, so the updated policy and anchor must agree to float tolerance.
+The two-rank run then trains a real step end to end (rollouts per rank, weight sync,
+checkpoint with per-rank RNG files) and resumes from it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from emapg.config import load_config
+from emapg.paths import CONFIG_DIR
+
+pytestmark = pytest.mark.slow
+
+N_GROUPS, GROUP = 4, 2
+
+
+def _cfg(out, model_dir, *extra):
+    from trainer.config import TrainConfig
+
+    return load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [
+        f"run.output_dir={out}", f"model.policy={model_dir}", "logging.progress=false", "logging.tensorboard=false",
+        f"data.prompts_per_step={N_GROUPS}", f"rollout.n_samples={GROUP}", f"algorithm.mini_batch_size={N_GROUPS * GROUP}",
+        "algorithm.micro_batch_size=2", "rollout.max_tokens_per_turn=8", "rollout.max_response_tokens=8",
+        "optim.lr=1e-2", "algorithm.kl.type=k3", "algorithm.kl.coef=0.1", "algorithm.ema.decay=0.5", "run.save_every=1",
+        *extra,
+    ])
+
+
+def _global_batch():
+    """Deterministic trajectories: random prompts/responses, a loss mask with an observation hole."""
+    g = torch.Generator().manual_seed(0)
+    prompts, responses, masks, rewards = [], [], [], []
+    for i in range(N_GROUPS * GROUP):
+        p = int(torch.randint(3, 9, (1,), generator=g))
+        r = int(torch.randint(4, 8, (1,), generator=g))
+        prompts.append(torch.randint(5, 2000, (p,), generator=g).tolist())
+        responses.append(torch.randint(5, 2000, (r,), generator=g).tolist())
+        masks.append([1, 1, 0, 0] + [1] * (r - 4))
+        rewards.append(float(i % 3 == 0))
+    groups = [f"g{i // GROUP}" for i in range(N_GROUPS * GROUP)]
+    return prompts, responses, masks, torch.tensor(rewards), groups
+
+
+def _one_update(trainer, rows: slice):
+    from trainer.batch import build_token_batch
+    from trainer.grpo import grpo_advantages
+
+    prompts, responses, masks, rewards, groups = _global_batch()
+    batch = build_token_batch(prompts[rows], responses[rows], masks[rows], pad_id=0)
+    trainer.compute_stored_stats(batch)
+    adv = grpo_advantages(rewards[rows], groups[rows])
+    batch.stored["advantages"] = adv[:, None].expand(-1, batch.response_width).contiguous()
+    metrics = trainer.update(batch)
+    trainer.anchor.update()
+    return metrics
+
+
+def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    from trainer import distributed as D
+    from trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(f"{out}/dist", model_dir, "run.total_steps=1")).setup()
+    try:
+        assert trainer.fsdp and D.is_sharded(trainer.model)
+        half = D.shard_slice(N_GROUPS, rank, world)
+        rows = slice(half.start * GROUP, half.stop * GROUP)
+        metrics = _one_update(trainer, rows)
+        policy = trainer._policy_state(all_ranks=True)
+        anchor = trainer.anchor.full_state_dict()
+        if rank == 0:
+            torch.save({"policy": policy, "anchor": anchor, "metrics": metrics}, f"{out}/fsdp.pt")
+    finally:
+        trainer.close()
+    # A real step end to end on 2 ranks, then resume from its checkpoint for one more.
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=1")).setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=2"), resume=f"{out}/run").setup()
+    try:
+        assert trainer.step == 1
+        trainer.train()
+    finally:
+        trainer.close()
+    D.destroy()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+
+    from trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(tmp_path / "single", tiny_model_dir, "run.total_steps=1")).setup()
+    try:
+        assert not trainer.fsdp
+        single_metrics = _one_update(trainer, slice(0, N_GROUPS * GROUP))
+        policy = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+        anchor = trainer.anchor.full_state_dict()
+    finally:
+        trainer.close()
+    fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    moved = 0.0
+    for k, v in fsdp["policy"].items():
+        torch.testing.assert_close(v, policy[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+        moved = max(moved, float((v - anchor[k]).abs().max()))
+    for k, v in fsdp["anchor"].items():
+        torch.testing.assert_close(v, anchor[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert moved > 1e-4  # the update was real: the policy and the half-way anchor differ
+    assert fsdp["metrics"]["actor/updates"] == single_metrics["actor/updates"] == 1
+    assert abs(fsdp["metrics"]["kl/mean"] - single_metrics["kl/mean"]) < 1e-6
+
+    run = tmp_path / "run"
+    assert (run / "step_1" / "rng_rank0.pt").is_file() and (run / "step_1" / "rng_rank1.pt").is_file()
+    assert (run / "step_2" / "policy" / "model.safetensors").is_file()
+    assert (run / "latest").read_text().strip() == "step_2"

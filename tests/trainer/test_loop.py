@@ -1,0 +1,130 @@
+"""The training loop end to end on tiny-qwen2: math and search tasks, failures, plotting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from emapg.config import load_config
+from emapg.paths import CONFIG_DIR
+from trainer.config import TrainConfig
+from trainer.loop import Trainer, TrainingError, train
+
+FAST = ["logging.progress=false", "data.prompts_per_step=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+        "rollout.max_tokens_per_turn=16", "rollout.max_response_tokens=48", "run.save_every=0"]
+
+
+def math_cfg(tmp_path, *extra: str) -> TrainConfig:
+    return load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml",
+                       [f"run.output_dir={tmp_path}", "rollout.max_response_tokens=16", *FAST, *extra])
+
+
+def test_math_run_trains_logs_and_checkpoints(tmp_path, tiny_model_dir):
+    cfg = math_cfg(tmp_path / "run", f"model.policy={tiny_model_dir}", "run.total_steps=2", "algorithm.ema.period=1",
+                   "optim.lr=1e-2", "logging.log_samples=2")
+    history = train(cfg)
+    assert len(history) == 2
+    m = history[-1]
+    for key in ("reward/mean", "kl/mean", "loss/clip_frac", "actor/entropy", "response/length_mean", "perf/tokens_per_s",
+                "time/generation", "time/training", "actor/grad_norm"):
+        assert key in m and m[key] == m[key], key
+    assert m["actor/updates"] == 2 and m["ema/updated"] == 1.0  # 8 trajectories / mini-batch 4
+    run = tmp_path / "run"
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert len((run / "samples.jsonl").read_text().splitlines()) == 4
+    ckpt = run / "step_2"
+    policy = load_file(str(ckpt / "policy" / "model.safetensors"))
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    anchor = load_file(str(ckpt / "anchor.safetensors"))
+    key = "model.layers.0.mlp.up_proj.weight"
+    # The policy moved; the anchor moved a fraction (1 - eta) of the way after each of the 2 updates.
+    assert not torch.equal(policy[key], initial[key])
+    assert not torch.equal(anchor[key], initial[key]) and not torch.equal(anchor[key], policy[key])
+    assert (anchor[key] - initial[key]).norm() < (policy[key] - initial[key]).norm()
+
+
+def test_search_run_through_real_retriever(tmp_path, tiny_model_dir, retriever_server):
+    cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", [
+        f"run.output_dir={tmp_path}", f"model.policy={tiny_model_dir}", f"retriever.urls=[{retriever_server.url}]",
+        "run.total_steps=1", *FAST, "rollout.max_obs_tokens=32", "rollout.max_response_tokens=96",
+    ])
+    trainer = Trainer(cfg).setup()
+    try:
+        m = trainer.train_step()
+        assert m["search/failures"] == 0 and m["reward/rollout_errors"] == 0
+        assert 0.0 <= m["reward/mean"] <= 1.0 and m["actor/updates"] == 2
+        assert trainer.retriever.retrieve(["capital of France"], topk=2)[0]
+        path = trainer.save()
+        assert (path / "anchor.safetensors").is_file() and (path / "policy" / "config.json").is_file()
+    finally:
+        trainer.close()
+
+
+def test_nonfinite_loss_skips_updates_then_stops(tmp_path, tiny_model_dir):
+    cfg = math_cfg(tmp_path / "run", f"model.policy={tiny_model_dir}", "run.total_steps=5", "run.max_consecutive_nonfinite=2")
+    trainer = Trainer(cfg).setup()
+    try:
+        with torch.no_grad():
+            trainer.model.model.norm.weight.fill_(float("nan"))
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        with pytest.raises(TrainingError, match="2 consecutive steps had a NaN/inf"):
+            trainer.train()
+        assert trainer.step == 2
+        after = trainer.model.state_dict()
+        key = "model.layers.0.mlp.up_proj.weight"
+        assert torch.equal(before[key], after[key])  # every update was skipped
+        assert not any((tmp_path / "run").glob("step_*"))
+    finally:
+        trainer.close()
+
+
+def test_crashed_rollout_batch_is_retried(tmp_path, tiny_model_dir):
+    cfg = math_cfg(tmp_path / "run", f"model.policy={tiny_model_dir}", "run.total_steps=1", "run.rollout_retries=1")
+    trainer = Trainer(cfg).setup()
+    real = trainer.engine.generate
+    calls = {"n": 0}
+
+    def flaky(prompt_ids, params):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("engine crashed")
+        return real(prompt_ids, params)
+
+    try:
+        trainer.engine.generate = flaky
+        m = trainer.train_step()
+        assert calls["n"] >= 2 and m["actor/updates"] == 2
+
+        def dead(prompt_ids, params):
+            raise RuntimeError("engine gone")
+
+        trainer.engine.generate = dead
+        with pytest.raises(TrainingError, match="rollout failed 2 times"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+
+
+def test_plot_two_runs(tmp_path):
+    from matplotlib.image import imread
+
+    from trainer.plot import main
+
+    for name, slope in (("grpo", 0.01), ("emapg", 0.02)):
+        d = tmp_path / name
+        d.mkdir()
+        d.joinpath("metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "reward/mean": slope * s, "kl/mean": 1e-3 * s, "response/length_mean": 40 + s}) + "\n"
+            for s in range(1, 21)
+        ))
+    out = tmp_path / "curves.png"
+    assert main([str(tmp_path / "grpo"), str(tmp_path / "emapg"), "--out", str(out), "--smooth", "3"]) == 0
+    img = imread(out)
+    assert img.shape[0] > 100 and img.shape[1] > 300
+    from emapg.cli import UserError
+
+    with pytest.raises(UserError):
+        main([str(tmp_path / "missing"), "--out", str(out)])
