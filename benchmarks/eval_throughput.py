@@ -97,7 +97,8 @@ def math_benchmark(args) -> dict:
             "timeouts": sum(s["timeouts"] for s in report["sets"].values()),
             "sets": {k: {"n": v["n"], "gold_accepted": v["gold_accepted"], "perturbed_accepted": v["perturbed_accepted"],
                          "items_per_s": round(v["items_per_s"], 2),
-                         "exceptions": v["gold_rejected"] + v["perturbed_accepted_items"]}
+                         "exceptions": v["gold_rejected"] + v["perturbed_accepted_items"],
+                         "timed_out": v["timed_out"]}
                      for k, v in report["sets"].items()},
         }
         print(f"math self-check: {n} gradings in {seconds:.1f} s = {n / seconds:.1f} items/s", flush=True)

@@ -5,7 +5,8 @@ correct, and a *perturbed* answer (last digit changed, or a letter appended when
 digit) must be graded wrong. The exceptions are grader gaps worth knowing before trusting a
 number: e.g. math-verify ignores base subscripts (``52_8`` = ``52_9``), rounds tiny
 magnitudes to 6 decimals (``4.6 \\times 10^{-24}`` = ``4.6 \\times 10^{-25}``) and drops
-units with exponents (``cm^2`` = ``cm^3``).
+units with exponents (``cm^2`` = ``cm^3``); and without a timeout it spends about five
+minutes comparing ``x = \\frac{e^{t}}{3} + ce^{-3t}`` with the Minerva gold ``ce^{-2t}``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def check_grader(
                               for ex, g, r in zip(examples, golds, ok) if not r.correct],
             "perturbed_accepted_items": [{"id": ex.id, "gold": g[0], "perturbed": w, "accepted_by": r.reason}
                                          for ex, g, w, r in zip(examples, golds, wrong, bad) if r.correct],
+            "timed_out": [{"id": ex.id, "answer": r.extracted}
+                          for ex, r in [*zip(examples, ok), *zip(examples, bad)] if r.reason == "timeout"],
         }
     return out
 
@@ -76,4 +79,5 @@ def format_exceptions(report: dict[str, Any]) -> str:
         lines += [f"    gold rejected: {e['gold']!r} ({e['reason']})" for e in s["gold_rejected"]]
         lines += [f"    perturbed accepted: {e['gold']!r} ~ {e['perturbed']!r} (by {e['accepted_by']})"
                   for e in s["perturbed_accepted_items"]]
+        lines += [f"    timed out (counted wrong): {e['answer']!r}" for e in s["timed_out"]]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ with reason ``timeout``.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -217,14 +218,24 @@ def _load_math_verify() -> None:
         _MV_READY = True
 
 
-def _math_verify_equal(pred: str, gold: str) -> bool:
-    from math_verify import parse, verify
+@functools.lru_cache(maxsize=4096)
+def _parse_boxed(text: str) -> tuple:
+    """math-verify's parse of ``\\boxed{text}``, cached per worker: a gold answer is graded
+    against every sample of its problem (n = 32 in the paper's protocol), and parsing is about
+    half the cost of a grading."""
+    from math_verify import parse
 
     _load_math_verify()
-    # Wrapping both sides in \boxed{} makes math-verify parse exactly this string (its boxed
-    # extractor) instead of hunting for "the answer is" patterns.
-    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
-    pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=None)
+    # Wrapping in \boxed{} makes math-verify parse exactly this string (its boxed extractor)
+    # instead of hunting for "the answer is" patterns. Parsed sympy objects are immutable.
+    return tuple(parse(f"\\boxed{{{text}}}", parsing_timeout=None))
+
+
+def _math_verify_equal(pred: str, gold: str) -> bool:
+    from math_verify import verify
+
+    gold_parsed = list(_parse_boxed(gold))
+    pred_parsed = list(_parse_boxed(pred))
     if not gold_parsed or not pred_parsed:
         return False
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))

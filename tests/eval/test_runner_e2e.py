@@ -7,12 +7,18 @@ by the real transformers engine, so the scores below are known exactly.
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from emapg.cli import UserError
 from emapg.cli import main as emapg_main
+from emapg.paths import REPO_ROOT
 from eval.datasets import QA_DATASETS
 from eval.protocols import get_protocol
 from eval.runner import EvalConfig, read_items, run_eval
@@ -169,3 +175,37 @@ def test_cli_user_errors(tmp_path, capsys):
     assert _eval("--model", "tiny-qwen2", "--suite", "qa", "--data-path", "bad", "--out", tmp_path / "x") == 2
     assert emapg_main(["eval", "compare", str(tmp_path), "--out", str(tmp_path / "c")]) == 2
     assert "no results.json" in capsys.readouterr().err
+
+
+def test_resume_after_sigkill(tmp_path, tiny_model_dir):
+    """A real `emapg eval` process killed mid-run; the rerun does only what is missing."""
+    out = tmp_path / "killed"
+    argv = [sys.executable, "-m", "emapg.cli", "eval", "--model", str(tiny_model_dir), "--suite", "math",
+            "--protocol", "math_quick", "--n", "2", "--max-tokens", "12", "--datasets", "aime2024", "--limit", "6",
+            "--batch-size", "1", "--engine", "hf", "--grader-workers", "1", "--no-progress", "--out", str(out)]
+    items = out / "items" / "aime2024.jsonl"
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (items.exists() and items.read_bytes().count(b"\n") >= 2):
+            assert proc.poll() is None, "the eval finished or died before it could be killed"
+            assert time.monotonic() < deadline, "no progress within 5 minutes"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    before = read_items(items)
+    assert 2 <= len(before) < 6 and not (out / "results.json").exists()
+
+    cfg = EvalConfig(model=str(tiny_model_dir), out=str(out), datasets=["aime2024"], limit=6, engine="hf",
+                     protocol=get_protocol("math_quick", n=2, max_tokens=12), batch_size=1, progress=False)
+    ran: list[int] = []
+    resumed = run_eval(cfg, on_batch=lambda ds, n: ran.append(n))
+    after = read_items(items)
+    assert ran == list(range(len(before) + 1, 7))  # one batch per missing question, nothing redone
+    assert after[: len(before)] == before and len(after) == 6
+
+    clean = run_eval(EvalConfig(**{**cfg.__dict__, "out": str(tmp_path / "clean")}))
+    assert resumed["datasets"] == clean["datasets"]
+    assert [r["samples"] for r in after] == [r["samples"] for r in read_items(tmp_path / "clean" / "items" / "aime2024.jsonl")]
