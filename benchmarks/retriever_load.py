@@ -108,7 +108,10 @@ async def _client(url: str, qs: list[str], offset: int, w: _Window) -> None:
 async def _level(url: str, qs: list[str], concurrency: int, warmup_s: float, duration_s: float) -> dict:
     w = _Window(concurrency)
     clients = asyncio.gather(*(_client(url, qs, c * 13, w) for c in range(concurrency)))
-    await w.all_warm.wait()  # new connections and the first big batch are not steady state
+    try:  # new connections and the first big batch are not steady state; capped to bound the run time
+        await asyncio.wait_for(w.all_warm.wait(), timeout=max(5.0, 2 * duration_s))
+    except asyncio.TimeoutError:
+        pass
     await asyncio.sleep(warmup_s)
     w.start = time.perf_counter()
     await asyncio.sleep(duration_s)
