@@ -253,8 +253,9 @@ class EMAAnchor:
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Anchor weights as full (unsharded) tensors keyed like ``model.state_dict()``.
 
-        For loading into an inference engine (``engine.load_weights``) or saving an HF folder.
-        Sharded parameters are all-gathered here — the one place that does so.
+        In the anchor's own dtype unless ``dtype`` is given (pass the model's dtype for an
+        inference engine's ``load_weights``).  Sharded parameters are all-gathered here — the one
+        place that does so; every rank must call it.  Inverse: :meth:`load_full_state_dict`.
         """
         out: dict[str, Tensor] = {}
         for name, a in self.tensors.items():
@@ -264,5 +265,32 @@ class EMAAnchor:
                                           shape=src.shape, stride=src.stride()).full_tensor()
             else:
                 full = a
-            out[name] = full.to(dtype=dtype or src.dtype)
+            out[name] = full if dtype is None else full.to(dtype)
         return out
+
+    @torch.no_grad()
+    def load_full_state_dict(
+        self, tensors: dict[str, Tensor], *, num_updates: int = 0, last_update_step: int | None = None
+    ) -> None:
+        """Load full (unsharded) anchor tensors, e.g. a checkpoint of :meth:`full_state_dict`.
+
+        Under FSDP2 each rank keeps only its own shard (``distribute_tensor`` with the
+        parameter's mesh and placements; every rank must call it with the same tensors).
+        """
+        local: dict[str, Tensor] = {}
+        for name, src in self._sources.items():
+            if name not in tensors:
+                raise ValueError(f"anchor checkpoint lacks {name!r}")
+            t = tensors[name]
+            if DTensor is not None and isinstance(src, DTensor):
+                from torch.distributed.tensor import distribute_tensor
+
+                t = distribute_tensor(t.to(device=src.device, dtype=src.dtype), src.device_mesh, src.placements).to_local()
+            local[name] = t
+        self.load_state_dict({
+            "anchor_decay": self.anchor_decay,
+            "update_period": self.update_period,
+            "num_updates": num_updates,
+            "last_update_step": last_update_step,
+            "tensors": {**local, **{n: tensors[n] for n in tensors if n not in local}},
+        })

@@ -152,6 +152,12 @@ def test_swap_into_evaluates_the_anchor_and_restores_the_policy():
     assert all(torch.equal(t, policy_state[n]) for n, t in m.state_dict().items())
     full = ema.full_state_dict()
     assert set(full) == set(ema.tensors) and full["0.weight"].dtype == torch.float32
+    assert ema.full_state_dict(torch.bfloat16)["0.weight"].dtype == torch.bfloat16
+    other = EMAAnchor(_model(), anchor_decay=0.5)
+    other.load_full_state_dict(full, num_updates=1)
+    assert all(torch.equal(other.tensors[n], t) for n, t in full.items()) and other.num_updates == 1
+    with pytest.raises(ValueError, match="lacks"):
+        other.load_full_state_dict({})
 
 
 def test_trl_mixup_alpha_is_the_complement():
@@ -230,6 +236,9 @@ def _fsdp_worker(rank: int, world: int, port: int) -> None:
         assert torch.allclose(before, policy_plain(x), atol=1e-6)
         assert torch.allclose(out, plain(x), atol=1e-6)  # the anchor, not stale unsharded weights
         assert torch.allclose(after, policy_plain(x), atol=1e-6)  # the policy again
+        again = EMAAnchor(model, anchor_decay=0.8, update_period=2)
+        again.load_full_state_dict(full, num_updates=2, last_update_step=4)
+        assert all(torch.equal(again.tensors[n], ema.tensors[n]) for n in ema.tensors)
         state = ema.state_dict()
         restored = EMAAnchor(model, anchor_decay=0.8, update_period=2)
         restored.load_state_dict(state)
