@@ -327,6 +327,15 @@ class Trainer:
         rewards, counts = score(trajectories, prompts, cfg, self.engine.tokenizer)
         return Rollouts(prompts, trajectories, group_ids, torch.tensor(rewards, dtype=torch.float32), counts, stats)
 
+    def _on_policy_single_update(self, n: int) -> bool:
+        """One PPO epoch and one optimizer step: π_old is the policy being differentiated.
+
+        Then its log-probs equal the training pass's own (detached), so the separate π_old
+        pass is skipped (as TRL does); Top-k reverse KL still needs it, for the indices.
+        """
+        alg = self.cfg.algorithm
+        return alg.ppo_epochs == 1 and n <= max(1, alg.mini_batch_size // self.dist.world_size)
+
     def _stats(self, mb: MicroBatch, **kwargs: Any):
         from trainer.logprobs import TokenStats
 
@@ -345,25 +354,26 @@ class Trainer:
         chunk = cfg.model.chunk_size
         need_old_topk = kl.enabled and kl.type == "topk_reverse" and kl.topk > 0
         n, t = batch.size, batch.response_width
-        old_logp = torch.zeros(n, t)
-        entropy = torch.zeros(n, t)
         k = kl.topk if kl.enabled and kl.type in TOPK_KL_TYPES else 0
         topk_idx = torch.zeros(n, t, k, dtype=torch.long) if k else None
         timings = {}
         t0 = time.perf_counter()
-        for rows in self._micro_rows(n):
-            mb = batch.micro(rows, self.dist.device)
-            with self._autocast():
-                st = self._stats(
-                    mb, topk=k if need_old_topk else 0, entropy=True, temperature=temp, chunk_size=chunk,
-                )
-            w = mb.response_width
-            old_logp[rows, :w] = st.logp.float().cpu()
-            entropy[rows, :w] = st.entropy.float().cpu()
-            if need_old_topk:
-                topk_idx[rows, :w] = st.topk_indices.cpu()
-        batch.stored["old_logp"] = old_logp
-        batch.stored["entropy"] = entropy
+        if not self._on_policy_single_update(n) or need_old_topk:
+            old_logp = torch.zeros(n, t)
+            entropy = torch.zeros(n, t)
+            for rows in self._micro_rows(n):
+                mb = batch.micro(rows, self.dist.device)
+                with self._autocast():
+                    st = self._stats(
+                        mb, topk=k if need_old_topk else 0, entropy=True, temperature=temp, chunk_size=chunk,
+                    )
+                w = mb.response_width
+                old_logp[rows, :w] = st.logp.float().cpu()
+                entropy[rows, :w] = st.entropy.float().cpu()
+                if need_old_topk:
+                    topk_idx[rows, :w] = st.topk_indices.cpu()
+            batch.stored["old_logp"] = old_logp
+            batch.stored["entropy"] = entropy
         timings["time/old_logprobs"] = time.perf_counter() - t0
         if self.anchor is None or kl.type in EXACT_KL_TYPES:
             return timings  # exact KL recomputes the anchor's full logits per micro-batch
@@ -406,7 +416,8 @@ class Trainer:
         temp = cfg.rollout.temperature
         s = mb.stored
         labels = mb.labels
-        want_entropy = alg.entropy_coef != 0.0
+        on_policy = "old_logp" not in s
+        want_entropy = alg.entropy_coef != 0.0 or on_policy
         policy_logits = anchor_logits = None
         with self._autocast():
             if kl.enabled and kl.type in EXACT_KL_TYPES:
@@ -421,8 +432,11 @@ class Trainer:
                     mb, gather_indices=s.get("topk_indices"), entropy=want_entropy, temperature=temp,
                     chunk_size=cfg.model.chunk_size,
                 )
+        old_logp = stats.logp.detach() if on_policy else s["old_logp"]
+        if on_policy:
+            sums["entropy_sum"] = sums.get("entropy_sum", 0.0) + float((stats.entropy.detach() * mb.loss_mask).sum())
         loss, m = compute_policy_loss(
-            stats.logp, s["old_logp"], s["advantages"], mb.loss_mask, agg,
+            stats.logp, old_logp, s["advantages"], mb.loss_mask, agg,
             clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip_c=alg.dual_clip,
             log_ratio_clamp=20.0 if alg.dual_clip is not None else None,
             entropy=stats.entropy, entropy_coef=alg.entropy_coef,
@@ -441,7 +455,7 @@ class Trainer:
             )
             kloss, km = kl_loss(
                 kl.type, policy=stats, anchor=anchor, labels=labels, loss_mask=mb.loss_mask, agg=agg,
-                old_logp=s["old_logp"], use_iw=kl.importance_weight,
+                old_logp=old_logp, use_iw=kl.importance_weight,
                 iw_clip=tuple(kl.iw_clip) if kl.iw_clip else None,
                 tail_sampling=kl.tail_sampling, tail_grad=kl.tail_grad,
                 policy_logits=policy_logits, anchor_logits=anchor_logits,
@@ -510,6 +524,8 @@ class Trainer:
             "actor/updates": float(updates),
             "actor/skipped_updates": float(skipped),
         }
+        if "entropy_sum" in sums:
+            out["_entropy_sum"] = sums["entropy_sum"]
         if alg.kl.enabled:
             out["kl/mean"] = float(tot[4]) / tokens
             out["kl/loss"] = sums.get("kl_loss", 0.0) / max(updates + skipped, 1)
@@ -543,7 +559,10 @@ class Trainer:
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
         if train["actor/updates"] > 0:
             self._weights_dirty = True
-        metrics = self._rollout_metrics(ro, batch)
+        entropy_sum = train.pop("_entropy_sum", None)
+        if entropy_sum is None:
+            entropy_sum = float((batch.stored["entropy"] * batch.loss_mask).sum())
+        metrics = self._rollout_metrics(ro, batch, entropy_sum)
         self._last_samples = [
             {"group_id": g, "reward": float(r), "stop_reason": t.stop_reason, "searches": t.num_searches,
              "question": t.question, "response": t.response_text}
@@ -573,7 +592,7 @@ class Trainer:
         tok = self.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
-    def _rollout_metrics(self, ro: Rollouts, batch: TokenBatch) -> dict[str, float]:
+    def _rollout_metrics(self, ro: Rollouts, batch: TokenBatch, entropy_sum: float) -> dict[str, float]:
         """Reward, length, search and time statistics, summed over ranks."""
         from trainer.rollouts import trajectory_stats
 
@@ -587,7 +606,7 @@ class Trainer:
         local = torch.tensor([
             n, float(r.sum()), float((r * r).sum()),
             float(batch.response_lens.sum()), float(ent_mask.sum()),
-            float((batch.stored["entropy"] * ent_mask).sum()),
+            entropy_sum,
             stats["searches"], stats["search_failures"], stats["turns"], stats["truncated"],
             stats["generation_time"], stats["retrieval_time"], solved_all, float(grouped.shape[0]),
             float(batch.response_lens.sum() + batch.prompt_lens.sum()),
