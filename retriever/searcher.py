@@ -7,6 +7,7 @@ because FAISS GPU indexes are not thread-safe even for searches (faiss wiki,
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,8 @@ import numpy as np
 from retriever.corpus import DocStore
 from retriever.encoder import Encoder, EncoderSpec
 from retriever.index_builder import BM25_DIR, INDEX_FILE, read_meta
+
+log = logging.getLogger("retriever.searcher")
 
 
 class EncoderMismatchError(ValueError):
@@ -99,7 +102,11 @@ class Searcher:
         self._gpu_resources = None
         on_gpu = self.encoder.devices[0].startswith("cuda")
         if on_gpu and gpu_shards != 0 and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
-            index = self._to_gpu(index, gpu_shards, gpu_replicate, bool(self.encoder.fp16 if fp16 is None else fp16))
+            try:
+                index = self._to_gpu(index, gpu_shards, gpu_replicate, bool(self.encoder.fp16 if fp16 is None else fp16))
+            except RuntimeError as e:  # e.g. HNSW has no GPU implementation: search it on the CPU
+                log.warning("FAISS index %s stays on the CPU: %s", self.meta["index_type"], str(e).strip().splitlines()[-1])
+                self.index_device = "cpu"
         self.index = index
         self.rrf_k = rrf_k
         self.bm25 = None
