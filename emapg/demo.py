@@ -41,6 +41,7 @@ class DemoPreset:
     eval_limit: int  # questions per QA dataset
     engine: str
     train_overrides: tuple[str, ...] = ()
+    eval_overrides: tuple[str, ...] = ()
 
 
 PRESETS = {
@@ -50,6 +51,7 @@ PRESETS = {
         index_limit=None,
         eval_limit=4,
         engine="vllm",
+        eval_overrides=("--max-tokens", "200"),
     ),
     # CI-sized: a 1.7M-parameter random model, a 2k-passage index; checks the plumbing, not learning.
     "tiny": DemoPreset(
@@ -59,6 +61,7 @@ PRESETS = {
         eval_limit=2,
         engine="hf",
         train_overrides=("run.total_steps=2",),
+        eval_overrides=("--max-tokens", "32", "--max-turns", "2"),
     ),
 }
 
@@ -128,6 +131,7 @@ def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
 
 def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> Path:
     from retriever.launch import RetrieverServer
+    from trainer.checkpoint import latest_checkpoint
 
     preset = PRESETS[preset_name]
     out = (out or REPO_ROOT / "runs" / f"demo-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -162,7 +166,7 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
         with RetrieverServer(index_dir, log_path=out / "retriever.log") as server:
             print(f"retriever ready at {server.url} (log: {out / 'retriever.log'})", flush=True)
             eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--retriever-url", server.url,
-                           "--engine", preset.engine]  # fmt: skip
+                           "--engine", preset.engine, *preset.eval_overrides]  # fmt: skip
 
             stages.banner(4, total, f"evaluating the base policy on {preset.eval_limit} questions x 7 QA datasets")
             stages.run(["eval", "--model", preset.policy, "--out", str(out / "eval_base"), "--name", "base", *eval_common])
@@ -172,9 +176,10 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
             stages.run(["train", "--config", str(preset.train_config), f"model.policy={preset.policy}",
                         f"retriever.urls=[{server.url}]", "retriever.index_dir=null", f"run.output_dir={train_dir}",
                         "logging.progress=true", *preset.train_overrides])  # fmt: skip
-            policy = train_dir / "checkpoints" / "latest" / "policy"
-            if not policy.exists():
-                raise UserError(f"training finished without a checkpoint at {policy}")
+            checkpoint = latest_checkpoint(train_dir)
+            if checkpoint is None:
+                raise UserError(f"training finished without a checkpoint in {train_dir}")
+            policy = checkpoint / "policy"
 
             stages.banner(6, total, "evaluating the trained policy on the same questions")
             stages.run(["eval", "--model", str(policy.resolve()), "--out", str(out / "eval_trained"), "--name", "ema-pg",

