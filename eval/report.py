@@ -7,8 +7,9 @@ A run directory holds ``results.json`` (written by :mod:`eval.runner`)::
      "datasets": {"<dataset>": {"n_items": int, "<metric>": value, ...}, ...},
      "average": {"<metric>": unweighted mean over datasets, ...}}
 
-Metric values are fractions in [0, 1] in JSON (``searches``, ``turns``, ``response_tokens``
-and ``timeouts`` are counts); tables show rates as percentages with one decimal.
+Metric values are fractions in [0, 1] in JSON (``searches``, ``turns`` and
+``response_tokens`` are means of counts; ``timeouts``, ``rollout_errors`` and
+``search_failures`` are totals); tables show rates as percentages with one decimal.
 
 ``emapg eval compare RUN_DIR... --out DIR`` puts several runs side by side, plus the
 paper's published numbers as clearly labelled reference columns: those are the paper's
@@ -61,7 +62,8 @@ PAPER_REFERENCE: dict[str, dict[str, Any]] = {
 }
 
 #: Metrics that are counts or means of counts, shown as plain numbers rather than percentages.
-COUNT_METRICS = {"searches", "turns", "response_tokens", "timeouts", "n_items", "n_samples"}
+COUNT_METRICS = {"searches", "turns", "response_tokens", "timeouts", "n_items", "n_samples", "rollout_errors",
+                 "search_failures"}
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
@@ -216,7 +218,7 @@ def _header(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_run_report(results: dict[str, Any], out_dir: str | Path, exceptions: str | None = None) -> Path:
+def write_run_report(results: dict[str, Any], out_dir: str | Path, notes: str | None = None) -> Path:
     """``report.md`` (+ ``<metric>.png`` and ``pass_at_k.png`` for math) for one run."""
     out_dir = Path(out_dir)
     metric = results["primary_metric"]
@@ -226,8 +228,8 @@ def write_run_report(results: dict[str, Any], out_dir: str | Path, exceptions: s
     passk = plot_passk([results], out_dir / "pass_at_k.png")
     if passk is not None:
         lines += ["", f"![pass@k]({passk.name})"]
-    if exceptions:
-        lines += ["", exceptions]
+    if notes:
+        lines += ["", notes]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -45,6 +45,10 @@ ITEMS_DIR = "items"
 
 QA_METRICS = ("em", "f1", "cover_em", "retrieval_recall", "has_answer", "searches", "turns", "response_tokens")
 MATH_METRICS = ("answered", "timeouts", "response_tokens")  # plus pass@k for k in default_ks(n)
+# Totals over a dataset's samples, reported next to the metrics: a score is only as good as
+# the rollouts behind it (a crashed engine or a dead retriever must not pass as a low score).
+QA_TOTALS = ("rollout_errors", "search_failures")
+MATH_TOTALS = ("rollout_errors",)
 
 
 @dataclass
@@ -159,6 +163,8 @@ def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
     scores["searches"] = sum(s["searches"] for s in samples) / len(samples)
     scores["turns"] = sum(s["turns"] for s in samples) / len(samples)
     scores["response_tokens"] = sum(s["response_tokens"] for s in samples) / len(samples)
+    scores["rollout_errors"] = sum(s["stop_reason"] == "error" for s in samples)
+    scores["search_failures"] = sum(s["search_failures"] for s in samples)
     return _item_record(example, trajs, tokenizer, samples, scores)
 
 
@@ -186,6 +192,7 @@ def score_math_batch(examples: Sequence, trajs_per_item: Sequence[Sequence], tok
             "accuracy": c / n,
             "answered": sum(s["prediction"] is not None for s in samples) / n,
             "timeouts": sum(s["grade_reason"] == "timeout" for s in samples),
+            "rollout_errors": sum(s["stop_reason"] == "error" for s in samples),
             "response_tokens": sum(s["response_tokens"] for s in samples) / n,
         }
         out.append(_item_record(ex, trajs, tokenizer, samples, scores))
@@ -217,6 +224,8 @@ def aggregate(suite: str, records: list[dict[str, Any]], n: int) -> dict[str, An
     if suite == "qa":
         for m in QA_METRICS:
             out[m] = sum(r["scores"][m] for r in records) / len(records)
+        for m in QA_TOTALS:
+            out[m] = sum(r["scores"][m] for r in records)
         return out
     from eval.passk import default_ks, mean_pass_at_k
 
@@ -227,15 +236,16 @@ def aggregate(suite: str, records: list[dict[str, Any]], n: int) -> dict[str, An
     out["answered"] = sum(r["scores"]["answered"] for r in records) / len(records)
     out["timeouts"] = sum(r["scores"]["timeouts"] for r in records)
     out["response_tokens"] = sum(r["scores"]["response_tokens"] for r in records) / len(records)
+    out["rollout_errors"] = sum(r["scores"]["rollout_errors"] for r in records)
     return out
 
 
 def metric_names(suite: str, n: int) -> list[str]:
     if suite == "qa":
-        return list(QA_METRICS)
+        return list(QA_METRICS + QA_TOTALS)
     from eval.passk import default_ks
 
-    return [f"pass@{k}" for k in default_ks(n)] + list(MATH_METRICS)
+    return [f"pass@{k}" for k in default_ks(n)] + list(MATH_METRICS + MATH_TOTALS)
 
 
 # --------------------------------------------------------------------------- setup helpers
@@ -438,7 +448,9 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         "primary_metric": "em" if suite == "qa" else "pass@1",
         "metric_names": names,
         "datasets": per_ds,
-        "average": {m: sum(v[m] for v in per_ds.values()) / len(per_ds) for m in names},
+        # unweighted mean over datasets (the paper's "average"); totals are summed
+        "average": {m: sum(v[m] for v in per_ds.values()) / (1 if m in QA_TOTALS + MATH_TOTALS else len(per_ds))
+                    for m in names},
         # this invocation only (a resumed run times the questions it ran)
         "timing": {
             "setup_s": t_ready - t_start,
@@ -450,7 +462,10 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     from eval.report import write_run_report
 
-    write_run_report(results, out_dir, exceptions=_grading_notes(records) if suite == "math" else None)
+    notes = _notes(suite, records)
+    if notes:
+        print(notes.replace("**", ""), file=sys.stderr)
+    write_run_report(results, out_dir, notes=notes)
     return results
 
 
@@ -468,11 +483,21 @@ def _ordered(records: list[dict], examples: list) -> list[dict]:
     return [by_id[ex.id] for ex in examples]
 
 
-def _grading_notes(records: dict[str, list[dict]]) -> str | None:
-    timeouts = sum(r["scores"]["timeouts"] for recs in records.values() for r in recs)
-    if not timeouts:
-        return None
-    return f"Grading: {timeouts} sample(s) hit the per-item grading timeout and count as incorrect."
+def _notes(suite: str, records: dict[str, list[dict]]) -> str | None:
+    """Warnings for the report: rollouts that failed, searches that failed, grading timeouts."""
+    def total(key: str) -> int:
+        return sum(r["scores"].get(key, 0) for recs in records.values() for r in recs)
+
+    notes = []
+    if total("rollout_errors"):
+        notes.append(f"**Warning:** {total('rollout_errors')} sample(s) ended with a rollout error (see `error` in "
+                     "items/*.jsonl) and score 0.")
+    if suite == "qa" and total("search_failures"):
+        notes.append(f"**Warning:** {total('search_failures')} search(es) failed (retriever unreachable or erroring); "
+                     "the model was told the search failed.")
+    if suite == "math" and total("timeouts"):
+        notes.append(f"Grading: {total('timeouts')} sample(s) hit the per-item grading timeout and count as incorrect.")
+    return "\n\n".join(notes) or None
 
 
 def _open_retriever(cfg: EvalConfig):

@@ -64,7 +64,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_scores_and_compare_against_paper(tmp_path, answerer_dir, searcher_dir, retriever_server):
+def test_scores_and_compare_against_paper(tmp_path, answerer_dir, searcher_dir, retriever_server, retriever_index):
     bamboogle = _write_jsonl(tmp_path / "b.jsonl", [
         {"id": "q1", "question": "capital of France", "golden_answers": ["Paris"]},
         {"id": "q2", "question": "city of light", "golden_answers": ["The city of Paris", "Paris, France"]},
@@ -76,12 +76,15 @@ def test_scores_and_compare_against_paper(tmp_path, answerer_dir, searcher_dir, 
         {"id": "h2", "question": "capital of China", "golden_answers": ["Beijing"]},
     ])  # fmt: skip
     runs = {}
-    for label, model in (("answerer", answerer_dir), ("searcher", searcher_dir)):
+    # the answerer talks to the session's server; the searcher's run starts its own on the index
+    for label, model, where in (("answerer", answerer_dir, ["--retriever-url", retriever_server.url]),
+                                ("searcher", searcher_dir, ["--index", retriever_index.index_dir])):
         runs[label] = tmp_path / label
         rc = _eval("--model", model, "--suite", "qa", "--protocol", "qa_quick", "--datasets", "bamboogle,hotpotqa",
                    "--data-path", f"bamboogle={bamboogle}", "--data-path", f"hotpotqa={hotpot}",
-                   "--retriever-url", retriever_server.url, "--out", runs[label], "--name", label)
+                   *where, "--out", runs[label], "--name", label)
         assert rc == 0
+    assert json.loads((runs["searcher"] / "results.json").read_text())["retriever"].startswith("started on")
     ans = json.loads((runs["answerer"] / "results.json").read_text())
     bam = ans["datasets"]["bamboogle"]
     # "Paris" vs golds: q1 exact; q2's golds normalise to "city of paris" / "paris france" (EM 0,
@@ -209,3 +212,17 @@ def test_resume_after_sigkill(tmp_path, tiny_model_dir):
     clean = run_eval(EvalConfig(**{**cfg.__dict__, "out": str(tmp_path / "clean")}))
     assert resumed["datasets"] == clean["datasets"]
     assert [r["samples"] for r in after] == [r["samples"] for r in read_items(tmp_path / "clean" / "items" / "aime2024.jsonl")]
+
+
+def test_failed_searches_are_reported(tmp_path, searcher_dir, fault_proxy):
+    """A retriever that answers HTTP 500: the run completes, and the report says why scores are low."""
+    fault_proxy.mode = "500"
+    data = _write_jsonl(tmp_path / "q.jsonl", [{"id": "a", "question": "x", "golden_answers": ["y"]},
+                                                {"id": "b", "question": "z", "golden_answers": ["w"]}])
+    out = tmp_path / "run"
+    assert _eval("--model", searcher_dir, "--suite", "qa", "--protocol", "qa_quick", "--datasets", "nq",
+                 "--data-path", f"nq={data}", "--retriever-url", fault_proxy.url, "--out", out) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["datasets"]["nq"]["search_failures"] == 4  # 2 questions x 2 searches
+    assert results["datasets"]["nq"]["rollout_errors"] == 0
+    assert "4 search(es) failed" in (out / "report.md").read_text()
