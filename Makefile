@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: venv install-gpu test test-fast demo demo-tiny bench clean-cache lint
+.PHONY: venv install-gpu test test-fast demo bench
 
 venv: $(STAMP)
 
@@ -36,11 +36,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+# PRESET=tiny runs the CI-sized demo; OUT=DIR picks the run folder.
+PRESET ?= default
 demo: $(STAMP)
-	@$(VENV)/bin/emapg demo
-
-demo-tiny: $(STAMP)
-	@$(VENV)/bin/emapg demo --preset tiny
+	@$(VENV)/bin/emapg demo --preset $(PRESET) $(if $(OUT),--out $(OUT))
 
 bench: $(STAMP)
 	for b in retriever_load kl_memory rollout_throughput train_step; do $(PY) benchmarks/$$b.py --quick || exit 1; done

@@ -129,6 +129,25 @@ def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
     return "\n".join(blocks)
 
 
+def _write_results(path: Path, preset_name: str, out: Path, train_dir: Path) -> None:
+    """results.json of the report: per dataset, every metric of the base and the trained policy."""
+    runs = {label: json.loads((out / f"eval_{label}" / "results.json").read_text()) for label in ("base", "trained")}
+    datasets = {
+        name: {label: runs[label]["datasets"][name] for label in runs}
+        for name in runs["base"]["datasets"]
+    }
+    steps = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = {
+        "preset": preset_name,
+        "primary_metric": runs["base"].get("primary_metric", "em"),
+        "datasets": datasets,
+        "average": {label: runs[label]["average"] for label in runs},
+        "models": {label: runs[label]["model"] for label in runs},
+        "training": {"steps": len(steps), "metrics": steps},
+    }
+    path.write_text(json.dumps(summary, indent=2))
+
+
 def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> Path:
     from retriever.launch import RetrieverServer
     from trainer.checkpoint import latest_checkpoint
@@ -189,6 +208,7 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
         report = out / "report"
         stages.run(["eval", "compare", str(out / "eval_base"), str(out / "eval_trained"), "--out", str(report)])
         stages.run(["plot", str(train_dir), "--out", str(report / "training_curves.png")])
+        _write_results(report / "results.json", preset_name, out, train_dir)
         examples = _example_trajectories(out / "eval_trained")
         if examples:
             with open(report / "report.md", "a") as f:

@@ -1,0 +1,70 @@
+"""The main job end to end: `make demo PRESET=tiny` through the real index, server, trainer and evaluator."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+QA = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_env(tmp_path_factory):
+    env = dict(os.environ)
+    env["EMAPG_CACHE"] = str(tmp_path_factory.mktemp("emapg-cache"))  # a fresh cache: the demo builds its index
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
+    out = tmp_path / "demo"
+    proc = subprocess.run(["make", "-s", "demo", "PRESET=tiny", f"OUT={out}"], cwd=REPO, env=demo_env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = Path(proc.stdout.strip().splitlines()[-1])  # contract: the last line is the report folder
+    assert report == out / "report"
+    assert (report / "report.md").is_file() and list(report.glob("*.png"))
+    results = json.loads((report / "results.json").read_text())
+    assert set(results["datasets"]) == set(QA)
+    for name in QA:
+        for label in ("base", "trained"):
+            scores = results["datasets"][name][label]
+            assert scores["n_items"] == 2 and 0.0 <= scores["em"] <= 100.0
+    assert results["training"]["steps"] == 2
+    md = (report / "report.md").read_text()
+    assert all(f"| {name} |" in md for name in QA) and "Example trajectories" in md
+
+
+def test_ctrl_c_stops_every_process_and_keeps_the_cache(tmp_path, demo_env):
+    """Interrupt while the retriever serves; nothing the demo started survives; a rerun reuses the index."""
+    out = tmp_path / "demo"
+    log = tmp_path / "demo.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(REPO / ".venv/bin/emapg"), "demo", "--preset", "tiny", "--out", str(out)],
+                                cwd=REPO, env=demo_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = None
+    deadline = time.monotonic() + 600
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text().splitlines():
+            if line.startswith("retriever ready at "):
+                url = line.split()[3]
+        time.sleep(0.5)
+    assert url, log.read_text()[-3000:]
+    time.sleep(3)  # let the base evaluation start
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(60) != 0
+    assert "demo interrupted" in log.read_text()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)
+    leftovers = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert leftovers == []
+    index = Path(demo_env["EMAPG_CACHE"]) / "indexes" / "wiki_mini-minilm-flat-first2000"
+    assert (index / "meta.json").is_file()
