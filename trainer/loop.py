@@ -123,6 +123,12 @@ class Trainer:
             if dev.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         ckpt_path = self._find_resume()
+        import random
+
+        import numpy as np
+
+        random.seed(cfg.run.seed + self.dist.rank)
+        np.random.seed(cfg.run.seed + self.dist.rank)
         torch.manual_seed(cfg.run.seed + self.dist.rank)
 
         # Data first: a bad dataset name fails before any model loads.

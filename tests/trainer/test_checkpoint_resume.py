@@ -1,4 +1,4 @@
-"""Resume after SIGKILL reproduces the uninterrupted run bit-for-bit; SIGTERM saves before exiting.
+"""SIGTERM saves before exiting; resume after SIGTERM or SIGKILL reproduces the uninterrupted run bit-for-bit.
 
 Real ``emapg train`` subprocesses on the tiny math preset (no retriever needed).
 """
@@ -53,47 +53,47 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+def test_sigterm_then_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    """SIGTERM: finish the step, save, exit 0. SIGKILL: lose at most the step in progress.
+    Resuming after each reproduces the uninterrupted run's metrics, weights, anchor and optimizer."""
+    from emapg.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.loop import train
+
     full = tmp_path / "full"
-    p = subprocess.run(_cmd(full), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    train(load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", _cmd(full)[6:]))  # same overrides, in-process
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run), cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(run / "metrics.jsonl", proc)
+    while not (run / "metrics.jsonl").read_text().strip():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped by signal" in stderr
+    stopped = max(int(d.name.split("_")[1]) for d in run.glob("step_*"))
+    assert 1 <= stopped < 4 and (run / "latest").read_text().strip() == f"step_{stopped}"
+
+    if stopped < 3:
+        proc = subprocess.Popen(_cmd(run, "--resume"), cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        _wait_for(run / f"step_{stopped + 1}" / "trainer_state.json", proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        done = max(int(d.name.split("_")[1]) for d in run.glob("step_*"))
+        assert stopped + 1 <= done < 4  # killed mid-run: at most the step in progress is lost
+
+    p = subprocess.run(_cmd(run, "--resume"), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
 
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(killed), cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait_for(killed / "step_2" / "trainer_state.json", proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    done = sorted(int(d.name.split("_")[1]) for d in killed.glob("step_*"))
-    assert 2 <= done[-1] < 4  # killed mid-run: at most the step in progress is lost
-
-    p = subprocess.run(_cmd(killed, "--resume"), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-
-    assert _metrics(killed) == _metrics(full)
-    assert [r["step"] for r in _metrics(killed)] == [1, 2, 3, 4]
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
+    assert _metrics(run) == _metrics(full)
     for name in ("policy/model.safetensors", "anchor.safetensors"):
-        a, b = load_file(str(full / "step_4" / name)), load_file(str(killed / "step_4" / name))
+        a, b = load_file(str(full / "step_4" / name)), load_file(str(run / "step_4" / name))
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a), name
     a = torch.load(full / "step_4" / "optimizer.pt", weights_only=True)
-    b = torch.load(killed / "step_4" / "optimizer.pt", weights_only=True)
+    b = torch.load(run / "step_4" / "optimizer.pt", weights_only=True)
     assert all(torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"]) for i in a["state"])
-
-
-def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
-    out = tmp_path / "run"
-    cmd = _cmd(out, "run.total_steps=200", "run.save_every=0")
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(out / "metrics.jsonl", proc)
-    while not (out / "metrics.jsonl").read_text().strip():
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "stopped by signal" in stderr
-    ckpts = sorted(out.glob("step_*"))
-    assert len(ckpts) == 1
-    step = int(ckpts[0].name.split("_")[1])
-    assert 1 <= step < 200
-    assert [r["step"] for r in _metrics(out)] == list(range(1, step + 1))
