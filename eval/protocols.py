@@ -71,7 +71,7 @@ class EvalProtocol:
 PROTOCOLS: dict[str, EvalProtocol] = {
     p.name: p
     for p in (
-        EvalProtocol(name="qa_greedy", suite="qa"),
+        EvalProtocol(name="qa_greedy", suite="qa", max_model_len=6144),  # 2,048 prompt + 4,096 response
         EvalProtocol(name="qa_quick", suite="qa", max_turns=2, max_tokens=64, max_obs_tokens=256,
                      max_prompt_tokens=1024, max_model_len=2048),
         EvalProtocol(name="math_paper", suite="math", n=32, temperature=0.8, top_p=0.9, max_tokens=28000,

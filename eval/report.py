@@ -108,6 +108,17 @@ def _run_label(run: dict[str, Any]) -> str:
     return str(run.get("name") or Path(run.get("run_dir", "run")).name)
 
 
+def _unique_labels(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Run labels, with ``#2``, ``#3`` ... appended to repeats so columns stay distinguishable."""
+    seen: dict[str, int] = {}
+    out = []
+    for run in runs:
+        label = _run_label(run)
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    return out
+
+
 def comparison_table(runs: Sequence[dict[str, Any]], metric: str, reference: dict[str, dict[str, float]] | None = None) -> str:
     """Datasets × runs for one metric (percent), the unweighted average row, and optional
     reference columns (already in percent, e.g. the paper's)."""
@@ -115,7 +126,7 @@ def comparison_table(runs: Sequence[dict[str, Any]], metric: str, reference: dic
     for run in runs:
         datasets += [d for d in run["datasets"] if d not in datasets]
     reference = reference or {}
-    cols = [_run_label(r) for r in runs] + list(reference)
+    cols = _unique_labels(runs) + list(reference)
     rows = ["| dataset | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for ds in datasets:
         cells = [_fmt(metric, r["datasets"].get(ds, {}).get(metric)) for r in runs]
@@ -144,14 +155,15 @@ def plot_bars(runs: Sequence[dict[str, Any]], metric: str, path: str | Path,
     datasets: list[str] = []
     for run in runs:
         datasets += [d for d in run["datasets"] if d not in datasets]
-    series = [(_run_label(r), [100 * r["datasets"].get(d, {}).get(metric, float("nan")) for d in datasets]) for r in runs]
+    labels = _unique_labels(runs)
+    series = [(lab, [100 * r["datasets"].get(d, {}).get(metric, float("nan")) for d in datasets]) for lab, r in zip(labels, runs)]
     for label, ref in (reference or {}).items():
-        series.append((label + " (paper)", [ref.get(d, float("nan")) for d in datasets]))
+        series.append((label, [ref.get(d, float("nan")) for d in datasets]))
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(datasets) + 2), 4))
     for i, (label, values) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(datasets))]
-        ax.bar(xs, values, width, label=label, hatch="//" if "(paper)" in label else None)
+        ax.bar(xs, values, width, label=label, hatch="//" if label in (reference or {}) else None)
     ax.set_xticks(range(len(datasets)))
     ax.set_xticklabels(datasets, rotation=20, ha="right")
     ax.set_ylabel(_label(metric))
@@ -181,11 +193,14 @@ def plot_passk(runs: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
     nrows = math.ceil(len(datasets) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
     for ax, ds in zip(axes.flat, datasets):
-        for run in runs:
+        for label, run in zip(_unique_labels(runs), runs):
             pts = curve(run["datasets"].get(ds, {}))
             if pts:
-                ax.plot([k for k, _ in pts], [100 * v for _, v in pts], marker="o", label=_run_label(run))
+                ax.plot([k for k, _ in pts], [100 * v for _, v in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
+        ks = sorted({k for run in runs for k, _ in curve(run["datasets"].get(ds, {}))})
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.minorticks_off()
         ax.set_title(ds)
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
@@ -255,9 +270,9 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     bars = plot_bars(runs, metric, out_dir / f"{metric.replace('@', '_at_')}.png", reference)
     passk = plot_passk(runs, out_dir / "pass_at_k.png")
     lines = [f"# Comparison ({suite}, {metric})", ""]
-    for r in runs:
+    for label, r in zip(_unique_labels(runs), runs):
         p = r["protocol"]
-        lines.append(f"- **{_run_label(r)}**: `{r['model']}`, protocol `{p['name']}` (n={p['n']}, T={p['temperature']}), "
+        lines.append(f"- **{label}**: `{r['model']}`, protocol `{p['name']}` (n={p['n']}, T={p['temperature']}), "
                      f"{'grader `' + r['grader'] + '`, ' if suite == 'math' else ''}{r['timestamp']}")
     lines += ["", comparison_table(runs, metric, reference), ""]
     if reference:
@@ -270,8 +285,9 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     data = {
         "suite": suite,
         "metric": metric,
-        "runs": [{k: r[k] for k in ("name", "model", "run_dir", "datasets", "average", "protocol", "grader", "timestamp")}
-                 for r in runs],
+        "runs": [{"label": label, **{k: r[k] for k in ("name", "model", "run_dir", "datasets", "average", "protocol",
+                                                          "grader", "timestamp")}}
+                 for label, r in zip(_unique_labels(runs), runs)],
         "paper_reference": {"columns": reference, "model": ref["model"], "note": ref["note"]} if reference else None,
     }
     (out_dir / "comparison.json").write_text(json.dumps(data, indent=2) + "\n")
