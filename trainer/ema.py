@@ -98,6 +98,10 @@ class EMAAnchor:
             same as each parameter); strings ``"float32"``/``"bfloat16"`` accepted.
         device: anchor device (``None`` = next to each parameter; ``"cpu"`` = offloaded).
         include_buffers: also track floating-point buffers.
+        fsdp_root: the FSDP2 root module when it *wraps* ``model`` (e.g. a forward wrapper
+            that was ``fully_shard``-ed around the HF model).  It owns the parameters not in any
+            inner FSDP unit (embeddings, final norm, lm_head) and must be resharded around
+            :meth:`swap_into` too, or forwards would reuse its stale unsharded weights.
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class EMAAnchor:
         dtype: torch.dtype | str | None = torch.float32,
         device: torch.device | str | None = None,
         include_buffers: bool = True,
+        fsdp_root: nn.Module | None = None,
     ) -> None:
         if not 0.0 <= anchor_decay <= 1.0:
             raise ValueError(f"anchor_decay must be in [0, 1], got {anchor_decay}")
@@ -121,7 +126,8 @@ class EMAAnchor:
         self.device = None if device is None else torch.device(device)
         self.num_updates = 0
         self.last_update_step: int | None = None
-        _reshard(model)  # capture the sharded parameter objects, which FSDP2 keeps for its lifetime
+        self.fsdp_root = fsdp_root
+        self._reshard_all(model)  # capture the sharded parameter objects, which FSDP2 keeps for its lifetime
         self._sources: dict[str, Tensor] = dict(model.named_parameters())
         if include_buffers:
             self._sources.update((n, b) for n, b in model.named_buffers() if b.is_floating_point())
@@ -132,6 +138,11 @@ class EMAAnchor:
                 )
                 for name, src in self._sources.items()
             }
+
+    def _reshard_all(self, model: nn.Module | None = None) -> None:
+        for m in (model, self.model, self.fsdp_root):
+            if m is not None:
+                _reshard(m)
 
     # ------------------------------------------------------------------ updates
     def maybe_update(self, step: int) -> bool:
@@ -219,9 +230,7 @@ class EMAAnchor:
         on entry and on exit so that forwards inside the block all-gather the anchor weights and
         forwards after it the policy's again.
         """
-        if model is not None:
-            _reshard(model)
-        _reshard(self.model)
+        self._reshard_all(model)
         if model is None or model is self.model:
             targets = self._sources  # the (sharded) parameter objects captured at construction
         else:
@@ -245,7 +254,7 @@ class EMAAnchor:
                     loc.copy_(a)
             yield self.model if model is None else model
         finally:
-            _reshard(self.model if model is None else model)
+            self._reshard_all(model)
             with torch.no_grad():
                 for name, b in backups.items():
                     _local(targets[name]).copy_(b)

@@ -243,6 +243,33 @@ def _fsdp_worker(rank: int, world: int, port: int) -> None:
         restored = EMAAnchor(model, anchor_decay=0.8, update_period=2)
         restored.load_state_dict(state)
         assert all(torch.equal(restored.tensors[n], ema.tensors[n]) for n in ema.tensors)
+
+        # A root wrapper owning some parameters (as the trainer's forward wrapper): the anchor is
+        # built on the inner model, and the root must be resharded around swaps too.
+        class Wrapper(nn.Module):
+            def __init__(self, lm: nn.Module) -> None:
+                super().__init__()
+                self.lm = lm
+
+            def forward(self, x):
+                return self.lm(x)
+
+        torch.manual_seed(1)
+        inner = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        root = Wrapper(inner)
+        fully_shard(inner[0], mesh=mesh)
+        fully_shard(root, mesh=mesh)  # inner[2] belongs to the root unit
+        wrapped = EMAAnchor(inner, anchor_decay=0.0, update_period=1, fsdp_root=root)
+        with torch.no_grad():
+            for p in root.parameters():
+                p.to_local().mul_(-1.0)  # the policy moves away from the anchor
+        anchor_plain = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        anchor_plain.load_state_dict({n: t.float() for n, t in wrapped.full_state_dict().items()})
+        with torch.no_grad():
+            root(x)  # leaves the root unit unsharded
+            with wrapped.swap_into():
+                out = root(x)
+        assert torch.allclose(out, anchor_plain(x), atol=1e-6)
     finally:
         dist.destroy_process_group()
 
