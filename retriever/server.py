@@ -137,6 +137,7 @@ class Metrics:
         self.queries = 0
         self.batches = 0
         self.batch_size = Histogram(BATCH_BUCKETS)
+        self.batch_seconds = Histogram(LATENCY_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.queue_depth = 0
 
@@ -150,11 +151,12 @@ class Metrics:
         with self.lock:
             self.errors[kind] += 1
 
-    def batch(self, n_queries: int) -> None:
+    def batch(self, n_queries: int, seconds: float) -> None:
         with self.lock:
             self.batches += 1
             self.queries += n_queries
             self.batch_size.observe(n_queries)
+            self.batch_seconds.observe(seconds)
 
     def render(self) -> str:
         with self.lock:
@@ -166,6 +168,8 @@ class Metrics:
             out += [f'retriever_errors_total{{kind="{k}"}} {n}' for k, n in sorted(self.errors.items())]
             out += ["# HELP retriever_batch_size Queries per micro-batch.", "# TYPE retriever_batch_size histogram"]
             out += self.batch_size.render("retriever_batch_size")
+            out += ["# HELP retriever_batch_seconds Worker time per micro-batch (encode + search + lookup).", "# TYPE retriever_batch_seconds histogram"]
+            out += self.batch_seconds.render("retriever_batch_seconds")
             out += ["# HELP retriever_request_latency_seconds /retrieve latency.", "# TYPE retriever_request_latency_seconds histogram"]
             out += self.latency.render("retriever_request_latency_seconds")
             out += ["# HELP retriever_queue_depth Queries waiting for the worker.", "# TYPE retriever_queue_depth gauge", f"retriever_queue_depth {self.queue_depth}"]
@@ -281,9 +285,10 @@ class MicroBatcher:
         """Worker thread: one encoder/FAISS call for all jobs; on failure, each job alone."""
         queries = [q for job in jobs for q in job.queries]
         k = max(job.topk for job in jobs)
+        t0 = time.perf_counter()
         try:
             hits = self.process(queries, k)
-            self.metrics.batch(len(queries))
+            self.metrics.batch(len(queries), time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - isolate below
             if len(jobs) == 1:
                 log.exception("retrieval failed")

@@ -169,7 +169,7 @@ def test_health_metrics_and_openapi(retriever_server, retriever_index):
     assert info["rows"] == retriever_index.rows and info["encoder"] == "minilm" and info["dim"] == 384
     m = httpx.get(retriever_server.url + "/metrics")
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
-    for name in ("retriever_requests_total", "retriever_queries_total", "retriever_batch_size_bucket", "retriever_request_latency_seconds_bucket", "retriever_errors_total"):
+    for name in ("retriever_requests_total", "retriever_queries_total", "retriever_batch_size_bucket", "retriever_batch_seconds_bucket", "retriever_request_latency_seconds_bucket", "retriever_errors_total"):
         assert name in m.text
     spec = httpx.get(retriever_server.url + "/openapi.json").json()
     body_schema = spec["paths"]["/retrieve"]["post"]["requestBody"]["content"]["application/json"]["schema"]
