@@ -30,12 +30,12 @@ def _check(limit, grader="math_verify"):
 
 
 def test_grader_on_sample_of_every_math_set():
-    report = _check(limit=40)
+    report = _check(limit=20)
     assert set(report["sets"]) == set(MATH_DATASETS)
 
 
 def test_paper_like_grader_on_sample():
-    _check(limit=25, grader="mathd_or_math_verify")
+    _check(limit=15, grader="mathd_or_math_verify")
 
 
 @pytest.mark.slow
