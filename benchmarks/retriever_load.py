@@ -145,7 +145,10 @@ def run_modes(index_dir: Path, modes: dict[str, int], levels: list[int], qs: lis
 
     with ExitStack() as stack:
         servers = {
-            name: stack.enter_context(RetrieverServer(index_dir, max_batch=mb, max_wait_ms=5.0, omp_num_threads=threads, device="cpu"))
+            name: stack.enter_context(RetrieverServer(
+                    index_dir, max_batch=mb, max_wait_ms=5.0, omp_num_threads=threads, device="cpu",
+                    extra_args=["--query-cache-size", "0"],  # clients repeat questions: measure encoding, not the cache
+                ))
             for name, mb in modes.items()
         }
         results: dict[str, dict] = {name: {"max_batch": mb, "levels": {}} for name, mb in modes.items()}
@@ -248,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             "passages": read_meta(index_dir)["rows"],
             "server_omp_threads": args.server_threads,
             "max_wait_ms": 5.0,
+            "query_cache": "off",
             "topk": 3,
             "queries_per_request": 1,
             "connections": "one keep-alive connection per client, closed loop",

@@ -130,6 +130,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--rrf-k", type=int, default=60, help="RRF constant k in 1/(k + rank) (default 60)")
     p.add_argument("--nprobe", type=int, default=None, help="IVF lists probed per query (default: the value in meta.json)")
     p.add_argument("--encode-batch-size", type=int, default=64, help="queries per encoder forward pass inside a batch (default 64)")
+    p.add_argument("--query-cache-size", type=int, default=4096, help="LRU of query embeddings; repeated queries (GRPO groups) skip the encoder; 0 disables (default 4096)")
     p.add_argument("--encoder", default=None, help="assert the index was built with this encoder; refuse to start otherwise")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level (default info)")
     return p
@@ -161,6 +162,7 @@ def serve_main(argv: list[str]) -> int:
         rrf_k=args.rrf_k,
         nprobe=args.nprobe,
         encode_batch_size=args.encode_batch_size,
+        query_cache_size=args.query_cache_size,
         encoder=args.encoder,
         log_level=args.log_level,
     )

@@ -7,6 +7,7 @@ because FAISS GPU indexes are not thread-safe even for searches (faiss wiki,
 
 from __future__ import annotations
 
+import collections
 import logging
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class Searcher:
         rrf_k: int = 60,
         nprobe: int | None = None,
         encode_batch_size: int = 64,
+        query_cache_size: int = 0,
     ):
         import faiss
 
@@ -97,6 +99,11 @@ class Searcher:
         if self.encoder.dim != self.meta["dim"]:
             raise EncoderMismatchError(f"encoder produces {self.encoder.dim}-d vectors, the index holds {self.meta['dim']}-d")
         self.encode_batch_size = encode_batch_size
+        # GRPO samples several rollouts per prompt and their first queries often coincide:
+        # an LRU of query embeddings skips re-encoding them (encoding dominates the cost).
+        self.query_cache_size = query_cache_size
+        self._query_cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.cache_hits = 0
         self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
         self.index_device = "cpu"
         self._gpu_resources = None
@@ -149,11 +156,28 @@ class Searcher:
     def search(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
         """queries (B,) -> (indices (B, k), scores (B, k)); -1 marks a missing hit."""
         k = min(topk, len(self.store))
-        q = self.encoder.encode_queries(queries, batch_size=self.encode_batch_size)
+        q = self._encode(queries)
         if self.bm25 is None:
             scores, idx = self.index.search(q, k)
             return idx.astype(np.int64), scores
         return self._hybrid(queries, q, k)
+
+    def _encode(self, queries: list[str]) -> np.ndarray:
+        """queries (B,) -> (B, dim), encoding each distinct uncached query once."""
+        if not self.query_cache_size:
+            return self.encoder.encode_queries(queries, batch_size=self.encode_batch_size)
+        cache = self._query_cache
+        todo = list(dict.fromkeys(q for q in queries if q not in cache))
+        self.cache_hits += len(queries) - len(todo)
+        if todo:
+            for text, vec in zip(todo, self.encoder.encode_queries(todo, batch_size=self.encode_batch_size)):
+                cache[text] = vec
+        out = np.stack([cache[q] for q in queries])
+        for text in queries:
+            cache.move_to_end(text)
+        while len(cache) > self.query_cache_size:
+            cache.popitem(last=False)
+        return out
 
     def _hybrid(self, queries: list[str], q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import bm25s
@@ -199,4 +223,5 @@ class Searcher:
             "index_device": self.index_device,
             "fp16": self.encoder.fp16,
             "hybrid_bm25": self.bm25 is not None,
+            "query_cache_size": self.query_cache_size,
         }

@@ -61,6 +61,7 @@ class ServeConfig:
     rrf_k: int = 60
     nprobe: int | None = None
     encode_batch_size: int = 64
+    query_cache_size: int = 4096
     encoder: str | None = None
     log_level: str = "info"
 
@@ -72,6 +73,8 @@ class ServeConfig:
             raise ValueError(f"--topk {self.topk} exceeds --max-topk {self.max_topk}")
         if self.max_wait_ms < 0:
             raise ValueError("--max-wait-ms must be >= 0")
+        if self.query_cache_size < 0:
+            raise ValueError("--query-cache-size must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
 
@@ -403,6 +406,7 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
             rrf_k=cfg.rrf_k,
             nprobe=cfg.nprobe,
             encode_batch_size=cfg.encode_batch_size,
+            query_cache_size=cfg.query_cache_size,
         )
 
     async def load_in_worker():
@@ -514,7 +518,14 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         """Prometheus text format: requests, queries, batch sizes, latency, errors."""
         if not authorized(request):
             return unauthorized()
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        text = metrics.render()
+        if state.searcher is not None:
+            text += (
+                "# HELP retriever_query_cache_hits_total Queries answered without encoding (LRU of query embeddings).\n"
+                "# TYPE retriever_query_cache_hits_total counter\n"
+                f"retriever_query_cache_hits_total {state.searcher.cache_hits}\n"
+            )
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
 

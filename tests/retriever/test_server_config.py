@@ -184,3 +184,21 @@ def test_a_broken_index_fails_health_and_stops_the_server(retriever_index, tmp_p
         r = client.post("/retrieve", json={"queries": ["x"]})
         assert r.status_code == 503 and "failed" in r.json()["detail"]
     assert len(fatal) == 1 and fatal[0] == health.json()["error"]
+
+
+def test_query_cache_skips_the_encoder_and_changes_nothing(retriever_index):
+    from retriever.searcher import Searcher
+
+    questions = [q["question"] for q in retriever_index.questions[:8]]
+    plain = Searcher(retriever_index.index_dir, device="cpu")
+    cached = Searcher(retriever_index.index_dir, device="cpu", query_cache_size=5)
+    batch = questions[:3] + questions[:2]  # duplicates inside one batch are encoded once
+    first = cached.retrieve(batch, 3)
+    assert cached.cache_hits == 2 and len(cached._query_cache) == 3
+    again = cached.retrieve(questions[:3], 3)
+    assert cached.cache_hits == 5
+    cached.retrieve(questions[3:8], 3)  # five new queries evict the three oldest
+    assert list(cached._query_cache) == questions[3:8]
+    for got, want in ((first, plain.retrieve(batch, 3)), (again, plain.retrieve(questions[:3], 3))):
+        assert [[h["id"] for h in hh] for hh in got] == [[h["id"] for h in hh] for hh in want]
+        np.testing.assert_allclose([[h["score"] for h in hh] for hh in got], [[h["score"] for h in hh] for hh in want], atol=1e-5)
