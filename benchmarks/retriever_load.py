@@ -141,16 +141,21 @@ def _mean_batch(url: str) -> float | None:
 def run_modes(index_dir: Path, modes: dict[str, int], levels: list[int], qs: list[str], warmup_s: float, duration_s: float, threads: int) -> dict:
     """Both servers run side by side (an idle one costs nothing); levels alternate the order of
     the modes, so drift in the machine's load does not favour either."""
+    from concurrent.futures import ThreadPoolExecutor
     from contextlib import ExitStack
 
     with ExitStack() as stack:
         servers = {
-            name: stack.enter_context(RetrieverServer(
-                    index_dir, max_batch=mb, max_wait_ms=5.0, omp_num_threads=threads, device="cpu",
-                    extra_args=["--query-cache-size", "0"],  # clients repeat questions: measure encoding, not the cache
-                ))
+            name: RetrieverServer(
+                index_dir, max_batch=mb, max_wait_ms=5.0, omp_num_threads=threads, device="cpu",
+                extra_args=["--query-cache-size", "0"],  # clients repeat questions: measure encoding, not the cache
+            )
             for name, mb in modes.items()
         }
+        for server in servers.values():
+            stack.callback(server.stop)
+        with ThreadPoolExecutor(len(servers)) as pool:  # start both at once: start-up is mostly imports
+            list(pool.map(lambda srv: srv.start(), servers.values()))
         results: dict[str, dict] = {name: {"max_batch": mb, "levels": {}} for name, mb in modes.items()}
         for k, c in enumerate(levels):
             order = list(modes) if k % 2 == 0 else list(reversed(modes))
