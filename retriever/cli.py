@@ -117,7 +117,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=3, help="hits per query when a request gives no topk (default 3)")
     p.add_argument("--max-topk", type=int, default=100, help="largest topk a request may ask for (default 100)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries encoded together across requests; 1 disables micro-batching (default 64)")
-    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long the first query of a batch waits for company (default 5 ms)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long the first query of a batch may wait for company when traffic is concurrent; a lone client never waits (default 5 ms)")
     p.add_argument("--api-key", default=None, help="require this key in 'Authorization: Bearer KEY' or 'X-API-Key: KEY' (default: $EMAPG_RETRIEVER_API_KEY, else no key)")
     p.add_argument("--max-queries-per-request", type=int, default=4096, help="reject requests with more queries (default 4096; Search-R1 sends a whole rollout batch in one request)")
     p.add_argument("--max-query-chars", type=int, default=2000, help="reject queries longer than this many characters (default 2000)")
