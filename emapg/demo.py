@@ -47,10 +47,13 @@ class DemoPreset:
 PRESETS = {
     "default": DemoPreset(
         policy="smollm2-135m-instruct",
-        train_config=CONFIG_DIR / "demo_smollm2_cpu.yaml",
+        train_config=CONFIG_DIR / "search_smollm2_cpu.yaml",
         index_limit=None,
         eval_limit=4,
         engine="vllm",
+        # A few CPU steps of 2 prompts x 4 samples: shows the whole loop, not a trained agent.
+        train_overrides=("run.total_steps=3", "run.save_every=0", "data.prompts_per_step=2",
+                         "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4", "rollout.max_tokens_per_turn=64"),
         eval_overrides=("--max-tokens", "200"),
     ),
     # CI-sized: a 1.7M-parameter random model, a 2k-passage index; checks the plumbing, not learning.
