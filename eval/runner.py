@@ -321,14 +321,22 @@ def _make_engine(cfg: EvalConfig):
     from agent.engines import make_engine
     from emapg.models import resolve_model
 
-    path = resolve_model(cfg.model)
+    try:
+        path = resolve_model(cfg.model)
+    except ValueError as e:
+        raise UserError(f"--model {cfg.model!r}: {e}") from None
     max_len = _max_model_len(path, cfg.protocol.max_model_len)
-    if cfg.engine == "vllm":
+    kind = cfg.engine
+    if kind == "vllm":
         try:
-            return make_engine("vllm", path, max_model_len=max_len, seed=cfg.protocol.seed), "vllm"
+            import vllm  # noqa: F401
         except ImportError as e:
             print(f"emapg eval: vLLM is not available ({e}); falling back to the transformers engine", file=sys.stderr)
-    return make_engine("hf", path, max_model_len=max_len, seed=cfg.protocol.seed), "hf"
+            kind = "hf"
+    try:
+        return make_engine(kind, path, max_model_len=max_len, seed=cfg.protocol.seed), kind
+    except OSError as e:  # transformers' "not a folder / not on the hub" (offline) errors
+        raise UserError(f"cannot load model {cfg.model!r}: {e}") from None
 
 
 def _rollout_config(p: EvalProtocol, mode: str, seed: int):
@@ -394,8 +402,8 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     # The engine kind is part of the fingerprint; check against the requested one first so a
     # mismatch fails before the model loads (a vLLM -> hf fallback is re-checked below).
     _check_resume(out_dir, _fingerprint(cfg, cfg.engine))
-    todo = {ds: [ex for ex in exs if ex.id not in {r["id"] for r in done[ds]}] for ds, exs in examples.items()}
-    n_todo = sum(map(len, todo.values()))
+    done_ids = {ds: {r["id"] for r in recs} for ds, recs in done.items()}
+    n_todo = sum(ex.id not in done_ids[ds] for ds, exs in examples.items() for ex in exs)
 
     engine = engine_kind = server = retriever = pool = None
     retriever_desc = None
@@ -403,23 +411,25 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     t_ready = t_start
     try:
         if n_todo:
+            # The retriever first: it is quick to check, the engine is not (vLLM: a minute).
+            if suite == "qa":
+                retriever, server, retriever_desc = _open_retriever(cfg)
             engine, engine_kind = _make_engine(cfg)
             _check_resume(out_dir, _fingerprint(cfg, engine_kind))
             (out_dir / RUN_FILE).write_text(json.dumps({"fingerprint": _fingerprint(cfg, engine_kind),
-                                                        "started": _now()}, indent=2) + "\n")
-            if suite == "qa":
-                retriever, server, retriever_desc = _open_retriever(cfg)
-            else:
+                                                        "retriever": retriever_desc, "started": _now()}, indent=2) + "\n")
+            if suite == "math":
                 from eval.math_grader import GraderPool
 
                 pool = GraderPool(workers=cfg.grader_workers)
         elif (out_dir / RUN_FILE).exists():  # everything was done by an earlier run
-            engine_kind = json.loads((out_dir / RUN_FILE).read_text())["fingerprint"]["engine"]
+            previous = json.loads((out_dir / RUN_FILE).read_text())
+            engine_kind, retriever_desc = previous["fingerprint"]["engine"], previous.get("retriever")
         else:
             engine_kind = cfg.engine
         t_ready = time.perf_counter()
         for ds in datasets:
-            _run_dataset(cfg, ds, examples[ds], done[ds], engine, retriever, pool, out_dir, on_batch)
+            _run_dataset(cfg, ds, examples[ds], done_ids[ds], engine, retriever, pool, out_dir, on_batch)
         t_end = time.perf_counter()
     finally:
         if pool is not None:
@@ -527,11 +537,10 @@ def _open_retriever(cfg: EvalConfig):
     return client, server, desc
 
 
-def _run_dataset(cfg, ds, examples, done_records, engine, retriever, pool, out_dir, on_batch) -> None:
+def _run_dataset(cfg, ds, examples, done_ids, engine, retriever, pool, out_dir, on_batch) -> None:
     from agent.rollout import run_rollouts
 
     p = cfg.protocol
-    done_ids = {r["id"] for r in done_records}
     n_done = sum(ex.id in done_ids for ex in examples)
     if n_done == len(examples):
         return
