@@ -38,6 +38,8 @@ __all__ = [
     "token_stats_from_hidden",
     "causal_lm_token_stats",
     "DEFAULT_CHUNK_SIZE",
+    "compute_dtype",
+    "project_logits",
 ]
 
 #: Tokens per chunk.  32 tokens × 151,936 (Qwen vocab) × 4 B ≈ 19 MiB per chunk temporary.
@@ -226,7 +228,7 @@ class _StatsFromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, gather_idx, topk, want_entropy, temperature, chunk):  # type: ignore[override]
         logp, lse, vals, idx, ent = _run_chunks(
-            lambda s, e: _project(hidden[s:e], weight, bias, temperature),
+            lambda s, e: project_logits(hidden[s:e], weight, bias, temperature),
             hidden.shape[0], labels, gather_idx, topk, want_entropy, chunk, compute_dtype(hidden),
         )
         ctx.save_for_backward(hidden, weight, bias, labels, idx, lse, ent)
@@ -247,7 +249,7 @@ class _StatsFromHidden(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
             h = hidden[s:e]
-            z = _project(h, weight, bias, tau)
+            z = project_logits(h, weight, bias, tau)
             gz = _chunk_grad_z(
                 z, lse[s:e], ent[s:e], labels[s:e], idx[s:e],
                 None if g_logp is None else g_logp[s:e],
@@ -276,7 +278,7 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _project(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+def project_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """Logits of one chunk in float32: (h W^T + b) / temperature (matmul in the model dtype)."""
     z = h @ weight.t()
     if bias is not None:

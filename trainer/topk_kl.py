@@ -30,7 +30,8 @@ k = 0 reduces to the sampled K4 / K5 estimator; k = V to the exact KL.
 **Exact KL.**  :func:`exact_kl` sums over the vocabulary at every token with a custom autograd
 function that recomputes each chunk in backward, so beyond its (T, V) inputs and the (T, V)
 gradient it keeps only chunk-sized temporaries.  It still needs the anchor's full logits per
-token — the O(V) storage Top-k avoids.
+token — the O(V) storage Top-k avoids.  :func:`exact_kl_from_hidden` removes that too: it
+recomputes both models' logits per chunk from their final hidden states (our addition).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ import torch
 from torch import Tensor
 
 from trainer.kl import LOG_RATIO_CLAMP, importance_weight
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype
+from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype, project_logits
 
 __all__ = [
     "exact_kl",
+    "exact_kl_from_hidden",
     "not_in_topk_mask",
     "topk_reverse_kl",
     "topk_forward_kl",
@@ -210,6 +212,20 @@ def _exact_chunk(z: Tensor, zr: Tensor, reverse: bool) -> tuple[Tensor, Tensor, 
     return kl, lp, lq
 
 
+def _exact_chunk_grad(z: Tensor, zr: Tensor, kl: Tensor, g: Tensor, reverse: bool) -> Tensor:
+    """∂(g·KL)/∂z for one chunk (z: policy logits / τ, zr: anchor logits / τ), built in place."""
+    _, lp, lq = _exact_chunk(z, zr, reverse)
+    if reverse:
+        # ∂/∂z_i Σ_j p_j (lp_j − lq_j) = p_i · (lp_i − lq_i − KL)
+        p = lp.exp()
+        gz = lp.sub_(lq).sub_(kl[:, None]).mul_(p)
+        del p
+    else:
+        # ∂/∂z_i Σ_j q_j (lq_j − lp_j) = p_i − q_i
+        gz = lp.exp_().sub_(lq.exp_())
+    return gz.mul_(g[:, None])
+
+
 class _ExactKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ref_logits, reverse, temperature, chunk):  # type: ignore[override]
@@ -233,19 +249,54 @@ class _ExactKL(torch.autograd.Function):
             e = s + chunk
             z = logits[s:e].to(compute_dtype(logits)) / tau
             zr = ref_logits[s:e].to(compute_dtype(logits)) / tau
-            _, lp, lq = _exact_chunk(z, zr, ctx.reverse)
+            grad[s:e] = _exact_chunk_grad(z, zr, kl[s:e], g[s:e] / tau, ctx.reverse)
             del z, zr
-            if ctx.reverse:
-                # ∂/∂z_i Σ_j p_j (lp_j − lq_j) = p_i · (lp_i − lq_i − KL)
-                p = lp.exp()
-                gz = lp.sub_(lq).sub_(kl[s:e, None]).mul_(p)
-                del p
-            else:
-                # ∂/∂z_i Σ_j q_j (lq_j − lp_j) = p_i − q_i
-                gz = lp.exp_().sub_(lq.exp_())
-            del lq
-            grad[s:e] = gz.mul_(g[s:e, None] / tau)
         return grad, None, None, None, None
+
+
+class _ExactKLFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, reverse, temperature, chunk):  # type: ignore[override]
+        out = []
+        for s in range(0, hidden.shape[0], chunk):
+            z = project_logits(hidden[s : s + chunk], weight, bias, temperature)
+            zr = project_logits(ref_hidden[s : s + chunk], ref_weight, ref_bias, temperature).to(z.dtype)
+            out.append(_exact_chunk(z, zr, reverse)[0])
+            del z, zr
+        kl = torch.cat(out) if out else hidden.new_empty(0, dtype=compute_dtype(hidden))
+        ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl)
+        ctx.reverse, ctx.temperature, ctx.chunk = reverse, temperature, chunk
+        return kl
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = compute_dtype(weight)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if (need_b and bias is not None) else None
+        tau, chunk = ctx.temperature, ctx.chunk
+        for s in range(0, hidden.shape[0], chunk):
+            e = s + chunk
+            h = hidden[s:e]
+            z = project_logits(h, weight, bias, tau)
+            zr = project_logits(ref_hidden[s:e], ref_weight, ref_bias, tau).to(z.dtype)
+            gz = _exact_chunk_grad(z, zr, kl[s:e], g[s:e].to(z.dtype) / tau, ctx.reverse)
+            del z, zr
+            if grad_b is not None:
+                grad_b += gz.sum(0)
+            if grad_w is not None:
+                grad_w.addmm_(gz.t().to(acc), h.to(acc))
+            if grad_h is not None:
+                grad_h[s:e] = gz.to(weight.dtype) @ weight
+            del gz
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None, None, None, None, None, None,
+        )
 
 
 def exact_kl(
@@ -273,3 +324,42 @@ def exact_kl(
         logits.reshape(-1, V), ref_logits.detach().reshape(-1, V), direction == "reverse", float(temperature), chunk_size
     )
     return kl.reshape(logits.shape[:-1])
+
+
+def exact_kl_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ref_bias: Tensor | None = None,
+    direction: Direction = "reverse",
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Exact full-vocabulary KL ``(B, T)`` from final hidden states, never materialising (T, V).
+
+    Both models' logits are recomputed per chunk of tokens from ``hidden`` ``(B, T, H)`` /
+    ``weight`` ``(V, H)`` (the policy; differentiable, including ``bias``) and ``ref_hidden`` /
+    ``ref_weight`` (the anchor; constants).  So the exact KL needs, per token, the anchor's
+    final hidden state (H floats) instead of its V logits, plus one copy of the anchor's
+    lm_head weight — which the EMA anchor holds anyway.  This is not in the paper; it is the
+    exact counterpart of the fused Top-k pass (same O(chunk × V) temporaries, twice the
+    lm_head matmuls).  Equal to :func:`exact_kl` on the materialised logits (tested).
+    """
+    if hidden.shape != ref_hidden.shape or hidden.dim() < 2:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and ref_hidden {tuple(ref_hidden.shape)} must be equal (..., H)")
+    if weight.shape != ref_weight.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} and ref_weight {tuple(ref_weight.shape)} must be equal (V, H)")
+    if direction not in ("reverse", "forward"):
+        raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
+    if chunk_size < 1 or not temperature > 0:
+        raise ValueError("chunk_size must be >= 1 and temperature > 0")
+    H = hidden.shape[-1]
+    kl = _ExactKLFromHidden.apply(
+        hidden.reshape(-1, H), weight, bias,
+        ref_hidden.detach().reshape(-1, H), ref_weight.detach(), None if ref_bias is None else ref_bias.detach(),
+        direction == "reverse", float(temperature), chunk_size,
+    )
+    return kl.reshape(hidden.shape[:-1])

@@ -225,3 +225,28 @@ def test_exact_kl_float32_and_errors():
         exact_kl(logits, logits[:, :5])
     with pytest.raises(ValueError):
         exact_kl(logits, logits, direction="sideways")
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_exact_kl_from_hidden_equals_exact_kl_on_materialised_logits(direction, chunk):
+    from trainer.topk_kl import exact_kl_from_hidden
+
+    g = torch.Generator().manual_seed(3)
+    B, T, H, Vb = 2, 6, 5, 13
+    h = torch.randn(B, T, H, dtype=torch.float64, generator=g).requires_grad_(True)
+    w = torch.randn(Vb, H, dtype=torch.float64, generator=g).requires_grad_(True)
+    b = torch.randn(Vb, dtype=torch.float64, generator=g).requires_grad_(True)
+    hr = torch.randn(B, T, H, dtype=torch.float64, generator=g)
+    wr = torch.randn(Vb, H, dtype=torch.float64, generator=g)
+    br = torch.randn(Vb, dtype=torch.float64, generator=g)
+    weights = torch.randn(B, T, dtype=torch.float64, generator=g)
+    got = exact_kl_from_hidden(h, w, hr, wr, bias=b, ref_bias=br, direction=direction, chunk_size=chunk, temperature=0.8)
+    want = exact_kl(h @ w.T + b, hr @ wr.T + br, direction=direction, temperature=0.8)
+    assert torch.allclose(got, want, atol=1e-12)
+    g1 = torch.autograd.grad((weights * got).sum(), (h, w, b))
+    g2 = torch.autograd.grad((weights * want).sum(), (h, w, b))
+    for a, c in zip(g1, g2):
+        assert torch.allclose(a, c, atol=1e-10)
+    with pytest.raises(ValueError):
+        exact_kl_from_hidden(h, w, hr[:, :2], wr)
