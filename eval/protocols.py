@@ -7,7 +7,9 @@ Presets (``PROTOCOLS``):
   passages, 500 tokens per turn, 500-token observations, exact match on the last answer.
 * ``qa_quick`` -- the same loop with 2 retrievals and 64 tokens per turn, for CPU smoke runs.
 * ``math_paper`` -- the released checkpoint's math protocol (root README of the official
-  repo): n = 32 samples, T = 0.8, top_p = 0.9, max_tokens 28,000, seed 429, prompt ≤ 2,048.
+  repo): n = 32 samples, T = 0.8, top_p = 0.9, max_tokens 28,000, seed 429, prompt ≤ 2,048,
+  graded by ``mathd_or_math_verify`` (the paper's mathd string check, with math-verify
+  standing in for its sympy check; ``--grader math_verify`` for the stricter common choice).
 * ``math_benchmark_readme`` -- the other protocol in the official repo's
   ``BENCHMARK_README.md`` (n = 16, T = 0.6, top_p = 0.95, 32,768 tokens); recorded so both
   can be reproduced.
@@ -42,6 +44,8 @@ class EvalProtocol:
     max_turns: int = option(4, help="qa: maximum retrievals; one final answer-only turn follows (Search-R1)")
     retrieval_topk: int = option(3, help="qa: passages returned per search")
     max_obs_tokens: int = option(500, help="qa: observation (retrieved passages) budget in tokens")
+    max_response_tokens: int = option(
+        4096, help="qa: cap on the whole response, model turns + observations (Search-R1 max_response_length)")
     max_prompt_tokens: int = option(2048, help="prompt budget in tokens; longer questions are truncated from the start")
     max_model_len: int = option(4096, help="context length the engine is built with (prompt + all turns)")
     seed: int = option(0, help="sampling seed; sample j of item i uses a seed derived from (seed, item id, j)")
@@ -59,7 +63,8 @@ class EvalProtocol:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        for name in ("max_tokens", "max_turns", "retrieval_topk", "max_obs_tokens", "max_prompt_tokens", "max_model_len"):
+        for name in ("max_tokens", "max_turns", "retrieval_topk", "max_obs_tokens", "max_response_tokens",
+                     "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grade_timeout <= 0:
@@ -73,11 +78,13 @@ PROTOCOLS: dict[str, EvalProtocol] = {
     for p in (
         EvalProtocol(name="qa_greedy", suite="qa", max_model_len=6144),  # 2,048 prompt + 4,096 response
         EvalProtocol(name="qa_quick", suite="qa", max_turns=2, max_tokens=64, max_obs_tokens=256,
-                     max_prompt_tokens=1024, max_model_len=2048),
+                     max_response_tokens=1024, max_prompt_tokens=1024, max_model_len=2048),
         EvalProtocol(name="math_paper", suite="math", n=32, temperature=0.8, top_p=0.9, max_tokens=28000,
-                     seed=429, template="math", max_prompt_tokens=2048, max_model_len=32768),
+                     seed=429, template="math", max_prompt_tokens=2048, max_model_len=32768,
+                     grader="mathd_or_math_verify"),
         EvalProtocol(name="math_benchmark_readme", suite="math", n=16, temperature=0.6, top_p=0.95,
-                     max_tokens=32768, seed=429, template="math", max_prompt_tokens=2048, max_model_len=34816),
+                     max_tokens=32768, seed=429, template="math", max_prompt_tokens=2048, max_model_len=34816,
+                     grader="mathd_or_math_verify"),
         EvalProtocol(name="math_quick", suite="math", n=4, temperature=0.8, top_p=0.9, max_tokens=256,
                      seed=429, template="math_boxed", max_prompt_tokens=1024, max_model_len=1536),
     )

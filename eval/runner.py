@@ -348,7 +348,7 @@ def _rollout_config(p: EvalProtocol, mode: str, seed: int):
         max_turns=p.max_turns,
         max_tokens_per_turn=p.max_tokens,
         max_obs_tokens=p.max_obs_tokens,
-        max_response_tokens=4096 if p.suite == "qa" else p.max_tokens,
+        max_response_tokens=p.max_response_tokens if p.suite == "qa" else p.max_tokens,
         max_prompt_tokens=p.max_prompt_tokens,
         prompt_truncation="truncate_question",
         topk=p.retrieval_topk,
