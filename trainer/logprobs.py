@@ -11,11 +11,13 @@ losses need (:class:`TokenStats`):
 * ``entropy``     (B, T)    H_t = Z_t − Σ_j π_tj z_tj.
 
 Two entry points, both exact and differentiable through custom ``autograd.Function``s that
-recompute each chunk's logits in backward from saved per-token scalars, so **no (T, V)
-float32 tensor is ever alive**, neither in forward nor in backward:
+recompute each chunk's logits in backward from saved per-token scalars, so no (T, V) tensor
+is created beyond the inputs, neither in forward nor in backward:
 
 * :func:`token_stats_from_hidden` fuses the lm_head matmul: per chunk z = h W^T (+ b), the
-  stats, and in backward ∂/∂h and ∂/∂W.  Peak extra memory is O(chunk_size × V).
+  stats, and in backward ∂/∂h and ∂/∂W.  **No (T, V) tensor at all**; peak extra memory is a
+  few chunk_size × V float32 buffers.  On a CPU the (V, H) weight is streamed once per chunk,
+  so larger chunks are faster (a memory/time trade-off; see ``benchmarks/kl_memory.py``).
 * :func:`token_stats_from_logits` starts from materialised logits (e.g. an HF model output).
   Autograd then needs a (T, V) gradient for the logits anyway, but nothing else of that size
   (unlike ``log_softmax``, which saves a (T, V) output).
@@ -51,8 +53,8 @@ class TokenStats:
     """Per-token statistics of one model on a batch of responses (see module docstring).
 
     ``topk_logits``/``topk_indices`` are ``None`` unless requested, ``entropy`` likewise.
-    Values are float32 for fp32/bf16/fp16 models (float64 for float64 inputs); gradients flow into the model through
-    ``logp``, ``logsumexp``, ``topk_logits`` and ``entropy``.
+    Values are float32 for fp32/bf16/fp16 models (float64 for float64 inputs); gradients flow
+    into the model through ``logp``, ``logsumexp``, ``topk_logits`` and ``entropy``.
     """
 
     logp: Tensor
@@ -111,7 +113,7 @@ def _chunk_forward(
         vals = z.new_empty(z.shape[0], 0)
     if want_entropy:
         p = torch.softmax(z, dim=-1)
-        ent = lse - (p * z).sum(-1)
+        ent = lse - p.mul_(z).sum(-1)
         del p
     else:
         ent = z.new_zeros(z.shape[0])
@@ -141,7 +143,7 @@ def _chunk_grad_z(
         coef = coef + g_lse
     if g_logp is not None:
         coef = coef - g_logp
-    grad = torch.exp(z - lse[:, None])  # π, (C, V)
+    grad = (z - lse[:, None]).exp_()  # π, (C, V)
     if g_ent is not None:
         centred = z - (lse - ent)[:, None]
         centred.mul_(g_ent[:, None]).neg_().add_(coef[:, None])
