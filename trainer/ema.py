@@ -146,8 +146,12 @@ class EMAAnchor:
 
     # ------------------------------------------------------------------ updates
     def maybe_update(self, step: int) -> bool:
-        """Blend if ``step > 0 and step % update_period == 0`` (steps count from 1). Returns whether it did."""
-        if step > 0 and step % self.update_period == 0:
+        """Blend if ``step > 0 and step % update_period == 0`` (steps count from 1). Returns whether it did.
+
+        A step that already blended (e.g. replayed after resuming from a checkpoint taken right
+        after it) is not blended twice.
+        """
+        if step > 0 and step % self.update_period == 0 and step != self.last_update_step:
             self.update()
             self.last_update_step = int(step)
             return True

@@ -102,6 +102,7 @@ def test_piecewise_constant_schedule():
             assert torch.equal(ema.tensors["0.weight"], before)
     assert updated == [10, 20]
     assert ema.num_updates == 2 and ema.last_update_step == 20
+    assert not ema.maybe_update(20)  # a replayed step does not blend twice
     assert torch.allclose(ema.tensors["0.weight"].double(), expected, atol=1e-6)
 
 
