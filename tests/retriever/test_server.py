@@ -188,5 +188,6 @@ def test_health_metrics_and_openapi(retriever_server, retriever_index):
 def test_keepalive_connection_survives_a_bad_request(retriever_server):
     """Search-R1 drops the kept-alive connection after its 500; a pooled client then fails."""
     with httpx.Client(base_url=retriever_server.url, timeout=60) as http:
-        assert http.post("/retrieve", json={"queries": []}).status_code == 422
+        bad = http.post("/retrieve", json={"queries": []})
+        assert bad.status_code == 422 and bad.headers.get("connection", "").lower() != "close"
         assert http.post("/retrieve", json={"queries": ["after the error"]}).status_code == 200
