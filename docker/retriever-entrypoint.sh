@@ -11,7 +11,7 @@ fi
 if [ ! -f "$INDEX_DIR/meta.json" ]; then
     echo "no index at $INDEX_DIR: building it from $EMAPG_CORPUS (first start only; a restart resumes)" >&2
     emapg index build --corpus "$EMAPG_CORPUS" --out "$INDEX_DIR" \
-        --encoder "${EMAPG_ENCODER:-minilm}" --index-type "${EMAPG_INDEX_TYPE:-Flat}" --device "${EMAPG_DEVICE:-auto}" --no-progress
+        --encoder "${EMAPG_ENCODER:-minilm}" --index-type "${EMAPG_INDEX_TYPE:-Flat}" --device "${EMAPG_DEVICE:-auto}"
 fi
 # Inside a container the server must listen on all interfaces to be reachable through the
 # published port; publish it on 127.0.0.1 (as docker-compose.yml does) or set EMAPG_RETRIEVER_API_KEY.

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,7 +305,9 @@ def ensure_index(cfg: BuildConfig, log=print) -> Path:
 def _progress_bar(total: int, initial: int, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="passages", unit_scale=True, desc="encoding", disable=not enabled, smoothing=0.1)
+    # In a log file (docker logs, CI) a bar redrawn ten times a second is noise: redraw every 30 s.
+    interval = 0.1 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, initial=initial, unit="passages", unit_scale=True, desc="encoding", disable=not enabled, smoothing=0.1, mininterval=interval)
 
 
 def _iter_chunks(emb_dir: Path, n_chunks: int):
