@@ -43,6 +43,9 @@ def main(argv: list[str]) -> int:
     cfg = load_config(TrainConfig, args.config, args.overrides)
     load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)  # fail fast on bad data
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would break the training progress bar
     from trainer.loop import TrainingError, train
 
     try:

@@ -33,6 +33,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,8 @@ class Trainer:
             return
         urls = list(cfg.retriever.urls)
         if not urls:
+            if int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world_size)) < self.dist.world_size:
+                raise ConfigError("multi-node training needs retriever.urls (servers every node can reach), not index_dir")
             url = None
             if self.dist.is_main:
                 from retriever.launch import RetrieverServer
@@ -515,7 +518,9 @@ class Trainer:
                 self.optimizer.step()
                 updates += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the schedule advances per step even when every update was skipped
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         tot = torch.tensor([sums.get(k, 0.0) for k in ("tokens", "pg_clipfrac", "ppo_kl", "ratio_mean", "kl_token_sum")],
                            dtype=torch.float64)
         tot = D.all_reduce_sum(tot)

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
     from trainer import distributed as D
     from trainer.loop import Trainer
 
-    trainer = Trainer(_cfg(f"{out}/dist", model_dir, "run.total_steps=1")).setup()
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=1")).setup()
     try:
         assert trainer.fsdp and D.is_sharded(trainer.model)
         half = D.shard_slice(N_GROUPS, rank, world)
@@ -84,14 +84,11 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
         anchor = trainer.anchor.full_state_dict()
         if rank == 0:
             torch.save({"policy": policy, "anchor": anchor, "metrics": metrics}, f"{out}/fsdp.pt")
-    finally:
-        trainer.close()
-    # A real step end to end on 2 ranks, then resume from its checkpoint for one more.
-    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=1")).setup()
-    try:
+        # Then a real step end to end on 2 ranks (rollouts per rank, weight sync, checkpoint) ...
         trainer.train()
     finally:
         trainer.close()
+    # ... and a resume from its checkpoint for one more.
     trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=2"), resume=f"{out}/run").setup()
     try:
         assert trainer.step == 1
