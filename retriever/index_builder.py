@@ -7,7 +7,7 @@ Layout of an index directory::
     emb/chunk_00000.npy  passage embeddings, one file per ``chunk_size`` rows
     emb/progress.json    build settings + finished chunks (the resume point)
     index.faiss          the FAISS index (any ``index_factory`` string)
-    bm25/                bm25s index (with ``--bm25``)
+    bm25/                bm25s index (with ``--bm25``; built in memory from all passages)
 
 Resuming: a rerun with the same corpus and encoder settings skips the document store if complete
 and every chunk listed in ``progress.json`` whose file is present, so a build killed at 80% only
