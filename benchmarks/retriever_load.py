@@ -183,7 +183,8 @@ def index_types_report(index_dir: Path, n_queries: int) -> dict:
     xq = enc.encode_queries(questions(n_queries))
     report = {"passages": n, "dim": d, "encode_passages_per_s": meta["build"]["passages_per_s"], "types": {}}
     flat_ids = None
-    for spec in ("Flat", f"IVF{nlist},SQ8", f"IVF{nlist},PQ16"):
+    pq = "PQ16" if n >= 39 * 256 else "PQ16x4"  # 8-bit codebooks need >= 256 (ideally 39x) training points
+    for spec in ("Flat", f"IVF{nlist},SQ8", f"IVF{nlist},{pq}"):
         index = faiss.index_factory(d, spec, faiss.METRIC_INNER_PRODUCT)
         t0 = time.perf_counter()
         if not index.is_trained:
@@ -193,7 +194,7 @@ def index_types_report(index_dir: Path, n_queries: int) -> dict:
         build_s = time.perf_counter() - t0
         ivf = faiss.try_extract_index_ivf(index)
         if ivf is not None:
-            ivf.nprobe = 16
+            ivf.nprobe = min(16, ivf.nlist)
         t0 = time.perf_counter()
         _, ids = index.search(xq, 3)
         search_s = time.perf_counter() - t0
@@ -205,7 +206,7 @@ def index_types_report(index_dir: Path, n_queries: int) -> dict:
             "memory_bytes": int(faiss.serialize_index(index).size),
             "recall_at_3_vs_flat": round(recall, 4),
             "search_ms_per_query": round(1000 * search_s / len(xq), 3),
-            "nprobe": 16 if ivf is not None else None,
+            "nprobe": ivf.nprobe if ivf is not None else None,
         }
         print(f"  {spec:<16s} {report['types'][spec]}", flush=True)
     return report
