@@ -57,6 +57,7 @@ __all__ = [
     "grade_answer",
     "grade_many",
     "math_reward",
+    "default_workers",
     "shutdown_shared_pool",
 ]
 
