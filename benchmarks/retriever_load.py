@@ -138,7 +138,7 @@ def _mean_batch(url: str) -> float | None:
     return round(total[0] / count[0], 2) if total and count and count[0] else None
 
 
-def run_modes(index_dir: Path, modes: dict[str, int], levels: list[int], qs: list[str], warmup_s: float, duration_s: float, threads: int) -> dict:
+def run_modes(index_dir: Path, modes: dict[str, int], levels: list[int], qs: list[str], warmup_s: float, duration_s: float, threads: int, bf16: bool) -> dict:
     """Both servers run side by side (an idle one costs nothing); levels alternate the order of
     the modes, so drift in the machine's load does not favour either."""
     from concurrent.futures import ThreadPoolExecutor
@@ -148,7 +148,8 @@ def run_modes(index_dir: Path, modes: dict[str, int], levels: list[int], qs: lis
         servers = {
             name: RetrieverServer(
                 index_dir, max_batch=mb, max_wait_ms=5.0, omp_num_threads=threads, device="cpu",
-                extra_args=["--query-cache-size", "0"],  # clients repeat questions: measure encoding, not the cache
+                # clients repeat questions: measure encoding, not the cache
+                extra_args=["--query-cache-size", "0", *(["--bf16"] if bf16 else [])],
             )
             for name, mb in modes.items()
         }
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=None, help="measured seconds per level (default: quick 2.5, full 10)")
     p.add_argument("--warmup", type=float, default=None, help="unmeasured seconds before each level (default: quick 0.5, full 2)")
     p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of the server in both modes (default 1: the load generator needs the other core)")
+    p.add_argument("--bf16", action="store_true", help="serve with the opt-in bf16 query encoder in both modes (default fp32)")
     p.add_argument("--recall-queries", type=int, default=500, help="queries for recall@3 vs Flat in full mode (default 500)")
     p.add_argument("--out", default=str(OUT), help=f"JSON output (default {OUT.relative_to(REPO)})")
     args = p.parse_args(argv)
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     # Serving cost does not depend on the passages' length; quick mode truncates them to build fast.
     index_dir, built_pps = cached_index(n_passages, max_length=128 if args.quick else 256)
     qs = questions(1000)
-    modes = run_modes(index_dir, {"batched": 64, "unbatched": 1}, levels, qs, warmup, duration, args.server_threads)
+    modes = run_modes(index_dir, {"batched": 64, "unbatched": 1}, levels, qs, warmup, duration, args.server_threads, args.bf16)
 
     ratios = {}
     p99_ratios = {}
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_at_end": [round(x, 2) for x in os.getloadavg()],  # other jobs on the box skew absolute numbers
         },
         "setup": {
-            "encoder": "minilm (fp32, CPU)",
+            "encoder": f"minilm ({'bf16' if args.bf16 else 'fp32'}, CPU)",
             "index": read_meta(index_dir)["index_type"],
             "passages": read_meta(index_dir)["rows"],
             "server_omp_threads": args.server_threads,

@@ -33,6 +33,7 @@ def _index_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=64, help="passages per encoder forward pass (default 64)")
     b.add_argument("--device", default="auto", help="auto, cpu, cuda (all GPUs) or cuda:N (default auto)")
     b.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=None, help="fp16 encoding (default: on for GPU, off for CPU, where it is 3.5x slower)")
+    b.add_argument("--bf16", action="store_true", help="bf16 encoding: opt-in for CPUs with bf16 instructions (about 1.8x faster; fp32 is the CPU default)")
     b.add_argument("--train-sample", type=int, default=100_000, help="vectors sampled (seeded) to train IVF/PQ index types (default 100000)")
     b.add_argument("--nprobe", type=int, default=16, help="IVF lists probed per query at serve time, stored in meta.json (default 16)")
     b.add_argument("--seed", type=int, default=0, help="seed of the training sample (default 0)")
@@ -78,6 +79,7 @@ def index_main(argv: list[str]) -> int:
         batch_size=args.batch_size,
         device=args.device,
         fp16=args.fp16,
+        bf16=args.bf16,
         train_sample=args.train_sample,
         nprobe=args.nprobe,
         seed=args.seed,
@@ -124,6 +126,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="reject request bodies larger than this (default 4 MiB)")
     p.add_argument("--device", default="auto", help="encoder device: auto, cpu, cuda (all GPUs) or cuda:N (default auto)")
     p.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=None, help="fp16 encoder and GPU index (default: on with GPU, off on CPU)")
+    p.add_argument("--bf16", action="store_true", help="bf16 query encoder: opt-in for CPUs with bf16 instructions (about 1.8x faster batches; fp32 is the CPU default)")
     p.add_argument("--gpu-shards", type=int, default=-1, help="GPUs for the FAISS index when the encoder is on GPU: -1 all, 0 keep index on CPU, N first N (default -1)")
     p.add_argument("--gpu-replicate", action="store_true", help="replicate the index on each GPU instead of sharding it (more memory, more throughput)")
     p.add_argument("--hybrid-bm25", action="store_true", help="fuse dense and BM25 rankings by reciprocal-rank fusion (index built with --bm25)")
@@ -156,6 +159,7 @@ def serve_main(argv: list[str]) -> int:
         max_body_bytes=args.max_body_bytes,
         device=args.device,
         fp16=args.fp16,
+        bf16=args.bf16,
         gpu_shards=args.gpu_shards,
         gpu_replicate=args.gpu_replicate,
         hybrid_bm25=args.hybrid_bm25,

@@ -7,6 +7,8 @@ Departures from Search-R1's encoder, each for a measured or documented reason:
   substring of the model name, and its builder and server disagree for names like ``e5-small``.
   A small table of known checkpoints fills them in only on an *exact* name match.
 * fp16 only on GPU: on CPU (no fp16 arithmetic) fp16 encoding is 3.5x slower than fp32.
+  bf16 is an opt-in for CPUs with bf16 instructions (AVX512-BF16/AMX): 1.8x faster batches of
+  MiniLM queries here, cosine to the fp32 vectors > 0.9999, same recall@3 on the NQ test index.
 * Dynamic padding with sort-by-length batching instead of padding a 512-passage batch to the
   longest passage (Search-R1's builder reached 18 passages/s on 2 cores that way).
 * Several GPUs: one model replica per device, batches spread over them by threads (PyTorch
@@ -126,7 +128,7 @@ def resolve_devices(device: str) -> list[str]:
 class Encoder:
     """Encode texts to L2-normalised float32 vectors (numpy) with one replica per device."""
 
-    def __init__(self, spec: EncoderSpec, *, device: str = "auto", fp16: bool | None = None):
+    def __init__(self, spec: EncoderSpec, *, device: str = "auto", fp16: bool | None = None, bf16: bool = False):
         import torch
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -136,13 +138,17 @@ class Encoder:
         self.spec = spec
         self.devices = resolve_devices(device)
         on_gpu = self.devices[0].startswith("cuda")
-        self.fp16 = on_gpu if fp16 is None else bool(fp16)
+        if bf16 and fp16:
+            raise ValueError("choose fp16 or bf16, not both")
+        self.fp16 = (on_gpu and not bf16) if fp16 is None else bool(fp16)
         if self.fp16 and not on_gpu:
-            raise ValueError("fp16 encoding is only supported on GPU (it is ~3.5x slower than fp32 on CPU)")
+            raise ValueError("fp16 encoding is only supported on GPU (it is ~3.5x slower than fp32 on CPU; bf16 is the CPU option)")
+        self.bf16 = bool(bf16)
         hf_logging.disable_progress_bar()  # a weight-loading bar per replica clutters build/serve logs
         path = resolve_model(spec.name)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        dtype = torch.float16 if self.fp16 else torch.float32
+        dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+        self.dtype = str(dtype).removeprefix("torch.")
         base = AutoModel.from_pretrained(path, dtype=dtype).eval()
         self.models = []
         for i, dev in enumerate(self.devices):

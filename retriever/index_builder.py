@@ -59,6 +59,7 @@ class BuildConfig:
     batch_size: int = 64
     device: str = "auto"
     fp16: bool | None = None
+    bf16: bool = False
     train_sample: int = 100_000
     nprobe: int = 16
     seed: int = 0
@@ -163,6 +164,7 @@ def _settings_fingerprint(cfg: BuildConfig, spec: EncoderSpec, checksum: str) ->
         "encoder": spec.to_dict(),
         "chunk_size": cfg.chunk_size,
         "fp16": cfg.fp16,
+        "bf16": cfg.bf16,
     }
 
 
@@ -226,7 +228,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     t_enc = time.perf_counter()
     encoded_rows = 0
     if todo:
-        encoder = Encoder(spec, device=cfg.device, fp16=cfg.fp16)
+        encoder = Encoder(spec, device=cfg.device, fp16=cfg.fp16, bf16=cfg.bf16)
         bar = _progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress)
         try:
             for i in todo:
@@ -275,7 +277,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
             "encode_seconds": round(enc_seconds, 3),
             "passages_per_s": round(pps, 2),
             "total_seconds": round(total, 3),
-            "fp16": encoder.fp16 if encoder is not None else cfg.fp16,
+            "dtype": encoder.dtype if encoder is not None else None,
         },
     }
     _atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))

@@ -74,6 +74,7 @@ class Searcher:
         *,
         device: str = "auto",
         fp16: bool | None = None,
+        bf16: bool = False,
         gpu_shards: int = -1,
         gpu_replicate: bool = False,
         hybrid_bm25: bool = False,
@@ -95,7 +96,7 @@ class Searcher:
             raise ValueError(f"{self.index_dir / INDEX_FILE} is not a readable FAISS index ({str(e).strip().splitlines()[-1]}); rebuild it") from None
         if index.ntotal != self.meta["rows"]:
             raise ValueError(f"{index_dir}: FAISS index has {index.ntotal} vectors, meta.json says {self.meta['rows']}")
-        self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16)
+        self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16, bf16=bf16)
         if self.encoder.dim != self.meta["dim"]:
             raise EncoderMismatchError(f"encoder produces {self.encoder.dim}-d vectors, the index holds {self.meta['dim']}-d")
         self.encode_batch_size = encode_batch_size
@@ -221,7 +222,7 @@ class Searcher:
             "corpus_checksum": m["corpus"]["checksum"],
             "encoder_device": self.encoder.devices[0] if len(self.encoder.devices) == 1 else ",".join(self.encoder.devices),
             "index_device": self.index_device,
-            "fp16": self.encoder.fp16,
+            "dtype": self.encoder.dtype,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,
         }

@@ -55,6 +55,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     device: str = "auto"
     fp16: bool | None = None
+    bf16: bool = False
     gpu_shards: int = -1
     gpu_replicate: bool = False
     hybrid_bm25: bool = False
@@ -73,6 +74,8 @@ class ServeConfig:
             raise ValueError(f"--topk {self.topk} exceeds --max-topk {self.max_topk}")
         if self.max_wait_ms < 0:
             raise ValueError("--max-wait-ms must be >= 0")
+        if self.bf16 and self.fp16:
+            raise ValueError("--fp16 and --bf16 exclude each other")
         if self.query_cache_size < 0:
             raise ValueError("--query-cache-size must be >= 0")
         if not 0 < self.port < 65536:
@@ -400,6 +403,7 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
             cfg.index,
             device=cfg.device,
             fp16=cfg.fp16,
+            bf16=cfg.bf16,
             gpu_shards=cfg.gpu_shards,
             gpu_replicate=cfg.gpu_replicate,
             hybrid_bm25=cfg.hybrid_bm25,

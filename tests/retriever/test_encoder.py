@@ -72,3 +72,19 @@ def test_prefixes_come_from_exact_names_only():
 def test_fp16_on_cpu_is_refused():
     with pytest.raises(ValueError, match="only supported on GPU"):
         Encoder(EncoderSpec(name="minilm"), device="cpu", fp16=True)
+
+
+def test_bf16_on_cpu_is_close_to_fp32_and_keeps_the_ranking(retriever_index):
+    from retriever.searcher import Searcher
+
+    fp32 = Encoder(EncoderSpec(name="minilm"), device="cpu")
+    bf16 = Encoder(EncoderSpec(name="minilm"), device="cpu", bf16=True)
+    assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
+    cos = np.sum(fp32.encode(TEXTS) * bf16.encode(TEXTS), axis=1)
+    assert cos.min() > 0.999
+    questions = [q["question"] for q in retriever_index.questions[:50]]
+    a = Searcher(retriever_index.index_dir, device="cpu").retrieve(questions, 1)
+    b = Searcher(retriever_index.index_dir, device="cpu", bf16=True).retrieve(questions, 1)
+    assert np.mean([x[0]["id"] == y[0]["id"] for x, y in zip(a, b)]) >= 0.95
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        Encoder(EncoderSpec(name="minilm"), device="cpu", fp16=True, bf16=True)
