@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="emapg train",
         description="Train a policy with EMA-PG or GRPO. Presets: configs/*.yaml. "
-        "Every option can be overridden as dotted.key=value (see `emapg config --reference`).",
+        "Every option can be overridden as dotted.key=value (see `emapg config reference`).",
     )
     p.add_argument("--config", required=True, help="YAML config (e.g. configs/search_tiny_cpu.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.total_steps=20 optim.lr=1e-5")

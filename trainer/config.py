@@ -1,6 +1,6 @@
 """``TrainConfig``: the schema of ``emapg train`` configs (``configs/*.yaml``).
 
-Every field has a help text (``emapg config --reference``). Numbers in the paper
+Every field has a help text (``emapg config reference``). Numbers in the paper
 presets are traced to ``docs/ALGORITHM.md`` in comments next to them. Cross-field
 checks live in ``validate`` methods so that a bad config fails with a one-line
 :class:`~emapg.config.ConfigError` before any model is loaded.
