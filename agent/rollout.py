@@ -302,11 +302,12 @@ class _Loop:
     def on_generation(self, t: Trajectory, out: GenerationOutput, budget: int) -> Action | None:
         """Append the turn and decide what happens next; returns a search action to run, or None."""
         final = self.is_final_turn(t)
-        text = self.tok.decode(out.token_ids, skip_special_tokens=True)
         if self.cfg.task == "math":
             t.append_model(out, "answer")
-            t.stop_reason = "answer" if out.finish_reason == "stop" else self._cap_reason(t, budget)
+            t.stop_reason = "answer" if out.finish_reason == "stop" else self._cap_reason(t)
             return None
+        # Text is decoded only to read the action; the ids appended are the sampled ones.
+        text = self.tok.decode(out.token_ids, skip_special_tokens=True)
         action = parse_action(text, max_query_chars=self.cfg.max_query_chars)
         t.append_model(out, action.kind)
         if action.kind == "answer":
@@ -317,7 +318,7 @@ class _Loop:
             t.stop_reason = "max_turns"
             return None
         if out.finish_reason == "length" and budget < self.cfg.max_tokens_per_turn:
-            t.stop_reason = self._cap_reason(t, budget)  # a total cap, not the per-turn cap, ended it
+            t.stop_reason = self._cap_reason(t)  # a total cap, not the per-turn cap, ended it
             return None
         if action.kind == "search":
             return action
@@ -326,7 +327,7 @@ class _Loop:
         self.add_observation(t, ids, "invalid", truncated)
         return None
 
-    def _cap_reason(self, t: Trajectory, budget: int) -> StopReason:
+    def _cap_reason(self, t: Trajectory) -> StopReason:
         """Which total cap ended a turn early: the response cap or the context window."""
         resp_left = self.cfg.max_response_tokens - len(t.response_ids)
         ctx_left = self.ctx_limit - len(t.prompt_ids) - len(t.response_ids)

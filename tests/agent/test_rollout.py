@@ -1,6 +1,6 @@
 """The multi-turn loop on real engines (transformers here; vLLM in test_vllm.py) and a real retriever.
 
-Behaviour is driven by weight-scripted tiny models (tests/fixtures/agent.py): the searcher
+Behaviour is driven by weight-scripted tiny models (agent/scripted.py): the searcher
 always searches, the answerer answers at once, the random model never closes a tag.
 """
 
@@ -9,8 +9,9 @@ import pytest
 from agent.actions import INVALID_ACTION_MESSAGE
 from agent.engines import make_engine
 from agent.rollout import RolloutConfig, run_rollouts, run_rollouts_with_stats, summarize
+from agent.scripted import ANSWER_SCRIPT, SEARCH_SCRIPT
 from retriever.client import RetrieverClient
-from tests.fixtures.agent import ANSWER_SCRIPT, SEARCH_SCRIPT, Recorder, check_token_exact
+from tests.fixtures.agent import Recorder, check_token_exact
 
 FAST = dict(max_tokens_per_turn=24, max_obs_tokens=96, temperature=1.0, top_p=0.95)
 

