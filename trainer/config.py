@@ -85,7 +85,9 @@ class DataConfig:
     split: str = option("train", help="dataset split to train on")
     limit: int | None = option(None, help="use only the first N examples (after loading, before shuffling)")
     shuffle: bool = option(True, help="reshuffle the prompts every epoch (seeded by run.seed and the epoch)")
-    prompts_per_step: int = option(8, help="prompts sampled per training step (each expanded to rollout.n_samples trajectories)")
+    prompts_per_step: int = option(
+        8, help="prompts per training step over all processes (each expanded to rollout.n_samples trajectories)"
+    )
 
     def validate(self) -> None:
         if self.prompts_per_step < 1:
@@ -193,9 +195,11 @@ class AlgorithmConfig:
     adv_eps: float = option(1e-6, help="epsilon added to the group std")
     entropy_coef: float = option(0.0, help="entropy bonus coefficient")
     mini_batch_size: int = option(
-        256, help="trajectories per optimizer step; the rollout batch is split into batch/mini_batch_size PPO updates"
+        256, help="trajectories per optimizer step over all processes; the rollout batch gives batch/mini_batch_size PPO updates"
     )
-    micro_batch_size: int = option(8, help="trajectories per forward/backward (gradient accumulation inside a mini-batch)")
+    micro_batch_size: int = option(
+        8, help="trajectories per forward/backward on each process (gradient accumulation inside a mini-batch)"
+    )
     ppo_epochs: int = option(1, help="passes over the rollout batch")
     kl: KLConfig = option(default_factory=KLConfig, help="KL loss term")
     ema: EMAConfig = option(default_factory=EMAConfig, help="EMA anchor")

@@ -152,6 +152,12 @@ class Trainer:
         self.fsdp = cfg.distributed.fsdp == "on" or (cfg.distributed.fsdp == "auto" and self.dist.distributed)
         if self.dist.distributed and not self.fsdp:
             raise ConfigError("multi-process training needs distributed.fsdp=on or auto")
+        world = self.dist.world_size
+        if cfg.data.prompts_per_step % world or cfg.algorithm.mini_batch_size % world:
+            raise ConfigError(
+                f"data.prompts_per_step ({cfg.data.prompts_per_step}) and algorithm.mini_batch_size "
+                f"({cfg.algorithm.mini_batch_size}) are global and must be multiples of the {world} processes"
+            )
         model.to(dev)
         self.forward = D.PolicyForward(model)
         if self.fsdp:
@@ -257,6 +263,9 @@ class Trainer:
         self.retriever = None
         if cfg.rollout.task != "search":
             return
+        api_key = os.environ.get(cfg.retriever.api_key_env) if cfg.retriever.api_key_env else None
+        if cfg.retriever.api_key_env and not api_key:
+            raise ConfigError(f"retriever.api_key_env: ${cfg.retriever.api_key_env} is not set")
         urls = list(cfg.retriever.urls)
         if not urls:
             if int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world_size)) < self.dist.world_size:
@@ -265,13 +274,10 @@ class Trainer:
             if self.dist.is_main:
                 from retriever.launch import RetrieverServer
 
-                server = RetrieverServer(cfg.retriever.index_dir, topk=cfg.rollout.topk).start()
+                server = RetrieverServer(cfg.retriever.index_dir, topk=cfg.rollout.topk, api_key=api_key).start()
                 self._closers.append(server)
                 url = server.url
             urls = [D.broadcast_object(url)]
-        api_key = os.environ.get(cfg.retriever.api_key_env) if cfg.retriever.api_key_env else None
-        if cfg.retriever.api_key_env and not api_key:
-            raise ConfigError(f"retriever.api_key_env: ${cfg.retriever.api_key_env} is not set")
         from retriever.client import RetrieverClient
 
         self.retriever = RetrieverClient(urls, timeout=cfg.retriever.timeout, retries=cfg.retriever.retries, api_key=api_key)
@@ -304,8 +310,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def sample_prompts(self) -> list[SampledPrompt]:
-        """The global batch of prompts of this step, then this rank's contiguous share."""
-        n = self.cfg.data.prompts_per_step * self.dist.world_size
+        """The global batch of prompts of this step (the same on every rank), then this rank's share."""
+        n = self.cfg.data.prompts_per_step
         prompts = self.sampler.next(n, self.step + 1)
         return prompts[D.shard_slice(n, self.dist.rank, self.dist.world_size)]
 
