@@ -74,4 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module: as __main__, this file's UserError would be a second class,
+    # distinct from the one subcommands raise, and user errors would end in a traceback.
+    from emapg.cli import main as _main
+
+    sys.exit(_main())

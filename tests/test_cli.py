@@ -42,3 +42,10 @@ def test_required_layout():
                  "benchmarks", "tests", "README.md", "pyproject.toml", "Makefile", ".ci/run"):
         assert (REPO / path).exists(), path
     assert "make test" in (REPO / ".ci/run").read_text()
+
+
+def test_user_errors_via_python_m_are_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "emapg.cli", "serve", "--index", str(tmp_path / "missing")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("emapg serve: error:")
