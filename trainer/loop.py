@@ -3,7 +3,7 @@
 One step, top to bottom (every rank does the same on its share of the prompts):
 
 1. sample ``data.prompts_per_step`` prompts, each with a run-unique group id;
-2. roll out ``rollout.group_size`` trajectories per prompt through
+2. roll out ``rollout.n_samples`` trajectories per prompt (the GRPO group) through
    :func:`agent.rollout.run_rollouts` (search: the real retriever over HTTP);
 3. score them (:mod:`trainer.rewards`: QA exact match or the math grader);
 4. recompute π_old's log-probs with the trainer model (plus its top-k indices for
@@ -31,6 +31,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import signal
 import time
 import warnings
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from emapg.config import ConfigError, to_dict
@@ -124,10 +126,6 @@ class Trainer:
             if dev.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         ckpt_path = self._find_resume()
-        import random
-
-        import numpy as np
-
         random.seed(cfg.run.seed + self.dist.rank)
         np.random.seed(cfg.run.seed + self.dist.rank)
         torch.manual_seed(cfg.run.seed + self.dist.rank)
@@ -316,7 +314,7 @@ class Trainer:
         return prompts[D.shard_slice(n, self.dist.rank, self.dist.world_size)]
 
     def rollout(self, prompts: list[SampledPrompt]) -> Rollouts:
-        """Generate and score ``group_size`` trajectories per prompt; retried on failure."""
+        """Generate and score ``n_samples`` trajectories per prompt; retried on failure."""
         from trainer.rollouts import generate, score
 
         cfg = self.cfg
@@ -525,7 +523,7 @@ class Trainer:
                 updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # the schedule advances per step even when every update was skipped
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
             self.scheduler.step()
         tot = torch.tensor([sums.get(k, 0.0) for k in ("tokens", "pg_clipfrac", "ppo_kl", "ratio_mean", "kl_token_sum")],
                            dtype=torch.float64)
