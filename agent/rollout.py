@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import inspect
 import logging
 import time
 import uuid
@@ -179,6 +180,7 @@ class Trajectory:
     prompt_truncated_tokens: int = 0
     obs_truncations: int = 0
     error: str | None = None
+    search_errors: list[str] = field(default_factory=list)  # why each failed search failed
     response_text: str = ""
     timings: dict[str, float] = field(default_factory=lambda: {"generation_s": 0.0, "retrieval_s": 0.0})
 
@@ -352,6 +354,7 @@ class _Loop:
                 raise RuntimeError(f"retriever returned {len(hits)} results for {len(queries)} queries")
             return hits, None
         except Exception as e:  # timeouts, 5xx, refused connections: all become failed searches
+            log.warning("retrieval of %d queries failed: %s: %s", len(queries), type(e).__name__, e)
             return None, f"{type(e).__name__}: {e}"
 
     def on_search_result(self, t: Trajectory, query: str, hits: list[dict] | None, error: str | None) -> None:
@@ -361,7 +364,7 @@ class _Loop:
             t.search_failures += 1
             t.retrieved_ids.append([])
             text, kind = information_text(self.cfg.search_failure_message), "failed"
-            log.warning("search failed for %r: %s", query[:80], error)
+            t.search_errors.append(error or "unknown error")
         else:
             t.retrieved_ids.append([str(h.get("id", "")) for h in hits])
             text, kind = information_text(format_passages(hits)), "information"
@@ -456,8 +459,12 @@ def run_rollouts_with_stats(
 
         cfg = replace(cfg, task=task)
     cfg.validate()
-    if cfg.task == "search" and retriever is None:
-        raise ValueError("the search task needs a retriever")
+    if cfg.task == "search":
+        if retriever is None:
+            raise ValueError("the search task needs a retriever")
+        if inspect.iscoroutinefunction(getattr(retriever, "retrieve", None)):
+            # Every search would "fail" with an un-awaited coroutine; say so instead.
+            raise TypeError("run_rollouts needs a synchronous retriever (retriever.client.RetrieverClient)")
     loop = _Loop(engine, retriever, cfg)
     start = time.perf_counter()
     trajs = _init_trajectories(engine, prompts, cfg, batch_tag)

@@ -123,6 +123,7 @@ def test_retrieval_failures_become_observations(searcher, questions, fault_proxy
         assert len(failed) == t.search_failures
         for s in failed:
             assert "search engine is unavailable" in searcher.tokenizer.decode(t.response_ids[s.start : s.end])
+        assert len(t.search_errors) == t.search_failures
     total = sum(t.search_failures for t in trajs)
     if mode == "flaky":
         assert 0 < total < 6  # some requests failed, some went through
@@ -157,3 +158,10 @@ def test_math_task_is_single_turn(noise):
     assert t.num_turns == 1 and t.stop_reason in ("answer", "length") and t.loss_mask == [1] * len(t.response_ids)
     with pytest.raises(ValueError, match="needs a retriever"):
         run_rollouts(noise, ["q"], None, RolloutConfig())
+
+
+def test_async_retriever_client_is_refused(noise, retriever_server):
+    from retriever.client import AsyncRetrieverClient
+
+    with pytest.raises(TypeError, match="synchronous retriever"):
+        run_rollouts(noise, ["q"], AsyncRetrieverClient(retriever_server.url), RolloutConfig())
