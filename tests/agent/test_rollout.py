@@ -165,3 +165,15 @@ def test_async_retriever_client_is_refused(noise, retriever_server):
 
     with pytest.raises(TypeError, match="synchronous retriever"):
         run_rollouts(noise, ["q"], AsyncRetrieverClient(retriever_server.url), RolloutConfig())
+
+
+def test_smollm2_prompted_rollout_is_token_exact(smollm2_dir, client, questions):
+    """A real instruct model, prompted with the Search-R1 template through its own chat template."""
+    engine = make_engine("hf", smollm2_dir, max_model_len=2048)
+    prompt = engine.tokenizer.decode(run_rollouts(engine, questions[:1], client, RolloutConfig(max_turns=0, max_tokens_per_turn=1))[0].prompt_ids)
+    assert prompt.count("<|im_start|>user\nAnswer the given question.") == 1 and prompt.endswith("<|im_start|>assistant\n")
+    rec = Recorder(engine)
+    trajs = run_rollouts(rec, questions[:2], client, RolloutConfig(max_turns=1, max_tokens_per_turn=40, max_obs_tokens=200, temperature=0.0))
+    check_token_exact(trajs, rec.calls)
+    for t in trajs:
+        assert t.stop_reason in ("answer", "max_turns") and t.error is None
