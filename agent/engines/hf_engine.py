@@ -13,7 +13,6 @@ padded row produces the same logits as the row alone (up to float rounding).
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 
@@ -22,7 +21,6 @@ import torch
 from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
 from agent.engines.sampling import sample
 
-log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

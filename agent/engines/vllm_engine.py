@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -27,16 +26,14 @@ import torch
 
 from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
 
-log = logging.getLogger(__name__)
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 class VLLMEngine:
+    """A running ``vllm.LLM``. Options: ``max_model_len``, ``dtype`` (float32 on CPU, auto on GPU),
+    ``tensor_parallel_size``, ``gpu_memory_utilization``, ``enable_sleep_mode`` (GPU only),
+    ``enable_prefix_caching``, ``max_num_seqs``, ``seed``; other keyword arguments go to ``LLM``.
+    """
+
     def __init__(
         self,
         model_path: str,
