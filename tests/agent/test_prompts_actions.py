@@ -133,3 +133,15 @@ def test_observation_truncation(tok):
     assert truncated and len(kept) <= 50 and tok.decode(kept).endswith(INFO_CLOSE)
     cut, truncated = observation_ids(tok, text, 50, "cut")
     assert truncated and cut == whole[:50]
+
+
+def test_rollout_config_loads_and_validates():
+    from agent.rollout import RolloutConfig
+    from emapg.config import ConfigError, load_config
+
+    cfg = load_config(RolloutConfig, None, ["max_turns=2", "mode=async", "allowed_token_ids=[1,2]", "seed=null"])
+    assert (cfg.max_turns, cfg.mode, cfg.allowed_token_ids, cfg.seed) == (2, "async", [1, 2], None)
+    assert RolloutConfig().template_name == "search_r1" and RolloutConfig(task="math").template_name == "math"
+    for bad in (["mode=parallel"], ["max_tokens_per_turn=0"], ["top_p=0"], ["max_turns=-1"], ["max_context_tokens=100"]):
+        with pytest.raises(ConfigError):
+            load_config(RolloutConfig, None, bad)
