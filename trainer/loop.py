@@ -110,6 +110,7 @@ class Trainer:
         self._weights_dirty = False
         self._closers: list[Any] = []
         self._last_samples: list[dict[str, Any]] = []
+        self._anchor_params: dict[str, tuple[torch.Tensor, torch.dtype, torch.device]] | None = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> "Trainer":
@@ -340,6 +341,39 @@ class Trainer:
         rewards, counts = score(trajectories, prompts, cfg, self.engine.tokenizer)
         return Rollouts(prompts, trajectories, group_ids, torch.tensor(rewards, dtype=torch.float32), counts, stats)
 
+    @torch.no_grad()
+    def _anchor_stats(self, mb: MicroBatch, **kwargs: Any):
+        """The anchor's statistics on a micro-batch.
+
+        Unsharded: ``torch.func.functional_call`` runs the policy module with the anchor's
+        tensors in place of its parameters, without touching the parameters, so it is safe
+        while the policy's autograd graph is alive and costs no weight copies (fp32 anchor on
+        the same device). Under FSDP the anchor holds local shards, which only the module's
+        own sharded parameters can carry: the anchor is swapped in and out.
+        """
+        from trainer.logprobs import TokenStats
+
+        args = (mb.input_ids, mb.attention_mask, mb.response_width)
+        if self.fsdp:
+            with self.anchor.swap_into(self.model), self._autocast():
+                return TokenStats(*self.forward(*args, **kwargs))
+        if self._anchor_params is None:  # (anchor tensor, dtype, device) per policy tensor; EMA updates them in place
+            own = {**dict(self.forward.named_parameters()), **dict(self.forward.named_buffers())}
+            self._anchor_params = {
+                f"lm.{name}": (t, own[f"lm.{name}"].dtype, own[f"lm.{name}"].device) for name, t in self.anchor.tensors.items()
+            }
+        tensors = {
+            key: t if (t.dtype == dtype and t.device == device) else t.to(dtype=dtype, device=device)
+            for key, (t, dtype, device) in self._anchor_params.items()
+        }
+        with self._autocast():
+            return TokenStats(*torch.func.functional_call(self.forward, tensors, args, kwargs))
+
+    def _fused_topk_reverse(self, n: int) -> bool:
+        """On-policy Top-k reverse KL without stored statistics: the training pass takes its own
+        top-k (= π_old's, the same weights) and the anchor is gathered there right away."""
+        return self._on_policy_single_update(n) and not self.fsdp
+
     def _on_policy_single_update(self, n: int) -> bool:
         """One PPO epoch and one optimizer step: π_old is the policy being differentiated.
 
@@ -367,6 +401,8 @@ class Trainer:
         chunk = cfg.model.chunk_size
         need_old_topk = kl.enabled and kl.type == "topk_reverse" and kl.topk > 0
         n, t = batch.size, batch.response_width
+        if need_old_topk and self._fused_topk_reverse(n):
+            return {}  # old = current policy: indices and anchor statistics come inside the training pass
         k = kl.topk if kl.enabled and kl.type in TOPK_KL_TYPES else 0
         topk_idx = torch.zeros(n, t, k, dtype=torch.long) if k else None
         timings = {}
@@ -394,22 +430,20 @@ class Trainer:
         ref_logp = torch.zeros(n, t)
         ref_lse = torch.zeros(n, t)
         ref_vals = torch.zeros(n, t, k) if k else None
-        with self.anchor.swap_into(self.model):
-            for rows in self._micro_rows(n):
-                mb = batch.micro(rows, self.dist.device)
-                w = mb.response_width
-                gather = topk_idx[rows, :w].to(self.dist.device) if need_old_topk else None
-                with self._autocast():
-                    st = self._stats(
-                        mb, topk=k if (k and kl.type == "topk_forward") else 0, gather_indices=gather,
-                        temperature=temp, chunk_size=chunk,
-                    )
-                ref_logp[rows, :w] = st.logp.float().cpu()
-                ref_lse[rows, :w] = st.logsumexp.float().cpu()
-                if k:
-                    ref_vals[rows, :w] = st.topk_logits.float().cpu()
-                    if kl.type == "topk_forward":
-                        topk_idx[rows, :w] = st.topk_indices.cpu()
+        for rows in self._micro_rows(n):
+            mb = batch.micro(rows, self.dist.device)
+            w = mb.response_width
+            gather = topk_idx[rows, :w].to(self.dist.device) if need_old_topk else None
+            st = self._anchor_stats(
+                mb, topk=k if (k and kl.type == "topk_forward") else 0, gather_indices=gather,
+                temperature=temp, chunk_size=chunk,
+            )
+            ref_logp[rows, :w] = st.logp.float().cpu()
+            ref_lse[rows, :w] = st.logsumexp.float().cpu()
+            if k:
+                ref_vals[rows, :w] = st.topk_logits.float().cpu()
+                if kl.type == "topk_forward":
+                    topk_idx[rows, :w] = st.topk_indices.cpu()
         batch.stored["ref_logp"] = ref_logp
         batch.stored["ref_logsumexp"] = ref_lse
         if k:
@@ -440,6 +474,12 @@ class Trainer:
                 (full,) = self.forward(mb.input_ids, mb.attention_mask, mb.response_width, logits=True)
                 policy_logits = full.float() / temp
                 stats = token_stats_from_logits(policy_logits, labels, entropy=want_entropy, chunk_size=cfg.model.chunk_size)
+            elif kl.enabled and kl.type == "topk_reverse" and kl.topk > 0 and "topk_indices" not in s:
+                stats = self._stats(mb, topk=kl.topk, entropy=want_entropy, temperature=temp, chunk_size=cfg.model.chunk_size)
+                stats.topk_indices = stats.topk_indices.detach()
+                ref = self._anchor_stats(mb, gather_indices=stats.topk_indices, temperature=temp, chunk_size=cfg.model.chunk_size)
+                s = {**s, "ref_logp": ref.logp, "ref_logsumexp": ref.logsumexp, "ref_topk_logits": ref.topk_logits,
+                     "topk_indices": stats.topk_indices}
             else:
                 stats = self._stats(
                     mb, gather_indices=s.get("topk_indices"), entropy=want_entropy, temperature=temp,

@@ -186,3 +186,29 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, tiny_model_dir):
     ckpt = final_weights("ckpt", "model.gradient_checkpointing=true")
     for k in plain:
         torch.testing.assert_close(plain[k], ckpt[k], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_on_policy_topk_reverse_equals_the_stored_path(tmp_path, tiny_model_dir):
+    """With one on-policy update, Top-k reverse KL takes its indices and the anchor's gathers inside
+    the training pass (no π_old pass); the update equals the stored-statistics path."""
+    def one_step(name: str, fused: bool) -> tuple[dict, dict]:
+        cfg = math_cfg(tmp_path / name, f"model.policy={tiny_model_dir}", "run.total_steps=1", "optim.lr=1e-2",
+                       "algorithm.kl.type=topk_reverse", "algorithm.kl.topk=8", "algorithm.kl.coef=0.5",
+                       "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=4", "algorithm.ema.period=1")
+        trainer = Trainer(cfg).setup()
+        try:
+            with torch.no_grad():  # a distinct anchor, so the KL term has a gradient
+                for t in trainer.anchor.tensors.values():
+                    t.mul_(0.9)
+            if not fused:
+                trainer._fused_topk_reverse = lambda n: False
+            m = trainer.train_step()
+            return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, m
+        finally:
+            trainer.close()
+
+    (wf, mf), (ws, ms) = one_step("fused", True), one_step("stored", False)
+    assert "time/old_logprobs" not in mf and "time/old_logprobs" in ms
+    assert abs(mf["kl/mean"] - ms["kl/mean"]) < 1e-6 and mf["kl/mean"] != 0
+    for k in wf:
+        torch.testing.assert_close(wf[k], ws[k], atol=1e-5, rtol=1e-4)
