@@ -8,6 +8,8 @@ optimizer step per rollout batch over all P x G completions, token-mean (DAPO) l
 * ``ours_grpo``  -- our trainer, no KL term, no anchor (TRL's default ``beta=0``);
 * ``ours_emapg`` -- our trainer, Top-k reverse KL (k=32, tail + IW) against an EMA anchor that is
   blended *every* step (worst case; the paper blends every 10);
+* ``ours_grpo_k3`` -- our trainer, the paper's GRPO baseline (ALGORITHM.md §3.2): K3 KL to a frozen
+  reference, which needs the same extra (no-grad) reference forward as the EMA anchor;
 * ``trl``        -- ``trl.GRPOTrainer`` (``beta=0``), installed only for this benchmark
   (``pip install trl==1.16.0``); skipped with a message when missing.
 
@@ -58,7 +60,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def run_ours(args: argparse.Namespace, pool_file: Path, emapg: bool) -> dict:
+def run_ours(args: argparse.Namespace, pool_file: Path, mode: str) -> dict:
     from emapg.config import load_config
     from emapg.paths import CONFIG_DIR
     from trainer.config import TrainConfig
@@ -74,9 +76,12 @@ def run_ours(args: argparse.Namespace, pool_file: Path, emapg: bool) -> dict:
         f"algorithm.mini_batch_size={batch}", f"algorithm.micro_batch_size={batch}", "algorithm.loss_agg=token-mean",
         "algorithm.dual_clip=null", "algorithm.clip_high=0.28", "optim.lr=1e-4", "reward.math_workers=1",
     ]
-    if emapg:
+    if mode == "ours_emapg":
         overrides += ["algorithm.kl.enabled=true", "algorithm.kl.type=topk_reverse", "algorithm.kl.topk=32",
                       "algorithm.kl.importance_weight=true", "algorithm.ema.decay=0.9", "algorithm.ema.period=1"]
+    elif mode == "ours_grpo_k3":
+        overrides += ["algorithm.kl.enabled=true", "algorithm.kl.type=k3", "algorithm.kl.importance_weight=false",
+                      "algorithm.ema.decay=1.0"]
     else:
         overrides += ["algorithm.kl.enabled=false", "algorithm.ema.decay=1.0"]
     trainer = Trainer(load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", overrides)).setup()
@@ -154,7 +159,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "trl":
         out = run_trl(args, pool_file)
     else:
-        out = run_ours(args, pool_file, emapg=args.worker == "ours_emapg")
+        out = run_ours(args, pool_file, args.worker)
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -170,7 +175,7 @@ def main() -> int:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--worker", choices=["ours_grpo", "ours_emapg", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["ours_grpo", "ours_emapg", "ours_grpo_k3", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--pool", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -193,7 +198,7 @@ def main() -> int:
         have_trl = False
         print("TRL is not installed: skipping the TRL comparison (pip install trl==1.16.0 to include it)")
     results: dict[str, dict] = {}
-    for mode in ("ours_grpo", "ours_emapg") + (("trl",) if have_trl else ()):
+    for mode in ("ours_grpo", "ours_emapg", "ours_grpo_k3") + (("trl",) if have_trl else ()):
         out = tmp / f"{mode}.json"
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, "--worker", mode, "--pool", str(pool_file), "--out", str(out),
@@ -205,7 +210,7 @@ def main() -> int:
             raise SystemExit(f"{mode} failed")
         results[mode] = summarize(json.loads(out.read_text()))
         r = results[mode]
-        print(f"{mode:11s} step {r['step_time_s_median']:.3f} s (median of {len(r['step_times_s']) - 1})  "
+        print(f"{mode:12s} step {r['step_time_s_median']:.3f} s (median of {len(r['step_times_s']) - 1})  "
               f"peak RSS {r['peak_rss_mb']:.0f} MB  mean completion {r['mean_response_len']:.1f} tokens  "
               f"[{time.perf_counter() - t0:.0f} s wall]")
     g, e = results["ours_grpo"], results["ours_emapg"]
@@ -215,6 +220,7 @@ def main() -> int:
         "results": results,
         "emapg_over_grpo_step_time_ratio": e["step_time_s_median"] / g["step_time_s_median"],
         "emapg_over_grpo_peak_memory_ratio": e["peak_rss_mb"] / g["peak_rss_mb"],
+        "emapg_over_grpo_k3_reference_step_time_ratio": e["step_time_s_median"] / results["ours_grpo_k3"]["step_time_s_median"],
         "ours_over_trl_step_time_ratio": None,
         "ours_over_trl_peak_memory_ratio": None,
         "trl_version": None,
@@ -229,6 +235,7 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
     print(f"emapg_over_grpo_step_time_ratio = {report['emapg_over_grpo_step_time_ratio']:.3f} (target <= 1.15)")
+    print(f"emapg_over_grpo_k3_reference_step_time_ratio = {report['emapg_over_grpo_k3_reference_step_time_ratio']:.3f}")
     if have_trl:
         print(f"ours_over_trl_step_time_ratio   = {report['ours_over_trl_step_time_ratio']:.3f} (target <= 1.0)")
         print(f"ours_over_trl_peak_memory_ratio = {report['ours_over_trl_peak_memory_ratio']:.3f}")
