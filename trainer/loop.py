@@ -183,6 +183,9 @@ class Trainer:
                 update_period=ema.period,
                 dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[ema.dtype],
                 device="cpu" if ema.offload else None,
+                # The FSDP2 root is the forward wrapper (it owns embeddings/lm_head): resharding it around
+                # swap_into keeps anchor passes from reading the policy's unsharded weights.
+                fsdp_root=self.forward if self.fsdp else None,
             )
 
         if ckpt_path is not None:
@@ -238,23 +241,9 @@ class Trainer:
             log.info("resumed from %s at step %d", path, self.step)
 
     def _load_anchor(self, full: dict[str, torch.Tensor], schedule: dict[str, Any]) -> None:
-        """Load a full (unsharded) anchor, keeping only this rank's shards under FSDP."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        local = {}
-        for name, src in self.anchor._sources.items():
-            t = full[name]
-            if isinstance(src, DTensor):
-                t = distribute_tensor(t.to(src.device, src.dtype), src.device_mesh, src.placements).to_local()
-            local[name] = t
-        self.anchor.load_state_dict(
-            {
-                "anchor_decay": self.anchor.anchor_decay,
-                "update_period": self.anchor.update_period,
-                "num_updates": schedule.get("num_updates", 0),
-                "last_update_step": schedule.get("last_update_step"),
-                "tensors": local,
-            }
+        """Load a full (unsharded) anchor; under FSDP each rank keeps only its own shards."""
+        self.anchor.load_full_state_dict(
+            full, num_updates=schedule.get("num_updates", 0), last_update_step=schedule.get("last_update_step")
         )
 
     def _setup_retriever(self) -> None:
