@@ -14,13 +14,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from emapg.atomic import save_npy_atomic
 
 CONTENTS_FILE = "docs.bin"
 OFFSETS_FILE = "docs.offsets.npy"
@@ -118,15 +119,6 @@ def file_checksum(path: str | Path, algo: str = "sha256") -> str:
     return f"{algo}:{h.hexdigest()}"
 
 
-def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_docstore(passages: Iterator[Passage], out_dir: str | Path) -> int:
     """Write ``docs.bin`` + offsets (and the ids likewise) into ``out_dir``; return the row count.
 
@@ -145,8 +137,8 @@ def write_docstore(passages: Iterator[Passage], out_dir: str | Path) -> int:
             bi = p.id.encode("utf-8")
             fi.write(bi)
             id_offsets.append(id_offsets[-1] + len(bi))
-    _atomic_save_npy(out / ID_OFFSETS_FILE, np.frombuffer(id_offsets, dtype=np.int64))
-    _atomic_save_npy(out / OFFSETS_FILE, np.frombuffer(offsets, dtype=np.int64))
+    save_npy_atomic(out / ID_OFFSETS_FILE, np.frombuffer(id_offsets, dtype=np.int64))
+    save_npy_atomic(out / OFFSETS_FILE, np.frombuffer(offsets, dtype=np.int64))
     return len(offsets) - 1
 
 

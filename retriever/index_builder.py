@@ -30,6 +30,8 @@ from typing import Literal
 
 import numpy as np
 
+from emapg.atomic import save_npy_atomic, write_text_atomic
+
 from retriever.corpus import DocStore, docstore_complete, file_checksum, iter_corpus, write_docstore
 from retriever.encoder import Encoder, EncoderSpec, make_spec
 
@@ -78,24 +80,6 @@ class BuildResult:
     encode_seconds: float
     passages_per_s: float
     total_seconds: float
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_meta(index_dir: str | Path) -> dict:
@@ -205,7 +189,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
         )
     if progress is None:
         progress = {"settings": fingerprint, "done": []}
-        _atomic_write_text(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
+        write_text_atomic(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
 
     # 1. Document store (streamed; skipped when a previous run completed it).
     if not docstore_complete(out):
@@ -235,10 +219,10 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
                 lo, hi = i * cfg.chunk_size, min(rows, (i + 1) * cfg.chunk_size)
                 texts = store.contents(np.arange(lo, hi))
                 emb = encoder.encode_passages(texts, batch_size=cfg.batch_size)
-                _atomic_save_npy(_chunk_path(emb_dir, i), emb.astype(np.float32))
+                save_npy_atomic(_chunk_path(emb_dir, i), emb.astype(np.float32))
                 progress["done"] = sorted(done | {i})
                 done.add(i)
-                _atomic_write_text(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
+                write_text_atomic(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
                 encoded_rows += hi - lo
                 bar.update(hi - lo)
         finally:
@@ -280,7 +264,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
             "dtype": encoder.dtype if encoder is not None else None,
         },
     }
-    _atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
+    write_text_atomic(out / META_FILE, json.dumps(meta, indent=2))
     log(f"index ready: {out} ({rows} passages, dim {dim}, {cfg.index_type}, {cfg.metric})")
     return BuildResult(out, rows, n_chunks, len(todo), n_chunks - len(todo), enc_seconds, pps, total)
 

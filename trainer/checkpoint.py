@@ -24,13 +24,14 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from emapg.atomic import write_text_atomic, fsync_dir
 
 from emapg.config import dump_yaml
 
@@ -93,30 +94,7 @@ def _fsync_tree(root: Path) -> None:
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new content, never a mix."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fsync_dir(Path(dirpath))
 
 
 def rng_state() -> dict[str, Any]:
@@ -201,7 +179,7 @@ def save_checkpoint(
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(run_dir)
+        fsync_dir(run_dir)
         write_text_atomic(run_dir / LATEST, final.name + "\n")
         if keep_last > 0:
             for old in list_checkpoints(run_dir)[:-keep_last]:
