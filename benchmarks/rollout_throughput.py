@@ -16,7 +16,8 @@ top-3, T=1, top-p 0.95); ``--quick`` caps observations at 160 tokens. Both engin
 thread (the machine is shared); the JSON's ``setup`` records everything.
 
     python benchmarks/rollout_throughput.py --quick
-    python benchmarks/rollout_throughput.py
+    python benchmarks/rollout_throughput.py                       # 32 x paper settings: tens of minutes on 2 cores
+    python benchmarks/rollout_throughput.py --batch 8 --turn-tokens 128 --out /tmp/smollm2.json
 
 Writes ``benchmarks/results/rollout_throughput.json``.
 """
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny scripted model, smaller index (< 120 s on 2 cores)")
     p.add_argument("--batch", type=int, default=32, help="trajectories per batch (default 32)")
+    p.add_argument("--turn-tokens", type=int, default=500, help="generation cap per turn (default 500, the paper's)")
     p.add_argument("--out", type=Path, default=OUT, help=f"result JSON (default {OUT.relative_to(REPO)})")
     args = p.parse_args(argv)
     # On SIGTERM unwind normally, so the retrieval server and the vLLM engine are stopped.
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     # --quick trims observations to 160 tokens (the tiny BPE needs ~2x the tokens of a real
     # tokenizer for Wikipedia text, and the transformers engine re-reads the whole context
     # every turn); everything else is the paper's setting.
-    base = dict(max_turns=4, max_tokens_per_turn=500, max_obs_tokens=160 if args.quick else 500, topk=3, temperature=1.0, top_p=0.95, seed=0)
+    base = dict(max_turns=4, max_tokens_per_turn=args.turn_tokens, max_obs_tokens=160 if args.quick else 500, topk=3, temperature=1.0, top_p=0.95, seed=0)
     runs: dict[str, dict] = {}
     with RetrieverServer(index_dir, omp_num_threads=1, max_batch=64, max_wait_ms=5) as server:
         client = RetrieverClient(server.url, timeout=60, retries=2)
