@@ -169,6 +169,9 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    # A shell without job control starts background jobs with SIGINT ignored, and Python keeps an
+    # ignored SIGINT; Ctrl-C (or kill -INT) must still stop the demo and, through it, its stages.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stages.banner(1, total, f"preparing the offline models ({preset.policy}, minilm)")
         stages.run(["models", preset.policy, "minilm"])
