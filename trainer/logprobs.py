@@ -241,12 +241,8 @@ class _StatsFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_lse, g_vals, _g_idx, g_ent):  # type: ignore[override]
         hidden, weight, bias, labels, idx, lse, ent = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # Accumulate weight/bias gradients in float32 so bf16 models do not lose small chunks.
+        grad_h, grad_w, grad_b = lm_head_grad_buffers(ctx.needs_input_grad[:3], hidden, weight, bias)
         acc = compute_dtype(weight)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if (need_b and bias is not None) else None
         tau, chunk = ctx.temperature, ctx.chunk
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
@@ -278,6 +274,21 @@ class _StatsFromHidden(torch.autograd.Function):
 def compute_dtype(t: Tensor) -> torch.dtype:
     """float32 for half/bf16/fp32 inputs, float64 for float64 inputs (exact tests)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def lm_head_grad_buffers(
+    needs: tuple[bool, ...], hidden: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradient buffers (hidden, weight, bias) for a chunked lm_head backward, ``None`` where not needed.
+
+    Weight/bias gradients accumulate in float32 so bf16 models do not lose small chunks.
+    """
+    need_h, need_w, need_b = needs
+    acc = compute_dtype(weight)
+    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if (need_b and bias is not None) else None
+    return grad_h, grad_w, grad_b
 
 
 def project_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:

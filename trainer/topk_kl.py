@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from trainer.kl import LOG_RATIO_CLAMP, importance_weight
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype, project_logits
+from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype, lm_head_grad_buffers, project_logits
 
 __all__ = [
     "exact_kl",
@@ -271,11 +271,8 @@ class _ExactKLFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h, grad_w, grad_b = lm_head_grad_buffers(ctx.needs_input_grad[:3], hidden, weight, bias)
         acc = compute_dtype(weight)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if (need_b and bias is not None) else None
         tau, chunk = ctx.temperature, ctx.chunk
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
