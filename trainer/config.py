@@ -69,6 +69,11 @@ class ModelConfig:
     gradient_checkpointing: bool = option(False, help="recompute activations in the backward pass (less memory, ~30% slower)")
     attn_implementation: str | None = option(None, help="transformers attention implementation (e.g. sdpa, flash_attention_2)")
     chunk_size: int = option(1024, help="tokens per chunk when computing log-probs/top-k/entropy from the LM head")
+    share_prompt: bool = option(
+        True,
+        help="no-grad passes (EMA anchor / reference, recomputed old log-probs) run each distinct prompt once and "
+        "continue every group member from its KV cache; same values up to float rounding, fewer FLOPs",
+    )
 
     def validate(self) -> None:
         if not self.policy:

@@ -343,6 +343,7 @@ class Trainer:
         from trainer.logprobs import TokenStats
 
         args = (mb.input_ids, mb.attention_mask, mb.response_width)
+        kwargs["share_prompt"] = self.cfg.model.share_prompt
         if self.fsdp:
             with self.anchor.swap_into(self.model), self._autocast():
                 return TokenStats(*self.forward(*args, **kwargs))
@@ -404,6 +405,7 @@ class Trainer:
                 with self._autocast():
                     st = self._stats(
                         mb, topk=k if need_old_topk else 0, entropy=True, temperature=temp, chunk_size=chunk,
+                        share_prompt=cfg.model.share_prompt,
                     )
                 w = mb.response_width
                 old_logp[rows, :w] = st.logp.float().cpu()

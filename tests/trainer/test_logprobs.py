@@ -149,6 +149,64 @@ def test_causal_lm_pass_equals_the_models_own_logits(tiny_model_dir):
             assert torch.allclose(got_grads[n], p.grad, atol=1e-5, rtol=1e-4), n
 
 
+@pytest.mark.parametrize("response_max,checkpointing", [(1, False), (12, False), (12, True)])
+def test_shared_prompt_pass_equals_one_pass(tiny_model_dir, response_max, checkpointing, monkeypatch):
+    """Groups of rows with one prompt (left-padded to different widths), a lone row, ragged
+    right-padded responses: prompt-once + KV cache gives the one-pass statistics, also on a
+    training-mode model with activation checkpointing (whose layers would drop the cache)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.batch import build_token_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for plen, group in ((7, 4), (19, 3), (3, 1)):
+        prompt = torch.randint(3, vocab, (plen,), generator=g).tolist()
+        for _ in range(group):
+            n = int(torch.randint(1, response_max + 1, (1,), generator=g))
+            prompts.append(prompt)
+            responses.append(torch.randint(3, vocab, (n,), generator=g).tolist())
+    b = build_token_batch(prompts, responses, [[1] * len(r) for r in responses], pad_id=0)
+    real = b.loss_mask.bool()
+    import trainer.logprobs as L
+
+    shared_hidden = []
+    original = L._shared_prompt_hidden
+    monkeypatch.setattr(L, "_shared_prompt_hidden", lambda *a: shared_hidden.append(original(*a)) or shared_hidden[-1])
+    with torch.no_grad():
+        one = causal_lm_token_stats(model, b.input_ids, b.attention_mask, b.response_width, topk=4, entropy=True)
+        shared = causal_lm_token_stats(
+            model, b.input_ids, b.attention_mask, b.response_width, topk=4, entropy=True, share_prompt=True
+        )
+    assert len(shared_hidden) == 1 and shared_hidden[0] is not None  # the shared path ran, no fallback
+    for field in ("logp", "logsumexp", "entropy", "topk_logits"):
+        assert torch.allclose(getattr(one, field)[real], getattr(shared, field)[real], atol=1e-5), field
+    assert torch.equal(one.topk_indices[real], shared.topk_indices[real])
+
+
+def test_shared_prompt_is_not_used_while_autograd_records(tiny_model_dir, monkeypatch):
+    """The KV-cache path is for no-grad passes; with grad the one-pass forward runs (and is differentiable)."""
+    from transformers import AutoModelForCausalLM
+
+    import trainer.logprobs as L
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (1, 6)).repeat(4, 1)
+    mask = torch.ones_like(ids)
+    calls = []
+    monkeypatch.setattr(L, "_shared_prompt_hidden", lambda *a: calls.append(1))
+    st = L.causal_lm_token_stats(model, ids, mask, 2, share_prompt=True)
+    assert st.logp.requires_grad and not calls
+    with torch.no_grad():
+        L.causal_lm_token_stats(model, ids, mask, 2, share_prompt=True)
+    assert calls == [1]
+
+
 def test_compact_storage_bf16_int32_round_trips_as_gather_indices():
     hidden, weight, _, labels, _, _ = _data(5, dtype=torch.float32)
     full = token_stats_from_hidden(hidden, weight, labels, topk=4)
