@@ -106,10 +106,23 @@ class TrainRolloutConfig(AgentRolloutConfig):
     """The agent loop's settings (:class:`agent.rollout.RolloutConfig`; ``n_samples`` is the GRPO
     group size, ``task`` picks search or math) plus the generation engine the trainer runs."""
 
-    engine: Literal["hf", "vllm"] = option("hf", help="generation engine: vllm (colocated with the trainer) or hf (transformers)")
+    engine: Literal["hf", "vllm", "remote"] = option(
+        "hf", help="generation engine: vllm (colocated with the trainer), hf (transformers), or remote (`emapg engine serve` servers at engine_urls)"
+    )
     vllm_gpu_memory_utilization: float = option(0.4, help="fraction of GPU memory vLLM may take when colocated")
     vllm_sleep: bool = option(True, help="put the colocated vLLM engine to sleep during training (frees weights and KV cache)")
     vllm_tensor_parallel_size: int = option(1, help="vLLM tensor parallel size")
+    engine_urls: list[str] = option([], help="remote: base URLs of running generation servers (several = data-parallel replicas of the same model)")
+    engine_api_key_env: str | None = option(None, help="remote: name of an environment variable holding the generation servers' API key")
+    engine_timeout: float = option(600.0, help="remote: seconds per HTTP request to a generation server (a whole generation included)")
+    engine_wait: float = option(600.0, help="remote: seconds to wait at start-up for the servers' /health (they may still be loading)")
+    weight_sync: Literal["http", "collective"] = option(
+        "http", help="remote: how new weights reach the servers: http (safetensors buckets, works everywhere) or collective (a gloo/NCCL broadcast group)"
+    )
+    weight_sync_bucket_mb: int = option(256, help="remote: MiB of weights per bucket (one HTTP request, or one broadcast)")
+    collective_host: str = option("127.0.0.1", help="collective: this trainer's address as the servers reach it (rank 0 hosts the group's TCPStore)")
+    collective_port: int = option(0, help="collective: TCPStore port on the trainer (0: a free port)")
+    collective_backend: Literal["auto", "gloo", "nccl"] = option("auto", help="collective: nccl (GPUs on both sides), gloo (CPU tensors, any network); auto: nccl when training on CUDA")
 
     def validate(self) -> None:
         super().validate()
@@ -119,6 +132,19 @@ class TrainRolloutConfig(AgentRolloutConfig):
             raise ConfigError("rollout.vllm_gpu_memory_utilization must be in (0, 1]")
         if self.vllm_tensor_parallel_size < 1:
             raise ConfigError("rollout.vllm_tensor_parallel_size must be >= 1")
+        if self.engine == "remote" and not self.engine_urls:
+            raise ConfigError("rollout.engine=remote needs rollout.engine_urls (start servers with `emapg engine serve`)")
+        if self.engine_urls and self.engine != "remote":
+            raise ConfigError(f"rollout.engine_urls is set but rollout.engine={self.engine}; use rollout.engine=remote")
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"rollout.engine_urls: {url!r} is not an http(s) URL")
+        if self.engine_timeout <= 0 or self.engine_wait < 0:
+            raise ConfigError("rollout.engine_timeout must be > 0 and rollout.engine_wait >= 0")
+        if self.weight_sync_bucket_mb < 1:
+            raise ConfigError("rollout.weight_sync_bucket_mb must be >= 1")
+        if not 0 <= self.collective_port < 65536:
+            raise ConfigError(f"rollout.collective_port {self.collective_port} is not a TCP port (0: pick a free one)")
 
 
 @dataclass

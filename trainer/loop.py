@@ -277,7 +277,18 @@ class Trainer:
         r = self.cfg.rollout
         dev = self.dist.device
         max_len = r.max_prompt_tokens + r.max_response_tokens
-        if r.engine == "hf":
+        if r.engine == "remote":
+            from agent.engines.remote import RemoteEngine
+
+            self.engine = RemoteEngine(
+                r.engine_urls, model_path=self.model_path, api_key=os.environ.get(r.engine_api_key_env) if r.engine_api_key_env else None,
+                timeout=r.engine_timeout, wait_s=r.engine_wait, weight_sync=r.weight_sync, bucket_bytes=r.weight_sync_bucket_mb << 20,
+                collective_host=r.collective_host, collective_port=r.collective_port,
+                collective_backend=r.collective_backend if r.collective_backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo"),
+            )  # fmt: skip
+            # The servers hold whatever they were started with (another run, an older checkpoint): sync first.
+            self._weights_dirty = True
+        elif r.engine == "hf":
             self.engine = make_engine(
                 "hf", self.model_path, dtype="bfloat16" if self.bf16 else "float32", device=str(dev),
                 max_model_len=max_len, seed=self.cfg.run.seed,
@@ -310,7 +321,13 @@ class Trainer:
         cfg = self.cfg
         if self._weights_dirty:
             self.engine.wake()
-            self.engine.load_weights(self._policy_state(all_ranks=True))
+            if cfg.rollout.engine == "remote":  # shared servers: rank 0 pushes once, the other ranks wait for it
+                state = self._policy_state(all_ranks=False)
+                if self.dist.is_main:
+                    self.engine.load_weights(state, tag=f"step-{self.step}")
+                D.barrier()
+            else:
+                self.engine.load_weights(self._policy_state(all_ranks=True))
             self._weights_dirty = False
         self.engine.wake()
         seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)

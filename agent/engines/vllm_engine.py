@@ -10,6 +10,9 @@
   calls the worker extension (agent/engines/vllm_worker.py) through ``collective_rpc``
   and then resets the prefix cache, because cached KV blocks were computed with the old
   weights and would otherwise be reused silently.
+* Collective weight sync (the generation server's ``collective`` transport):
+  :meth:`collective_init` / :meth:`collective_receive` run in every worker, which receives
+  the trainer's broadcast directly (agent/engines/collective.py).
 * Sleep mode (GPU only in vLLM 0.32): ``sleep()`` offloads weights and drops the KV
   cache; :meth:`load_weights` wakes the weights first, so a sync can never write into
   released memory (trl#5142) or be lost to a later wake-up (trl#5312).
@@ -203,6 +206,21 @@ class VLLMEngine:
             shutil.rmtree(tmpdir, ignore_errors=True)
         if not counts or min(counts) == 0:
             raise RuntimeError(f"vLLM loaded no weights from the state dict ({len(state_dict)} tensors)")
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------ collective weight sync (generation server)
+    def collective_init(self, host: str, port: int, world_size: int, rank_offset: int, backend: str, group: str, timeout_s: float) -> list[int]:
+        """Every worker joins the trainer's weight-sync group (agent/engines/collective.py); returns their ranks."""
+        args = (host, port, world_size, rank_offset, backend, group, timeout_s)
+        return self.llm.collective_rpc("emapg_collective_init", timeout=timeout_s + 30, args=args)
+
+    def collective_receive(self, meta: list, sync_id: str, timeout_s: float) -> None:
+        """Every worker receives one broadcast sync and loads it; then stale KV is dropped (as load_weights)."""
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        counts = self.llm.collective_rpc("emapg_collective_receive", timeout=timeout_s + 30, args=(meta, sync_id))
+        if not counts or min(counts) == 0:
+            raise RuntimeError(f"vLLM loaded no weights from sync {sync_id}")
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> bool:
