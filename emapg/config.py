@@ -51,6 +51,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
+_YAML_BOOL_WORDS = {True: ("on", "yes", "true", "y"), False: ("off", "no", "false", "n")}
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against the annotation ``tp`` and convert the harmless cases."""
     origin = get_origin(tp)
@@ -71,6 +74,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)
+        if isinstance(value, bool) and value not in choices:
+            # YAML 1.1 reads on/off/yes/no as booleans: give back the spelling the field accepts.
+            spelled = [c for c in choices if isinstance(c, str) and c.lower() in _YAML_BOOL_WORDS[value]]
+            value = spelled[0] if len(spelled) == 1 else value
         if value not in choices:
             hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             extra = f" (did you mean {hint[0]!r}?)" if hint else ""

@@ -38,6 +38,23 @@ def test_defaults_and_yaml_and_overrides(tmp_path):
     assert isinstance(cfg.optim.lr, float)
 
 
+def test_yaml_boolean_words_reach_literal_choices(tmp_path):
+    """YAML 1.1 reads on/off/yes/no as booleans; a Literal["auto", "on", "off"] field must still take them."""
+
+    @dataclass
+    class Dist:
+        fsdp: Literal["auto", "on", "off"] = option("auto", help="sharding")
+        mode: Literal["yes", "true"] = option("yes", help="ambiguous spellings stay an error")
+
+    assert load_config(Dist, None, ["fsdp=off"]).fsdp == "off"
+    assert load_config(Dist, None, ["fsdp=on"]).fsdp == "on"
+    path = tmp_path / "d.yaml"
+    path.write_text("fsdp: off\n")
+    assert load_config(Dist, path).fsdp == "off"
+    with pytest.raises(ConfigError, match="mode: True is not one of"):
+        load_config(Dist, None, ["mode=yes"])
+
+
 def test_round_trip(tmp_path):
     cfg = load_config(Run, None, ["topk=4"])
     dump_yaml(cfg, tmp_path / "out.yaml")
