@@ -122,6 +122,13 @@ class RemoteEngine:
         self._load: dict[str, int] = dict.fromkeys(self.urls, 0)
         self._lock = threading.Lock()
         self._rr = itertools.count()
+        try:
+            self._connect(model_path, wait_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, model_path: str | None, wait_s: float) -> None:
         self.healths = [self._wait_healthy(u, wait_s) for u in self.urls]
         h = self.healths[0]
         for u, other in zip(self.urls[1:], self.healths[1:]):
@@ -138,7 +145,7 @@ class RemoteEngine:
             raise ValueError(f"the local tokenizer ({len(self.tokenizer)} tokens) does not fit the served model (vocab {self.vocab_size})")
         self.info = EngineInfo(
             "remote", str(model_path or h["model"]), self.max_model_len, supports_sleep=any(x["supports_sleep"] for x in self.healths),
-            continuous_batching=True, extra={"urls": self.urls, "server_engines": [x["engine"] for x in self.healths], "weight_sync": weight_sync},
+            continuous_batching=True, extra={"urls": self.urls, "server_engines": [x["engine"] for x in self.healths], "weight_sync": self.weight_sync},
         )  # fmt: skip
 
     # ------------------------------------------------------------------ HTTP
