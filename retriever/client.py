@@ -23,6 +23,8 @@ import time
 
 import httpx
 
+from emapg.servers import response_error
+
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -62,11 +64,7 @@ def _parse_hits(payload: dict, n_queries: int) -> list[list[dict]]:
 
 
 def _error_message(resp: httpx.Response) -> str:
-    try:
-        detail = resp.json().get("detail", resp.text)
-    except ValueError:
-        detail = resp.text
-    return f"HTTP {resp.status_code} from {resp.request.url}: {str(detail)[:500]}"
+    return response_error(resp, limit=500)
 
 
 class _Policy:

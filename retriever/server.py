@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import json
 import logging
 import threading
@@ -34,6 +33,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
+
+from emapg.servers import HTTPError, api_key_ok, read_body
 
 log = logging.getLogger("retriever.server")
 
@@ -311,59 +312,52 @@ class MicroBatcher:
 # ----------------------------------------------------------------------------- validation
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 ALLOWED_FIELDS = ("queries", "topk", "return_scores")
 
 
 def parse_retrieve_body(body: bytes, cfg: ServeConfig) -> tuple[list[str], int, bool]:
-    """Check a /retrieve body; raise :class:`BadRequest` with a fix-it message."""
+    """Check a /retrieve body; raise :class:`HTTPError` with a fix-it message."""
     if not body.strip():
-        raise BadRequest(400, 'empty body: send JSON like {"queries": ["who wrote hamlet"], "topk": 3}')
+        raise HTTPError(400, 'empty body: send JSON like {"queries": ["who wrote hamlet"], "topk": 3}')
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(400, f'body is not valid JSON ({e}); send {{"queries": ["..."], "topk": 3}}') from None
+        raise HTTPError(400, f'body is not valid JSON ({e}); send {{"queries": ["..."], "topk": 3}}') from None
     if not isinstance(data, dict):
-        raise BadRequest(422, f"body must be a JSON object with a 'queries' list, got a JSON {type(data).__name__}")
+        raise HTTPError(422, f"body must be a JSON object with a 'queries' list, got a JSON {type(data).__name__}")
     unknown = sorted(set(data) - set(ALLOWED_FIELDS))
     if unknown:
-        raise BadRequest(422, f"unknown field(s) {unknown}; allowed fields are {list(ALLOWED_FIELDS)}")
+        raise HTTPError(422, f"unknown field(s) {unknown}; allowed fields are {list(ALLOWED_FIELDS)}")
     if "queries" not in data:
-        raise BadRequest(422, "missing field 'queries': a list of query strings")
+        raise HTTPError(422, "missing field 'queries': a list of query strings")
     queries = data["queries"]
     if isinstance(queries, str):
-        raise BadRequest(422, "'queries' must be a list of strings, got a single string; wrap it in a list")
+        raise HTTPError(422, "'queries' must be a list of strings, got a single string; wrap it in a list")
     if not isinstance(queries, list):
-        raise BadRequest(422, f"'queries' must be a list of strings, got {type(queries).__name__}")
+        raise HTTPError(422, f"'queries' must be a list of strings, got {type(queries).__name__}")
     if not queries:
-        raise BadRequest(422, "'queries' is empty: send at least one query")
+        raise HTTPError(422, "'queries' is empty: send at least one query")
     if len(queries) > cfg.max_queries_per_request:
-        raise BadRequest(
+        raise HTTPError(
             413, f"too many queries: {len(queries)} > {cfg.max_queries_per_request} per request; split them over several requests"
         )
     for i, q in enumerate(queries):
         if not isinstance(q, str):
-            raise BadRequest(422, f"queries[{i}] must be a string, got {type(q).__name__}")
+            raise HTTPError(422, f"queries[{i}] must be a string, got {type(q).__name__}")
         if not q.strip():
-            raise BadRequest(422, f"queries[{i}] is empty or whitespace; every query needs text")
+            raise HTTPError(422, f"queries[{i}] is empty or whitespace; every query needs text")
         if len(q) > cfg.max_query_chars:
-            raise BadRequest(422, f"queries[{i}] has {len(q)} characters, more than the limit of {cfg.max_query_chars}; shorten it")
+            raise HTTPError(422, f"queries[{i}] has {len(q)} characters, more than the limit of {cfg.max_query_chars}; shorten it")
     topk = data.get("topk")
     if topk is None:
         topk = cfg.topk
     elif isinstance(topk, bool) or not isinstance(topk, int):
-        raise BadRequest(422, f"'topk' must be an integer, got {json.dumps(topk)}")
+        raise HTTPError(422, f"'topk' must be an integer, got {json.dumps(topk)}")
     elif not 1 <= topk <= cfg.max_topk:
-        raise BadRequest(422, f"'topk' must be between 1 and {cfg.max_topk}, got {topk}")
+        raise HTTPError(422, f"'topk' must be between 1 and {cfg.max_topk}, got {topk}")
     return_scores = data.get("return_scores", False)
     if not isinstance(return_scores, bool):
-        raise BadRequest(422, f"'return_scores' must be true or false, got {json.dumps(return_scores)}")
+        raise HTTPError(422, f"'return_scores' must be true or false, got {json.dumps(return_scores)}")
     return queries, topk, return_scores
 
 
@@ -450,28 +444,9 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
     app.state.retriever = state
     app.state.metrics = metrics
 
-    def authorized(request: Request) -> bool:
-        if not cfg.api_key:
-            return True
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        return hmac.compare_digest(given.encode(), cfg.api_key.encode())
-
     def unauthorized() -> JSONResponse:
         metrics.error("unauthorized")
         return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
-            raise BadRequest(413, f"body of {declared} bytes exceeds the limit of {cfg.max_body_bytes} bytes; send fewer or shorter queries")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cfg.max_body_bytes:
-                raise BadRequest(413, f"body exceeds the limit of {cfg.max_body_bytes} bytes; send fewer or shorter queries")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     @app.post(
         "/retrieve",
@@ -483,12 +458,12 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         """Top-k passages for each query (Search-R1 request/response format)."""
         t0 = time.perf_counter()
         path = "/retrieve"
-        if not authorized(request):
+        if not api_key_ok(request, cfg.api_key):
             metrics.request(path, 401, None)
             return unauthorized()
         try:
-            queries, topk, return_scores = parse_retrieve_body(await read_body(request), cfg)
-        except BadRequest as e:
+            queries, topk, return_scores = parse_retrieve_body(await read_body(request, cfg.max_body_bytes, hint="; send fewer or shorter queries"), cfg)
+        except HTTPError as e:
             metrics.request(path, e.status, None)
             metrics.error("bad_request")
             return _error(e.status, e.message)
@@ -520,7 +495,7 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_endpoint(request: Request):
         """Prometheus text format: requests, queries, batch sizes, latency, errors."""
-        if not authorized(request):
+        if not api_key_ok(request, cfg.api_key):
             return unauthorized()
         text = metrics.render()
         if state.searcher is not None:
@@ -536,31 +511,13 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
 
 def serve(cfg: ServeConfig) -> int:
     """Run the server until interrupted. Returns the process exit code."""
-    import uvicorn
-
+    from emapg.servers import run_uvicorn
     from retriever.searcher import check_encoder
 
     cfg.validate()
     meta = check_encoder(cfg.index, cfg.encoder)  # refuse before binding the port
     if cfg.hybrid_bm25 and not meta.get("bm25"):
         raise ValueError(f"--hybrid-bm25 needs a BM25 index: rebuild {cfg.index} with `emapg index build --bm25`")
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    exit_code = {"code": 0}
-    server: uvicorn.Server | None = None
-
-    def on_fatal(message: str) -> None:
-        exit_code["code"] = 1
-        if server is not None:
-            server.should_exit = True
-
-    app = create_app(cfg, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096)
-    server = uvicorn.Server(config)
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
-        log.warning("binding %s without an API key: anyone who can reach this port can query the index", cfg.host)
-    log.info("serving %s on http://%s:%d (max batch %d, max wait %.1f ms)", cfg.index, cfg.host, cfg.port, cfg.max_batch, cfg.max_wait_ms)
-    server.run()
-    if not server.started and exit_code["code"] == 0:
-        return 1  # e.g. the port was taken; uvicorn has logged why
-    return exit_code["code"]
+    banner = f"serving {cfg.index} on http://{cfg.host}:{cfg.port} (max batch {cfg.max_batch}, max wait {cfg.max_wait_ms:.1f} ms)"
+    return run_uvicorn(create_app, cfg, log=log, exposes="query the index", banner=banner)

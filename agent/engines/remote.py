@@ -33,6 +33,7 @@ import torch
 
 from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
 from agent.engines.wire import output_from_json, params_to_json, plan_buckets
+from emapg.servers import response_error
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -42,11 +43,7 @@ class RemoteEngineError(RuntimeError):
 
 
 def _message(resp: httpx.Response) -> str:
-    try:
-        detail = resp.json().get("detail", resp.text)
-    except ValueError:
-        detail = resp.text
-    return f"HTTP {resp.status_code} from {resp.request.url}: {str(detail)[:1000]}"
+    return response_error(resp, limit=1000)
 
 
 def _normalize(url: str) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import hmac
 import itertools
 import json
 import logging
@@ -50,6 +49,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agent.engines.base import SamplingParams, check_prompts, per_prompt_params
 from agent.engines.wire import check_bucket_meta, output_to_json, params_from_json, parse_prompts
+from emapg.servers import HTTPError, api_key_ok, read_body
 
 log = logging.getLogger("agent.engines.server")
 
@@ -102,13 +102,6 @@ class EngineServeConfig:
 
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         return dict(max_model_len=self.max_model_len, seed=self.seed, dtype=self.dtype or "float32", device=device)
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 # ----------------------------------------------------------------------------- the engine thread
@@ -347,25 +340,6 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
                   description="Token-in/token-out generation with weight sync for the ema-pg trainer.")  # fmt: skip
     app.state.engine_loop = loop_
 
-    def authorized(request: Request) -> bool:
-        if not cfg.api_key:
-            return True
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        return hmac.compare_digest(given.encode(), cfg.api_key.encode())
-
-    async def read_body(request: Request, limit: int) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"body of {declared} bytes exceeds the limit of {limit} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, f"body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def json_body(request: Request) -> dict:
         body = await read_body(request, cfg.max_body_bytes)
         try:
@@ -395,7 +369,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         @functools.wraps(fn)  # FastAPI reads the path parameters from fn's signature
         async def wrapper(request: Request, **kwargs):
             name = request.url.path.split("/")[1] or "/"
-            if not authorized(request):
+            if not api_key_ok(request, cfg.api_key):
                 requests[f"{name}:401"] += 1
                 return JSONResponse({"detail": "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"}, 401)
             try:
@@ -641,25 +615,8 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
 
 def serve(cfg: EngineServeConfig) -> int:
     """Run the server until interrupted. Returns the process exit code."""
-    import uvicorn
+    from emapg.servers import run_uvicorn
 
     cfg.validate()
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    exit_code = {"code": 0}
-    server: uvicorn.Server | None = None
-
-    def on_fatal(message: str) -> None:
-        exit_code["code"] = 1
-        if server is not None:
-            server.should_exit = True
-
-    app = create_app(cfg, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096)
-    server = uvicorn.Server(config)
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
-        log.warning("binding %s without an API key: anyone who can reach this port can generate and replace the weights", cfg.host)
-    log.info("serving %s (%s engine) on http://%s:%d", cfg.model, cfg.engine, cfg.host, cfg.port)
-    server.run()
-    if not server.started and exit_code["code"] == 0:
-        return 1
-    return exit_code["code"]
+    banner = f"serving {cfg.model} ({cfg.engine} engine) on http://{cfg.host}:{cfg.port}"
+    return run_uvicorn(create_app, cfg, log=log, exposes="generate and replace the weights", banner=banner)
