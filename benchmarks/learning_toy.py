@@ -1,10 +1,11 @@
 """GRPO vs EMA-PG learning curves on the toy search task, same seeds, plot saved.
 
-The toy task (``tests/fixtures/trainer.py``): synthetic facts in a real MiniLM + FAISS
-index served by a real ``emapg serve`` process; tiny-qwen2 warm-started on the format
-only (never on the facts); then RL through the production path (agent loop, HTTP
-retrieval, reward, update). Both algorithms start from the same warm-started weights
-and use the same seeds:
+The toy task (``tests/fixtures/trainer.py``): 8 synthetic facts stating 4 different digits
+(a constant answer scores 0.25) in a real MiniLM + FAISS index served by a real ``emapg serve``
+process; tiny-qwen2 warm-started on held-out entities to search and copy the observed digit,
+only about half the time (never on the RL facts); then RL through the production path (agent
+loop, HTTP retrieval, reward, update). Both algorithms start from the same warm-started
+weights and use the same seeds:
 
 * ``grpo``  -- the paper's fair ablation (ALGORITHM.md §3.2): K3 KL (beta 0.001) to a frozen
   reference (eta = 1), clip 0.2 / 0.28;
@@ -12,7 +13,9 @@ and use the same seeds:
   (eta = 0.9, P = 10, ALGORITHM.md §1).
 
 Writes ``benchmarks/results/learning_toy.json`` (per-step mean reward of each run, first/last
-averages) and ``benchmarks/results/learning_toy.png`` (reward, KL, length curves).
+averages, and the evidence probe ``evidence_probs`` -- e.g. ``cf_obs``, P(answer = the digit an
+observation states when it contradicts the fact) -- for the warm start and each final policy)
+and ``benchmarks/results/learning_toy.png`` (reward, KL, length curves).
 
     python benchmarks/learning_toy.py [--steps 40] [--seeds 0 1] [--quick]
 """
@@ -43,10 +46,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--quick", action="store_true", help="one seed, 12 steps")
+    p.add_argument("--quick", action="store_true", help="one seed, 20 steps")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.seeds = 12, [0]
+        args.steps, args.seeds = 20, [0]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -56,17 +59,24 @@ def main() -> int:
     from emapg.models import resolve_model
     from emapg.paths import CONFIG_DIR
     from retriever.launch import RetrieverServer
-    from tests.fixtures.trainer import build_toy_task, toy_overrides, warm_start
+    from tests.fixtures.trainer import (
+        build_toy_task,
+        evidence_probs,
+        toy_overrides,
+        warm_start,
+    )
+    from trainer.checkpoint import latest_checkpoint
     from trainer.config import TrainConfig
     from trainer.loop import train
     from trainer.plot import plot_runs
 
     work = Path(tempfile.mkdtemp(prefix="learning-toy-"))
     task = build_toy_task(work / "task")
-    report: dict = {"steps": args.steps, "seeds": args.seeds, "lr": args.lr, "runs": {}}
+    report: dict = {"steps": args.steps, "seeds": args.seeds, "lr": args.lr, "facts": task.facts, "runs": {}}
     run_dirs, labels = [], []
     with RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1) as server:
-        start = warm_start(Path(resolve_model("tiny-qwen2")), task, server.url, work / "warm_start")
+        start = warm_start(Path(resolve_model("tiny-qwen2")), task, work / "warm_start")
+        report["warm_start_evidence"] = evidence_probs(start, task)
         for seed in args.seeds:
             for algo, extra in ALGOS.items():
                 out = work / f"{algo}_seed{seed}"
@@ -78,12 +88,16 @@ def main() -> int:
                 history = train(cfg)
                 rewards = [h["reward/mean"] for h in history]
                 k = max(1, len(rewards) // 5)
+                evidence = evidence_probs(latest_checkpoint(out) / "policy", task)
                 report["runs"][f"{algo}_seed{seed}"] = {
                     "reward": rewards, "kl": [h.get("kl/mean") for h in history],
                     "first_fifth_mean_reward": statistics.mean(rewards[:k]),
                     "last_fifth_mean_reward": statistics.mean(rewards[-k:]),
+                    "final_evidence": evidence,
                 }
-                print(f"{algo:6s} seed {seed}: reward {statistics.mean(rewards[:k]):.3f} -> {statistics.mean(rewards[-k:]):.3f}")
+                print(f"{algo:6s} seed {seed}: reward {statistics.mean(rewards[:k]):.3f} -> {statistics.mean(rewards[-k:]):.3f}; "
+                      f"P(observed digit | contradicting observation) {report['warm_start_evidence']['cf_obs']:.2f} -> "
+                      f"{evidence['cf_obs']:.2f}")
                 run_dirs.append(out)
                 labels.append(f"{algo} (seed {seed})")
     for algo in ALGOS:
