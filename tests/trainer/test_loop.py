@@ -47,6 +47,23 @@ def test_math_run_trains_logs_and_checkpoints(tmp_path, tiny_model_dir):
     assert (anchor[key] - initial[key]).norm() < (policy[key] - initial[key]).norm()
 
 
+@pytest.mark.parametrize("kl_type", ["topk_reverse", "k3"])
+def test_anchor_statistics_follow_the_ema_updates(tmp_path, tiny_model_dir, kl_type):
+    """An anchor blended with η = 0 after every step *is* the policy at the next step's start, so
+    the on-policy KL stays exactly 0; a frozen anchor (η = 1) is left behind by the same updates.
+    Guards the anchor forward against reading stale anchor weights."""
+
+    def kls(decay: float) -> list[float]:
+        cfg = math_cfg(tmp_path / f"eta{decay}", f"model.policy={tiny_model_dir}", "run.total_steps=3", "optim.lr=3e-3",
+                       f"algorithm.kl.type={kl_type}", "algorithm.kl.topk=8", f"algorithm.ema.decay={decay}",
+                       "algorithm.ema.period=1", "algorithm.mini_batch_size=8")
+        return [h["kl/mean"] for h in train(cfg)]
+
+    assert all(abs(k) < 1e-6 for k in kls(0.0))
+    frozen = kls(1.0)
+    assert frozen[0] == pytest.approx(0.0, abs=1e-6) and frozen[-1] > 1e-3
+
+
 def test_search_run_through_real_retriever(tmp_path, tiny_model_dir, retriever_server):
     cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", [
         f"run.output_dir={tmp_path}", f"model.policy={tiny_model_dir}", f"retriever.urls=[{retriever_server.url}]",
