@@ -8,6 +8,8 @@ optimizer step per rollout batch over all P x G completions, token-mean (DAPO) l
 * ``ours_grpo``  -- our trainer, no KL term, no anchor (TRL's default ``beta=0``);
 * ``ours_emapg`` -- our trainer, Top-k reverse KL (k=32, tail + IW) against an EMA anchor that is
   blended *every* step (worst case; the paper blends every 10);
+* ``ours_emapg_unshared`` -- ``ours_emapg`` with ``model.share_prompt=false`` (the anchor pass runs
+  every row's prompt), to show what sharing the prompt saves;
 * ``ours_grpo_k3`` -- our trainer, the paper's GRPO baseline (ALGORITHM.md §3.2): K3 KL to a frozen
   reference, which needs the same extra (no-grad) reference forward as the EMA anchor;
 
@@ -81,7 +83,8 @@ def run_ours(args: argparse.Namespace, pool_file: Path, mode: str) -> dict:
         f"algorithm.mini_batch_size={batch}", f"algorithm.micro_batch_size={batch}", "algorithm.loss_agg=token-mean",
         "algorithm.dual_clip=null", "algorithm.clip_high=0.28", "optim.lr=1e-4", "reward.math_workers=1",
     ]
-    if mode == "ours_emapg":
+    if mode in ("ours_emapg", "ours_emapg_unshared"):
+        overrides += ["model.share_prompt=" + str(mode == "ours_emapg").lower()]
         overrides += ["algorithm.kl.enabled=true", "algorithm.kl.type=topk_reverse", "algorithm.kl.topk=32",
                       "algorithm.kl.importance_weight=true", "algorithm.ema.decay=0.9", "algorithm.ema.period=1"]
     elif mode == "ours_grpo_k3":
@@ -192,7 +195,8 @@ def main() -> int:
     p.add_argument("--length", type=int, default=64, help="maximum completion tokens")
     p.add_argument("--steps", type=int, default=6, help="steps per process (the first is a warm-up)")
     p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every configuration once, in turn")
-    p.add_argument("--worker", choices=["ours_grpo", "ours_emapg", "ours_grpo_k3", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["ours_grpo", "ours_emapg", "ours_emapg_unshared", "ours_grpo_k3", "trl"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--pool", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -214,7 +218,7 @@ def main() -> int:
     except ImportError:
         have_trl = False
         print("TRL is not installed: skipping the TRL comparison (pip install trl==1.16.0 to include it)")
-    modes = ("ours_grpo", "ours_emapg", "ours_grpo_k3") + (("trl",) if have_trl else ())
+    modes = ("ours_grpo", "ours_emapg", "ours_emapg_unshared", "ours_grpo_k3") + (("trl",) if have_trl else ())
     raw: dict[str, list[dict]] = {m: [] for m in modes}
     for rnd in range(args.rounds):
         for mode in modes:
@@ -241,6 +245,8 @@ def main() -> int:
         "emapg_over_grpo_step_time_ratio": e["step_time_s_median"] / g["step_time_s_median"],
         "emapg_over_grpo_peak_memory_ratio": e["peak_rss_mb"] / g["peak_rss_mb"],
         "emapg_over_grpo_k3_reference_step_time_ratio": e["step_time_s_median"] / results["ours_grpo_k3"]["step_time_s_median"],
+        "emapg_unshared_prompt_over_grpo_step_time_ratio":
+            results["ours_emapg_unshared"]["step_time_s_median"] / g["step_time_s_median"],
         "ours_over_trl_step_time_ratio": None,
         "ours_over_trl_peak_memory_ratio": None,
         "trl_version": None,
@@ -256,6 +262,8 @@ def main() -> int:
     RESULTS.write_text(json.dumps(report, indent=2))
     print(f"emapg_over_grpo_step_time_ratio = {report['emapg_over_grpo_step_time_ratio']:.3f} (target <= 1.15)")
     print(f"emapg_over_grpo_k3_reference_step_time_ratio = {report['emapg_over_grpo_k3_reference_step_time_ratio']:.3f}")
+    print(f"emapg_unshared_prompt_over_grpo_step_time_ratio = {report['emapg_unshared_prompt_over_grpo_step_time_ratio']:.3f}"
+          " (model.share_prompt=false)")
     if have_trl:
         print(f"ours_over_trl_step_time_ratio   = {report['ours_over_trl_step_time_ratio']:.3f} (target <= 1.0)")
         print(f"ours_over_trl_peak_memory_ratio = {report['ours_over_trl_peak_memory_ratio']:.3f}")
