@@ -109,6 +109,10 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
 
     from trainer.loop import Trainer
 
+    # One intra-op thread, as in the ranks: the kernels then reduce in the same order on both sides
+    # (with 2 threads, Adam's normalisation blows float-order noise in near-zero gradients up past 1e-5).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     trainer = Trainer(_cfg(tmp_path / "single", tiny_model_dir, "run.total_steps=1")).setup()
     try:
         assert not trainer.fsdp
@@ -117,6 +121,7 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
         anchor = trainer.anchor.full_state_dict()
     finally:
         trainer.close()
+        torch.set_num_threads(threads)
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
     moved = 0.0
     for k, v in fsdp["policy"].items():
