@@ -319,17 +319,22 @@ class Trainer:
         from trainer.rollouts import generate, score
 
         cfg = self.cfg
+        remote = cfg.rollout.engine == "remote"
         if self._weights_dirty:
-            self.engine.wake()
-            if cfg.rollout.engine == "remote":  # shared servers: rank 0 pushes once, the other ranks wait for it
+            if remote:  # shared servers: rank 0 wakes them and pushes once, the other ranks wait for it
                 state = self._policy_state(all_ranks=False)
                 if self.dist.is_main:
+                    self.engine.wake()
                     self.engine.load_weights(state, tag=f"step-{self.step}")
                 D.barrier()
             else:
+                self.engine.wake()
                 self.engine.load_weights(self._policy_state(all_ranks=True))
             self._weights_dirty = False
-        self.engine.wake()
+        # Not on shared servers (the trainer never puts them to sleep): a server's /wake is a barrier that
+        # waits out every rank's in-flight generations and holds back the ones submitted after it.
+        if not remote:
+            self.engine.wake()
         seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)
         last: Exception | None = None
         for attempt in range(cfg.run.rollout_retries + 1):
