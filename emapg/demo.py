@@ -33,7 +33,7 @@ from emapg.paths import CONFIG_DIR, REPO_ROOT, cache_dir
 
 @dataclass(frozen=True)
 class DemoPreset:
-    """What one demo run does; `default` fits in about 19 minutes on a fresh 2-core machine."""
+    """What one demo run does; `default` fits in about 16 minutes on a fresh 2-core machine (measured 16.4)."""
 
     policy: str
     train_config: Path
@@ -244,7 +244,7 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="emapg demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="default: SmolLM2-135M on the whole bundled corpus (~19 min on a fresh 2-core machine, ~11 min once the index is cached); "
+                   help="default: SmolLM2-135M on the whole bundled corpus (~16 min on a fresh 2-core machine, ~9 min once the index is cached); "
                         "tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-<preset>-<timestamp>)")
     args = p.parse_args(argv)
