@@ -1,0 +1,169 @@
+"""Golden runs: the metrics of fixed-seed 3-step tiny runs, recorded before the trainer was split
+into step / stored statistics / metrics / lifecycle modules, must be reproduced by the current code.
+
+Each case is a real `train()` on tiny-qwen2 (math task, transformers engine, the bundled MATH train
+prompts), covering every loss path: EMA-PG with Top-k reverse KL (stored π_old statistics, and the
+on-policy fused path), Top-k forward KL, GRPO with K3 to a frozen reference (two PPO epochs), the
+exact reverse/forward KL, and no KL. Timing metrics are not compared; every other metric is, as is
+a fingerprint of the final policy and anchor weights.
+
+Regenerate (only when a change is *meant* to alter training numbers, and say so in the commit):
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.trainer.test_golden
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+GOLDEN = Path(__file__).parent / "golden" / "trainer_golden.json"
+
+COMMON = [
+    "logging.progress=false", "logging.tensorboard=false", "run.total_steps=3", "run.save_every=0",
+    "data.prompts_per_step=2", "rollout.n_samples=4", "rollout.max_tokens_per_turn=16", "rollout.max_response_tokens=16",
+    "algorithm.micro_batch_size=2", "optim.lr=3e-3", "run.seed=7",
+]
+
+CASES: dict[str, list[str]] = {
+    # two mini-batches: π_old and the anchor's statistics are stored before the update
+    "emapg_topk_reverse": ["algorithm.kl.type=topk_reverse", "algorithm.kl.topk=8", "algorithm.kl.importance_weight=true",
+                           "algorithm.ema.decay=0.5", "algorithm.ema.period=1", "algorithm.mini_batch_size=4",
+                           "algorithm.loss_agg=token-mean"],
+    # one mini-batch, one epoch: the training pass takes its own top-k and gathers the anchor there
+    "emapg_topk_reverse_onpolicy": ["algorithm.kl.type=topk_reverse", "algorithm.kl.topk=8", "algorithm.ema.decay=0.5",
+                                    "algorithm.ema.period=1", "algorithm.mini_batch_size=8"],
+    "emapg_topk_forward": ["algorithm.kl.type=topk_forward", "algorithm.kl.topk=8", "algorithm.kl.tail_grad=exact",
+                           "algorithm.ema.decay=0.5", "algorithm.ema.period=1", "algorithm.mini_batch_size=4"],
+    "grpo_k3": ["algorithm.name=grpo", "algorithm.kl.type=k3", "algorithm.kl.importance_weight=false",
+                "algorithm.ema.decay=1.0", "algorithm.mini_batch_size=4", "algorithm.ppo_epochs=2",
+                "algorithm.kl.coef=0.05"],
+    "exact_reverse": ["algorithm.kl.type=exact_reverse", "algorithm.ema.decay=0.5", "algorithm.ema.period=1",
+                      "algorithm.mini_batch_size=4", "algorithm.kl.coef=0.05"],
+    "exact_forward": ["algorithm.kl.type=exact_forward", "algorithm.ema.decay=0.5", "algorithm.ema.period=1",
+                      "algorithm.mini_batch_size=8", "algorithm.kl.coef=0.05"],
+    "no_kl": ["algorithm.kl.enabled=false", "algorithm.mini_batch_size=4", "algorithm.entropy_coef=0.01"],
+}
+
+# The search task on the toy facts (tests/fixtures/trainer.py) from a warm-started policy that answers
+# right about half the time: rewards vary within groups, so the policy-gradient term is exercised
+# (the random tiny model never scores on math), through the real retriever and the QA reward.
+SEARCH_COMMON = ["logging.progress=false", "logging.tensorboard=false", "run.total_steps=3", "run.save_every=0",
+                 "data.prompts_per_step=4", "rollout.n_samples=4", "algorithm.micro_batch_size=4", "optim.lr=1e-4",
+                 "run.seed=3"]
+SEARCH_CASES: dict[str, list[str]] = {
+    "search_emapg_topk_reverse": ["algorithm.mini_batch_size=8", "algorithm.kl.topk=8", "algorithm.ema.decay=0.5",
+                                  "algorithm.ema.period=1", "algorithm.kl.coef=0.01"],
+    "search_grpo_k3": ["algorithm.name=grpo", "algorithm.kl.type=k3", "algorithm.kl.importance_weight=false",
+                       "algorithm.ema.decay=1.0", "algorithm.mini_batch_size=16", "algorithm.ppo_epochs=2",
+                       "algorithm.kl.coef=0.01", "algorithm.dual_clip=3.0", "algorithm.loss_agg=seq-mean-token-mean"],
+}
+WARM_START_STEPS = 120
+
+SKIP_PREFIXES = ("time/", "perf/")
+
+
+def _fingerprint(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A few numbers that move when any weight moves: per-tensor-kind sums and sums of squares."""
+    total = sum(float(t.double().sum()) for t in state.values())
+    sq = sum(float(t.double().pow(2).sum()) for t in state.values())
+    first = next(iter(sorted(state)))
+    return {"sum": total, "sumsq": sq, "first_tensor_sum": float(state[first].double().sum())}
+
+
+def run_case(name: str, out_dir: Path, model_dir: Path, toy=None) -> dict:
+    """One golden case; ``toy`` = (ToyTask, server URL) for the search cases."""
+    from safetensors.torch import load_file
+
+    from emapg.config import load_config
+    from emapg.paths import CONFIG_DIR
+    from trainer.config import TrainConfig
+    from trainer.loop import train
+
+    torch.set_num_threads(1)
+    if name in SEARCH_CASES:
+        from tests.fixtures.trainer import toy_overrides
+
+        task, url = toy
+        overrides = toy_overrides(task, url, out_dir, **{"model.policy": str(model_dir)})
+        cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", [*overrides, *SEARCH_COMMON, *SEARCH_CASES[name]])
+    else:
+        cfg = load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml",
+                          [f"run.output_dir={out_dir}", f"model.policy={model_dir}", *COMMON, *CASES[name]])
+    history = train(cfg)
+    steps = [{k: v for k, v in m.items() if not k.startswith(SKIP_PREFIXES)} for m in history]
+    ckpt = out_dir / "step_3"
+    result = {"steps": steps, "policy": _fingerprint(load_file(str(ckpt / "policy" / "model.safetensors")))}
+    if (ckpt / "anchor.safetensors").is_file():
+        result["anchor"] = _fingerprint(load_file(str(ckpt / "anchor.safetensors")))
+    return result
+
+
+def _close(a: float, b: float, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+def _check(name: str, got: dict) -> None:
+    golden = json.loads(GOLDEN.read_text())[name]
+    assert len(got["steps"]) == len(golden["steps"]) == 3
+    for step, (g, want) in enumerate(zip(got["steps"], golden["steps"]), start=1):
+        missing = set(want) - set(g)
+        assert not missing, f"step {step}: metrics no longer reported: {sorted(missing)}"
+        bad = {k: (g[k], want[k]) for k in want if not _close(float(g[k]), float(want[k]))}
+        assert not bad, f"step {step}: metrics differ from the golden run (got, golden): {bad}"
+    for part in ("policy", "anchor"):
+        if part in golden:
+            for k, v in golden[part].items():
+                assert _close(got[part][k], v, rel=1e-5), f"{part} weights {k}: {got[part][k]} vs golden {v}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_golden_run_is_reproduced(name, tmp_path, tiny_model_dir):
+    _check(name, run_case(name, tmp_path / name, tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def golden_search_policy(tmp_path_factory, tiny_model_dir, toy_task):
+    from tests.fixtures.trainer import warm_start
+
+    return warm_start(tiny_model_dir, toy_task, tmp_path_factory.mktemp("golden") / "warm", steps=WARM_START_STEPS)
+
+
+@pytest.mark.parametrize("name", list(SEARCH_CASES))
+def test_golden_search_run_is_reproduced(name, tmp_path, golden_search_policy, toy_task, toy_server):
+    got = run_case(name, tmp_path / name, golden_search_policy, toy=(toy_task, toy_server.url))
+    rewards = [s["reward/mean"] for s in got["steps"]]
+    assert any(0.0 < r < 1.0 for r in rewards), f"the search cases must exercise the policy gradient: {rewards}"
+    _check(name, got)
+
+
+def main() -> int:  # regenerate the golden file
+    import tempfile
+
+    from emapg.models import tiny_qwen2_folder
+
+    from retriever.launch import RetrieverServer
+    from tests.fixtures.trainer import build_toy_task, warm_start
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_qwen2_folder(Path(tmp) / "tiny-qwen2")
+        out = {name: run_case(name, Path(tmp) / name, model) for name in CASES}
+        task = build_toy_task(Path(tmp) / "toy")
+        policy = warm_start(model, task, Path(tmp) / "warm", steps=WARM_START_STEPS)
+        with RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1) as server:
+            for name in SEARCH_CASES:
+                out[name] = run_case(name, Path(tmp) / name, policy, toy=(task, server.url))
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
