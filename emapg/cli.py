@@ -12,11 +12,9 @@ import os
 import sys
 
 from emapg import __version__
-from emapg.config import ConfigError
+from emapg.errors import ConfigError, UserError
 
-
-class UserError(Exception):
-    """A mistake the user can fix (bad path, bad option): printed as one line, exit code 2."""
+__all__ = ["COMMANDS", "UserError", "main"]  # UserError stays importable from here for scripts written against it
 
 
 # name -> (module, function, one-line help)

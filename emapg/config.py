@@ -258,3 +258,92 @@ def markdown_reference(cls: type, title: str) -> str:
         escaped = help_.replace("|", "\\|")
         lines.append(f"| `{key}` | {tp} | `{default}` | {escaped} |")
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------- argparse
+
+
+def _flag(dotted: str) -> str:
+    return "--" + dotted.replace("_", "-").replace(".", "-")
+
+
+def _argparse_kind(tp: Any) -> tuple[Any, bool]:
+    """(the non-None annotation, whether None is allowed)."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], type(None) in get_args(tp)
+    return tp, False
+
+
+def add_config_arguments(parser: Any, cls: type, *, exclude: tuple[str, ...] = (), prefix: str = "",
+                         positional: tuple[str, ...] = ()) -> None:
+    """Add one command-line option per leaf field of config dataclass ``cls`` to an argparse parser.
+
+    The help text is the field's ``option(help=...)`` (plus its default), so a command's ``--help`` and
+    the README reference are generated from the same words. Field ``a.b_c`` becomes ``--a-b-c``;
+    booleans get ``--x/--no-x``; ``Literal`` fields list their choices; ``X | None`` fields take an X;
+    list fields take several values. Names in ``positional`` become positional arguments. Unset options
+    are left out of the namespace (defaults come from the dataclass), so
+    :func:`config_from_args` validates exactly what the user gave.
+    """
+    import argparse
+
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        if dotted in exclude or not f.init:
+            continue
+        tp, nullable = _argparse_kind(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            add_config_arguments(parser, tp, exclude=exclude, prefix=dotted + ".", positional=positional)
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        help_ = f.metadata.get("help", "")
+        if not required:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            help_ += f" (default: {default!r})" if default not in (None, "", []) else ""
+        kwargs: dict[str, Any] = {"help": help_.replace("%", "%%"), "dest": dotted, "default": argparse.SUPPRESS}
+        origin = get_origin(tp)
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin is Literal:
+            choices = list(get_args(tp))
+            kwargs["choices"] = choices
+            kwargs["type"] = type(choices[0]) if len({type(c) for c in choices}) == 1 else str
+        elif origin in (list, tuple):
+            (item_tp, *_) = get_args(tp) or (str,)
+            kwargs["nargs"] = "*"
+            kwargs["type"] = item_tp if item_tp in (int, float, str) else str
+        elif tp in (int, float, str):
+            kwargs["type"] = tp
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for {_type_name(tp)}")
+        if nullable and kwargs.get("type") in (int, float):
+            base = kwargs["type"]
+            kwargs["type"] = lambda s, base=base: None if s.lower() in ("none", "null") else base(s)
+        if f.name in positional:
+            kwargs.pop("dest")
+            if required:
+                kwargs.pop("default")
+            else:
+                kwargs["nargs"] = "?"
+            parser.add_argument(dotted, **kwargs)
+            continue
+        kwargs["required"] = required
+        if kwargs.get("action") is not None:
+            kwargs.pop("required")
+        parser.add_argument(_flag(dotted), **kwargs)
+
+
+def config_from_args(cls: type[T], args: Any, *, extra: dict[str, Any] | None = None) -> T:
+    """The validated ``cls`` from a namespace filled by :func:`add_config_arguments` (plus ``extra`` values)."""
+    data: dict[str, Any] = {}
+    for key, value in {**vars(args), **(extra or {})}.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    names = {f.name for f in dataclasses.fields(cls)}
+    return from_dict(cls, {k: v for k, v in data.items() if k in names})

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR, REPO_ROOT, cache_dir
 
 

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 from emapg.config import ConfigError
 
 

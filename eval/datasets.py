@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 from emapg.paths import DATA_DIR
 
 Task = Literal["qa", "math"]

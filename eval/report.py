@@ -70,7 +70,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     """``results.json`` of a run directory, with ``run_dir`` added."""
     path = Path(run_dir) / "results.json"
     if not path.is_file():
-        from emapg.cli import UserError
+        from emapg.errors import UserError
 
         raise UserError(f"{run_dir} is not an evaluation run directory (no results.json)")
     data = json.loads(path.read_text())
@@ -253,7 +253,7 @@ def write_run_report(results: dict[str, Any], out_dir: str | Path, notes: str | 
 def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper: bool = True) -> dict[str, Any]:
     """Side-by-side report of several runs of one suite; writes ``report.md``,
     ``comparison.json`` and plots to ``out_dir``; returns the comparison data."""
-    from emapg.cli import UserError
+    from emapg.errors import UserError
 
     runs = [load_run(d) for d in run_dirs]
     if not runs:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 from emapg.config import ConfigError, option, to_dict
 from eval.protocols import EvalProtocol
 

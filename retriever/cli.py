@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 
 
 def _index_parser() -> argparse.ArgumentParser:

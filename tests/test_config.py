@@ -107,3 +107,46 @@ def test_option_requires_help():
 def test_nested_section_type_error():
     with pytest.raises(ConfigError, match="optim: expected a mapping of Optim fields"):
         from_dict(Run, {"optim": 3})
+
+
+def test_argparse_options_are_generated_from_the_config_schema(capsys):
+    import argparse
+    from dataclasses import dataclass
+    from typing import Literal
+
+    from emapg.config import add_config_arguments, config_from_args, option
+
+    @dataclass
+    class Inner:
+        depth: int = option(2, help="how deep")
+
+    @dataclass
+    class Cmd:
+        index: str = option(help="index folder")
+        port: int | None = option(None, help="TCP port")
+        mode: Literal["fast", "exact"] = option("fast", help="how to search")
+        fp16: bool = option(False, help="half precision")
+        urls: list[str] = option([], help="replica URLs")
+        rate: float = option(0.5, help="a rate in %")
+        inner: Inner = option(default_factory=Inner, help="nested")
+
+        def validate(self):
+            if self.rate > 1:
+                raise ConfigError("rate must be <= 1")
+
+    p = argparse.ArgumentParser(prog="cmd")
+    add_config_arguments(p, Cmd, positional=("index",))
+    cfg = config_from_args(Cmd, p.parse_args(["idx", "--port", "80", "--mode", "exact", "--fp16", "--urls", "a", "b",
+                                             "--inner-depth", "5"]))
+    assert cfg == Cmd(index="idx", port=80, mode="exact", fp16=True, urls=["a", "b"], rate=0.5, inner=Inner(5))
+    assert config_from_args(Cmd, p.parse_args(["idx"])) == Cmd(index="idx")
+    assert config_from_args(Cmd, p.parse_args(["idx", "--port", "none", "--no-fp16"])).port is None
+    with pytest.raises(ConfigError, match="rate must be <= 1"):
+        config_from_args(Cmd, p.parse_args(["idx", "--rate", "2"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["idx", "--mode", "slow"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "how to search (default: 'fast')" in text and "--inner-depth" in text and "a rate in %" in text

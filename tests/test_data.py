@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 from emapg.paths import DATA_DIR, REPO_ROOT
 from eval.datasets import (
     BUNDLED_CORPUS,

@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 from emapg.config import ConfigError, load_config
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 
 DEFAULT_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
 TITLES = {"reward/mean": "mean reward", "kl/mean": "KL(policy || anchor)", "response/length_mean": "response length (tokens)"}

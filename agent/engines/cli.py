@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 
 DEFAULT_API_KEY_ENV = "EMAPG_ENGINE_API_KEY"
 

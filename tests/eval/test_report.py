@@ -60,7 +60,7 @@ def test_compare_runs_writes_everything(tmp_path):
 
 
 def test_compare_refuses_mixed_suites(tmp_path):
-    from emapg.cli import UserError
+    from emapg.errors import UserError
 
     for name, suite in (("q", "qa"), ("m", "math")):
         (tmp_path / name).mkdir()

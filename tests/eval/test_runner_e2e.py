@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.cli import UserError
+from emapg.errors import UserError
 from emapg.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
 from eval.datasets import QA_DATASETS

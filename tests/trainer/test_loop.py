@@ -142,7 +142,7 @@ def test_plot_two_runs(tmp_path):
     assert main([str(tmp_path / "grpo"), str(tmp_path / "emapg"), "--out", str(out), "--smooth", "3"]) == 0
     img = imread(out)
     assert img.shape[0] > 100 and img.shape[1] > 300
-    from emapg.cli import UserError
+    from emapg.errors import UserError
 
     with pytest.raises(UserError):
         main([str(tmp_path / "missing"), "--out", str(out)])
