@@ -55,13 +55,13 @@ def _global_batch():
 
 def _one_update(trainer, rows: slice):
     from trainer.batch import build_token_batch
-    from trainer.grpo import grpo_advantages
+    from trainer.grpo import broadcast_advantages, grpo_advantages
 
     prompts, responses, masks, rewards, groups = _global_batch()
     batch = build_token_batch(prompts[rows], responses[rows], masks[rows], pad_id=0)
     trainer.compute_stored_stats(batch)
     adv = grpo_advantages(rewards[rows], groups[rows])
-    batch.stored["advantages"] = adv[:, None].expand(-1, batch.response_width).contiguous()
+    batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
     metrics = trainer.update(batch)
     trainer.anchor.update()
     return metrics
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
         half = D.shard_slice(N_GROUPS, rank, world)
         rows = slice(half.start * GROUP, half.stop * GROUP)
         metrics = _one_update(trainer, rows)
-        policy = trainer._policy_state(all_ranks=True)
+        policy = trainer.policy.export_weights(all_ranks=True)
         anchor = trainer.anchor.full_state_dict()
         if rank == 0:
             torch.save({"policy": policy, "anchor": anchor, "metrics": metrics}, f"{out}/fsdp.pt")
