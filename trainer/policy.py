@@ -91,6 +91,10 @@ class Policy:
         self.model, self.forward, self.fsdp, self.bf16 = model, forward, fsdp, bf16
         self.optimizer, self.scheduler, self.anchor = optimizer, scheduler, anchor
         self.share_prompt = share_prompt
+        # The anchor's names of the lm_head tensors, taken now: FSDP2 registers the sharded parameters
+        # between passes but the unsharded ones after a no-grad forward of the root.
+        head = model.get_output_embeddings()
+        self._head_names = [] if anchor is None else [anchor.name_of(p) for p in (head.weight, head.bias) if p is not None]
         self._anchor_params: dict[str, tuple[torch.Tensor, torch.dtype, torch.device]] | None = None
         self._anchor_head: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
 
@@ -154,8 +158,7 @@ class Policy:
         Unsharded the head is the anchor's own tensor (EMA blends update it in place); under FSDP2
         it is all-gathered, once per anchor version (every rank calls this in the same step).
         """
-        head = self.model.get_output_embeddings()
-        names = [self.anchor.name_of(head.weight)] + ([self.anchor.name_of(head.bias)] if head.bias is not None else [])
+        names = self._head_names
         if self.fsdp:
             version = self.anchor.num_updates
             if self._anchor_head is None or self._anchor_head[0] != version:

@@ -17,16 +17,8 @@ from trainer.kl_kinds import ExactKL, SampledKL, TopkKL, get_kl_kind, kl_kind_na
 from trainer.logprobs import token_stats_from_logits
 from trainer.topk_kl import exact_kl_from_hidden
 
-V = 8
+from tests.trainer.test_topk_kl import V, _setup  # θ, anchor and π_old logits over a vocabulary of V = 8
 SAMPLED = ["k1", "k2", "k3", "k3_ratio", "reverse_reinforce", "forward_importance", "k3+", "k1+"]
-
-
-def _setup(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    theta = (0.8 * torch.randn(V, dtype=torch.float64, generator=g)).requires_grad_(True)
-    ref_logits = 0.8 * torch.randn(V, dtype=torch.float64, generator=g)
-    old_logits = theta.detach() + 0.4 * torch.randn(V, dtype=torch.float64, generator=g)
-    return theta, ref_logits, old_logits
 
 
 def _stats(kind, cfg, theta, ref_logits, old_logits):
