@@ -43,7 +43,7 @@ from emapg.config import ConfigError, to_dict
 from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOptions, build_engine
 from trainer import distributed as D
 from trainer.batch import TokenBatch, build_token_batch
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, load_optimizer_state, load_scheduler_state, save_checkpoint
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
@@ -239,18 +239,7 @@ class Trainer:
         self.step, state = ckpt.step, ckpt.trainer_state
         self.sampler.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
-        opt = load_optimizer_state(path)
-        if opt is not None or self.fsdp:
-            D.load_optimizer_state(self.policy.forward, self.policy.optimizer, opt or {})
-        sched = load_scheduler_state(path)
-        if sched is not None:
-            self.policy.scheduler.load_state_dict(sched)
-        if self.anchor is not None:
-            if ckpt.anchor_state is None:
-                raise ConfigError(f"{path} has no anchor.safetensors but algorithm.kl is enabled")
-            schedule = state.get("anchor", {})  # a full (unsharded) anchor; under FSDP each rank keeps its shards
-            self.anchor.load_full_state_dict(ckpt.anchor_state, num_updates=schedule.get("num_updates", 0),
-                                             last_update_step=schedule.get("last_update_step"))
+        self.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
         if self.dist.is_main:
             log.info("resumed from %s at step %d", path, self.step)
 
@@ -379,18 +368,13 @@ class Trainer:
         return history
 
     def save(self) -> Path:
-        cfg, anchor = self.cfg, self.anchor
-        anchor_full = anchor.full_state_dict() if anchor is not None else None  # a collective under FSDP: every rank
-        schedule = {"num_updates": anchor.num_updates, "last_update_step": anchor.last_update_step} if anchor else {}
+        cfg = self.cfg
         return save_checkpoint(
-            self.run_dir, self.step,
-            policy_state=self.policy.export_weights(all_ranks=False) if self.fsdp else None, model=self.model, tokenizer=self.tokenizer,
-            anchor_state=anchor_full if self.dist.is_main else None,
-            optimizer_state=D.optimizer_state(self.policy.forward, self.policy.optimizer),
-            scheduler_state=self.policy.scheduler.state_dict(),
-            trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak, "anchor": schedule},
+            self.run_dir, self.step, tokenizer=self.tokenizer, **self.policy.checkpoint_state(is_main=self.dist.is_main),
+            trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak,
+                           "anchor": self.policy.anchor_schedule()},
             config=cfg, keep_last=cfg.run.keep_last, rank=self.dist.rank, world_size=self.dist.world_size, barrier=D.barrier,
-        )  # fmt: skip
+        )
 
     def _on_signal(self, signum: int) -> None:
         if self.stop_signal is not None:  # a second signal: stop now

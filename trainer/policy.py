@@ -172,6 +172,40 @@ class Policy:
         to = dict(dtype=hidden.dtype, device=hidden.device)
         return ExactKLAnchor(hidden, weight.to(**to), None if bias is None else bias.to(**to), direction)  # type: ignore[arg-type]
 
+    def restore(self, path: Any, anchor_state: dict[str, torch.Tensor] | None, schedule: dict[str, Any]) -> None:
+        """Load the optimizer, LR schedule and anchor of the checkpoint at ``path`` (the weights came with the model)."""
+        from trainer.checkpoint import load_optimizer_state, load_scheduler_state
+
+        opt = load_optimizer_state(path)
+        if opt is not None or self.fsdp:
+            D.load_optimizer_state(self.forward, self.optimizer, opt or {})
+        sched = load_scheduler_state(path)
+        if sched is not None:
+            self.scheduler.load_state_dict(sched)
+        if self.anchor is not None:
+            if anchor_state is None:
+                raise ConfigError(f"{path} has no anchor.safetensors but algorithm.kl is enabled")
+            # A full (unsharded) anchor; under FSDP each rank keeps its own shards.
+            self.anchor.load_full_state_dict(anchor_state, num_updates=schedule.get("num_updates", 0),
+                                             last_update_step=schedule.get("last_update_step"))
+
+    def checkpoint_state(self, *, is_main: bool) -> dict[str, Any]:
+        """The ``save_checkpoint`` arguments this policy owns (collectives under FSDP: every rank calls it)."""
+        anchor = self.anchor
+        anchor_full = anchor.full_state_dict() if anchor is not None else None
+        return {
+            "policy_state": self.export_weights(all_ranks=False) if self.fsdp else None,
+            "model": self.model,
+            "anchor_state": anchor_full if is_main else None,
+            "optimizer_state": D.optimizer_state(self.forward, self.optimizer),
+            "scheduler_state": self.scheduler.state_dict(),
+        }
+
+    def anchor_schedule(self) -> dict[str, Any]:
+        """The anchor's blend counters, saved in the trainer state."""
+        a = self.anchor
+        return {} if a is None else {"num_updates": a.num_updates, "last_update_step": a.last_update_step}
+
     def export_weights(self, *, all_ranks: bool) -> dict[str, torch.Tensor]:
         """The policy's full HF-named state dict (gathered from the shards under FSDP; ``all_ranks=False``:
         on rank 0 only). What the engine loads and checkpoints save."""

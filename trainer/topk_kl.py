@@ -31,7 +31,8 @@ k = 0 reduces to the sampled K4 / K5 estimator; k = V to the exact KL.
 function that recomputes each chunk in backward, so beyond its (T, V) inputs and the (T, V)
 gradient it keeps only chunk-sized temporaries.  It still needs the anchor's full logits per
 token — the O(V) storage Top-k avoids.  :func:`exact_kl_from_hidden` removes that too: it
-recomputes both models' logits per chunk from their final hidden states (our addition).
+recomputes both models' logits per chunk from their final hidden states (our addition; what the
+trainer's ``exact_reverse``/``exact_forward`` kinds run, given an :class:`ExactKLAnchor`).
 """
 
 from __future__ import annotations
