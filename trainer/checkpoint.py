@@ -28,8 +28,11 @@ Two levels:
   its recorded size, and ``trainer_state.json`` parses. Metadata only: milliseconds.
 * ``verify="sha256"`` (what :func:`resolve_resume`, i.e. ``emapg train --resume``, does):
   the size check plus every byte re-hashed and compared. Catches bit rot and
-  same-size damage; costs one read of the checkpoint (``benchmarks/checkpoint_hash.py``
-  measures the throughput).
+  same-size damage; costs one read of the checkpoint. Measured by ``benchmarks/checkpoint_hash.py``
+  on the 2-core dev VM: 2.5 GB/s with the files in the page cache (1.8x one serial sha256 per
+  file), 1.25 GB/s from its disk (disk-bound); a 3B run's 49 GB (fp32 policy, anchor, Adam)
+  would take ~20 s / ~40 s there. Writing the manifest at save re-reads the just-written files
+  from the page cache (1.5 GB/s there, rank 0 only).
 
 A damaged checkpoint (a file missing, truncated, of the wrong size, with a checksum
 mismatch, or an unparsable ``trainer_state.json`` / ``manifest.json``) is skipped with a
