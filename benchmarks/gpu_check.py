@@ -142,8 +142,8 @@ def tail(text: str, n: int = TAIL_CHARS) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """End the section and everything it started (vLLM's engine core, pytest's servers...)."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+    """End the section and everything it started (vLLM's engine core, pytest's servers...); never blocks for long."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 2 * KILL_GRACE_S)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -351,7 +351,11 @@ def run_env(ctx: Context) -> Outcome:
         m["gpus"] = [{"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "capability": f"{p.major}.{p.minor}",
                       "multiprocessors": p.multi_processor_count} for p in props]
         m["gpu_name"] = props[0].name
-        m["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+        try:  # a (major, minor, patch) tuple in current torch, an int in older ones
+            v = torch.cuda.nccl.version()
+            m["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except (AttributeError, RuntimeError):
+            m["nccl"] = None
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=20)
@@ -476,8 +480,10 @@ def run_vllm(ctx: Context) -> Outcome:
                          "tie_tolerance_nats": tol}
     checks: dict[str, bool] = {}
     t0 = time.perf_counter()
+    # As the trainer runs it on a GPU (torch.compile + CUDA graphs), with graphs captured for at most
+    # max_num_seqs sequences, which keeps the start-up inside the section's timeout.
     engine = VLLMEngine(str(model_a), dtype=dtype, max_model_len=sizes["max_model_len"], gpu_memory_utilization=0.3,
-                        enable_sleep_mode=cuda, seed=0)
+                        enable_sleep_mode=cuda, seed=0, max_num_seqs=sizes["bench_prompts"])
     m["startup_s"] = time.perf_counter() - t0
     try:
         hf = make_engine("hf", str(model_a), dtype=dtype, device=str(device), max_model_len=sizes["max_model_len"])
@@ -827,8 +833,12 @@ def run_ema(ctx: Context) -> Outcome:
     return Outcome(m, checks)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def headline_ema(m: dict) -> str:
-    return (f"{m['parameters'] / 1e9:.2f}B params: blend fp32 anchor {m['float32']['blend_s_median'] * 1e3:.1f} ms, "
+    return (f"{_count(m['parameters'])} parameters: blend fp32 anchor {m['float32']['blend_s_median'] * 1e3:.1f} ms, "
             f"bf16 anchor {m['bfloat16']['blend_s_median'] * 1e3:.1f} ms")
 
 
@@ -931,7 +941,7 @@ def run_nccl(ctx: Context) -> Outcome:
 
 
 def headline_nccl(m: dict) -> str:
-    return f"{m['backend']}: {m['bytes'] / 2**30:.2f} GiB in {m['buckets']} buckets, {m['gb_per_s']:.1f} GB/s"
+    return f"{m['backend']}: {m['bytes'] / 2**20:,.1f} MiB in {m['buckets']} buckets, {m['gb_per_s']:.2f} GB/s"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -977,11 +987,11 @@ def headline_pytest(m: dict) -> str:
 SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("env", "environment", 15, 60, run_env, headline_env),
     Section("step", "(a) FSDP2 bf16 update of a Qwen2.5-3B shape, GRPO vs EMA-PG", 150, 300, run_step, headline_step),
-    Section("vllm", "(b) colocated vLLM: greedy vs transformers, weight sync, sleep/wake", 120, 300, run_vllm, headline_vllm),
+    Section("vllm", "(b) colocated vLLM: greedy vs transformers, weight sync, sleep/wake", 130, 300, run_vllm, headline_vllm),
     Section("faiss", "(c) faiss-gpu Flat index: single, sharded, replicated vs CPU faiss", 45, 120, run_faiss, headline_faiss),
     Section("kl", "(d) Top-k vs exact KL: peak memory and time", 30, 120, run_kl, headline_kl),
     Section("ema", "(e) EMA blend of a Qwen2.5-3B shape, fp32 and bf16 anchors", 30, 120, run_ema, headline_ema),
-    Section("nccl", "collective weight sync between two processes (NCCL on two GPUs, gloo on a CPU)", 30, 120, run_nccl, headline_nccl),
+    Section("nccl", "collective weight sync between two processes (NCCL on two GPUs, gloo on a CPU)", 20, 120, run_nccl, headline_nccl),
     Section("pytest", "(f) the GPU-marked tests", 60, 300, run_pytest, headline_pytest),
 ]}
 DEFAULT_BUDGET_S = {"full": 480.0, "tiny": 1800.0}
