@@ -52,7 +52,7 @@ $(BENCH_STAMP): $(STAMP) requirements/bench.txt
 	$(PIP) install -q -r requirements/bench.txt -c requirements/cpu.lock.txt
 	@touch $(BENCH_STAMP)
 
-# The quick benchmarks (about 10 minutes on 2 cores); results in benchmarks/results/.
+# The quick benchmarks (about 6 minutes on 2 cores); results in benchmarks/results/.
 bench: $(BENCH_STAMP)
 	for b in retriever_load kl_memory rollout_throughput train_step; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 

@@ -258,3 +258,65 @@ def test_teacher_forced_check_finds_a_token_that_is_not_greedy(tiny_model_dir):
     bad = [GenerationOutput([worst, *greedy[0].token_ids[1:]], greedy[0].logprobs, "length", None), greedy[1]]
     wrong = gpu_check._teacher_forced(hf.model, prompts, bad, torch.device("cpu"), tol=1e-3)
     assert wrong["tokens_beyond_tie_tolerance"] >= 1 and wrong["max_margin_nats"] > 1e-3
+
+
+# --------------------------------------------------------------------------- benchmarks/train_step.py
+
+
+def _load_train_step():
+    import importlib.util
+
+    if "train_step_bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_step_bench", ROOT / "benchmarks" / "train_step.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["train_step_bench"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["train_step_bench"]
+
+
+def test_train_step_reports_rounds_and_paired_ratios():
+    ts = _load_train_step()
+    # Per process: a warm-up step, then the steps whose median is the round's figure.
+    raw = {"ours_grpo": [{"step_times_s": [9.0, 2.0, 2.2, 2.1], "mean_response_len": 30.0, "peak_rss_mb": 100.0},
+                         {"step_times_s": [9.0, 4.0, 4.0], "mean_response_len": 32.0, "peak_rss_mb": 110.0},
+                         {"step_times_s": [9.0, 3.0, 3.0], "mean_response_len": 31.0, "peak_rss_mb": 105.0}],
+           "trl": [{"step_times_s": [9.0, 4.2, 4.2], "mean_response_len": None, "peak_rss_mb": 200.0},
+                   {"step_times_s": [9.0, 5.0, 5.0], "mean_response_len": 31.0, "peak_rss_mb": 190.0},
+                   {"step_times_s": [9.0, 6.0, 6.0], "mean_response_len": 31.0, "peak_rss_mb": 195.0}]}
+    g = ts.summarize(raw["ours_grpo"])
+    assert g["round_medians_s"] == [2.1, 4.0, 3.0] and g["step_time_s"] == {"min": 2.1, "median": 3.0, "max": 4.0}
+    assert g["step_time_s_median"] == 3.0 and g["peak_rss_mb"] == 110.0 and g["mean_response_len"] == 31.0
+    assert ts.summarize(raw["trl"])["mean_response_len"] == 31.0  # a round without TRL's length log is left out
+    r = ts.paired_ratio(raw, "ours_grpo", "trl")
+    assert r["per_round"] == pytest.approx([0.5, 0.8, 0.5]) and r["median"] == pytest.approx(0.5)
+    assert (r["min"], r["max"]) == (pytest.approx(0.5), pytest.approx(0.8))
+
+
+def test_train_step_without_trl_is_an_error_not_a_null_ratio(monkeypatch, capsys):
+    ts = _load_train_step()
+    monkeypatch.setitem(sys.modules, "trl", None)  # makes `import trl` raise ImportError
+    with pytest.raises(SystemExit) as e:
+        ts.main(["--quick"])
+    assert "TRL is not installed: `make bench` installs the bench profile" in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "smollm2", "--quick"], "--quick applies to --config tiny only"),
+    (["--modes", "ours_grpo,nope"], "--modes: unknown ['nope']"),
+    (["--steps", "1"], "--steps must be >= 2"),
+])
+def test_train_step_rejects_bad_arguments(capsys, argv, message):
+    ts = _load_train_step()
+    with pytest.raises(SystemExit) as e:
+        ts.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_step_sizes_per_config():
+    ts = _load_train_step()
+    smol = ts.resolve_sizes(ts.parse_args(["--config", "smollm2"]))
+    assert smol["model"] == "smollm2-135m-instruct" and smol["modes"] == ("ours_grpo", "ours_emapg", "trl")
+    assert smol["out"].name == "train_step_smollm2.json" and smol["steps"] >= 3 and smol["rounds"] >= 3
+    quick = ts.resolve_sizes(ts.parse_args(["--quick", "--no-trl", "--rounds", "3"]))
+    assert quick["out"].name == "train_step.json" and "trl" not in quick["modes"] and quick["rounds"] == 3
+    assert (quick["prompts"], quick["group"], quick["length"]) == (4, 4, 32)
