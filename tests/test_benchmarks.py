@@ -44,16 +44,20 @@ GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
 SECTION_KEYS = {"title", "status", "seconds", "timeout_s", "metrics", "checks", "error", "traceback_tail", "log_tail"}
 
 
-def _load_gpu_check():
-    """The script as a module (benchmarks/ is not a package); registered first, as dataclasses need."""
+def _load_script(name: str, path: Path):
+    """A benchmark script as a module (benchmarks/ is not a package); registered first, as dataclasses need."""
     import importlib.util
 
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
+    return sys.modules[name]
+
+
+def _load_gpu_check():
+    return _load_script("gpu_check", GPU_CHECK)
 
 
 def _run_gpu_check(tmp_path, *args, timeout=600):
@@ -264,14 +268,7 @@ def test_teacher_forced_check_finds_a_token_that_is_not_greedy(tiny_model_dir):
 
 
 def _load_train_step():
-    import importlib.util
-
-    if "train_step_bench" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("train_step_bench", ROOT / "benchmarks" / "train_step.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["train_step_bench"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["train_step_bench"]
+    return _load_script("train_step_bench", ROOT / "benchmarks" / "train_step.py")
 
 
 def test_train_step_reports_rounds_and_paired_ratios():
