@@ -86,7 +86,8 @@ def available_kind(kind: EngineKind, *, warn: Callable[[str], None] | None = Non
 def build_engine(spec: EngineSpec) -> Any:
     """The engine ``spec`` describes (the :class:`agent.engines.base.Engine` interface).
 
-    A model folder that transformers cannot load is a :class:`~emapg.errors.UserError` naming it.
+    A model that does not exist, or a folder transformers cannot load, is a :class:`~emapg.errors.UserError`
+    naming it.
     """
     from agent.engines import make_engine
 
@@ -114,8 +115,10 @@ def build_engine(spec: EngineSpec) -> Any:
         raise ValueError(f"unknown engine kind {spec.kind!r}; choose hf, vllm or remote")
     try:
         return make_engine(spec.kind, spec.model_path, **options)
-    except OSError as e:  # transformers' "not a folder / not on the hub" (offline) errors
-        raise UserError(f"cannot load model {spec.model_path!r}: {e}") from None
+    except UserError:  # emapg.models: no such folder or alias
+        raise
+    except (OSError, ValueError) as e:  # transformers: not a model folder, not on the hub (offline), no tokenizer
+        raise UserError(f"cannot load model {spec.model_path!r} into the {spec.kind} engine: {e}") from None
 
 
 class EngineSession:

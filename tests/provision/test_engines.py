@@ -25,8 +25,11 @@ def test_hf_engine_from_a_spec_generates(tiny_model_dir):
 
 
 def test_bad_specs_are_readable_errors(tmp_path):
-    with pytest.raises(UserError, match="cannot load model"):
+    with pytest.raises(UserError, match="no such model folder"):
         build_engine(EngineSpec("hf", str(tmp_path / "no-model")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="cannot load model .*empty.* into the hf engine"):
+        build_engine(EngineSpec("hf", str(tmp_path / "empty")))
     with pytest.raises(UserError, match="engine serve"):
         build_engine(EngineSpec("remote", str(tmp_path), remote=RemoteOptions(urls=())))
     with pytest.raises(ValueError, match="unknown engine kind"):
