@@ -77,7 +77,7 @@ def qa_benchmark(args, index_dir: Path) -> dict:
 
 
 def math_benchmark(args) -> dict:
-    from eval.datasets import MATH_DATASETS, load_dataset
+    from tasks.datasets import MATH_DATASETS, load_dataset
     from eval.grader_check import check_grader
     from eval.math_grader import GraderPool, grade_many
 

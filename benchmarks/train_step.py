@@ -51,7 +51,7 @@ def prompt_pool(n: int, max_tokens: int) -> list[dict]:
 
     from agent.prompts import build_prompt
     from emapg.models import resolve_model
-    from eval.datasets import load_dataset
+    from tasks.datasets import load_dataset
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
     pool = []

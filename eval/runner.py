@@ -376,7 +376,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     ``on_batch(dataset, items_done)`` is called after every batch is written (for callers
     that show progress their own way).
     """
-    from eval.datasets import MATH_DATASETS, QA_DATASETS, load_dataset, task_of
+    from tasks.datasets import MATH_DATASETS, QA_DATASETS, load_dataset, task_of
 
     cfg.validate()
     cfg.protocol.validate()

@@ -19,8 +19,8 @@ from emapg.config import ConfigError
 
 
 def load_prompts(train: str, *, split: str, limit: int | None, seed: int) -> list[Any]:
-    """Examples (``eval.datasets.Example``) from a registered name or a file."""
-    from eval.datasets import DatasetError, load_dataset
+    """Examples (``tasks.datasets.Example``) from a registered name or a file."""
+    from tasks.datasets import DatasetError, load_dataset
 
     path = Path(train).expanduser()
     try:

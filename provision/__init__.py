@@ -1,0 +1,1 @@
+"""Provisioning: engines, retrievers and indexes set up once for train, eval and demo."""
