@@ -3,7 +3,8 @@
 Evaluation goes through the training stack itself (``agent.engines.make_engine`` and
 ``agent.rollout.run_rollouts``), so a score means what the training reward means: QA is
 the Search-R1 multi-turn loop against a real retrieval server, scored by
-:func:`eval.qa_metrics.qa_scores`; math is one turn scored by :func:`eval.math_grader.grade_many`.
+:func:`tasks.qa.qa_scores`; math is one turn scored by :func:`tasks.math.grade_many` -- the training
+rewards' own functions (:mod:`tasks`), on the text the model generated.
 
 Layout of ``out_dir``::
 
@@ -125,11 +126,7 @@ def _batch_seed(seed: int, dataset: str, batch_index: int) -> int:
 
 def _observation_texts(traj, tokenizer) -> list[str]:
     """The retrieved text the model was shown (each successful search's observation)."""
-    return [
-        tokenizer.decode(traj.response_ids[s.start : s.end], skip_special_tokens=True)
-        for s in traj.spans
-        if s.role == "observation" and s.action == "information"
-    ]
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in traj.span_ids("observation", "information")]
 
 
 def _sample_record(traj, tokenizer) -> dict[str, Any]:
@@ -149,14 +146,17 @@ def _sample_record(traj, tokenizer) -> dict[str, Any]:
 
 
 def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
-    """Per-item record for a QA example from its trajectories (one per sample)."""
-    from eval.qa_metrics import extract_answer, qa_scores, strip_observations
+    """Per-item record for a QA example from its trajectories (one per sample).
+
+    Scores read the model's own turns (``Trajectory.model_text``), as the training reward does.
+    """
+    from tasks.qa import extract_answer, qa_scores
 
     samples = []
     for t in trajs:
         rec = _sample_record(t, tokenizer)
-        rec["prediction"] = extract_answer(strip_observations(t.response_text))
-        rec["scores"] = qa_scores(t.response_text, example.answers, _observation_texts(t, tokenizer))
+        rec["prediction"] = extract_answer(t.model_text)
+        rec["scores"] = qa_scores(t.model_text, example.answers, _observation_texts(t, tokenizer))
         samples.append(rec)
     keys = samples[0]["scores"].keys()
     scores = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in keys}
@@ -171,10 +171,10 @@ def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
 def score_math_batch(examples: Sequence, trajs_per_item: Sequence[Sequence], tokenizer, protocol: EvalProtocol,
                      pool) -> list[dict[str, Any]]:
     """Per-item records for math examples; all samples of the batch are graded in one pool call."""
-    from eval.math_grader import grade_many
+    from tasks.math import grade_many
 
     flat = [(ex, t) for ex, trajs in zip(examples, trajs_per_item) for t in trajs]
-    grades = grade_many([t.response_text for _, t in flat], [ex.answers for ex, _ in flat],
+    grades = grade_many([t.model_text for _, t in flat], [ex.answers for ex, _ in flat],
                         timeout=protocol.grade_timeout, grader=protocol.grader, pool=pool)
     out, i = [], 0
     for ex, trajs in zip(examples, trajs_per_item):

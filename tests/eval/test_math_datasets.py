@@ -8,7 +8,7 @@ import pytest
 
 from tasks.datasets import MATH_DATASETS, load_dataset
 from eval.grader_check import check_grader, format_exceptions, perturb_answer
-from eval.math_grader import GraderPool
+from tasks.math import GraderPool
 
 
 def test_perturb_answer():
