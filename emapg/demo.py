@@ -34,7 +34,7 @@ from typing import Literal
 
 from emapg.config import add_config_arguments, config_from_args, option
 from emapg.errors import UserError
-from emapg.paths import CONFIG_DIR, REPO_ROOT, cache_dir
+from emapg.paths import CONFIG_DIR, REPO_ROOT
 
 
 @dataclass(frozen=True)

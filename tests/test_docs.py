@@ -43,6 +43,6 @@ def test_every_cited_section_exists():
     assert missing == {}
 
 
-def test_the_scan_would_see_a_wrong_citation(tmp_path):
+def test_the_scan_would_see_a_wrong_citation():
     assert CITATION.search("see ALGORITHM.md §9.9") and "9.9" not in _sections()
     assert SECTION.findall(CITATION.search("(paper §2.3–§2.4)").group(1)) == ["2.3", "2.4"]
