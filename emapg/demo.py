@@ -178,7 +178,6 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
 
         stages.banner(2, total, f"index of the bundled Wikipedia corpus -> {bundled_index(preset.index_limit).path}")
         index_dir = ensure_bundled_index(preset.index_limit, log=lambda m: print(m, flush=True))
-        print(f"index ready: {index_dir}", flush=True)
 
         stages.banner(3, total, "starting the retrieval server")
         with open_retriever(index_dir=index_dir, log_path=out / "retriever.log") as retriever:

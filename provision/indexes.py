@@ -99,6 +99,7 @@ def ensure_bundled_index(limit: int | None = None, *, dtype: str | None = None,
     if (want.path / META_FILE).is_file():
         stale = index_mismatches(want.path, want.build_config(), want.dtype)
         if not stale:
+            say(f"reusing the bundled index {want.path} (its settings match)")
             return want.path
         say(f"{want.path} was built with other settings ({', '.join(stale)}); rebuilding it")
         overwrite = True

@@ -74,7 +74,8 @@ def test_bundled_index_is_built_once_and_reused_only_when_its_settings_match(tmp
 
     logs.clear()
     assert ensure_bundled_index(64, dtype="float32", log=logs.append) == path  # reused: nothing built
-    assert logs == [] and json.loads((path / "meta.json").read_text()) == meta
+    assert logs == [f"reusing the bundled index {path} (its settings match)"]
+    assert json.loads((path / "meta.json").read_text()) == meta
 
     # another encoding dtype is another index: rebuilt, not served
     want = bundled_index(64, dtype="bfloat16")
