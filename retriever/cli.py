@@ -99,6 +99,7 @@ def index_main(argv: list[str]) -> int:
                 "chunks_total": res.chunks_total,
                 "chunks_encoded": res.chunks_encoded,
                 "chunks_reused": res.chunks_reused,
+                "empty_passages_skipped": res.empty_skipped,
                 "passages_per_s": round(res.passages_per_s, 2),
                 "total_seconds": round(res.total_seconds, 2),
             }
