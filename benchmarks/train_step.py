@@ -3,7 +3,7 @@
 Same work on every side: the same model, the same MATH prompts in the same order, P prompts x G
 samples, completions of up to L tokens sampled at temperature 1 by transformers on CPU, one
 optimizer step per rollout batch over all P x G completions, token-mean (DAPO) loss, clip
-0.2 / 0.28, the same math reward (eval.math_grader) on both sides.
+0.2 / 0.28, the same math reward (tasks.math) on both sides.
 
 * ``ours_grpo``  -- our trainer, no KL term, no anchor (TRL's default ``beta=0``);
 * ``ours_emapg`` -- our trainer, Top-k reverse KL (k=32, tail + IW) against an EMA anchor that is
@@ -74,7 +74,7 @@ def prompt_pool(model: str, n: int, max_tokens: int) -> list[dict]:
 
     from agent.prompts import build_prompt
     from emapg.models import resolve_model
-    from eval.datasets import load_dataset
+    from tasks.datasets import load_dataset
 
     tok = AutoTokenizer.from_pretrained(resolve_model(model))
     pool = []
@@ -138,7 +138,7 @@ def run_trl(args: argparse.Namespace, pool_file: Path) -> dict:
 
     from agent.prompts import load_template, render
     from emapg.models import resolve_model
-    from eval.math_grader import grade_many
+    from tasks.math import grade_many
 
     torch.manual_seed(0)
     path = resolve_model(args.model)

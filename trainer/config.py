@@ -76,7 +76,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = option(
-        "nq", help="training prompts: a dataset name of eval.datasets (nq, hotpotqa, aime2024, math500, ...) or a .jsonl/.json/.parquet file"
+        "nq", help="training prompts: a dataset name of tasks.datasets (nq, hotpotqa, aime2024, math500, ...) or a .jsonl/.json/.parquet file"
     )
     split: str = option("train", help="dataset split to train on")
     limit: int | None = option(None, help="use only the first N examples (after loading, before shuffling)")

@@ -19,7 +19,7 @@ import pytest
 from emapg.errors import UserError
 from emapg.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
-from eval.datasets import QA_DATASETS
+from tasks.datasets import QA_DATASETS
 from eval.protocols import get_protocol
 from eval.runner import EvalConfig, read_items, run_eval
 
