@@ -1,6 +1,6 @@
 """The evaluation runner: a model, a suite of datasets, a protocol -> per-item JSONL, results, report.
 
-Evaluation goes through the training stack itself (``agent.engines.make_engine`` and
+Evaluation goes through the training stack itself (``provision.engines.build_engine`` and
 ``agent.rollout.run_rollouts``), so a score means what the training reward means: QA is
 the Search-R1 multi-turn loop against a real retrieval server, scored by
 :func:`tasks.qa.qa_scores`; math is one turn scored by :func:`tasks.math.grade_many` -- the training
@@ -307,25 +307,18 @@ def _max_model_len(model_path: str, wanted: int) -> int:
 
 
 def _make_engine(cfg: EvalConfig):
-    from agent.engines import make_engine
+    """The evaluation engine (``provision.engines``, like training's): vLLM, falling back to transformers
+    where vLLM is not installed; returns (engine, the kind used)."""
     from emapg.models import resolve_model
+    from provision.engines import EngineSpec, available_kind, build_engine
 
     try:
         path = resolve_model(cfg.model)
     except ValueError as e:
         raise UserError(f"--model {cfg.model!r}: {e}") from None
-    max_len = _max_model_len(path, cfg.protocol.max_model_len)
-    kind = cfg.engine
-    if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            print(f"emapg eval: vLLM is not available ({e}); falling back to the transformers engine", file=sys.stderr)
-            kind = "hf"
-    try:
-        return make_engine(kind, path, max_model_len=max_len, seed=cfg.protocol.seed), kind
-    except OSError as e:  # transformers' "not a folder / not on the hub" (offline) errors
-        raise UserError(f"cannot load model {cfg.model!r}: {e}") from None
+    kind = available_kind(cfg.engine, warn=lambda text: print(f"emapg eval: {text}", file=sys.stderr))
+    spec = EngineSpec(kind, path, max_model_len=_max_model_len(path, cfg.protocol.max_model_len), seed=cfg.protocol.seed)
+    return build_engine(spec), kind
 
 
 def _rollout_config(p: EvalProtocol, mode: str, seed: int):

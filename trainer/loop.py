@@ -5,7 +5,7 @@ One step, top to bottom (every rank does the same on its share of the prompts):
 1. sample ``data.prompts_per_step`` prompts, each with a run-unique group id;
 2. *produce* (:meth:`Trainer.rollout`): the engine session syncs new weights, ``rollout.n_samples``
    trajectories per prompt (the GRPO group) come from :func:`agent.rollout.run_rollouts`
-   (search: the real retriever over HTTP), scored by :mod:`trainer.rewards`;
+   (search: the real retriever over HTTP), scored by :mod:`tasks.rewards`;
 3. *consume* (:meth:`Trainer.learn`): π_old's and the anchor's statistics as the KL kind needs
    them (:mod:`trainer.stored_stats`), GRPO advantages per group, the PPO update
    (:mod:`trainer.step`: mini-batches of ``algorithm.mini_batch_size``, gradient accumulation,
@@ -122,31 +122,18 @@ def find_resume(resume_from: str | Path | None, run_dir: Path) -> Path | None:
         raise ConfigError(f"--resume: no checkpoint found in {target}") from None
 
 
-def open_retriever(cfg: TrainConfig, dist: D.DistInfo, on_close: Callable[[Callable[[], Any]], None]) -> Any:
-    """The search task's retriever client: ``retriever.urls``, or a server rank 0 launches on
-    ``retriever.index_dir`` for the run (``on_close`` registers what to stop at the end)."""
+def open_run_retriever(cfg: TrainConfig, dist: D.DistInfo) -> Any:
+    """The search task's retriever (:func:`provision.retrievers.open_retriever`): ``retriever.urls``, or a
+    server rank 0 launches on ``retriever.index_dir`` for the run, its URL broadcast to every rank."""
     if cfg.rollout.task != "search":
         return None
-    api_key = os.environ.get(cfg.retriever.api_key_env) if cfg.retriever.api_key_env else None
-    if cfg.retriever.api_key_env and not api_key:
-        raise ConfigError(f"retriever.api_key_env: ${cfg.retriever.api_key_env} is not set")
-    urls = list(cfg.retriever.urls)
-    if not urls:
-        if int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)) < dist.world_size:
-            raise ConfigError("multi-node training needs retriever.urls (servers every node can reach), not index_dir")
-        url = None
-        if dist.is_main:
-            from retriever.launch import RetrieverServer
+    if not cfg.retriever.urls and int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)) < dist.world_size:
+        raise ConfigError("multi-node training needs retriever.urls (servers every node can reach), not index_dir")
+    from provision.retrievers import open_retriever
 
-            server = RetrieverServer(cfg.retriever.index_dir, topk=cfg.rollout.topk, api_key=api_key).start()
-            on_close(server.stop)
-            url = server.url
-        urls = [D.broadcast_object(url)]
-    from retriever.client import RetrieverClient
-
-    client = RetrieverClient(urls, timeout=cfg.retriever.timeout, retries=cfg.retriever.retries, api_key=api_key)
-    on_close(client.close)
-    return client
+    r = cfg.retriever
+    return open_retriever(urls=r.urls, index_dir=r.index_dir, topk=cfg.rollout.topk, timeout=r.timeout, retries=r.retries,
+                          api_key_env=r.api_key_env, launch=dist.is_main, share_url=D.broadcast_object, check=False)
 
 
 @contextlib.contextmanager
@@ -212,7 +199,9 @@ class Trainer:
         self.model, self.anchor, self.fsdp = self.policy.model, self.policy.anchor, self.policy.fsdp
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        self.retriever = open_retriever(cfg, self.dist, self._on_close)
+        self.retriever = open_run_retriever(cfg, self.dist)
+        if self.retriever is not None:
+            self._on_close(self.retriever.close)
         if with_engine:
             spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
             self.engine_session = EngineSession(build_engine(spec), spec.kind, export_weights=self.policy.export_weights,
