@@ -19,14 +19,23 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def reference() -> str:
+    from agent.engines.server import EngineServeConfig
     from agent.rollout import RolloutConfig as AgentRolloutConfig
     from eval.protocols import EvalProtocol
+    from retriever.index_builder import BuildConfig
+    from retriever.server import ServeConfig
     from trainer.config import TrainConfig
 
     parts = [
         markdown_reference(TrainConfig, "`emapg train` — `TrainConfig` (YAML presets in `configs/`, dotted overrides)"),
         markdown_reference(AgentRolloutConfig, "Agent loop — `agent.rollout.RolloutConfig`"),
         markdown_reference(EvalProtocol, "Evaluation protocols — `eval.protocols.EvalProtocol`"),
+    ]
+    # Server and index commands: each key is a flag (`a_b` -> `--a-b`; booleans `--x/--no-x`).
+    parts += [
+        markdown_reference(ServeConfig, "`emapg serve` — `retriever.server.ServeConfig` (key `a_b` is the flag `--a-b`)"),
+        markdown_reference(BuildConfig, "`emapg index build` — `retriever.index_builder.BuildConfig` (key `a_b` is the flag `--a-b`)"),
+        markdown_reference(EngineServeConfig, "`emapg engine serve` — `agent.engines.server.EngineServeConfig` (key `a_b` is the flag `--a-b`)"),
     ]
     return "\n".join(parts)
 
