@@ -9,7 +9,10 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: venv install-gpu test test-fast demo bench
+BENCH_STAMP := $(VENV)/.installed-bench
+GPU_STAMP := $(VENV)/.installed-gpu
+
+.PHONY: venv install-gpu test test-fast demo bench bench-smollm2 gpu-check
 
 venv: $(STAMP)
 
@@ -24,11 +27,14 @@ $(STAMP): requirements/cpu.txt requirements/cpu.lock.txt pyproject.toml
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# GPU profile: a CUDA machine, its own venv (vLLM brings CUDA torch).
-install-gpu:
+# GPU profile: a CUDA machine, its own venv (vLLM brings CUDA torch). Idempotent like venv.
+install-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): requirements/gpu.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/gpu.txt
 	$(PIP) install --no-deps -e .
+	@touch $(GPU_STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -41,5 +47,22 @@ PRESET ?= default
 demo: $(STAMP)
 	@$(VENV)/bin/emapg demo --preset $(PRESET) $(if $(OUT),--out $(OUT))
 
-bench: $(STAMP)
+# Bench profile: the peers the benchmarks compare against (TRL), on top of the CPU profile.
+$(BENCH_STAMP): $(STAMP) requirements/bench.txt
+	$(PIP) install -q -r requirements/bench.txt -c requirements/cpu.lock.txt
+	@touch $(BENCH_STAMP)
+
+# The quick benchmarks (about 6 minutes on 2 cores); results in benchmarks/results/.
+bench: $(BENCH_STAMP)
 	for b in retriever_load kl_memory rollout_throughput train_step; do $(PY) benchmarks/$$b.py --quick || exit 1; done
+
+# Training step on SmolLM2-135M, ours vs TRL and EMA-PG vs GRPO (about 15 minutes on 2 cores).
+bench-smollm2: $(BENCH_STAMP)
+	$(PY) benchmarks/train_step.py --config smollm2
+
+# One prepared check of every GPU code path on one CUDA GPU (<= 8 minutes): writes
+# benchmarks/results/gpu_check.json and .md. Uses .venv (`make install-gpu`) when present, else
+# $(PYTHON) (a machine with CUDA torch preinstalled). GPU_CHECK_ARGS="--sections vllm,faiss" reruns some.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

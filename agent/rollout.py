@@ -156,6 +156,11 @@ class Trajectory:
         sampling distribution (agent/engines/base.py); 0.0 at observation positions.
     spans: the turn boundaries, alternating model / observation.
     retrieved_ids: per search, the document ids returned ([] when the search failed).
+    response_text: the whole response decoded (model turns *and* observations), for logs and reports.
+    model_text: only what the model generated -- its turns (the ``loss_mask == 1`` spans), each decoded
+        on its own and joined by newlines. Rewards and metrics read this, never ``response_text``, so
+        no text the environment inserted (a passage quoting ``<answer>``, the corrective message, an
+        observation cut before ``</information>``) can be scored as the model's answer.
     """
 
     uid: str
@@ -182,6 +187,7 @@ class Trajectory:
     error: str | None = None
     search_errors: list[str] = field(default_factory=list)  # why each failed search failed
     response_text: str = ""
+    model_text: str = ""
     timings: dict[str, float] = field(default_factory=lambda: {"generation_s": 0.0, "retrieval_s": 0.0})
 
     @property
@@ -191,6 +197,11 @@ class Trajectory:
     @property
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    def span_ids(self, role: Literal["model", "observation"], action: str | None = None) -> list[list[int]]:
+        """Token ids of each span of ``role`` (and ``action``, when given), in order."""
+        return [self.response_ids[s.start : s.end] for s in self.spans
+                if s.role == role and (action is None or s.action == action)]
 
     def append_model(self, out: GenerationOutput, action: str) -> None:
         start = len(self.response_ids)
@@ -246,6 +257,21 @@ def _derive_seed(base: int | None, prompt_index: int, sample_index: int, turn: i
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+def remaining_budget(prompt_tokens: int, response_tokens: int, max_response_tokens: int,
+                     context_tokens: int) -> tuple[int, StopReason]:
+    """Tokens a trajectory may still append, and the cap that binds first.
+
+    Two caps apply to every appended token: the response cap (``max_response_tokens``, model and
+    observation tokens together) and the context window (prompt + response <= ``context_tokens``).
+    Returns ``(min of what both leave, reason)``; ``reason`` is what a trajectory that stops for lack
+    of room reports: ``"context"`` only when the window is strictly tighter, ``"length"`` otherwise
+    (at a tie the configured response cap binds as well, and it is the one the user chose).
+    """
+    response_left = max_response_tokens - response_tokens
+    context_left = context_tokens - prompt_tokens - response_tokens
+    return min(response_left, context_left), ("context" if context_left < response_left else "length")
+
+
 def expand_groups(n_prompts: int, n_samples: int, batch_tag: str | None = None) -> list[tuple[int, int, str]]:
     """(prompt_index, sample_index, group_id) for each trajectory, prompt-major.
 
@@ -274,15 +300,18 @@ class _Loop:
         self.stats = RolloutStats()
 
     # --- budgets
+    def room(self, t: Trajectory) -> tuple[int, StopReason]:
+        """:func:`remaining_budget` of ``t`` under this loop's caps."""
+        return remaining_budget(len(t.prompt_ids), len(t.response_ids), self.cfg.max_response_tokens, self.ctx_limit)
+
     def turn_budget(self, t: Trajectory) -> tuple[int, StopReason | None]:
         """Tokens the next turn may generate, or (0, reason) when none fit."""
-        resp_left = self.cfg.max_response_tokens - len(t.response_ids)
-        ctx_left = self.ctx_limit - len(t.prompt_ids) - len(t.response_ids)
+        left, binding = self.room(t)
         cap = self.cfg.max_tokens_per_turn if self.cfg.task == "search" else self.cfg.max_response_tokens
-        budget = min(cap, resp_left, ctx_left)
+        budget = min(cap, left)
         if budget >= 1:
             return budget, None
-        return 0, ("context" if ctx_left <= resp_left else "length")
+        return 0, binding
 
     def params(self, t: Trajectory, budget: int) -> SamplingParams:
         cfg = self.cfg
@@ -331,16 +360,13 @@ class _Loop:
 
     def _cap_reason(self, t: Trajectory) -> StopReason:
         """Which total cap ended a turn early: the response cap or the context window."""
-        resp_left = self.cfg.max_response_tokens - len(t.response_ids)
-        ctx_left = self.ctx_limit - len(t.prompt_ids) - len(t.response_ids)
-        return "context" if ctx_left < resp_left else "length"
+        return self.room(t)[1]
 
     def add_observation(self, t: Trajectory, ids: list[int], kind: str, truncated: bool) -> None:
         """Append an observation if it and at least one more model token fit; else stop."""
-        resp_left = self.cfg.max_response_tokens - len(t.response_ids)
-        ctx_left = self.ctx_limit - len(t.prompt_ids) - len(t.response_ids)
-        if len(ids) + 1 > min(resp_left, ctx_left):
-            t.stop_reason = "context" if ctx_left < resp_left else "length"
+        left, binding = self.room(t)
+        if len(ids) + 1 > left:
+            t.stop_reason = binding
             return
         t.append_observation(ids, kind)
         t.obs_truncations += int(truncated)
@@ -475,6 +501,7 @@ def run_rollouts_with_stats(
     for t in trajs:
         try:
             t.response_text = engine.tokenizer.decode(t.response_ids, skip_special_tokens=True)
+            t.model_text = "\n".join(engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in t.span_ids("model"))
         except Exception as e:  # pragma: no cover - decoding valid ids does not fail
             _Loop.fail(t, e)
     loop.stats.wall_s = time.perf_counter() - start

@@ -77,9 +77,9 @@ def qa_benchmark(args, index_dir: Path) -> dict:
 
 
 def math_benchmark(args) -> dict:
-    from eval.datasets import MATH_DATASETS, load_dataset
+    from tasks.datasets import MATH_DATASETS, load_dataset
     from eval.grader_check import check_grader
-    from eval.math_grader import GraderPool, grade_many
+    from tasks.math import GraderPool, grade_many
 
     limit = 40 if args.quick else None
     sets = {ds: load_dataset(ds, limit=limit, seed=7) for ds in MATH_DATASETS}

@@ -111,19 +111,13 @@ def run_mode(args: argparse.Namespace, model_dir: Path, mode: str, cuda: bool) -
     from emapg.config import load_config
     from emapg.paths import CONFIG_DIR
     from trainer.config import TrainConfig
-    from trainer.grpo import grpo_advantages
+    from trainer.grpo import broadcast_advantages, grpo_advantages
     from trainer.loop import Trainer
 
-    class UpdateOnly(Trainer):
-        """The trainer without a generation engine: this benchmark feeds it rollouts directly."""
-
-        def _setup_engine(self) -> None:
-            self.engine = None
-
     cfg = load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", overrides(args, model_dir, mode, cuda))
-    trainer = UpdateOnly(cfg).setup()
+    trainer = Trainer(cfg).setup(with_engine=False)  # no generation engine: this benchmark feeds it rollouts directly
     try:
-        batch, rewards, group_ids = synthetic_batch(args, trainer.model.config.vocab_size, trainer._pad_id())
+        batch, rewards, group_ids = synthetic_batch(args, trainer.model.config.vocab_size, trainer.pad_id)
         adv = grpo_advantages(rewards, group_ids)
         times, phases = [], []
         if cuda:
@@ -134,7 +128,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, mode: str, cuda: bool) -
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             stored = trainer.compute_stored_stats(batch)
-            batch.stored["advantages"] = adv[:, None].expand(-1, batch.response_width).contiguous()
+            batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
             trainer.update(batch)
             if trainer.anchor is not None:
                 trainer.anchor.maybe_update(step + 1)

@@ -1,7 +1,7 @@
 """Memory and time of the KL term: Top-k KL (k=32, 256) vs exact full-vocabulary KL vs sampled K3.
 
 Setting (issue 4): Qwen vocabulary V = 151,936, T = 2,048 response tokens, CPU, float32, hidden
-size 896 (Qwen2.5-0.5B), 32-token chunks (the library default).  ``--quick`` keeps V but uses
+size 896 (Qwen2.5-0.5B), 32-token chunks.  ``--quick`` keeps V but uses
 T = 256, hidden size 64 and 4-token chunks, and runs two workers at a time, and says so in the JSON: the memory of every
 variant is dominated by (T, V) or (chunk, V) float32 tensors, so the exact/Top-k ratio depends
 on T/chunk (64 in both modes), not on H; H only sets the matmul time.  The fused pass streams
@@ -26,6 +26,15 @@ hidden states of the policy and of the anchor, their lm_head weights, the sample
 * ``exact_fused`` (full mode; not in the paper): exact KL by :func:`trainer.topk_kl.exact_kl_from_hidden`,
   storing the anchor's final hidden states (H floats per token) and recomputing both models'
   logits per chunk; it needs the anchor's lm_head weight resident at loss time (reported).
+
+The trainer's exact-KL path before and after it moved to hidden states (full mode), each with the
+policy's log-prob/entropy pass the PPO loss needs besides the KL:
+
+* ``trainer_exact_logits`` (before): the anchor's (T, V) logits from its forward, the policy's (T, V)
+  logits, :func:`trainer.logprobs.token_stats_from_logits` and :func:`trainer.topk_kl.exact_kl` on them;
+* ``trainer_exact_hidden`` (now): the anchor's stored final hidden states,
+  :func:`trainer.logprobs.token_stats_from_hidden` and :func:`trainer.topk_kl.exact_kl_from_hidden`
+  (both models' logits recomputed per chunk; no (T, V) tensor).
 
 The lm_head weights are frozen here (their gradient is a model-size constant shared by every
 variant); gradients flow to the hidden states.  ``ema`` times the EMA anchor update for a
@@ -83,7 +92,7 @@ def _kl_worker(variant: str, T: int, V: int, H: int, chunk: int, seed: int) -> d
 
     sys.path.insert(0, str(ROOT))
     from trainer.kl import get_kl_estimator
-    from trainer.logprobs import token_stats_from_hidden
+    from trainer.logprobs import token_stats_from_hidden, token_stats_from_logits
     from trainer.topk_kl import exact_kl, exact_kl_from_hidden, topk_reverse_kl
 
     torch.manual_seed(seed)
@@ -100,7 +109,21 @@ def _kl_worker(variant: str, T: int, V: int, H: int, chunk: int, seed: int) -> d
 
     baseline = _reset_peak()
     t0 = time.perf_counter()
-    if variant in ("exact", "exact_unchunked"):
+    pg = None  # the policy's log-prob term of the PPO loss, in the trainer variants
+    if variant == "trainer_exact_logits":
+        with torch.no_grad():
+            anchor_logits = h_ref_b @ w_ref.t()  # the anchor's forward, once per micro-batch: (T, V)
+        storage = anchor_logits.numel() * anchor_logits.element_size()
+        logits = h_pol_b @ w_pol.t()
+        pg = token_stats_from_logits(logits, labels, entropy=True, chunk_size=chunk).logp
+        kl = exact_kl(logits, anchor_logits, direction="reverse", chunk_size=chunk)
+        del logits
+    elif variant == "trainer_exact_hidden":
+        stored_hidden = h_ref_b.clone()  # stored per token by the anchor pass: H floats
+        storage = stored_hidden.numel() * stored_hidden.element_size()
+        pg = token_stats_from_hidden(h_pol_b, w_pol, labels, entropy=True, chunk_size=chunk).logp
+        kl = exact_kl_from_hidden(h_pol_b, w_pol, stored_hidden, w_ref, direction="reverse", chunk_size=chunk)
+    elif variant in ("exact", "exact_unchunked"):
         with torch.no_grad():
             anchor_logits = h_ref_b @ w_ref.t()  # stored per token: (T, V)
         storage = anchor_logits.numel() * anchor_logits.element_size()
@@ -138,7 +161,7 @@ def _kl_worker(variant: str, T: int, V: int, H: int, chunk: int, seed: int) -> d
         kl = get_kl_estimator("k3")(pol.logp, ref_logp)
     else:
         raise ValueError(variant)
-    kl.mean().backward()
+    (kl.mean() if pg is None else kl.mean() - pg.mean()).backward()
     elapsed = time.perf_counter() - t0
     peak = _peak_since(baseline)
     assert h_pol.grad is not None and torch.isfinite(h_pol.grad).all()
@@ -230,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args.hidden = args.hidden or (64 if args.quick else QWEN05_HIDDEN)
     args.chunk = args.chunk or (4 if args.quick else 32)
     layers = args.ema_layers if args.ema_layers is not None else (2 if args.quick else 24)
-    variants = ["exact", "topk32", "topk256", "k3"] + ([] if args.quick else ["exact_fused"])
+    variants = ["exact", "topk32", "topk256", "k3"] + ([] if args.quick else ["exact_fused", "trainer_exact_logits", "trainer_exact_hidden"])
     unchunked_T = min(T, 512)
     started = time.perf_counter()
     jobs: dict[str, list[str]] = {v: [v, str(T), str(args.vocab), str(args.hidden), str(args.chunk)] for v in variants}
@@ -251,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ex, t32, t256, k3 = (results[v] for v in variants[:4])
     exf = results.get("exact_fused")
+    tr_logits, tr_hidden = results.get("trainer_exact_logits"), results.get("trainer_exact_hidden")
     ratio = lambda a, b, key: a[key] / b[key]  # noqa: E731
     report = {
         "benchmark": "kl_memory",
@@ -282,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
             "over_topk_anchor_storage_ratio": ratio(exf, t32, "anchor_storage_bytes"),
             "over_full_time_ratio": ratio(exf, ex, "seconds"),
             "anchor_lm_head_bytes": args.vocab * args.hidden * 4,
+        },
+        # The trainer's exact KL (with the policy's log-prob pass) from logits (before) and from hidden states (now):
+        "trainer_exact_kl": None if tr_hidden is None else {
+            "logits_peak_extra_bytes": tr_logits["peak_extra_bytes"],
+            "hidden_peak_extra_bytes": tr_hidden["peak_extra_bytes"],
+            "hidden_over_logits_peak_memory_ratio": ratio(tr_hidden, tr_logits, "peak_extra_bytes"),
+            "hidden_over_logits_time_ratio": ratio(tr_hidden, tr_logits, "seconds"),
+            "same_kl": abs(tr_hidden["kl_mean"] - tr_logits["kl_mean"]) <= 1e-5 * max(abs(tr_logits["kl_mean"]), 1e-12),
         },
         "topk32_over_full_time_ratio": ratio(t32, ex, "seconds"),
         "topk256_over_full_time_ratio": ratio(t256, ex, "seconds"),
@@ -316,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         f = report["exact_fused"]
         print(f"exact fused from hidden states / top-32: peak memory {f['over_topk_peak_memory_ratio']:.2f}x, "
               f"storage {f['over_topk_anchor_storage_ratio']:.1f}x (+ the anchor lm_head, {f['anchor_lm_head_bytes'] / 2**20:.0f} MiB)")
+    if tr_hidden is not None:
+        f = report["trainer_exact_kl"]
+        print(f"trainer exact KL from hidden states / from logits: peak memory {f['hidden_over_logits_peak_memory_ratio']:.3f}x "
+              f"({f['hidden_peak_extra_bytes'] / 2**20:.0f} vs {f['logits_peak_extra_bytes'] / 2**20:.0f} MiB), "
+              f"time {f['hidden_over_logits_time_ratio']:.2f}x, same KL: {f['same_kl']}")
     print(f"time vs exact: top-32 {report['topk32_over_full_time_ratio']:.2f}x, top-256 "
           f"{report['topk256_over_full_time_ratio']:.2f}x, k3 {report['k3_over_full_time_ratio']:.2f}x")
     if unchunked:

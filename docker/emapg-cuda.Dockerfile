@@ -21,6 +21,8 @@ COPY agent/ agent/
 COPY retriever/ retriever/
 COPY trainer/ trainer/
 COPY eval/ eval/
+COPY tasks/ tasks/
+COPY provision/ provision/
 COPY configs/ configs/
 COPY data/ data/
 RUN pip3 install --no-deps -e .

@@ -26,6 +26,8 @@ COPY agent/ agent/
 COPY retriever/ retriever/
 COPY trainer/ trainer/
 COPY eval/ eval/
+COPY tasks/ tasks/
+COPY provision/ provision/
 COPY configs/ configs/
 COPY data/ data/
 RUN pip install --no-deps -e . && emapg models smollm2-135m-instruct minilm

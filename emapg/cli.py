@@ -55,13 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module_name, func_name, _ = COMMANDS[argv[0]]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
-            print(f"emapg {argv[0]}: not yet available in this build ({module_name} is missing)", file=sys.stderr)
-            return 2
-        raise
+    module = importlib.import_module(module_name)
     try:
         return int(getattr(module, func_name)(argv[1:]) or 0)
     except (UserError, ConfigError) as e:

@@ -283,18 +283,23 @@ def _argparse_kind(tp: Any) -> tuple[Any, bool]:
 
 
 def add_config_arguments(parser: Any, cls: type, *, exclude: tuple[str, ...] = (), prefix: str = "",
-                         positional: tuple[str, ...] = ()) -> None:
+                         positional: tuple[str, ...] = (), flags: dict[str, str] | None = None,
+                         hide_defaults: tuple[str, ...] = ()) -> None:
     """Add one command-line option per leaf field of config dataclass ``cls`` to an argparse parser.
 
     The help text is the field's ``option(help=...)`` (plus its default), so a command's ``--help`` and
-    the README reference are generated from the same words. Field ``a.b_c`` becomes ``--a-b-c``;
-    booleans get ``--x/--no-x``; ``Literal`` fields list their choices; ``X | None`` fields take an X;
-    list fields take several values. Names in ``positional`` become positional arguments. Unset options
-    are left out of the namespace (defaults come from the dataclass), so
+    the README reference are generated from the same words. Field ``a.b_c`` becomes ``--a-b-c``, or the
+    flag ``flags`` gives for ``"a.b_c"`` (a command's established spelling); booleans get
+    ``--x/--no-x``; ``Literal`` fields list their choices; ``X | None`` fields take an X; list fields
+    take several values (the flag may also repeat); ``dict[str, str]`` fields take ``KEY=VALUE``
+    (repeatable). Names in ``positional`` become positional arguments (a required list takes one or
+    more). Keys starting with a prefix in ``hide_defaults`` do not print the dataclass default (when a
+    command takes its defaults from elsewhere, e.g. a preset). Unset options are left out of the namespace (defaults come from the dataclass), so
     :func:`config_from_args` validates exactly what the user gave.
     """
     import argparse
 
+    flags = flags or {}
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         dotted = f"{prefix}{f.name}"
@@ -302,25 +307,37 @@ def add_config_arguments(parser: Any, cls: type, *, exclude: tuple[str, ...] = (
             continue
         tp, nullable = _argparse_kind(hints[f.name])
         if dataclasses.is_dataclass(tp):
-            add_config_arguments(parser, tp, exclude=exclude, prefix=dotted + ".", positional=positional)
+            add_config_arguments(parser, tp, exclude=exclude, prefix=dotted + ".", positional=positional, flags=flags,
+                                 hide_defaults=hide_defaults)
             continue
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
         help_ = f.metadata.get("help", "")
-        if not required:
+        if not required and not dotted.startswith(hide_defaults or ("\0",)):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            help_ += f" (default: {default!r})" if default not in (None, "", []) else ""
-        kwargs: dict[str, Any] = {"help": help_.replace("%", "%%"), "dest": dotted, "default": argparse.SUPPRESS}
+            help_ += f" (default: {default!r})" if default not in (None, "", [], {}) else ""
+        kwargs: dict[str, Any] = {"help": help_.replace("%", "%%"), "dest": dotted, "default": argparse.SUPPRESS,
+                                  "metavar": f.name.upper()}
         origin = get_origin(tp)
         if tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs.pop("metavar")
         elif origin is Literal:
+            kwargs.pop("metavar")
             choices = list(get_args(tp))
             kwargs["choices"] = choices
             kwargs["type"] = type(choices[0]) if len({type(c) for c in choices}) == 1 else str
         elif origin in (list, tuple):
             (item_tp, *_) = get_args(tp) or (str,)
-            kwargs["nargs"] = "*"
+            kwargs["nargs"] = "+" if required and f.name in positional else "*"
+            kwargs["action"] = "extend"
+            if get_origin(item_tp) is Literal:
+                kwargs["choices"] = list(get_args(item_tp))
+                kwargs.pop("metavar")
             kwargs["type"] = item_tp if item_tp in (int, float, str) else str
+        elif origin is dict:
+            kwargs["action"] = "append"
+            kwargs["metavar"] = "KEY=VALUE"
+            kwargs["type"] = str
         elif tp in (int, float, str):
             kwargs["type"] = tp
         else:
@@ -330,22 +347,27 @@ def add_config_arguments(parser: Any, cls: type, *, exclude: tuple[str, ...] = (
             kwargs["type"] = lambda s, base=base: None if s.lower() in ("none", "null") else base(s)
         if f.name in positional:
             kwargs.pop("dest")
+            kwargs.pop("metavar", None)
+            kwargs.pop("action", None)  # a positional list is one run of values, not a repeatable flag
             if required:
                 kwargs.pop("default")
-            else:
+            elif "nargs" not in kwargs:
                 kwargs["nargs"] = "?"
             parser.add_argument(dotted, **kwargs)
             continue
         kwargs["required"] = required
-        if kwargs.get("action") is not None:
+        if kwargs.get("action") is argparse.BooleanOptionalAction:
             kwargs.pop("required")
-        parser.add_argument(_flag(dotted), **kwargs)
+        parser.add_argument(flags.get(dotted, _flag(dotted)), **kwargs)
 
 
 def config_from_args(cls: type[T], args: Any, *, extra: dict[str, Any] | None = None) -> T:
     """The validated ``cls`` from a namespace filled by :func:`add_config_arguments` (plus ``extra`` values)."""
     data: dict[str, Any] = {}
+    hints = _leaf_hints(cls)
     for key, value in {**vars(args), **(extra or {})}.items():
+        if get_origin(_argparse_kind(hints.get(key))[0]) is dict and isinstance(value, list):
+            value = _key_values(key, value)
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
@@ -353,3 +375,56 @@ def config_from_args(cls: type[T], args: Any, *, extra: dict[str, Any] | None = 
         node[leaf] = value
     names = {f.name for f in dataclasses.fields(cls)}
     return from_dict(cls, {k: v for k, v in data.items() if k in names})
+
+
+def _leaf_hints(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf key -> annotation, for every field of a config schema."""
+    out: dict[str, Any] = {}
+    for name, tp in _hints(cls).items():
+        inner = _argparse_kind(tp)[0]
+        if dataclasses.is_dataclass(inner):
+            out.update(_leaf_hints(inner, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = tp
+    return out
+
+
+def _key_values(key: str, items: list[str]) -> dict[str, str]:
+    """``["a=1", "b=2"]`` -> ``{"a": "1", "b": "2"}``; anything else is a ConfigError naming ``key``."""
+    out = {}
+    for item in items:
+        name, sep, value = str(item).partition("=")
+        if not sep or not name or not value:
+            raise ConfigError(f"{key}: expected KEY=VALUE, got {item!r}")
+        out[name] = value
+    return out
+
+
+def markdown_command_reference(parser: Any) -> str:
+    """A markdown table of a command's options, read off its argparse ``parser`` (built by
+    :func:`add_config_arguments`), titled with its ``prog``: the README shows exactly what ``--help``
+    shows. Sub-commands get their own tables."""
+    import argparse
+
+    lines = [f"#### `{parser.prog}` options", "", "| option | meaning |", "|---|---|"]
+    subcommands: list[tuple[str, Any]] = []
+    for action in parser._actions:  # argparse has no public accessor for the actions
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            subcommands += list(action.choices.items())
+            continue
+        if action.option_strings:
+            name = ", ".join(f"`{o}`" for o in action.option_strings)
+            if action.nargs != 0:
+                name += f" `{action.metavar or action.dest.upper()}`" if not action.choices else ""
+        else:
+            name = f"`{action.metavar or action.dest.upper()}`" + ("…" if action.nargs in ("*", "+") else "")
+        meaning = (action.help or "").replace("%%", "%")
+        if action.choices:
+            meaning += f"; one of: {', '.join(map(str, action.choices))}"
+        if action.required:
+            meaning += " (required)"
+        lines.append(f"| {name} | {meaning.replace('|', chr(92) + '|')} |")
+    out = "\n".join(lines) + "\n" if len(lines) > 4 else ""
+    return "\n".join([out, *(markdown_command_reference(sub_parser) for _, sub_parser in subcommands)]).strip("\n") + "\n"

@@ -1,17 +1,21 @@
 """``emapg demo``: the whole product on bundled data, on a laptop-class CPU.
 
 1. prepare the offline policy (SmolLM2-135M-Instruct, converted once) and the encoder (MiniLM);
-2. build a FAISS index of the bundled Wikipedia corpus (cached; a killed build resumes);
-3. start the retrieval server on a free local port;
+2. build a FAISS index of the bundled Wikipedia corpus (:func:`provision.indexes.ensure_bundled_index`:
+   cached, reused only when its settings match, a killed build resumes);
+3. start the retrieval server on a free local port (:func:`provision.retrievers.open_retriever`);
 4. evaluate the base policy on a small sample of all seven QA benchmarks through the real retriever;
 5. train it briefly with EMA-PG on the bundled NQ train sample (same retriever);
 6. evaluate the trained policy on the same questions;
 7. write a report (markdown table, results.json, plots, example trajectories), stop the server,
    and print the report folder as the last line.
 
-Each stage runs as its own ``emapg`` subprocess in its own process group, so Ctrl-C stops every
-process the demo started; the index cache is only ever completed by an atomic rename, so an
-interrupted demo leaves it consistent (the next run resumes the build).
+The index is built in this process and the server runs in its own process group; every other stage
+runs as its own ``emapg`` subprocess in its own process group, so Ctrl-C stops every process the demo
+started. The index builder writes each chunk and finally ``meta.json`` atomically, so an interrupted
+demo leaves the cache consistent (the next run resumes the build).
+
+This is an application module (the ``emapg`` command's top floor): no library module imports it.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from emapg.config import add_config_arguments, config_from_args, option
 from emapg.errors import UserError
-from emapg.paths import CONFIG_DIR, REPO_ROOT, cache_dir
+from emapg.paths import CONFIG_DIR, REPO_ROOT
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,9 @@ class DemoPreset:
     eval_overrides: tuple[str, ...] = ()
 
 
-PRESETS = {
+PresetName = Literal["default", "tiny"]
+
+PRESETS: dict[str, DemoPreset] = {
     "default": DemoPreset(
         policy="smollm2-135m-instruct",
         train_config=CONFIG_DIR / "search_smollm2_cpu.yaml",
@@ -106,25 +114,6 @@ class _Stages:
             pass
 
 
-def _index_dir(preset: DemoPreset) -> Path:
-    suffix = f"-first{preset.index_limit}" if preset.index_limit else ""
-    return cache_dir() / "indexes" / f"wiki_mini-minilm-flat{suffix}"
-
-
-def _cpu_has_bf16() -> bool:
-    """bf16 matrix instructions (AVX512-BF16 / AMX) make MiniLM encoding ~1.8x faster at unchanged recall."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def _index_ready(path: Path) -> bool:
-    # The builder writes meta.json last, atomically: its presence means the index is complete.
-    return (path / "meta.json").is_file()
-
-
 def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
     """A few full trajectories (prompt excluded) from the trained policy's per-item results."""
     blocks = []
@@ -161,8 +150,9 @@ def _write_results(path: Path, preset_name: str, out: Path, train_dir: Path) -> 
     path.write_text(json.dumps(summary, indent=2))
 
 
-def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> Path:
-    from retriever.launch import RetrieverServer
+def run_demo(preset_name: str, out: Path | None) -> Path:
+    from provision.indexes import bundled_index, ensure_bundled_index
+    from provision.retrievers import open_retriever
     from trainer.checkpoint import latest_checkpoint
 
     preset = PRESETS[preset_name]
@@ -186,23 +176,14 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
         stages.banner(1, total, f"preparing the offline models ({preset.policy}, minilm)")
         stages.run(["models", preset.policy, "minilm"])
 
-        index_dir = _index_dir(preset)
-        stages.banner(2, total, f"index of the bundled Wikipedia corpus -> {index_dir}")
-        if _index_ready(index_dir):
-            print("cached: reusing the finished index", flush=True)
-        else:
-            build = ["index", "build", "--corpus", str(REPO_ROOT / "data/corpus/wiki_mini.jsonl.gz"), "--out", str(index_dir),
-                     "--encoder", "minilm", "--index-type", "Flat"]  # fmt: skip
-            if preset.index_limit:
-                build += ["--limit", str(preset.index_limit)]
-            if _cpu_has_bf16():
-                build.append("--bf16")
-            stages.run(build)
+        stages.banner(2, total, f"index of the bundled Wikipedia corpus -> {bundled_index(preset.index_limit).path}")
+        index_dir = ensure_bundled_index(preset.index_limit, log=lambda m: print(m, flush=True))
 
         stages.banner(3, total, "starting the retrieval server")
-        with RetrieverServer(index_dir, log_path=out / "retriever.log") as server:
-            print(f"retriever ready at {server.url} (log: {out / 'retriever.log'})", flush=True)
-            eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--retriever-url", server.url,
+        with open_retriever(index_dir=index_dir, log_path=out / "retriever.log") as retriever:
+            url = retriever.urls[0]
+            print(f"retriever ready at {url} (log: {out / 'retriever.log'})", flush=True)
+            eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--retriever-url", url,
                            "--engine", preset.engine, *preset.eval_overrides]  # fmt: skip
 
             stages.banner(4, total, f"evaluating the base policy on {preset.eval_limit} questions x 7 QA datasets")
@@ -211,7 +192,7 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
             stages.banner(5, total, "training with EMA-PG on the bundled NQ train sample")
             train_dir = out / "train"
             stages.run(["train", "--config", str(preset.train_config), f"model.policy={preset.policy}",
-                        f"retriever.urls=[{server.url}]", "retriever.index_dir=null", f"run.output_dir={train_dir}",
+                        f"retriever.urls=[{url}]", "retriever.index_dir=null", f"run.output_dir={train_dir}",
                         "logging.progress=true", *preset.train_overrides])  # fmt: skip
             checkpoint = latest_checkpoint(train_dir)
             if checkpoint is None:
@@ -241,13 +222,24 @@ def run_demo(preset_name: str, out: Path | None, keep_server: bool = False) -> P
         raise
 
 
-def main(argv: list[str]) -> int:
+@dataclass
+class DemoConfig:
+    """``emapg demo``: which preset, and where its run folder goes."""
+
+    preset: PresetName = option(
+        "default", help="default: SmolLM2-135M on the whole bundled corpus (~16 min on a fresh 2-core machine, ~9 min "
+        "once the index is cached); tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
+    out: str | None = option(None, help="run folder (default runs/demo-<preset>-<timestamp>)")
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emapg demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="default: SmolLM2-135M on the whole bundled corpus (~16 min on a fresh 2-core machine, ~9 min once the index is cached); "
-                        "tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-<preset>-<timestamp>)")
-    args = p.parse_args(argv)
-    report = run_demo(args.preset, args.out)
+    add_config_arguments(p, DemoConfig)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    cfg = config_from_args(DemoConfig, parser().parse_args(argv))
+    report = run_demo(cfg.preset, Path(cfg.out) if cfg.out else None)
     print(report)  # contract: the last line is the report folder
     return 0

@@ -10,33 +10,52 @@ Accepted everywhere a model is named (policy, encoder):
 * a training run folder (``latest`` pointer) or a checkpoint folder (``step_N/``): its policy;
 * ``tiny-qwen2``: a 1.7M-parameter Qwen2 with a locally trained BPE tokenizer,
   built deterministically in seconds (tests, CI smoke runs; its text is noise);
-* any other string is passed through as a Hugging Face hub name (needs a hub).
+* any other string is a Hugging Face hub name: passed through when the hub is reachable; with
+  ``HF_HUB_OFFLINE=1`` it must already be in the local hub cache.
+
+A name that is none of these (a path that does not exist, a typo of an alias, a hub name that
+is not cached while offline) raises :class:`UnknownModelError`: one line naming the option (when
+the caller says which) and the name, before any loader turns it into chained hub tracebacks.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
+from emapg.errors import UserError
 from emapg.paths import cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "minilm"
 TINY_QWEN2 = "tiny-qwen2"
 ALIASES = (SMOLLM2, MINILM, TINY_QWEN2)
+# What the hub accepts as a repo id: "name" or "namespace/name" (letters, digits, - _ .).
+_REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 
 
-def resolve_model(name_or_path: str) -> str:
-    """Return a local folder for an alias or folder, or the hub name unchanged."""
+class UnknownModelError(UserError, ValueError):
+    """A model name or path that resolves to nothing (a ValueError too, for callers that catch those)."""
+
+
+def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
+    """Return a local folder for an alias or folder, or a hub name the hub (or its offline cache) has.
+
+    ``option`` names the config key or command-line option the name came from (``model.policy``,
+    ``--model``), for the error message.
+    """
+    where = f"{option}: " if option else ""
     if not name_or_path:
-        raise ValueError("empty model name")
+        raise UnknownModelError(f"{where}empty model name")
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"model path {path} is not a folder")
+            raise UnknownModelError(f"{where}model path {path} is not a folder")
         return str(_checkpoint_policy(path))
     key = name_or_path.lower()
     if key in (SMOLLM2, "smollm2", "huggingfacetb/smollm2-135m-instruct"):
@@ -45,7 +64,27 @@ def resolve_model(name_or_path: str) -> str:
         return minilm_folder()
     if key == TINY_QWEN2:
         return str(tiny_qwen2_folder(cache_dir() / "models" / TINY_QWEN2))
+    problem = _hub_problem(name_or_path)
+    if problem:
+        close = difflib.get_close_matches(key, ALIASES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UnknownModelError(f"{where}{problem}{hint}")
     return name_or_path
+
+
+def _hub_problem(name: str) -> str | None:
+    """Why ``name`` cannot be loaded (None: it may be a hub model; the hub decides)."""
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name:
+        return f"no such model folder: {name}"
+    aliases = ", ".join(ALIASES)
+    if not _REPO_ID.match(name) or name.startswith(".") or name.endswith("."):
+        return f"model {name!r} is not a folder, an alias ({aliases}) or a hub name"
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.is_offline_mode() or isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    return (f"model {name!r} is not a local folder, an alias ({aliases}), or a hub model in the local cache "
+            "(the hub is offline: HF_HUB_OFFLINE=1)")
 
 
 def _checkpoint_policy(path: Path) -> Path:

@@ -8,6 +8,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "data"
 CONFIG_DIR = REPO_ROOT / "configs"
+#: The bundled passage corpus (Search-R1 format: ``{"id", "contents": '"Title"\\ntext', "source"}``).
+BUNDLED_CORPUS = DATA_DIR / "corpus" / "wiki_mini.jsonl.gz"
 
 
 def cache_dir() -> Path:

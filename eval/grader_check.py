@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from eval.math_grader import Grader, GraderPool, grade_many
+from tasks.math import DEFAULT_GRADER, Grader, GraderPool, grade_many
 
 __all__ = ["perturb_answer", "check_grader", "format_exceptions"]
 
@@ -39,7 +39,7 @@ def perturb_answer(answer: str, golds: Sequence[str] = ()) -> str:
 def check_grader(
     examples_by_set: dict[str, Sequence[Any]],
     *,
-    grader: Grader = "math_verify",
+    grader: Grader = DEFAULT_GRADER,
     pool: GraderPool | None = None,
     timeout: float = 5.0,
 ) -> dict[str, Any]:

@@ -13,7 +13,7 @@ Presets (``PROTOCOLS``):
 * ``math_benchmark_readme`` -- the other protocol in the official repo's
   ``BENCHMARK_README.md`` (n = 16, T = 0.6, top_p = 0.95, 32,768 tokens); recorded so both
   can be reproduced.
-* ``math_quick`` -- n = 4, T = 0.8, top_p = 0.9, 256 tokens: a CPU smoke run of the math path.
+* ``math_quick`` -- n = 4, T = 0.8, top_p = 0.9, 256 tokens, ``math_verify``: a CPU smoke run of the math path.
 
 Every field can be overridden from the command line (``--n``, ``--temperature``, ...); the
 protocol actually used is written into ``results.json`` and the report.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from emapg.config import ConfigError, from_dict, option, to_dict
+from tasks.math import DEFAULT_GRADER, Grader
 
 Suite = Literal["qa", "math"]
 
@@ -50,8 +51,8 @@ class EvalProtocol:
     max_model_len: int = option(4096, help="context length the engine is built with (prompt + all turns)")
     seed: int = option(0, help="sampling seed; sample j of item i uses a seed derived from (seed, item id, j)")
     template: str = option("search_r1", help="prompt template name (agent.prompts) or path to a template file")
-    grader: Literal["math_verify", "mathd_or_math_verify"] = option(
-        "math_verify", help="math: math-verify alone, or the paper-like MATH string check OR math-verify")
+    grader: Grader = option(
+        DEFAULT_GRADER, help="math: the paper-like MATH string check OR math-verify, or math-verify alone")
     grade_timeout: float = option(5.0, help="math: seconds per item before grading counts as a timeout (incorrect)")
 
     def validate(self) -> None:
@@ -86,7 +87,7 @@ PROTOCOLS: dict[str, EvalProtocol] = {
                      max_tokens=32768, seed=429, template="math", max_prompt_tokens=2048, max_model_len=34816,
                      grader="mathd_or_math_verify"),
         EvalProtocol(name="math_quick", suite="math", n=4, temperature=0.8, top_p=0.9, max_tokens=256,
-                     seed=429, template="math_boxed", max_prompt_tokens=1024, max_model_len=1536),
+                     seed=429, template="math_boxed", max_prompt_tokens=1024, max_model_len=1536, grader="math_verify"),
     )
 }
 

@@ -3,7 +3,8 @@
 Evaluation goes through the training stack itself (``agent.engines.make_engine`` and
 ``agent.rollout.run_rollouts``), so a score means what the training reward means: QA is
 the Search-R1 multi-turn loop against a real retrieval server, scored by
-:func:`eval.qa_metrics.qa_scores`; math is one turn scored by :func:`eval.math_grader.grade_many`.
+:func:`tasks.qa.qa_scores`; math is one turn scored by :func:`tasks.math.grade_many` -- the training
+rewards' own functions (:mod:`tasks`), on the text the model generated.
 
 Layout of ``out_dir``::
 
@@ -58,19 +59,25 @@ class EvalConfig:
     model: str = option(help="checkpoint folder, alias (tiny-qwen2, smollm2-135m-instruct) or hub name")
     out: str = option(help="output folder (created; a rerun resumes)")
     protocol: EvalProtocol = option(default_factory=EvalProtocol, help="sampling and scoring settings")
-    datasets: list[str] = option(default_factory=list, help="dataset names (default: every dataset of the suite)")
-    data_paths: dict[str, str] = option(default_factory=dict, help="dataset name -> user file replacing the bundled one")
+    datasets: list[str] = option(default_factory=list, help="dataset names, space- or comma-separated, e.g. nq,hotpotqa,bamboogle (default: every dataset of the suite)")
+    data_paths: dict[str, str] = option(default_factory=dict, help="NAME=FILE: use FILE (jsonl/json/parquet; FlashRAG or Search-R1 layout) for dataset NAME; repeatable")
     limit: int | None = option(None, help="questions per dataset (a deterministic, seeded sample); None: all")
     data_seed: int = option(0, help="seed of the --limit sample")
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
-    engine: Literal["vllm", "hf"] = option("vllm", help="generation engine; 'hf' (transformers) is the fallback")
+    engine: Literal["vllm", "hf"] = option("vllm", help="generation engine; falls back to hf (transformers) when vLLM is missing")
     batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
-    retriever_url: str | None = option(None, help="qa: URL of a running retrieval server")
-    index: str | None = option(None, help="qa: index folder to serve if no --retriever-url (default: the bundled index)")
+    retriever_url: str | None = option(None, help="qa: URL of a running retrieval server (emapg serve)")
+    index: str | None = option(None, help="qa: index folder to serve for this run when no retriever URL is given (default: the bundled Wikipedia index, built on first use)")
     retriever_api_key: str | None = option(None, help="qa: API key of the retrieval server, if it needs one (the CLI reads EMAPG_RETRIEVER_API_KEY)")
+    retriever_timeout: float = option(30.0, help="qa: seconds per retrieval request")
+    retriever_retries: int = option(5, help="qa: retries per retrieval request before the search counts as failed")
     rollout_mode: Literal["batched", "async"] = option("batched", help="rollout driver (see agent.rollout)")
     grader_workers: int = option(2, help="math: grading worker processes")
     progress: bool = option(True, help="show a progress bar (only on a terminal)")
+
+    def __post_init__(self) -> None:
+        # Dataset names never contain commas ("hf:org/name:config@split" included), so "a,b" is two names.
+        self.datasets = [d.strip() for item in self.datasets for d in str(item).split(",") if d.strip()]
 
     def validate(self) -> None:
         if self.limit is not None and self.limit < 1:
@@ -79,6 +86,8 @@ class EvalConfig:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.grader_workers < 1:
             raise ConfigError(f"grader_workers must be >= 1, got {self.grader_workers}")
+        if self.retriever_timeout <= 0 or self.retriever_retries < 0:
+            raise ConfigError("retriever_timeout must be > 0 and retriever_retries >= 0")
 
 
 # --------------------------------------------------------------------------- per-item files
@@ -125,11 +134,7 @@ def _batch_seed(seed: int, dataset: str, batch_index: int) -> int:
 
 def _observation_texts(traj, tokenizer) -> list[str]:
     """The retrieved text the model was shown (each successful search's observation)."""
-    return [
-        tokenizer.decode(traj.response_ids[s.start : s.end], skip_special_tokens=True)
-        for s in traj.spans
-        if s.role == "observation" and s.action == "information"
-    ]
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in traj.span_ids("observation", "information")]
 
 
 def _sample_record(traj, tokenizer) -> dict[str, Any]:
@@ -149,14 +154,17 @@ def _sample_record(traj, tokenizer) -> dict[str, Any]:
 
 
 def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
-    """Per-item record for a QA example from its trajectories (one per sample)."""
-    from eval.qa_metrics import extract_answer, qa_scores, strip_observations
+    """Per-item record for a QA example from its trajectories (one per sample).
+
+    Scores read the model's own turns (``Trajectory.model_text``), as the training reward does.
+    """
+    from tasks.qa import extract_answer, qa_scores
 
     samples = []
     for t in trajs:
         rec = _sample_record(t, tokenizer)
-        rec["prediction"] = extract_answer(strip_observations(t.response_text))
-        rec["scores"] = qa_scores(t.response_text, example.answers, _observation_texts(t, tokenizer))
+        rec["prediction"] = extract_answer(t.model_text)
+        rec["scores"] = qa_scores(t.model_text, example.answers, _observation_texts(t, tokenizer))
         samples.append(rec)
     keys = samples[0]["scores"].keys()
     scores = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in keys}
@@ -171,10 +179,10 @@ def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
 def score_math_batch(examples: Sequence, trajs_per_item: Sequence[Sequence], tokenizer, protocol: EvalProtocol,
                      pool) -> list[dict[str, Any]]:
     """Per-item records for math examples; all samples of the batch are graded in one pool call."""
-    from eval.math_grader import grade_many
+    from tasks.math import grade_many
 
     flat = [(ex, t) for ex, trajs in zip(examples, trajs_per_item) for t in trajs]
-    grades = grade_many([t.response_text for _, t in flat], [ex.answers for ex, _ in flat],
+    grades = grade_many([t.model_text for _, t in flat], [ex.answers for ex, _ in flat],
                         timeout=protocol.grade_timeout, grader=protocol.grader, pool=pool)
     out, i = [], 0
     for ex, trajs in zip(examples, trajs_per_item):
@@ -287,25 +295,6 @@ def _lookup(d: dict, dotted: str) -> Any:
     return d
 
 
-def _default_index_dir() -> Path:
-    """The bundled corpus's MiniLM Flat index, shared with ``emapg demo`` (built on first use)."""
-    from emapg.paths import cache_dir
-
-    return cache_dir() / "indexes" / "wiki_mini-minilm-flat"
-
-
-def _ensure_bundled_index(index_dir: Path) -> Path:
-    if (index_dir / "meta.json").is_file():
-        return index_dir
-    from emapg.paths import DATA_DIR
-    from retriever.index_builder import BuildConfig, build_index
-
-    print(f"building the bundled Wikipedia index (43k passages, MiniLM, one time) -> {index_dir}", file=sys.stderr)
-    build_index(BuildConfig(corpus=str(DATA_DIR / "corpus" / "wiki_mini.jsonl.gz"), out=str(index_dir),
-                            encoder="minilm", index_type="Flat"))
-    return index_dir
-
-
 def _max_model_len(model_path: str, wanted: int) -> int:
     """The protocol's context length, capped by what the model supports."""
     try:
@@ -376,7 +365,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     ``on_batch(dataset, items_done)`` is called after every batch is written (for callers
     that show progress their own way).
     """
-    from eval.datasets import MATH_DATASETS, QA_DATASETS, load_dataset, task_of
+    from tasks.datasets import MATH_DATASETS, QA_DATASETS, load_dataset, task_of
 
     cfg.validate()
     cfg.protocol.validate()
@@ -405,7 +394,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     done_ids = {ds: {r["id"] for r in recs} for ds, recs in done.items()}
     n_todo = sum(ex.id not in done_ids[ds] for ds, exs in examples.items() for ex in exs)
 
-    engine = engine_kind = server = retriever = pool = None
+    engine = engine_kind = retriever = pool = None
     retriever_desc = None
     t_start = time.perf_counter()
     t_ready = t_start
@@ -413,13 +402,14 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         if n_todo:
             # The retriever first: it is quick to check, the engine is not (vLLM: a minute).
             if suite == "qa":
-                retriever, server, retriever_desc = _open_retriever(cfg)
+                retriever = _open_retriever(cfg)
+                retriever_desc = retriever.description
             engine, engine_kind = _make_engine(cfg)
             _check_resume(out_dir, _fingerprint(cfg, engine_kind))
             (out_dir / RUN_FILE).write_text(json.dumps({"fingerprint": _fingerprint(cfg, engine_kind),
                                                         "retriever": retriever_desc, "started": _now()}, indent=2) + "\n")
             if suite == "math":
-                from eval.math_grader import GraderPool
+                from tasks.math import GraderPool
 
                 pool = GraderPool(workers=cfg.grader_workers)
         elif (out_dir / RUN_FILE).exists():  # everything was done by an earlier run
@@ -436,8 +426,6 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
             pool.close()
         if retriever is not None:
             retriever.close()
-        if server is not None:
-            server.stop()
         if engine is not None:
             engine.close()
 
@@ -511,30 +499,15 @@ def _notes(suite: str, records: dict[str, list[dict]]) -> str | None:
 
 
 def _open_retriever(cfg: EvalConfig):
-    from retriever.client import RetrieverClient
+    """The run's retriever: ``--retriever-url``, else a server on ``--index`` or the bundled index."""
+    from provision.indexes import ensure_bundled_index
+    from provision.retrievers import open_retriever
 
-    server = None
     if cfg.retriever_url:
-        url = cfg.retriever_url
-        desc = url
-    else:
-        from retriever.launch import RetrieverServer
-
-        index_dir = Path(cfg.index) if cfg.index else _ensure_bundled_index(_default_index_dir())
-        if not (index_dir / "meta.json").is_file():
-            raise UserError(f"{index_dir} is not a finished index (no meta.json); build one with `emapg index build`")
-        server = RetrieverServer(index_dir, topk=cfg.protocol.retrieval_topk, api_key=cfg.retriever_api_key).start()
-        url = server.url
-        desc = f"started on {index_dir}"
-    client = RetrieverClient(url, api_key=cfg.retriever_api_key)
-    try:
-        client.health()
-    except Exception as e:
-        client.close()
-        if server is not None:
-            server.stop()
-        raise UserError(f"retrieval server at {url} is not reachable: {e}") from None
-    return client, server, desc
+        return open_retriever(urls=[cfg.retriever_url], api_key=cfg.retriever_api_key, timeout=cfg.retriever_timeout,
+                              retries=cfg.retriever_retries)
+    return open_retriever(index_dir=cfg.index or ensure_bundled_index(), topk=cfg.protocol.retrieval_topk,
+                          api_key=cfg.retriever_api_key, timeout=cfg.retriever_timeout, retries=cfg.retriever_retries)
 
 
 def _run_dataset(cfg, ds, examples, done_ids, engine, retriever, pool, out_dir, on_batch) -> None:

@@ -10,7 +10,7 @@ from emapg.config import add_config_arguments, config_from_args
 from emapg.errors import UserError
 
 
-def _index_parser() -> argparse.ArgumentParser:
+def index_parser() -> argparse.ArgumentParser:
     from retriever.index_builder import BuildConfig
 
     p = argparse.ArgumentParser(prog="emapg index", description="Build or inspect a dense (FAISS) + optional BM25 index of a passage corpus.")
@@ -28,7 +28,7 @@ def _index_parser() -> argparse.ArgumentParser:
 
 
 def index_main(argv: list[str]) -> int:
-    parser = _index_parser()
+    parser = index_parser()
     args = parser.parse_args(argv)
     if args.action is None:
         parser.print_help()
@@ -59,6 +59,7 @@ def index_main(argv: list[str]) -> int:
                 "chunks_total": res.chunks_total,
                 "chunks_encoded": res.chunks_encoded,
                 "chunks_reused": res.chunks_reused,
+                "empty_passages_skipped": res.empty_skipped,
                 "passages_per_s": round(res.passages_per_s, 2),
                 "total_seconds": round(res.total_seconds, 2),
             }
@@ -67,7 +68,7 @@ def index_main(argv: list[str]) -> int:
     return 0
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
     from retriever.server import ServeConfig
 
     p = argparse.ArgumentParser(
@@ -81,7 +82,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def serve_main(argv: list[str]) -> int:
-    args = _serve_parser().parse_args(argv)
+    args = serve_parser().parse_args(argv)
     from retriever.searcher import EncoderMismatchError
     from retriever.server import ServeConfig, serve
 

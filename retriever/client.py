@@ -1,21 +1,20 @@
-"""HTTP clients for the retrieval server (ours or Search-R1's: the wire format is the same).
+"""HTTP client for the retrieval server (ours or Search-R1's: the wire format is the same).
 
-``RetrieverClient`` (sync) and ``AsyncRetrieverClient`` share the policy:
+``RetrieverClient`` is synchronous and thread-safe (the async rollout driver calls it from a thread
+pool while the engine keeps generating, so no ``asyncio`` twin is needed). Its policy:
 
 * one pooled ``httpx`` client, keep-alive, connect/read timeouts;
 * bounded retries with exponential backoff (+ jitter) on connection errors, timeouts and
   5xx/429 answers, never on other 4xx (those are our bugs: retrying cannot fix them);
 * several replica URLs: each attempt goes to the next replica (round-robin), so a dead
   replica costs one failed attempt, not the request;
-* ``retrieve`` splits long query lists into requests of ``batch_size`` queries (the async
-  client sends them concurrently).
+* ``retrieve`` splits long query lists into requests of ``batch_size`` queries.
 
 Raises :class:`RetrievalError` when every attempt failed, with the last server message.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
 import threading
@@ -167,66 +166,3 @@ class RetrieverClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class AsyncRetrieverClient:
-    """``asyncio`` twin of :class:`RetrieverClient`; chunks of a long query list go out concurrently."""
-
-    def __init__(
-        self,
-        urls: str | list[str],
-        *,
-        timeout: float = 30.0,
-        retries: int = 5,
-        backoff: float = 0.2,
-        max_backoff: float = 5.0,
-        api_key: str | None = None,
-        batch_size: int = 256,
-        max_connections: int = 64,
-    ):
-        self._p = _Policy(urls, timeout, retries, backoff, max_backoff, api_key, batch_size)
-        self._http = httpx.AsyncClient(
-            timeout=self._p.timeout, headers=self._p.headers, limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        )
-
-    @property
-    def urls(self) -> list[str]:
-        return list(self._p.urls)
-
-    async def _request(self, method: str, path: str, json_body: dict | None = None) -> httpx.Response:
-        last = "no attempt made"
-        for attempt in range(self._p.retries + 1):
-            url = self._p.next_url() + path
-            try:
-                resp = await self._http.request(method, url, json=json_body)
-            except httpx.TransportError as e:
-                last = f"{type(e).__name__} talking to {url}: {e}"
-            else:
-                if resp.status_code < 400:
-                    return resp
-                if resp.status_code not in RETRYABLE_STATUS:
-                    raise RetrievalError(_error_message(resp), resp.status_code)
-                last = _error_message(resp)
-            if attempt < self._p.retries:
-                await asyncio.sleep(self._p.delay(attempt))
-        raise RetrievalError(f"retrieval failed after {self._p.retries + 1} attempts; last error: {last}")
-
-    async def _one(self, chunk: list[str], topk: int | None) -> list[list[dict]]:
-        resp = await self._request("POST", "/retrieve", self._p.body(chunk, topk))
-        return _parse_hits(resp.json(), len(chunk))
-
-    async def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
-        parts = await asyncio.gather(*(self._one(c, topk) for c in self._p.chunks(queries)))
-        return [hits for part in parts for hits in part]
-
-    async def health(self) -> dict:
-        return (await self._request("GET", "/health")).json()
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> "AsyncRetrieverClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()

@@ -9,6 +9,12 @@ Layout of an index directory::
     index.faiss          the FAISS index (any ``index_factory`` string)
     bm25/                bm25s index (with ``--bm25``; built in memory from all passages)
 
+Corpus problems (see :mod:`retriever.corpus`): a line that is not UTF-8 / JSON / a passage, a truncated
+``.gz``, or a **duplicate id** stops the build with an error naming the file and line, before the
+document store is complete (so nothing half-checked is reused; a rerun after fixing the corpus starts
+over by itself while no chunk is encoded yet). **Empty passages** are skipped; their count is in
+``meta.json`` (``corpus.empty_skipped``), the build log and the command's summary.
+
 Resuming: a rerun with the same corpus and encoder settings skips the document store if complete
 and every chunk listed in ``progress.json`` whose file is present, so a build killed at 80% only
 encodes the last 20%. Chunk files are written to a temporary name and renamed (atomic on POSIX),
@@ -33,7 +39,7 @@ import numpy as np
 from emapg.atomic import save_npy_atomic, write_text_atomic
 from emapg.config import option
 
-from retriever.corpus import DocStore, docstore_complete, file_checksum, iter_corpus, write_docstore
+from retriever.corpus import CorpusReader, DocStore, docstore_complete, file_checksum, write_docstore
 from retriever.encoder import Encoder, EncoderSpec, make_spec
 
 META_FILE = "meta.json"
@@ -84,6 +90,7 @@ class BuildResult:
     encode_seconds: float
     passages_per_s: float
     total_seconds: float
+    empty_skipped: int | None = None  # empty passages left out (None: a resumed build from before this was counted)
 
 
 def read_meta(index_dir: str | Path) -> dict:
@@ -186,6 +193,8 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     checksum = file_checksum(corpus)
     fingerprint = _settings_fingerprint(cfg, spec, checksum)
     progress = _load_progress(emb_dir)
+    if progress is not None and progress["settings"] != fingerprint and not progress["done"] and not docstore_complete(out):
+        progress = None  # nothing encoded yet (e.g. the corpus was rejected, then fixed): nothing to lose by starting over
     if progress is not None and progress["settings"] != fingerprint:
         raise FileExistsError(
             f"{out} holds a partial build with different settings or another corpus; "
@@ -198,11 +207,18 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     # 1. Document store (streamed; skipped when a previous run completed it).
     if not docstore_complete(out):
         log(f"writing document store from {corpus} ...")
-        rows = write_docstore(iter_corpus(corpus, limit=cfg.limit), out)
+        reader = CorpusReader(corpus, limit=cfg.limit)
+        # A CorpusError (bad line, duplicate id at the end) escapes before the store is marked complete.
+        rows = write_docstore(iter(reader), out)
+        progress["corpus"] = {"empty_skipped": reader.empty_skipped, "empty_examples": reader.empty_examples}
+        write_text_atomic(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
+        if reader.empty_skipped:
+            log(f"skipped {reader.empty_skipped} empty passages (first: {', '.join(reader.empty_examples)})")
     else:
         rows = len(DocStore(out))
+    empty_skipped = progress.get("corpus", {}).get("empty_skipped")
     if rows == 0:
-        raise ValueError(f"corpus {corpus} has no passages")
+        raise ValueError(f"corpus {corpus} has no passages" + (f" ({empty_skipped} empty ones skipped)" if empty_skipped else ""))
     store = DocStore(out)
     _check_ivf_size(cfg, model_dim, rows)
 
@@ -257,7 +273,8 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
         "index_type": cfg.index_type,
         "nprobe": cfg.nprobe,
         "rows": rows,
-        "corpus": {"path": str(corpus.resolve()), "checksum": checksum, "rows": rows, "limit": cfg.limit},
+        "corpus": {"path": str(corpus.resolve()), "checksum": checksum, "rows": rows, "limit": cfg.limit,
+                   "empty_skipped": empty_skipped},
         "bm25": bool(cfg.bm25),
         "chunk_size": cfg.chunk_size,
         "build": {
@@ -270,7 +287,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     }
     write_text_atomic(out / META_FILE, json.dumps(meta, indent=2))
     log(f"index ready: {out} ({rows} passages, dim {dim}, {cfg.index_type}, {cfg.metric})")
-    return BuildResult(out, rows, n_chunks, len(todo), n_chunks - len(todo), enc_seconds, pps, total)
+    return BuildResult(out, rows, n_chunks, len(todo), n_chunks - len(todo), enc_seconds, pps, total, empty_skipped)
 
 
 def ensure_index(cfg: BuildConfig, log=print) -> Path:

@@ -13,31 +13,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from emapg.config import markdown_reference  # noqa: E402
-
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def reference() -> str:
-    from agent.engines.server import EngineServeConfig
-    from agent.rollout import RolloutConfig as AgentRolloutConfig
-    from eval.protocols import EvalProtocol
-    from retriever.index_builder import BuildConfig
-    from retriever.server import ServeConfig
-    from trainer.config import TrainConfig
+    """What ``emapg config reference`` prints: every schema's keys and every command's options."""
+    from emapg.config_cli import reference_markdown
 
-    parts = [
-        markdown_reference(TrainConfig, "`emapg train` — `TrainConfig` (YAML presets in `configs/`, dotted overrides)"),
-        markdown_reference(AgentRolloutConfig, "Agent loop — `agent.rollout.RolloutConfig`"),
-        markdown_reference(EvalProtocol, "Evaluation protocols — `eval.protocols.EvalProtocol`"),
-    ]
-    # Server and index commands: each key is a flag (`a_b` -> `--a-b`; booleans `--x/--no-x`).
-    parts += [
-        markdown_reference(ServeConfig, "`emapg serve` — `retriever.server.ServeConfig` (key `a_b` is the flag `--a-b`)"),
-        markdown_reference(BuildConfig, "`emapg index build` — `retriever.index_builder.BuildConfig` (key `a_b` is the flag `--a-b`)"),
-        markdown_reference(EngineServeConfig, "`emapg engine serve` — `agent.engines.server.EngineServeConfig` (key `a_b` is the flag `--a-b`)"),
-    ]
-    return "\n".join(parts)
+    return reference_markdown()
 
 
 def render(readme: str) -> str:

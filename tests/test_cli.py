@@ -16,7 +16,7 @@ def test_help_lists_every_subcommand():
 
 
 def test_packages_import():
-    subprocess.run([sys.executable, "-c", "import agent, retriever, trainer, eval, emapg"], check=True, cwd="/")
+    subprocess.run([sys.executable, "-c", "import agent, retriever, trainer, eval, emapg, tasks, provision"], check=True, cwd="/")
 
 
 def test_unknown_command_is_a_readable_error(capsys):
@@ -38,7 +38,7 @@ def test_config_errors_exit_2_without_traceback(tmp_path):
 
 
 def test_required_layout():
-    for path in ("agent", "retriever", "trainer", "eval", "docker", "docker-compose.yml", "configs", "data",
+    for path in ("agent", "retriever", "trainer", "eval", "tasks", "provision", "docker", "docker-compose.yml", "configs", "data",
                  "benchmarks", "tests", "README.md", "pyproject.toml", "Makefile", ".ci/run"):
         assert (REPO / path).exists(), path
     assert "make test" in (REPO / ".ci/run").read_text()

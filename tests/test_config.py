@@ -150,3 +150,39 @@ def test_argparse_options_are_generated_from_the_config_schema(capsys):
         p.parse_args(["--help"])
     text = capsys.readouterr().out
     assert "how to search (default: 'fast')" in text and "--inner-depth" in text and "a rate in %" in text
+
+
+def test_argparse_flags_renames_key_values_repeats_and_the_command_reference(capsys):
+    import argparse
+
+    from emapg.config import add_config_arguments, config_from_args, markdown_command_reference
+
+    @dataclass
+    class Proto:
+        retrieval_topk: int = option(3, help="passages per search")
+        n: int = option(1, help="samples")
+
+    @dataclass
+    class Cmd:
+        runs: list[str] = option(help="run folders")
+        paths: dict[str, str] = option({}, help="name -> file")
+        kinds: list[Literal["a", "b"]] = option([], help="kinds")
+        proto: Proto = option(default_factory=Proto, help="protocol")
+
+    p = argparse.ArgumentParser(prog="cmd")
+    add_config_arguments(p, Cmd, positional=("runs",), flags={"proto.retrieval_topk": "--topk", "proto.n": "--n",
+                                                                 "paths": "--path"}, hide_defaults=("proto.",))
+    cfg = config_from_args(Cmd, p.parse_args(["r1", "r2", "--path", "x=1", "--path", "y=a=b", "--kinds", "a", "--kinds", "b",
+                                              "--topk", "5", "--n", "2"]))
+    assert cfg == Cmd(runs=["r1", "r2"], paths={"x": "1", "y": "a=b"}, kinds=["a", "b"], proto=Proto(5, 2))
+    with pytest.raises(ConfigError, match="paths: expected KEY=VALUE, got 'x'"):
+        config_from_args(Cmd, p.parse_args(["r", "--path", "x"]))
+    for bad in ([], ["r", "--kinds", "c"]):  # a required positional list needs one value; choices are checked
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    capsys.readouterr()
+    table = markdown_command_reference(p)
+    assert table.startswith("#### `cmd` options")
+    assert "| `RUNS`… | run folders (required) |" in table
+    assert "| `--topk` `RETRIEVAL_TOPK` | passages per search |" in table  # the preset's default is not shown
+    assert "| `--kinds` | kinds; one of: a, b |" in table and "| `--path` `KEY=VALUE` | name -> file |" in table

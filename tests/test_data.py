@@ -1,4 +1,4 @@
-"""Bundled data and the dataset loaders (eval/datasets.py).
+"""Bundled data and the dataset loaders (tasks/datasets.py).
 
 Every bundled file is loaded through the project's own loader with its exact row count;
 user files in each supported layout are written to a temp dir and loaded for real.
@@ -20,7 +20,7 @@ import pytest
 
 from emapg.errors import UserError
 from emapg.paths import DATA_DIR, REPO_ROOT
-from eval.datasets import (
+from tasks.datasets import (
     BUNDLED_CORPUS,
     MATH_DATASETS,
     QA_DATASETS,

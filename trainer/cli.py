@@ -42,6 +42,10 @@ def main(argv: list[str]) -> int:
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
     load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)  # fail fast on bad data
+    if args.resume is None:  # (a resumed run loads its checkpoint's policy folder instead)
+        from emapg.models import resolve_model
+
+        resolve_model(cfg.model.policy, option="model.policy")  # a model that does not exist: one line, exit 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from transformers.utils import logging as hf_logging
 

@@ -18,16 +18,7 @@ from typing import Literal
 
 from agent.rollout import RolloutConfig as AgentRolloutConfig
 from emapg.config import ConfigError, option
-
-TOPK_KL_TYPES = ("topk_reverse", "topk_forward")
-EXACT_KL_TYPES = ("exact_reverse", "exact_forward")
-
-
-def kl_types() -> list[str]:
-    """Every accepted ``algorithm.kl.type``: Top-k, exact full-vocabulary, and the sampled estimators."""
-    from trainer.kl import kl_estimator_names
-
-    return [*TOPK_KL_TYPES, *EXACT_KL_TYPES, *kl_estimator_names()]
+from trainer.logprobs import DEFAULT_CHUNK_SIZE
 
 
 @dataclass
@@ -68,7 +59,7 @@ class ModelConfig:
     )
     gradient_checkpointing: bool = option(False, help="recompute activations in the backward pass (less memory, ~30% slower)")
     attn_implementation: str | None = option(None, help="transformers attention implementation (e.g. sdpa, flash_attention_2)")
-    chunk_size: int = option(1024, help="tokens per chunk when computing log-probs/top-k/entropy from the LM head")
+    chunk_size: int = option(DEFAULT_CHUNK_SIZE, help="tokens per chunk when computing log-probs/top-k/entropy from the LM head")
     share_prompt: bool = option(
         True,
         help="no-grad passes (EMA anchor / reference, recomputed old log-probs) run each distinct prompt once and "
@@ -85,7 +76,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = option(
-        "nq", help="training prompts: a dataset name of eval.datasets (nq, hotpotqa, aime2024, math500, ...) or a .jsonl/.json/.parquet file"
+        "nq", help="training prompts: a dataset name of tasks.datasets (nq, hotpotqa, aime2024, math500, ...) or a .jsonl/.json/.parquet file"
     )
     split: str = option("train", help="dataset split to train on")
     limit: int | None = option(None, help="use only the first N examples (after loading, before shuffling)")
@@ -170,7 +161,7 @@ class KLConfig:
         "or a sampled estimator of trainer.kl (k1, k2, k3 = low_var_kl, k3_ratio, k4 = reverse_reinforce, k5, '+' variants)",
     )
     coef: float = option(0.001, help="beta, the KL loss coefficient")
-    topk: int = option(32, help="k for Top-k KL (topk_reverse/topk_forward)")
+    topk: int = option(32, help="k for Top-k KL (topk_reverse/topk_forward); 0 is the sampled K4 (reverse) / K5 (forward) estimator")
     tail_sampling: bool = option(True, help="add the sampled tail term to Top-k KL (false: truncated KL)")
     importance_weight: bool = option(True, help="multiply the sampled (tail) part by s = pi_theta/pi_old")
     iw_clip: list[float] | None = option(None, help="optional [low, high] clip of the importance weight")
@@ -179,18 +170,21 @@ class KLConfig:
     )
 
     def validate(self) -> None:
-        types = kl_types()
-        if self.type not in types:
+        from trainer.kl_kinds import get_kl_kind, kl_kind_names
+
+        try:
+            kind = get_kl_kind(self.type)
+        except KeyError:
             import difflib
 
+            types = kl_kind_names()
             hint = difflib.get_close_matches(self.type, types, n=1)
             raise ConfigError(
                 f"kl.type: {self.type!r} is not one of {', '.join(types)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-            )
+            ) from None
         if self.coef < 0:
             raise ConfigError("kl.coef must be >= 0")
-        if self.type in TOPK_KL_TYPES and self.topk < 0:
-            raise ConfigError("kl.topk must be >= 0")
+        kind.validate(self)
         if self.iw_clip is not None and (len(self.iw_clip) != 2 or not 0 <= self.iw_clip[0] <= self.iw_clip[1]):
             raise ConfigError(f"kl.iw_clip must be [low, high] with 0 <= low <= high, got {self.iw_clip}")
 
@@ -324,17 +318,10 @@ class TrainConfig:
             raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
         if self.retriever.index_dir and not Path(self.retriever.index_dir).expanduser().exists():
             raise ConfigError(f"retriever.index_dir: {self.retriever.index_dir} does not exist")
-        kl = self.algorithm.kl
-        if kl.enabled and kl.type in TOPK_KL_TYPES and kl.topk == 0 and kl.tail_sampling is False:
-            raise ConfigError("kl.topk=0 with kl.tail_sampling=false leaves no KL term; disable kl instead")
 
     @property
     def output_path(self) -> Path:
         return Path(self.run.output_dir or Path("runs") / self.run.name)
-
-    @property
-    def rollout_batch_size(self) -> int:
-        return self.data.prompts_per_step * self.rollout.n_samples
 
     @property
     def warmup_steps(self) -> int:

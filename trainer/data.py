@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from emapg.config import ConfigError
+from tasks.datasets import DatasetError, Example, load_dataset
 
 
-def load_prompts(train: str, *, split: str, limit: int | None, seed: int) -> list[Any]:
-    """Examples (``eval.datasets.Example``) from a registered name or a file."""
-    from eval.datasets import DatasetError, load_dataset
-
+def load_prompts(train: str, *, split: str, limit: int | None, seed: int) -> list[Example]:
+    """Examples from a registered dataset name or a file (:func:`tasks.datasets.load_dataset`)."""
     path = Path(train).expanduser()
     try:
         if path.suffix in (".jsonl", ".json", ".parquet", ".gz") or path.exists():
@@ -39,14 +37,14 @@ def load_prompts(train: str, *, split: str, limit: int | None, seed: int) -> lis
 
 @dataclass
 class SampledPrompt:
-    example: Any
+    example: Example
     group_id: str
 
 
 class PromptSampler:
     """Seeded epoch-permutation sampler with a two-integer state."""
 
-    def __init__(self, examples: list[Any], *, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, examples: list[Example], *, seed: int, shuffle: bool = True) -> None:
         if not examples:
             raise ValueError("no training examples")
         self.examples = examples

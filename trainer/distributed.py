@@ -78,14 +78,6 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj
@@ -110,36 +102,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-class PolicyForward(torch.nn.Module):
-    """The trainer's only entry into the policy: token statistics or full logits.
-
-    Why a wrapper: the fused log-prob path runs the decoder body and then uses the
-    lm_head *weight* directly (no ``(T, V)`` logits), so the HF model's own ``forward``
-    never runs. Under FSDP2 the root unit must be a module whose forward is called, so
-    that its parameters (embeddings, final norm, lm_head) are all-gathered for the pass
-    and their gradients reduce-scattered after backward; this wrapper is that root.
-    """
-
-    def __init__(self, lm: torch.nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int, *,
-                logits: bool = False, **stats_kwargs: Any) -> tuple[torch.Tensor | None, ...]:
-        """``logits=True``: the response logits ``(B, T, V)``; else the fields of
-        :class:`trainer.logprobs.TokenStats` as a tuple (FSDP hooks see plain tensors)."""
-        if logits:
-            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False).logits
-            return (out[:, -num_response_tokens - 1 : -1],)
-        from trainer.logprobs import causal_lm_token_stats
-
-        st = causal_lm_token_stats(self.lm, input_ids, attention_mask, num_response_tokens, **stats_kwargs)
-        return st.logp, st.logsumexp, st.topk_logits, st.topk_indices, st.entropy
-
-
 def apply_fsdp2(model: torch.nn.Module, *, bf16: bool, cpu_offload: bool = False, reshard_after_forward: bool = True) -> torch.nn.Module:
-    """Shard ``model`` (a :class:`PolicyForward`) in place with FSDP2: one unit per decoder layer plus the root.
+    """Shard ``model`` (a :class:`trainer.policy.PolicyForward`, or an HF causal LM) in place with FSDP2:
+    one unit per decoder layer plus the root.
 
     Mixed precision as in the paper's verl setup: bf16 compute with fp32 master
     parameters and fp32 gradient reduction.
@@ -151,7 +116,7 @@ def apply_fsdp2(model: torch.nn.Module, *, bf16: bool, cpu_offload: bool = False
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model.lm if isinstance(model, PolicyForward) else model):
+    for layer in decoder_layers(getattr(model, "lm", model)):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -194,20 +159,3 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     set_optimizer_state_dict(
         model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
-
-
-def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load an unsharded state dict into a (possibly sharded) model; every rank passes the full dict."""
-    if not is_sharded(model):
-        model.load_state_dict(state, strict=False)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the tensor itself otherwise)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t

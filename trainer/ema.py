@@ -184,10 +184,19 @@ class EMAAnchor:
         if eta == 0.0:
             torch._foreach_copy_(anchors, sources)
             return
-        # A 0-dim float32 tensor, not a Python float: ``_foreach_mul_`` rounds a Python scalar to
-        # the tensor dtype first, which for bf16 turns η = 0.95 into 0.9492 (a 1.6% larger step).
-        torch._foreach_mul_(anchors, torch.tensor(eta, dtype=torch.float32, device=anchors[0].device))
-        torch._foreach_add_(anchors, sources, alpha=one_minus)
+        groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+        for a, s in zip(anchors, sources):
+            group = groups.setdefault(a.dtype, ([], []))
+            group[0].append(a)
+            group[1].append(s)
+        for dtype, (group_a, group_s) in groups.items():
+            # η as a 0-dim tensor, not a Python float: ``_foreach_mul_`` rounds a Python scalar to the
+            # tensor dtype first, which for bf16 turns η = 0.95 into 0.9492 (a 1.6% larger step). The
+            # tensor is float32 -- the precision bf16/fp16/fp32 multiplies run in -- except for float64
+            # anchors, where a float32 η would be off by ~1e-8 relative.
+            scale = torch.tensor(eta, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=group_a[0].device)
+            torch._foreach_mul_(group_a, scale)
+            torch._foreach_add_(group_a, group_s, alpha=one_minus)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -267,12 +276,17 @@ class EMAAnchor:
         """Anchor weights as full (unsharded) tensors keyed like ``model.state_dict()``.
 
         In the anchor's own dtype unless ``dtype`` is given (pass the model's dtype for an
-        inference engine's ``load_weights``).  Sharded parameters are all-gathered here — the one
-        place that does so; every rank must call it.  Inverse: :meth:`load_full_state_dict`.
+        inference engine's ``load_weights``).  Sharded parameters are all-gathered here (and in
+        :meth:`full_tensors`, for a few of them); every rank must call it.  Inverse:
+        :meth:`load_full_state_dict`.
         """
+        return self.full_tensors(list(self.tensors), dtype=dtype)
+
+    def full_tensors(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """The full (unsharded) anchor tensors ``names``; under FSDP2 every rank must call it."""
         out: dict[str, Tensor] = {}
-        for name, a in self.tensors.items():
-            src = self._sources[name]
+        for name in names:
+            a, src = self.tensors[name], self._sources[name]
             if DTensor is not None and isinstance(src, DTensor):
                 full = DTensor.from_local(a.to(src.device), src.device_mesh, src.placements,
                                           shape=src.shape, stride=src.stride()).full_tensor()
@@ -280,6 +294,13 @@ class EMAAnchor:
                 full = a
             out[name] = full if dtype is None else full.to(dtype)
         return out
+
+    def name_of(self, param: Tensor) -> str:
+        """The anchor name of one of the tracked model's parameters (e.g. its lm_head weight)."""
+        for name, src in self._sources.items():
+            if src is param:
+                return name
+        raise KeyError("the anchor does not track this tensor")
 
     @torch.no_grad()
     def load_full_state_dict(

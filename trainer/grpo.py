@@ -11,13 +11,13 @@ One EMA-PG step with TopkReverseKL (search setting), shapes ``(B, T)`` over resp
     agg = LossAggregation.for_batch("token-mean", step_loss_masks, num_micro_batches=M)
     cur = causal_lm_token_stats(model, ids, attn, T, gather_indices=old.topk_indices)
     pg, m1 = compute_policy_loss(cur.logp, old.logp, adv, mask, agg, clip_low=0.2, clip_high=0.28)
-    kl, m2 = kl_loss("topk_reverse", policy=cur, anchor=ref, labels=ids[:, -T:],
-                     loss_mask=mask, agg=agg, old_logp=old.logp, use_iw=True)
+    kl, m2 = get_kl_kind("topk_reverse").loss(cur, ref, ids[:, -T:], mask, agg,
+                                              cfg=KLConfig(topk=32), old_logp=old.logp)
     (pg + beta * kl).backward()
     # after the step's optimizer updates
     anchor.maybe_update(step)                                     # steps count from 1
 
-(The math setting: ``kl_loss("k3", ...)`` with ``use_iw=False``, ``seq-mean-token-mean``,
+(The math setting: kind ``k3`` with ``importance_weight=False``, ``seq-mean-token-mean``,
 ``dual_clip_c=3.0``, ``log_ratio_clamp=20.0``; η = 0.95.)
 
 ``agg`` is built once per optimizer step from the loss mask of the **whole** step (every
@@ -28,8 +28,12 @@ behaviour (per-micro-batch masked mean divided by the accumulation count) and th
 depend on how the batch is split.
 
 Loss masks are 0 on tool-observation and padding tokens; those tokens then receive exactly
-zero gradient (the per-token losses are multiplied by the mask, not indexed, and
-non-finite values there are zeroed first so a NaN in an observation cannot leak).
+zero gradient: the per-token losses are multiplied by the mask, not indexed, non-finite values
+there are zeroed first so a NaN in an observation cannot leak into the value, and the PPO ratio
+of a masked token is exp(0) (its log ratio is masked *before* the exponential), so a ratio that
+would overflow there cannot turn its zero gradient into 0·inf = NaN either.
+
+The KL term of the loss is its kind's (:mod:`trainer.kl_kinds`).
 """
 
 from __future__ import annotations
@@ -41,9 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.kl import LOG_RATIO_CLAMP, get_kl_estimator, importance_weight
-from trainer.logprobs import TokenStats
-from trainer.topk_kl import exact_kl, not_in_topk_mask, topk_kl
+from trainer.kl import LOG_RATIO_CLAMP
 
 __all__ = [
     "group_index",
@@ -55,8 +57,7 @@ __all__ = [
     "LossAggregation",
     "aggregate_loss",
     "compute_policy_loss",
-    "kl_loss",
-    "VOCAB_KL_KINDS",
+    "masked_mean",
 ]
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "microbatch-token-mean"]
@@ -136,13 +137,16 @@ def ppo_clip_loss(
     clip_high: float = 0.28,
     dual_clip_c: float | None = None,
     log_ratio_clamp: float | None = None,
+    loss_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token PPO loss ``(B, T)`` and per-token indicator tensors.
 
     loss = max(−A·ρ, −A·clip(ρ, 1−clip_low, 1+clip_high)), ρ = exp(logp − old_logp); with
     ``dual_clip_c = c`` (math: 3.0) tokens with A < 0 are further capped at −A·c.
     ``log_ratio_clamp`` (math: 20.0) clamps log ρ before ``exp``.  ``advantages`` is ``(B, T)``
-    or ``(B,)`` (broadcast over tokens).
+    or ``(B,)`` (broadcast over tokens).  With ``loss_mask`` the log ratio is 0 outside the mask
+    (ρ = 1 there): masked tokens are dropped from the loss anyway, and an overflowing ρ would
+    make their zero gradient 0·inf = NaN.
 
     Returned indicators (float, ``(B, T)``): ``ratio``, ``clipped_low`` (ρ < 1−ε_low with A < 0,
     the clipped branch is active), ``clipped_high`` (ρ > 1+ε_high with A > 0), ``dual_clipped``.
@@ -155,6 +159,8 @@ def ppo_clip_loss(
         advantages = advantages[..., None]
     advantages = advantages.to(logp.dtype).detach()
     log_ratio = logp - old_logp.detach()
+    if loss_mask is not None:
+        log_ratio = torch.where(loss_mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     if log_ratio_clamp is not None:
         log_ratio = torch.clamp(log_ratio, -log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
@@ -269,7 +275,9 @@ def aggregate_loss(values: Tensor, loss_mask: Tensor, agg: LossAggregation) -> T
     return total * agg.dp_size
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over the tokens where ``mask`` is set, in float32 (0 when none is); non-finite
+    values outside the mask are ignored."""
     m = mask.to(torch.float32)
     return (torch.where(mask.bool(), x.float(), torch.zeros_like(x, dtype=torch.float32)) * m).sum() / m.sum().clamp(min=1)
 
@@ -311,7 +319,7 @@ def compute_policy_loss(
     """
     pg_tok, info = ppo_clip_loss(
         logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high,
-        dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp,
+        dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp, loss_mask=loss_mask,
     )
     pg = agg(pg_tok, loss_mask)
     loss = pg
@@ -323,88 +331,19 @@ def compute_policy_loss(
         big = torch.finfo(ratio.dtype).max
         metrics = {
             "pg_loss": pg.detach(),
-            "pg_clipfrac": _masked_mean(info["clipped_low"] + info["clipped_high"], m),
-            "pg_clipfrac_low": _masked_mean(info["clipped_low"], m),
-            "pg_clipfrac_high": _masked_mean(info["clipped_high"], m),
-            "pg_clipfrac_dual": _masked_mean(info["dual_clipped"], m),
-            "ppo_kl": _masked_mean(-log_ratio, m),
-            "approx_kl_k3": _masked_mean(torch.exp(lr_c) - lr_c - 1, m),
-            "ratio_mean": _masked_mean(ratio, m),
+            "pg_clipfrac": masked_mean(info["clipped_low"] + info["clipped_high"], m),
+            "pg_clipfrac_low": masked_mean(info["clipped_low"], m),
+            "pg_clipfrac_high": masked_mean(info["clipped_high"], m),
+            "pg_clipfrac_dual": masked_mean(info["dual_clipped"], m),
+            "ppo_kl": masked_mean(-log_ratio, m),
+            "approx_kl_k3": masked_mean(torch.exp(lr_c) - lr_c - 1, m),
+            "ratio_mean": masked_mean(ratio, m),
             "ratio_max": torch.where(m, ratio, torch.full_like(ratio, -big)).max() if m.any() else ratio.new_tensor(float("nan")),
             "ratio_min": torch.where(m, ratio, torch.full_like(ratio, big)).min() if m.any() else ratio.new_tensor(float("nan")),
             "tokens": m.sum().to(torch.float32),
         }
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy.detach(), m)
+        metrics["entropy"] = masked_mean(entropy.detach(), m)
         if entropy_coef:
             loss = loss - entropy_coef * agg(entropy, loss_mask)
-    return loss, metrics
-
-
-#: ``kl_loss`` kinds beyond the sampled estimator names of :mod:`trainer.kl` (they use more
-#: than the sampled token: Top-k sets or the whole vocabulary).
-VOCAB_KL_KINDS = ("topk_reverse", "topk_forward", "exact_reverse", "exact_forward")
-
-
-def kl_loss(
-    kind: str,
-    *,
-    policy: TokenStats,
-    anchor: TokenStats,
-    labels: Tensor,
-    loss_mask: Tensor,
-    agg: LossAggregation,
-    old_logp: Tensor | None = None,
-    use_iw: bool = False,
-    iw_clip: tuple[float | None, float | None] | None = None,
-    tail_sampling: bool = True,
-    tail_grad: Literal["paper", "exact"] = "paper",
-    policy_logits: Tensor | None = None,
-    anchor_logits: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Aggregated KL(πθ, π_anchor) loss of one micro-batch (multiply by β yourself).
-
-    ``kind``:
-      * a sampled estimator name (``k1``, ``k3``/``low_var_kl``, ``k3_ratio``, ``reverse_reinforce``,
-        ``forward_importance``, ``k3+``, …): uses ``policy.logp`` and ``anchor.logp``;
-        ``use_iw`` multiplies the whole estimate by s = πθ/π_old (needs ``old_logp``).
-      * ``topk_reverse`` / ``topk_forward``: Top-k KL from stats gathered at the same indices
-        (old-policy top-k / anchor top-k); ``use_iw`` weights the tail only; ``tail_sampling``,
-        ``tail_grad`` as in :mod:`trainer.topk_kl`.
-      * ``exact_reverse`` / ``exact_forward``: exact full-vocabulary KL from ``policy_logits`` and
-        ``anchor_logits`` ``(B, T, V)`` (O(V) anchor storage per token; for comparisons).
-
-    Metrics (detached, token means over the mask): ``kl`` (the aggregated loss), ``kl_token_mean``,
-    and for Top-k ``kl_tail_frac`` (sampled token ∉ q), with IW ``kl_iw_mean`` / ``kl_iw_max``.
-    """
-    if use_iw and old_logp is None:
-        raise ValueError("use_iw=True needs old_logp (log π_old of the sampled tokens)")
-    iw_old = old_logp if use_iw else None
-    metrics: dict[str, Tensor] = {}
-    m = loss_mask.bool()
-    if kind in ("topk_reverse", "topk_forward"):
-        per_tok = topk_kl(
-            kind.split("_")[1], policy, anchor, labels,  # type: ignore[arg-type]
-            old_logp=iw_old, iw_clip=iw_clip, tail_sampling=tail_sampling, tail_grad=tail_grad,
-        )
-        metrics["kl_tail_frac"] = _masked_mean(not_in_topk_mask(labels, anchor.topk_indices).float(), m)
-    elif kind in ("exact_reverse", "exact_forward"):
-        if policy_logits is None or anchor_logits is None:
-            raise ValueError(f"{kind} needs policy_logits and anchor_logits of shape (B, T, V)")
-        per_tok = exact_kl(policy_logits, anchor_logits, direction=kind.split("_")[1])  # type: ignore[arg-type]
-    else:
-        try:
-            est = get_kl_estimator(kind)
-        except KeyError as e:
-            raise KeyError(f"{e.args[0]}; or one of {', '.join(VOCAB_KL_KINDS)}") from None
-        per_tok = est(policy.logp, anchor.logp.detach())
-        if iw_old is not None:
-            per_tok = importance_weight(policy.logp, iw_old, iw_clip) * per_tok
-    if iw_old is not None:
-        s = importance_weight(policy.logp, iw_old, iw_clip)
-        metrics["kl_iw_mean"] = _masked_mean(s, m)
-        metrics["kl_iw_max"] = s[m].max() if m.any() else s.new_tensor(float("nan"))
-    loss = agg(per_tok, loss_mask)
-    metrics["kl"] = loss.detach()
-    metrics["kl_token_mean"] = _masked_mean(per_tok.detach(), m)
     return loss, metrics

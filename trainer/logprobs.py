@@ -24,7 +24,7 @@ is created beyond the inputs, neither in forward nor in backward:
 
 All logits are divided by ``temperature`` first (the rollout temperature, paper §2.3).
 :func:`causal_lm_token_stats` runs a Hugging Face causal LM on prompt+response and applies
-the fused path to its final hidden states.
+the fused path to its final hidden states (:func:`causal_lm_hidden`).
 """
 
 from __future__ import annotations
@@ -40,13 +40,17 @@ __all__ = [
     "token_stats_from_logits",
     "token_stats_from_hidden",
     "causal_lm_token_stats",
+    "causal_lm_hidden",
     "DEFAULT_CHUNK_SIZE",
     "compute_dtype",
     "project_logits",
+    "lm_head_backward",
 ]
 
-#: Tokens per chunk.  32 tokens × 151,936 (Qwen vocab) × 4 B ≈ 19 MiB per chunk temporary.
-DEFAULT_CHUNK_SIZE = 32
+#: Tokens per chunk (also ``model.chunk_size``'s default).  1024 tokens × 151,936 (Qwen vocab) × 4 B
+#: ≈ 0.6 GiB per chunk temporary; smaller chunks use less memory but stream the (V, H) lm_head
+#: weight more often (slower on a CPU, see ``benchmarks/kl_memory.py``).
+DEFAULT_CHUNK_SIZE = 1024
 
 
 @dataclass
@@ -54,8 +58,10 @@ class TokenStats:
     """Per-token statistics of one model on a batch of responses (see module docstring).
 
     ``topk_logits``/``topk_indices`` are ``None`` unless requested, ``entropy`` likewise.
-    Values are float32 for fp32/bf16/fp16 models (float64 for float64 inputs); gradients flow
-    into the model through ``logp``, ``logsumexp``, ``topk_logits`` and ``entropy``.
+    ``exact_kl`` ``(B, T)`` is the exact full-vocabulary KL between this model and the anchor
+    whose final hidden states the pass was given (:class:`trainer.topk_kl.ExactKLAnchor`), else
+    ``None``.  Values are float32 for fp32/bf16/fp16 models (float64 for float64 inputs);
+    gradients flow into the model through every field but the indices.
     """
 
     logp: Tensor
@@ -63,6 +69,7 @@ class TokenStats:
     topk_logits: Tensor | None = None
     topk_indices: Tensor | None = None
     entropy: Tensor | None = None
+    exact_kl: Tensor | None = None
 
     def detach(self) -> "TokenStats":
         """A copy without autograd history (for old-policy / anchor statistics)."""
@@ -70,7 +77,9 @@ class TokenStats:
         def d(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach()
 
-        return TokenStats(d(self.logp), d(self.logsumexp), d(self.topk_logits), d(self.topk_indices), d(self.entropy))
+        return TokenStats(
+            d(self.logp), d(self.logsumexp), d(self.topk_logits), d(self.topk_indices), d(self.entropy), d(self.exact_kl)
+        )
 
     def compact(self, logits_dtype: torch.dtype = torch.float32, index_dtype: torch.dtype = torch.int64) -> "TokenStats":
         """Detached copy for storage between passes: top-k logits in ``logits_dtype`` (e.g. the
@@ -89,7 +98,7 @@ class TokenStats:
         """Bytes held by the tensors (what storing these stats per token costs)."""
         return sum(
             t.numel() * t.element_size()
-            for t in (self.logp, self.logsumexp, self.topk_logits, self.topk_indices, self.entropy)
+            for t in (self.logp, self.logsumexp, self.topk_logits, self.topk_indices, self.entropy, self.exact_kl)
             if t is not None
         )
 
@@ -242,13 +251,9 @@ class _StatsFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_lse, g_vals, _g_idx, g_ent):  # type: ignore[override]
         hidden, weight, bias, labels, idx, lse, ent = ctx.saved_tensors
-        grad_h, grad_w, grad_b = lm_head_grad_buffers(ctx.needs_input_grad[:3], hidden, weight, bias)
-        acc = compute_dtype(weight)
-        tau, chunk = ctx.temperature, ctx.chunk
-        for s in range(0, hidden.shape[0], chunk):
-            e = s + chunk
-            h = hidden[s:e]
-            z = project_logits(h, weight, bias, tau)
+        tau = ctx.temperature
+
+        def grad_logits(s: int, e: int, z: Tensor) -> Tensor:
             gz = _chunk_grad_z(
                 z, lse[s:e], ent[s:e], labels[s:e], idx[s:e],
                 None if g_logp is None else g_logp[s:e],
@@ -256,20 +261,10 @@ class _StatsFromHidden(torch.autograd.Function):
                 None if g_vals is None else g_vals[s:e],
                 None if g_ent is None else g_ent[s:e],
             )
-            del z
-            gz.div_(tau)
-            if grad_b is not None:
-                grad_b += gz.sum(0)
-            if grad_w is not None:
-                grad_w.addmm_(gz.t().to(acc), h.to(acc))
-            if grad_h is not None:
-                grad_h[s:e] = gz.to(weight.dtype) @ weight
-            del gz
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+            return gz.div_(tau)
+
+        grads = lm_head_backward(ctx.needs_input_grad[:3], hidden, weight, bias, tau, ctx.chunk, grad_logits)
+        return (*grads, None, None, None, None, None, None)
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:
@@ -277,19 +272,47 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def lm_head_grad_buffers(
-    needs: tuple[bool, ...], hidden: Tensor, weight: Tensor, bias: Tensor | None
+def lm_head_backward(
+    needs: tuple[bool, ...],
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    chunk: int,
+    grad_logits,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradient buffers (hidden, weight, bias) for a chunked lm_head backward, ``None`` where not needed.
+    """The chunked backward of every loss computed from the logits z = h W^T + b of one lm_head.
 
-    Weight/bias gradients accumulate in float32 so bf16 models do not lose small chunks.
+    ``hidden`` ``(N, H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or ``None``; ``needs`` =
+    ``ctx.needs_input_grad`` for (hidden, weight, bias).  Per chunk of ``chunk`` rows the logits
+    are recomputed (:func:`project_logits`, divided by ``temperature``) and
+    ``grad_logits(start, end, z)`` returns ∂L/∂(h W^T + b) for those rows ``(C, V)`` (it may
+    reuse ``z``'s memory); the chunk's contributions to ∂L/∂h, ∂L/∂W, ∂L/∂b are accumulated
+    here, so no (N, V) tensor ever exists.  Weight/bias gradients accumulate in float32 so bf16
+    models do not lose small chunks.  Used by the fused token statistics and by the exact KL
+    from hidden states.
     """
     need_h, need_w, need_b = needs
     acc = compute_dtype(weight)
     grad_h = torch.empty_like(hidden) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
     grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if (need_b and bias is not None) else None
-    return grad_h, grad_w, grad_b
+    for s in range(0, hidden.shape[0], chunk):
+        e = s + chunk
+        h = hidden[s:e]
+        gz = grad_logits(s, e, project_logits(h, weight, bias, temperature))
+        if grad_b is not None:
+            grad_b += gz.sum(0)
+        if grad_w is not None:
+            grad_w.addmm_(gz.t().to(acc), h.to(acc))
+        if grad_h is not None:
+            grad_h[s:e] = gz.to(weight.dtype) @ weight
+        del gz
+    return (
+        grad_h,
+        None if grad_w is None else grad_w.to(weight.dtype),
+        None if grad_b is None else grad_b.to(bias.dtype),
+    )
 
 
 def project_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -404,13 +427,34 @@ def causal_lm_token_stats(
 ) -> TokenStats:
     """Run a Hugging Face causal LM and return stats for the last ``num_response_tokens`` columns.
 
+    The decoder body runs as in :func:`causal_lm_hidden`; the lm_head is applied by
+    :func:`token_stats_from_hidden` in chunks, so the (B, T, V) logits are never materialised.
+    Returned tensors are ``(B, T)`` / ``(B, T, k)``; padded response positions get values too —
+    mask them in the loss.
+    """
+    hidden, head = causal_lm_hidden(model, input_ids, attention_mask, num_response_tokens, share_prompt=share_prompt)
+    return token_stats_from_hidden(
+        hidden,
+        head.weight,
+        input_ids[:, -hidden.shape[1] :],
+        bias=head.bias,
+        topk=topk,
+        gather_indices=gather_indices,
+        entropy=entropy,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+
+
+def causal_lm_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, num_response_tokens: int, *, share_prompt: bool = False
+) -> tuple[Tensor, nn.Linear]:
+    """The final hidden states ``(B, T, H)`` that predict the last ``T`` columns, and the lm_head.
+
     Layout (verl's): ``input_ids`` ``(B, L)`` = left-padded prompt + right-padded response,
     the response occupying the last ``T = num_response_tokens`` columns.  Position ids are
     ``cumsum(attention_mask) − 1`` so left padding does not shift positions.  The hidden state
-    at column ``L−T−1+t`` predicts response token ``t``.  The decoder body runs normally; the
-    lm_head is applied by :func:`token_stats_from_hidden` in chunks, so the (B, T, V) logits
-    are never materialised.  Returned tensors are ``(B, T)`` / ``(B, T, k)``; padded response
-    positions get values too — mask them in the loss.
+    at column ``L−T−1+t`` predicts response token ``t``.
 
     ``share_prompt=True`` (no-grad passes only; ignored while autograd records): rows whose
     prompt columns are identical -- the members of a GRPO group -- run the prompt once and
@@ -439,18 +483,7 @@ def causal_lm_token_stats(
     if hidden is None:
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden = (out[0] if isinstance(out, tuple) else out.last_hidden_state)[:, -T - 1 : -1]
-    labels = input_ids[:, -T:]
-    return token_stats_from_hidden(
-        hidden,
-        head.weight,
-        labels,
-        bias=head.bias,
-        topk=topk,
-        gather_indices=gather_indices,
-        entropy=entropy,
-        temperature=temperature,
-        chunk_size=chunk_size,
-    )
+    return hidden, head
 
 
 def _shared_prompt_hidden(

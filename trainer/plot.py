@@ -2,14 +2,17 @@
 
 One panel per metric (reward, KL, response length by default), one line per run,
 read from each run's ``metrics.jsonl``. Lines can be smoothed with a trailing
-moving average; the raw values are drawn faintly underneath.
+moving average; the raw values are drawn faintly underneath. The command's options come from
+:class:`PlotConfig` (help written once, on its fields).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
+from emapg.config import ConfigError, add_config_arguments, config_from_args, option
 from emapg.errors import UserError
 
 DEFAULT_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
@@ -77,22 +80,38 @@ def plot_runs(
     return out
 
 
-def main(argv: list[str]) -> int:
+@dataclass
+class PlotConfig:
+    """``emapg plot``: training curves of one or several runs to a PNG."""
+
+    runs: list[str] = option(help="run folders (each holding metrics.jsonl)")
+    out: str = option(help="output PNG")
+    metrics: list[str] = option(list(DEFAULT_METRICS), help="metric keys, one panel each")
+    labels: list[str] = option([], help="legend labels, one per run (default: folder names)")
+    smooth: int = option(1, help="moving-average window (1: raw)")
+    title: str | None = option(None, help="figure title")
+
+    def validate(self) -> None:
+        if self.labels and len(self.labels) != len(self.runs):
+            raise ConfigError(f"labels: one label per run ({len(self.runs)}), got {len(self.labels)}")
+        if self.smooth < 1:
+            raise ConfigError("smooth must be >= 1")
+        if not self.metrics:
+            raise ConfigError("metrics: give at least one metric key")
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emapg plot", description="Plot training curves (metrics.jsonl) of one or several runs to PNG.")
-    p.add_argument("runs", nargs="+", type=Path, help="run folders (each holding metrics.jsonl)")
-    p.add_argument("--out", type=Path, required=True, help="output PNG")
-    p.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric keys, one panel each")
-    p.add_argument("--labels", nargs="+", help="legend labels, one per run (default: folder names)")
-    p.add_argument("--smooth", type=int, default=1, help="moving-average window (1: raw)")
-    p.add_argument("--title", help="figure title")
-    args = p.parse_args(argv)
-    if args.labels and len(args.labels) != len(args.runs):
-        raise UserError(f"--labels needs one label per run ({len(args.runs)}), got {len(args.labels)}")
-    if args.smooth < 1:
-        raise UserError("--smooth must be >= 1")
-    for r in args.runs:
+    add_config_arguments(p, PlotConfig, positional=("runs",))
+    return p
+
+
+def main(argv: list[str]) -> int:
+    cfg = config_from_args(PlotConfig, parser().parse_args(argv))
+    runs = [Path(r) for r in cfg.runs]
+    for r in runs:
         if not r.is_dir():
             raise UserError(f"run folder not found: {r}")
-    out = plot_runs(args.runs, args.out, metrics=args.metrics, labels=args.labels, smooth=args.smooth, title=args.title)
+    out = plot_runs(runs, Path(cfg.out), metrics=cfg.metrics, labels=cfg.labels or None, smooth=cfg.smooth, title=cfg.title)
     print(out)
     return 0

@@ -31,22 +31,25 @@ k = 0 reduces to the sampled K4 / K5 estimator; k = V to the exact KL.
 function that recomputes each chunk in backward, so beyond its (T, V) inputs and the (T, V)
 gradient it keeps only chunk-sized temporaries.  It still needs the anchor's full logits per
 token — the O(V) storage Top-k avoids.  :func:`exact_kl_from_hidden` removes that too: it
-recomputes both models' logits per chunk from their final hidden states (our addition).
+recomputes both models' logits per chunk from their final hidden states (our addition; what the
+trainer's ``exact_reverse``/``exact_forward`` kinds run, given an :class:`ExactKLAnchor`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from trainer.kl import LOG_RATIO_CLAMP, importance_weight
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype, lm_head_grad_buffers, project_logits
+from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype, lm_head_backward, project_logits
 
 __all__ = [
     "exact_kl",
     "exact_kl_from_hidden",
+    "ExactKLAnchor",
     "not_in_topk_mask",
     "topk_reverse_kl",
     "topk_forward_kl",
@@ -271,29 +274,14 @@ class _ExactKLFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl = ctx.saved_tensors
-        grad_h, grad_w, grad_b = lm_head_grad_buffers(ctx.needs_input_grad[:3], hidden, weight, bias)
-        acc = compute_dtype(weight)
-        tau, chunk = ctx.temperature, ctx.chunk
-        for s in range(0, hidden.shape[0], chunk):
-            e = s + chunk
-            h = hidden[s:e]
-            z = project_logits(h, weight, bias, tau)
+        tau = ctx.temperature
+
+        def grad_logits(s: int, e: int, z: Tensor) -> Tensor:
             zr = project_logits(ref_hidden[s:e], ref_weight, ref_bias, tau).to(z.dtype)
-            gz = _exact_chunk_grad(z, zr, kl[s:e], g[s:e].to(z.dtype) / tau, ctx.reverse)
-            del z, zr
-            if grad_b is not None:
-                grad_b += gz.sum(0)
-            if grad_w is not None:
-                grad_w.addmm_(gz.t().to(acc), h.to(acc))
-            if grad_h is not None:
-                grad_h[s:e] = gz.to(weight.dtype) @ weight
-            del gz
-        return (
-            grad_h,
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-            None, None, None, None, None, None,
-        )
+            return _exact_chunk_grad(z, zr, kl[s:e], g[s:e].to(z.dtype) / tau, ctx.reverse)
+
+        grads = lm_head_backward(ctx.needs_input_grad[:3], hidden, weight, bias, tau, ctx.chunk, grad_logits)
+        return (*grads, None, None, None, None, None, None)
 
 
 def exact_kl(
@@ -321,6 +309,24 @@ def exact_kl(
         logits.reshape(-1, V), ref_logits.detach().reshape(-1, V), direction == "reverse", float(temperature), chunk_size
     )
     return kl.reshape(logits.shape[:-1])
+
+
+@dataclass(frozen=True)
+class ExactKLAnchor:
+    """The anchor's side of :func:`exact_kl_from_hidden` for a batch of responses.
+
+    ``hidden`` ``(B, T, H)``: the anchor's final hidden states at the response positions (what the
+    stored-statistics pass keeps per token, H floats instead of V logits); ``weight`` ``(V, H)`` /
+    ``bias``: the anchor's lm_head; ``direction``: the KL's.  A policy pass given one
+    (:class:`trainer.policy.PolicyForward`) returns the per-token exact KL in
+    ``TokenStats.exact_kl``, computed inside the pass where the policy's lm_head weight is
+    available (under FSDP2 it is unsharded only there).
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None
+    direction: Direction
 
 
 def exact_kl_from_hidden(

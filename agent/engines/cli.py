@@ -12,7 +12,7 @@ from emapg.config import add_config_arguments, config_from_args
 from emapg.errors import UserError
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
     from agent.engines.server import EngineServeConfig
 
     p = argparse.ArgumentParser(
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         p.parse_args(argv)  # --help, or an error for unknown actions
         p.print_help()
         return 2
-    args = _serve_parser().parse_args(argv[1:])
+    args = serve_parser().parse_args(argv[1:])
     from agent.engines.server import EngineServeConfig, serve
 
     cfg = config_from_args(EngineServeConfig, args)

@@ -276,7 +276,7 @@ def test_stalled_and_abandoned_bodies(server, remote):
 
 
 def test_refusals_before_binding_and_flag_names(capsys, monkeypatch):
-    from agent.engines.cli import _serve_parser
+    from agent.engines.cli import serve_parser
     from agent.engines.server import EngineServeConfig
     from emapg.config import config_from_args
 
@@ -289,10 +289,10 @@ def test_refusals_before_binding_and_flag_names(capsys, monkeypatch):
             "--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "2", "--sleep-mode", "--dtype", "bfloat16", "--device", "cpu",
             "--seed", "3", "--max-wait-ms", "1", "--max-prompts-per-request", "9", "--max-body-bytes", "99", "--max-bucket-mb", "8",
             "--log-level", "warning", "--insecure", "--collective-allow", "10.0.0.0/8", "trainer"]  # fmt: skip
-    got = config_from_args(EngineServeConfig, _serve_parser().parse_args(argv))
+    got = config_from_args(EngineServeConfig, serve_parser().parse_args(argv))
     assert got == EngineServeConfig(model="m", engine="hf", host="0.0.0.0", port=8000, api_key_env="K", max_model_len=6144,
                                     gpu_memory_utilization=0.85, tensor_parallel_size=2, sleep_mode=True, dtype="bfloat16",
                                     device="cpu", seed=3, max_wait_ms=1.0, max_prompts_per_request=9, max_body_bytes=99,
                                     max_bucket_mb=8, log_level="warning", insecure=True, collective_allow=["10.0.0.0/8", "trainer"])  # fmt: skip
     assert got.max_bucket_bytes == 8 << 20 and got.engine_options()["seed"] == 3
-    assert config_from_args(EngineServeConfig, _serve_parser().parse_args(["--model", "m", "--collective-allow"])).collective_allow == []
+    assert config_from_args(EngineServeConfig, serve_parser().parse_args(["--model", "m", "--collective-allow"])).collective_allow == []

@@ -160,11 +160,16 @@ def test_math_task_is_single_turn(noise):
         run_rollouts(noise, ["q"], None, RolloutConfig())
 
 
-def test_async_retriever_client_is_refused(noise, retriever_server):
-    from retriever.client import AsyncRetrieverClient
+class CoroutineRetriever:
+    """A caller's asyncio retriever (the agent loop is synchronous and cannot await it)."""
 
+    async def retrieve(self, queries, topk=None):
+        return [[] for _ in queries]
+
+
+def test_async_retriever_is_refused(noise):
     with pytest.raises(TypeError, match="synchronous retriever"):
-        run_rollouts(noise, ["q"], AsyncRetrieverClient(retriever_server.url), RolloutConfig())
+        run_rollouts(noise, ["q"], CoroutineRetriever(), RolloutConfig())
 
 
 def test_smollm2_prompted_rollout_is_token_exact(smollm2_dir, client, questions):

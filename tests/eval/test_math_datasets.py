@@ -6,9 +6,9 @@ grades a seeded sample of every set; the ``slow`` run grades every problem.
 
 import pytest
 
-from eval.datasets import MATH_DATASETS, load_dataset
+from tasks.datasets import MATH_DATASETS, load_dataset
 from eval.grader_check import check_grader, format_exceptions, perturb_answer
-from eval.math_grader import GraderPool
+from tasks.math import GraderPool
 
 
 def test_perturb_answer():

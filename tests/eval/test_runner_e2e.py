@@ -19,7 +19,7 @@ import pytest
 from emapg.errors import UserError
 from emapg.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
-from eval.datasets import QA_DATASETS
+from tasks.datasets import QA_DATASETS
 from eval.protocols import get_protocol
 from eval.runner import EvalConfig, read_items, run_eval
 
@@ -178,7 +178,7 @@ def test_cli_user_errors(tmp_path, capsys):
     assert _eval("--model", "tiny-qwen2", "--suite", "qa", "--data-path", "bad", "--out", tmp_path / "x") == 2
     assert _eval("--model", tmp_path / "no-such-model", "--suite", "math", "--datasets", "aime2024", "--limit", "1",
                  "--out", tmp_path / "x") == 2
-    assert "cannot load model" in capsys.readouterr().err
+    assert f"--model {str(tmp_path / 'no-such-model')!r}: no such model folder" in capsys.readouterr().err
     assert emapg_main(["eval", "compare", str(tmp_path), "--out", str(tmp_path / "c")]) == 2
     assert "no results.json" in capsys.readouterr().err
 

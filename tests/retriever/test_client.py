@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from retriever.client import AsyncRetrieverClient, RetrievalError, RetrieverClient, normalize_url
+from retriever.client import RetrievalError, RetrieverClient, normalize_url
 from retriever.launch import free_port
 
 
@@ -117,32 +116,6 @@ def test_long_query_lists_are_split_in_order():
     assert [len(r["body"]["queries"]) for r in srv.requests] == [4, 4, 2]
     assert [hh[0]["id"] for hh in hits] == queries
     assert all(r["auth"] == "Bearer k" for r in srv.requests)
-
-
-def test_async_client_retries_batches_and_keeps_order():
-    queries = [f"q{i}" for i in range(7)]
-
-    async def run(url):
-        async with AsyncRetrieverClient(url, batch_size=3, retries=3, **FAST) as client:
-            return await client.retrieve(queries, topk=1), await client.health()
-
-    with ScriptedServer(script=[502]) as srv:
-        hits, health = asyncio.run(run(srv.url))
-    assert [hh[0]["id"] for hh in hits] == queries and health["status"] == "ok"
-    assert sorted(len(r["body"]["queries"]) for r in srv.requests) == [1, 3, 3, 3]  # one chunk retried once
-
-
-def test_async_client_4xx_and_down():
-    async def run(url, retries):
-        async with AsyncRetrieverClient(url, retries=retries, **FAST) as client:
-            return await client.retrieve(["a"])
-
-    with ScriptedServer(always=400) as srv:
-        with pytest.raises(RetrievalError, match="HTTP 400"):
-            asyncio.run(run(srv.url, 4))
-        assert len(srv.requests) == 1
-    with pytest.raises(RetrievalError, match="after 2 attempts"):
-        asyncio.run(run(f"http://127.0.0.1:{free_port()}", 1))
 
 
 def test_url_forms_and_argument_errors():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -207,3 +208,76 @@ def test_ensure_index_reuses_a_matching_index_and_refuses_a_different_one(tmp_pa
         ensure_index(BuildConfig(**{**cfg, "max_length": 64}), log=lambda m: None)
     with pytest.raises(FileExistsError, match=r"other settings \(index_type\)"):
         ensure_index(BuildConfig(**{**cfg, "index_type": "HNSW32"}), log=lambda m: None)
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _build_cli(corpus: Path, out: Path, capsys) -> tuple[int, str, str]:
+    rc = emapg_main(["index", "build", "--corpus", str(corpus), "--out", str(out), *BUILD_ARGS])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _truncated_gz(path: Path) -> Path:
+    good = _small_corpus(path.with_suffix(""), 200)
+    data = gzip.compress(good.read_bytes())
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def _non_utf8(path: Path) -> Path:
+    path.write_bytes(b'{"id": "a", "contents": "T\\nfine"}\n{"id": "b", "contents": "caf\xe9"}\n')
+    return path
+
+
+@pytest.mark.parametrize("make, message", [
+    (_truncated_gz, r"corpus\.jsonl\.gz:\d+: the gzip stream is truncated or corrupt after line \d+"),
+    (_non_utf8, r"corpus\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 29\)"),
+    (lambda p: _jsonl(p, [{"id": "a", "contents": "T\nx"}, '{"id": "b", "contents": ']), r"corpus\.jsonl:2: not valid JSON"),
+    (lambda p: _jsonl(p, [{"id": "a", "contents": "T\nx"}, '{"id": "b", "contents": "\\ud800"}']), r"corpus\.jsonl:2: contains a lone surrogate"),
+    (lambda p: _jsonl(p, [{"id": ["a"], "contents": "T\nx"}]), r"corpus\.jsonl:1: 'id' must be a string or an integer"),
+    (lambda p: _jsonl(p, [{"id": "a", "contents": "T\nx"}, {"id": "b", "contents": "T\ny"}, {"id": 7, "contents": "T\nz"},
+                          {"id": "b", "contents": "T\nw"}, {"id": "7", "contents": "T\nv"}]),
+     r"corpus\.jsonl:4: duplicate passage id 'b' \(first on line 2\) \(2 ids are duplicated\); ids must be unique"),
+])
+def test_corpus_errors_name_the_file_and_line(tmp_path, capsys, make, message):
+    corpus = make(tmp_path / ("corpus.jsonl.gz" if make is _truncated_gz else "corpus.jsonl"))
+    rc, _, err = _build_cli(corpus, tmp_path / "idx", capsys)
+    assert rc == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"emapg index: error: {corpus}:"), last
+    assert re.search(message, last), last
+    assert not (tmp_path / "idx" / "docs.offsets.npy").exists()  # the document store was not marked complete
+
+
+def test_a_rejected_corpus_fixed_and_rebuilt_needs_no_overwrite(tmp_path, capsys):
+    rows = [{"id": f"p{i}", "contents": f"Title {i}\nPassage number {i}."} for i in range(12)]
+    corpus = _jsonl(tmp_path / "corpus.jsonl", rows + [{"id": "p3", "contents": "Again\nA second p3."}])
+    out = tmp_path / "idx"
+    rc, _, err = _build_cli(corpus, out, capsys)
+    assert rc == 2 and "corpus.jsonl:13: duplicate passage id 'p3' (first on line 4)" in err
+    _jsonl(corpus, rows)
+    rc, stdout, err = _build_cli(corpus, out, capsys)
+    assert rc == 0, err
+    assert json.loads(stdout.strip().splitlines()[-1])["rows"] == 12
+
+
+def test_empty_passages_are_skipped_and_counted(tmp_path, capsys):
+    rows = [{"id": f"p{i}", "contents": f"Title {i}\nPassage number {i}."} for i in range(10)]
+    rows[3:3] = [{"id": "e1", "contents": ""}, {"id": "e2", "title": " ", "text": "\n  "}]
+    corpus = _jsonl(tmp_path / "corpus.jsonl", rows)
+    out = tmp_path / "idx"
+    rc, stdout, err = _build_cli(corpus, out, capsys)
+    assert rc == 0, err
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["rows"] == 10 and summary["empty_passages_skipped"] == 2
+    assert f"skipped 2 empty passages (first: {corpus}:4, {corpus}:5)" in err
+    meta = read_meta(out)
+    assert meta["rows"] == 10 and meta["corpus"]["empty_skipped"] == 2
+    assert DocStore(out).ids(np.arange(10)) == [f"p{i}" for i in range(10)]
+    _jsonl(corpus, [{"id": "e", "contents": " "}])
+    rc, _, err = _build_cli(corpus, tmp_path / "only-empty", capsys)
+    assert rc == 2 and err.strip().splitlines()[-1].endswith("has no passages (1 empty ones skipped)")

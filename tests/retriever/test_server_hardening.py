@@ -171,7 +171,7 @@ def test_key_sources_and_refusals_before_binding(retriever_index, tmp_path, caps
 
 def test_every_documented_flag_keeps_its_name(tmp_path):
     """README, docker/, docker-compose.yml and the launchers use these spellings."""
-    from retriever.cli import _index_parser, _serve_parser
+    from retriever.cli import index_parser, serve_parser
     from retriever.index_builder import BuildConfig
     from retriever.server import ServeConfig
 
@@ -180,21 +180,21 @@ def test_every_documented_flag_keeps_its_name(tmp_path):
             "--max-body-bytes", "99", "--device", "cuda", "--fp16", "--gpu-shards", "0", "--gpu-replicate", "--hybrid-bm25",
             "--rrf-k", "10", "--nprobe", "4", "--encode-batch-size", "8", "--query-cache-size", "0", "--encoder", "minilm",
             "--log-level", "debug", "--insecure", "--body-timeout", "3.5"]  # fmt: skip
-    got = config_from_args(ServeConfig, _serve_parser().parse_args(argv))
+    got = config_from_args(ServeConfig, serve_parser().parse_args(argv))
     assert got == ServeConfig(index="i", host="0.0.0.0", port=9, topk=2, max_topk=7, max_batch=256, max_wait_ms=2.0, api_key="k",
                               max_queries_per_request=5, max_query_chars=6, max_body_bytes=99, device="cuda", fp16=True,
                               gpu_shards=0, gpu_replicate=True, hybrid_bm25=True, rrf_k=10, nprobe=4, encode_batch_size=8,
                               query_cache_size=0, encoder="minilm", log_level="debug", insecure=True, body_timeout=3.5)  # fmt: skip
-    assert config_from_args(ServeConfig, _serve_parser().parse_args(["--index", "i", "--bf16", "--no-fp16"])).fp16 is False
+    assert config_from_args(ServeConfig, serve_parser().parse_args(["--index", "i", "--bf16", "--no-fp16"])).fp16 is False
     build = ["build", "--corpus", "c.jsonl", "--out", "o", "--encoder", "e5", "--pooling", "cls", "--query-prefix", "query: ",
              "--passage-prefix", "passage: ", "--max-length", "32", "--index-type", "IVF4,Flat", "--metric", "l2", "--bm25",
              "--chunk-size", "5", "--batch-size", "6", "--device", "cpu", "--no-fp16", "--bf16", "--train-sample", "7",
              "--nprobe", "2", "--seed", "3", "--limit", "9", "--overwrite", "--no-progress"]  # fmt: skip
-    got = config_from_args(BuildConfig, _index_parser().parse_args(build))
+    got = config_from_args(BuildConfig, index_parser().parse_args(build))
     assert got == BuildConfig(corpus="c.jsonl", out="o", encoder="e5", pooling="cls", query_prefix="query: ", passage_prefix="passage: ",
                               max_length=32, index_type="IVF4,Flat", metric="l2", bm25=True, chunk_size=5, batch_size=6, device="cpu",
                               fp16=False, bf16=True, train_sample=7, nprobe=2, seed=3, limit=9, overwrite=True, progress=False)  # fmt: skip
-    assert "discouraged" in _serve_parser().format_help()
+    assert "discouraged" in serve_parser().format_help()
 
 
 def test_unknown_routes_and_methods_are_json_and_counted(retriever_server):

@@ -6,6 +6,7 @@ Real ``emapg train`` subprocesses on the tiny math preset (no retriever needed).
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -97,3 +98,120 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     a = torch.load(full / "step_4" / "optimizer.pt", weights_only=True)
     b = torch.load(run / "step_4" / "optimizer.pt", weights_only=True)
     assert all(torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"]) for i in a["state"])
+
+
+# ------------------------------------------------------------------------------------------ damaged checkpoints
+
+from tests.trainer.test_checkpoint import FILE_KINDS, damage  # noqa: E402
+
+SHORT = ["run.total_steps=2", "run.save_every=1", "run.keep_last=0", "logging.progress=false", "logging.tensorboard=false",
+         "data.prompts_per_step=2", "rollout.n_samples=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+         "rollout.max_tokens_per_turn=8", "rollout.max_response_tokens=8", "algorithm.ema.period=1"]
+
+
+def _short_cfg(out: Path):
+    from emapg.config import load_config
+    from trainer.config import TrainConfig
+
+    return load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [f"run.output_dir={out}", *SHORT])
+
+
+def _tensors_equal(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory) -> Path:
+    """An uninterrupted 2-step run with a checkpoint after each step (the reference every resume must reproduce)."""
+    from trainer.loop import train
+
+    run = tmp_path_factory.mktemp("reference") / "run"
+    train(_short_cfg(run))
+    return run
+
+
+@pytest.mark.parametrize("mode", ["truncate", "flip"])
+@pytest.mark.parametrize("rel", FILE_KINDS)
+def test_resume_skips_a_damaged_latest_checkpoint_and_reproduces_the_run(two_step_run, tmp_path, caplog, rel, mode):
+    """Damage one file of step_2: `--resume` warns naming it, resumes from step_1 and re-trains step 2 exactly."""
+    import logging
+
+    from trainer.checkpoint import verify_checkpoint
+    from trainer.loop import train
+
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    damage(run / "step_2" / rel, mode)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        history = train(_short_cfg(run), resume="")
+    assert f"checkpoint {run / 'step_2'} is damaged ({rel}: " in caplog.text
+    assert f"falling back to {run / 'step_1'}" in caplog.text
+    assert len(history) == 1  # only step 2 was trained again
+    assert _metrics(run) == _metrics(two_step_run)
+    ref, new = two_step_run / "step_2", run / "step_2"
+    assert verify_checkpoint(new).intact
+    assert _tensors_equal(ref / "policy" / "model.safetensors", new / "policy" / "model.safetensors")
+    assert _tensors_equal(ref / "anchor.safetensors", new / "anchor.safetensors")
+    a, b = (torch.load(d / "optimizer.pt", weights_only=True) for d in (ref, new))
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_cli_resume_with_no_intact_checkpoint_is_one_line_naming_the_files(two_step_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    damage(run / "step_2" / "optimizer.pt", "flip")
+    damage(run / "step_1" / "policy" / "model.safetensors", "truncate")
+    p = subprocess.run(_cmd(run, "--resume"), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    (line,) = [ln for ln in p.stderr.splitlines() if "error" in ln]
+    assert line.startswith(f"emapg train: error: cannot resume: no intact checkpoint in {run}: ")
+    assert f"{run / 'step_2' / 'optimizer.pt'}: sha256 mismatch" in line
+    assert f"{run / 'step_1' / 'policy' / 'model.safetensors'}: truncated (" in line
+    assert not (run / "step_3").exists()  # nothing was trained from scratch over the damaged run
+
+
+def _fsdp_worker(rank: int, world: int, port: int, run: str, model_dir: str, resume: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    from emapg.config import load_config
+    from trainer import distributed as D
+    from trainer.config import TrainConfig
+    from trainer.loop import Trainer
+
+    cfg = load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [f"run.output_dir={run}", f"model.policy={model_dir}", *SHORT])
+    trainer = Trainer(cfg, resume="" if resume else None).setup()
+    try:
+        assert trainer.fsdp
+        assert trainer.step == (1 if resume else 0)  # every rank fell back past the damaged step_2
+        trainer.train()
+    finally:
+        trainer.close()
+    D.destroy()
+
+
+def test_fsdp_ranks_agree_on_skipping_a_checkpoint_with_a_damaged_rank_file(tmp_path, tiny_model_dir):
+    """2 gloo ranks: each rank's RNG file is in the manifest; damage rank 1's and both ranks resume from step_1."""
+    import torch.multiprocessing as mp
+
+    from tests.trainer.test_distributed import _free_port
+    from trainer.checkpoint import MANIFEST, verify_checkpoint
+
+    run = tmp_path / "run"
+    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(run), str(tiny_model_dir), False), nprocs=2, join=True)
+    listed = json.loads((run / "step_2" / MANIFEST).read_text())["files"]
+    assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(listed)
+    reference = _metrics(run)
+    original = load_file(str(run / "step_2" / "policy" / "model.safetensors"))
+
+    damage(run / "step_2" / "rng_rank1.pt", "flip")
+    (problem,) = verify_checkpoint(run / "step_2").problems
+    assert problem.file.name == "rng_rank1.pt" and problem.kind == "checksum"
+    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(run), str(tiny_model_dir), True), nprocs=2, join=True)
+    assert verify_checkpoint(run / "step_2").intact
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
+    assert _metrics(run) == reference
+    resumed = load_file(str(run / "step_2" / "policy" / "model.safetensors"))
+    assert all(torch.equal(original[k], resumed[k]) for k in original)

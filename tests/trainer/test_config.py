@@ -11,7 +11,7 @@ import pytest
 from emapg.config import ConfigError, load_config
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 from trainer.config import TrainConfig
-from trainer.loop import linear_warmup_constant
+from trainer.policy import linear_warmup_constant
 
 ENTRY = "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -30,13 +30,13 @@ def test_all_presets_exist_and_validate():
         assert required in names
     for p in PRESETS:
         cfg = load_config(TrainConfig, p)
-        assert cfg.rollout_batch_size % cfg.algorithm.mini_batch_size == 0
+        assert (cfg.data.prompts_per_step * cfg.rollout.n_samples) % cfg.algorithm.mini_batch_size == 0
 
 
 def test_paper_search_preset_numbers():
     c = load("search_qwen2.5-3b_emapg.yaml")
     assert (c.data.prompts_per_step, c.rollout.n_samples) == (512, 5)
-    assert c.rollout_batch_size // c.algorithm.mini_batch_size == 10  # 10 optimizer steps per rollout batch
+    assert c.data.prompts_per_step * c.rollout.n_samples // c.algorithm.mini_batch_size == 10  # 10 optimizer steps per rollout batch
     assert (c.algorithm.clip_low, c.algorithm.clip_high, c.algorithm.dual_clip) == (0.2, 0.28, None)
     kl = c.algorithm.kl
     assert (kl.type, kl.topk, kl.coef, kl.tail_sampling, kl.importance_weight, kl.iw_clip) == ("topk_reverse", 32, 0.001, True, True, None)
@@ -59,7 +59,7 @@ def test_paper_search_grpo_baseline_differs_only_where_section_3_2_says():
 def test_paper_math_preset_numbers():
     c = load("math_r1distill-1.5b_emapg.yaml")
     assert (c.data.prompts_per_step, c.rollout.n_samples) == (128, 8)
-    assert c.rollout_batch_size // c.algorithm.mini_batch_size == 2
+    assert c.data.prompts_per_step * c.rollout.n_samples // c.algorithm.mini_batch_size == 2
     assert (c.algorithm.kl.type, c.algorithm.kl.importance_weight, c.algorithm.loss_agg, c.algorithm.dual_clip) == (
         "k3", False, "seq-mean-token-mean", 3.0)
     assert (c.algorithm.ema.decay, c.algorithm.ema.period) == (0.95, 10)
@@ -119,6 +119,19 @@ def test_cli_rejects_bad_config_before_loading_a_model(tmp_path):
         assert p.returncode == 2, (args, p.stderr)
         assert "Traceback" not in p.stderr and "Loading weights" not in p.stderr
         assert p.stderr.strip().startswith("emapg train: error:"), p.stderr
+
+
+def test_topk_zero_is_a_valid_config_on_the_command_line():
+    """``algorithm.kl.topk=0`` is Top-k KL with an empty head: the sampled K4/K5 estimator (it trains:
+    tests/trainer/test_loop.py); with the tail switched off too there is no KL term left, named as such."""
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "HOME": str(Path.home())}
+    base = [sys.executable, "-c", ENTRY, "config", "show", str(CONFIG_DIR / "search_tiny_cpu.yaml"), "algorithm.kl.topk=0"]
+    ok = subprocess.run(base, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "topk: 0" in ok.stdout
+    bad = subprocess.run([*base, "algorithm.kl.tail_sampling=false"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "algorithm.kl.topk" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_linear_warmup_then_constant():

@@ -55,13 +55,13 @@ def _global_batch():
 
 def _one_update(trainer, rows: slice):
     from trainer.batch import build_token_batch
-    from trainer.grpo import grpo_advantages
+    from trainer.grpo import broadcast_advantages, grpo_advantages
 
     prompts, responses, masks, rewards, groups = _global_batch()
     batch = build_token_batch(prompts[rows], responses[rows], masks[rows], pad_id=0)
     trainer.compute_stored_stats(batch)
     adv = grpo_advantages(rewards[rows], groups[rows])
-    batch.stored["advantages"] = adv[:, None].expand(-1, batch.response_width).contiguous()
+    batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
     metrics = trainer.update(batch)
     trainer.anchor.update()
     return metrics
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
         half = D.shard_slice(N_GROUPS, rank, world)
         rows = slice(half.start * GROUP, half.stop * GROUP)
         metrics = _one_update(trainer, rows)
-        policy = trainer._policy_state(all_ranks=True)
+        policy = trainer.policy.export_weights(all_ranks=True)
         anchor = trainer.anchor.full_state_dict()
         if rank == 0:
             torch.save({"policy": policy, "anchor": anchor, "metrics": metrics}, f"{out}/fsdp.pt")
@@ -138,3 +138,65 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
     assert (run / "step_1" / "rng_rank0.pt").is_file() and (run / "step_1" / "rng_rank1.pt").is_file()
     assert (run / "step_2" / "policy" / "model.safetensors").is_file()
     assert (run / "latest").read_text().strip() == "step_2"
+
+
+def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    from trainer import distributed as D
+    from trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, *EXACT)).setup(with_engine=False)
+    try:
+        assert trainer.fsdp and D.is_sharded(trainer.model)
+        half = D.shard_slice(N_GROUPS, rank, world)
+        metrics = _exact_update(trainer, slice(half.start * GROUP, half.stop * GROUP))
+        policy = trainer.policy.export_weights(all_ranks=True)
+        if rank == 0:
+            torch.save({"policy": policy, "metrics": metrics}, f"{out}/fsdp_exact.pt")
+    finally:
+        trainer.close()
+    D.destroy()
+
+
+# AdamW with lr = eps = 1 steps ≈ 0.1·gradient: float-order noise in near-zero gradients stays noise-sized.
+EXACT = ("run.total_steps=1", "algorithm.kl.type=exact_reverse", "optim.lr=1.0", "optim.eps=1.0", "optim.weight_decay=0")
+
+
+def _exact_update(trainer, rows: slice):
+    """One update against an anchor shrunk by 10%, so the exact KL and its gradient are not 0."""
+    import torch as T
+
+    with T.no_grad():
+        for t in trainer.anchor.tensors.values():  # the same change to every shard as to the full tensors
+            t.mul_(0.9)
+    return _one_update(trainer, rows)
+
+
+def test_fsdp2_exact_kl_from_hidden_states_matches_single_process(tmp_path, tiny_model_dir):
+    """The exact KL under FSDP2: the anchor's hidden states from its swapped-in shards, its lm_head
+    all-gathered once, the KL computed inside the sharded policy forward; equal to one process."""
+    mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+
+    from trainer.loop import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    trainer = Trainer(_cfg(tmp_path / "single", tiny_model_dir, *EXACT)).setup(with_engine=False)
+    try:
+        single = _exact_update(trainer, slice(0, N_GROUPS * GROUP))
+        policy = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+    from safetensors.torch import load_file
+
+    fsdp = torch.load(tmp_path / "fsdp_exact.pt", weights_only=True)
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert (policy[key] - initial[key]).abs().max() > 1e-4  # the update is real
+    assert fsdp["metrics"]["actor/updates"] == single["actor/updates"] == 1
+    assert single["kl/mean"] > 1e-3 and abs(fsdp["metrics"]["kl/mean"] - single["kl/mean"]) < 1e-6
+    for k, v in fsdp["policy"].items():
+        torch.testing.assert_close(v, policy[k], atol=1e-6, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")

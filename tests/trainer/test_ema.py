@@ -48,6 +48,41 @@ def test_update_formula_float32_against_float64():
         assert torch.allclose(a.double(), want, atol=1e-7), n
 
 
+def test_update_in_float64_is_exact_in_float64():
+    """A float64 anchor blends with η in float64 (it used to be rounded to float32: ~1e-8 relative off)."""
+    m = _model().double()
+    ema = EMAAnchor(m, anchor_decay=0.9, update_period=1, dtype=torch.float64)
+    start = {n: t.clone() for n, t in ema.tensors.items()}
+    _perturb(m, 1)
+    ema.update()
+    sources = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+    eta32 = float(torch.tensor(0.9, dtype=torch.float32))
+    off32 = 0.0
+    for n, a in ema.tensors.items():
+        src = sources[n].detach()
+        want = start[n] * 0.9 + src * (1.0 - 0.9)
+        assert a.dtype == torch.float64
+        assert torch.allclose(a, want, atol=0, rtol=4e-16), n  # float64 rounding only
+        off32 = max(off32, float((start[n] * eta32 + src * (1.0 - 0.9) - want).abs().max()))
+    assert off32 > 1e-9  # what a float32 η gave
+
+
+def test_mixed_dtypes_blend_each_in_its_own_precision():
+    """With ``dtype=None`` each anchor tensor keeps its parameter's dtype; one bucket blends both kinds."""
+    m = _model()
+    m.register_buffer("precise", torch.tensor([1.0, 3.0], dtype=torch.float64))
+    ema = EMAAnchor(m, anchor_decay=0.95, update_period=1, dtype=None)
+    start = {n: t.clone() for n, t in ema.tensors.items()}
+    with torch.no_grad():
+        m.precise.add_(1.0)
+        m.scale.add_(1.0)
+    ema.update()
+    assert ema.tensors["precise"].dtype == torch.float64
+    assert torch.equal(ema.tensors["precise"], start["precise"] * 0.95 + m.precise * (1 - 0.95))
+    want32 = start["scale"].clone().mul_(torch.tensor(0.95, dtype=torch.float32)).add_(m.scale, alpha=1 - 0.95)
+    assert torch.equal(ema.tensors["scale"], want32)
+
+
 def test_update_in_bfloat16_reproduces_the_papers_arithmetic():
     m = _model()
     ema = EMAAnchor(m, anchor_decay=0.95, update_period=1, dtype=torch.bfloat16)

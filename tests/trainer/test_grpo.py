@@ -14,9 +14,10 @@ from trainer.grpo import (
     compute_policy_loss,
     group_index,
     grpo_advantages,
-    kl_loss,
     ppo_clip_loss,
 )
+from trainer.config import KLConfig
+from trainer.kl_kinds import get_kl_kind
 from trainer.logprobs import TokenStats
 
 EPS = 1e-6
@@ -167,6 +168,26 @@ def test_masked_observation_tokens_get_exactly_zero_gradient(mode):
     assert torch.all(grad[mask == 1] != 0)
 
 
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_overflowing_ratio_at_a_masked_token_keeps_the_gradient_finite_and_exact(dual_clip):
+    """log ρ = 1000 at an observation token: exp overflows to inf there, and 0·inf = NaN used to reach the
+    gradient; the log ratio is masked before the exponential, so every gradient is exact."""
+    logp = torch.tensor([[-1.0, 0.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.2, -1000.0, -1.9, -0.5]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
+    agg = LossAggregation.for_batch("token-mean", mask)
+    loss, m = compute_policy_loss(logp, old, adv, mask, agg, dual_clip_c=dual_clip)
+    grad = torch.autograd.grad(loss, logp)[0]
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    # A = 1 > 0: ρ = e^0.2 > 1.28? no (1.2214), so every unmasked token takes the unclipped branch: ∂/∂logp = −ρ/3.
+    rho = torch.exp(logp.detach() - old)
+    want = torch.where(mask.bool(), -rho / 3, torch.zeros_like(rho))
+    assert torch.equal(grad[0, 1], torch.tensor(0.0, dtype=torch.float64))
+    assert torch.allclose(grad, want, atol=1e-15, rtol=0)
+    assert float(m["ratio_max"]) == pytest.approx(math.exp(0.2))  # the masked token's ratio is not reported
+
+
 def test_dp_size_scales_and_validation():
     theta, mask = _batch()
     agg = LossAggregation("token-mean", global_tokens=float(mask.sum()), global_seqs=8.0, dp_size=4)
@@ -187,17 +208,17 @@ def test_kl_loss_sampled_with_importance_weight():
     mask[0, 4] = 0
     agg = LossAggregation.for_batch("seq-mean-token-mean", mask)
     pol, anc = TokenStats(logp, torch.zeros_like(logp)), TokenStats(ref, torch.zeros_like(ref))
-    loss, m = kl_loss("low_var_kl", policy=pol, anchor=anc, labels=torch.zeros(2, 5, dtype=torch.long),
-                      loss_mask=mask, agg=agg, old_logp=old, use_iw=True)
+    iw = KLConfig(type="low_var_kl", importance_weight=True)
+    loss, m = get_kl_kind("low_var_kl").loss(pol, anc, torch.zeros(2, 5, dtype=torch.long), mask, agg, cfg=iw, old_logp=old)
     lw = ref - logp.detach()
     per = torch.exp(torch.tensor(0.1, dtype=torch.float64)) * (lw.exp() - lw - 1)
     want = ((per * mask).sum(-1) / mask.sum(-1)).mean()
     assert torch.allclose(loss, want, atol=1e-12)
     assert m["kl_iw_mean"].item() == pytest.approx(math.exp(0.1))
     with pytest.raises(ValueError, match="old_logp"):
-        kl_loss("k3", policy=pol, anchor=anc, labels=None, loss_mask=mask, agg=agg, use_iw=True)
+        get_kl_kind("k3").loss(pol, anc, None, mask, agg, cfg=iw)
     with pytest.raises(KeyError, match="known"):
-        kl_loss("k9", policy=pol, anchor=anc, labels=None, loss_mask=mask, agg=agg)
+        get_kl_kind("k9")
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -231,8 +252,8 @@ def test_end_to_end_micro_batching_on_a_real_model(tiny_model_dir, mode):
             stats = causal_lm_token_stats(model, ids[sl], attn[sl], R, gather_indices=old.topk_indices[sl])
             pg, _ = compute_policy_loss(stats.logp, old_logp[sl], adv[sl], loss_mask[sl], agg)
             sub = TokenStats(anchor.logp[sl], anchor.logsumexp[sl], anchor.topk_logits[sl], anchor.topk_indices[sl])
-            kl, _ = kl_loss("topk_reverse", policy=stats, anchor=sub, labels=ids[sl, -R:], loss_mask=loss_mask[sl],
-                            agg=agg, old_logp=old_logp[sl], use_iw=True)
+            kl, _ = get_kl_kind("topk_reverse").loss(stats, sub, ids[sl, -R:], loss_mask[sl], agg,
+                                                     cfg=KLConfig(topk=5, importance_weight=True), old_logp=old_logp[sl])
             (pg + 0.5 * kl).backward()
         return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 

@@ -156,7 +156,7 @@ def _engine_matches_policy(trainer) -> float:
     engine_lp = trainer.engine.score([prompt + response], [len(prompt)])[0]
     batch = build_token_batch([prompt], [response], [[1] * len(response)], pad_id=0)
     with torch.no_grad():
-        st = trainer._stats(batch.micro(slice(0, 1)), temperature=1.0, chunk_size=8)
+        st = trainer.policy.stats(batch.micro(slice(0, 1)), temperature=1.0, chunk_size=8)
     return float((torch.tensor(engine_lp) - st.logp[0]).abs().max())
 
 
@@ -186,12 +186,40 @@ def test_weights_reach_the_vllm_engine_before_each_rollout(tmp_path, tiny_model_
 
 @pytest.mark.parametrize("kl_type", ["topk_forward", "exact_reverse"])
 def test_other_kl_estimators_train(tmp_path, tiny_model_dir, kl_type):
-    """Top-k forward KL (indices from the anchor) and the exact full-vocabulary KL run in the loop."""
-    cfg = math_cfg(tmp_path / "run", f"model.policy={tiny_model_dir}", "run.total_steps=1", f"algorithm.kl.type={kl_type}",
-                   "algorithm.kl.topk=8", "algorithm.ema.period=1", "optim.lr=1e-2")
-    history = train(cfg)
-    assert history[0]["actor/updates"] == 2 and history[0]["kl/mean"] == history[0]["kl/mean"]
-    assert history[0]["kl/mean"] > 0  # the second mini-batch moved away from the anchor
+    """Top-k forward KL (indices from the anchor) and the exact full-vocabulary KL run in the loop: in
+    one on-policy update the anchor *is* the policy (KL 0), in two the second moved away from it (the
+    tiny model never scores, so an entropy bonus gives the first update a gradient)."""
+
+    def first_step(mini_batch: int) -> dict:
+        cfg = math_cfg(tmp_path / f"run{mini_batch}", f"model.policy={tiny_model_dir}", "run.total_steps=1",
+                       f"algorithm.kl.type={kl_type}", "algorithm.kl.topk=8", "algorithm.ema.period=1", "optim.lr=1e-2",
+                       f"algorithm.mini_batch_size={mini_batch}", "algorithm.entropy_coef=0.01")
+        return train(cfg)[0]
+
+    one, two = first_step(8), first_step(4)
+    assert one["actor/updates"] == 1 and two["actor/updates"] == 2
+    assert abs(one["kl/mean"]) < 1e-6  # the anchor's statistics are the policy's own at the step's start
+    assert two["kl/mean"] > 1e-5  # the second mini-batch moved away from the anchor
+
+
+@pytest.mark.parametrize("kl_type", ["topk_reverse", "topk_forward"])
+def test_topk_zero_trains_as_the_sampled_estimator(tmp_path, tiny_model_dir, kl_type):
+    """k = 0 (an empty head, every token in the K4/K5 tail) used to stop at the first step with
+    "policy stats carry no top-k logits"; it trains, and its KL is exactly that of the sampled
+    estimator with the IW (tests/trainer/test_kl_kinds.py proves the identity by enumeration)."""
+
+    def run(kind: str, k: int) -> list[dict]:
+        cfg = math_cfg(tmp_path / f"{kind}{k}", f"model.policy={tiny_model_dir}", "run.total_steps=2", "optim.lr=1e-2",
+                       f"algorithm.kl.type={kind}", f"algorithm.kl.topk={k}", "algorithm.kl.importance_weight=true",
+                       "algorithm.ema.period=1", "algorithm.ema.decay=0.5")
+        return train(cfg)
+
+    sampled = {"topk_reverse": "reverse_reinforce", "topk_forward": "forward_importance"}[kl_type]
+    got, want = run(kl_type, 0), run(sampled, 0)
+    assert [h["actor/updates"] for h in got] == [2, 2] and got[-1]["kl/mean"] != 0
+    for g, w in zip(got, want):
+        assert g["kl/mean"] == pytest.approx(w["kl/mean"], rel=1e-5, abs=1e-9)
+        assert g["loss/pg"] == pytest.approx(w["loss/pg"], rel=1e-5, abs=1e-9)
 
 
 def test_gradient_checkpointing_gives_the_same_update(tmp_path, tiny_model_dir):
@@ -217,8 +245,7 @@ def test_fused_on_policy_topk_reverse_equals_the_stored_path(tmp_path, tiny_mode
             with torch.no_grad():  # a distinct anchor, so the KL term has a gradient
                 for t in trainer.anchor.tensors.values():
                     t.mul_(0.9)
-            if not fused:
-                trainer._fused_topk_reverse = lambda n: False
+            trainer.fuse_on_policy_topk = fused
             m = trainer.train_step()
             return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, m
         finally:

@@ -7,7 +7,9 @@ token p = position index, so Σ_p sg(π_sample(p))·L(p) is the exact expectatio
 import pytest
 import torch
 
-from trainer.grpo import LossAggregation, kl_loss
+from trainer.config import KLConfig
+from trainer.grpo import LossAggregation
+from trainer.kl_kinds import get_kl_kind
 from trainer.kl import get_kl_estimator
 from trainer.logprobs import token_stats_from_hidden, token_stats_from_logits
 from trainer.topk_kl import exact_kl, not_in_topk_mask, topk_forward_kl, topk_kl, topk_reverse_kl
@@ -181,7 +183,7 @@ def test_plumbing_old_policy_indices_through_token_stats():
             topk_kl("reverse", cur, other, labels)
 
 
-def test_kl_loss_topk_with_full_vocab_equals_exact_kl_loss():
+def test_topk_kind_with_full_vocab_equals_exact_kind_loss():
     g = torch.Generator().manual_seed(1)
     B, T, Vb = 2, 5, 9
     logits = torch.randn(B, T, Vb, dtype=torch.float64, generator=g).requires_grad_(True)
@@ -193,9 +195,10 @@ def test_kl_loss_topk_with_full_vocab_equals_exact_kl_loss():
     anchor = token_stats_from_logits(ref_logits, labels, topk=Vb).detach()
     policy = token_stats_from_logits(logits, labels, gather_indices=anchor.topk_indices)
     for direction in ("reverse", "forward"):
-        a, _ = kl_loss(f"topk_{direction}", policy=policy, anchor=anchor, labels=labels, loss_mask=mask, agg=agg)
-        b, _ = kl_loss(f"exact_{direction}", policy=policy, anchor=anchor, labels=labels, loss_mask=mask, agg=agg,
-                       policy_logits=logits, anchor_logits=ref_logits)
+        cfg = KLConfig(topk=Vb, importance_weight=False)
+        a, _ = get_kl_kind(f"topk_{direction}").loss(policy, anchor, labels, mask, agg, cfg=cfg)
+        policy.exact_kl = exact_kl(logits, ref_logits, direction=direction)  # what the policy pass computes
+        b, _ = get_kl_kind(f"exact_{direction}").loss(policy, anchor, labels, mask, agg, cfg=cfg)
         assert torch.allclose(a, b, atol=1e-12)
         ga = torch.autograd.grad(a, logits, retain_graph=True)[0]
         gb = torch.autograd.grad(b, logits, retain_graph=True)[0]

@@ -1,4 +1,4 @@
-"""QA metrics: the paper's exact-match reward, token F1, cover-EM and retrieval recall.
+"""The search (QA) task's metrics: the paper's exact-match reward, token F1, cover-EM, retrieval recall.
 
 The normalisation is the SQuAD rule used by Search-R1's ``qa_em.py`` (and therefore by the
 EMA-PG search reward, ALGORITHM.md §4.5): lowercase, drop ASCII punctuation
@@ -13,15 +13,18 @@ Answer extraction departs from the paper in where it looks, not in what it finds
   </answer>`` always supplies one. That rule silently breaks with any prompt whose example
   differs (no example: a correct single answer scores 0; two examples: the prompt's example
   is graded when the model answers nothing).
-* We score the **response only** and take its last match. On the paper's prompt the two
-  rules agree whenever the response holds at least one answer tag.
+* We score **the model's own text only** -- ``Trajectory.model_text``, the decoded spans the
+  model generated (the loss mask's 1s) -- and take its last match. On the paper's prompt the two
+  rules agree whenever the model wrote at least one answer tag.
   ``extract_answer(text, paper_prompt_included=True)`` reproduces the paper's rule on
   prompt + response text, for comparisons with published numbers.
-* :func:`qa_reward` and :func:`qa_scores` first remove the environment's text
-  (:func:`strip_observations`): the ``<information>`` blocks and Search-R1's corrective
-  message, which itself contains ``<answer> and </answer>``. The paper scans them too; as a
-  model answer always ends the trajectory, that changes the exact match only for the gold
-  answer "and", but it would make every invalid-action trajectory look "answered".
+* Text the environment inserted is never read as an answer: the ``<information>`` blocks and
+  Search-R1's corrective message (which itself contains ``<answer> and </answer>``) are not model
+  spans. The paper scans them too; as a model answer always ends the trajectory, that changes the
+  exact match only for the gold answer "and", but it would make every invalid-action trajectory look
+  "answered", and a retrieved passage quoting ``<answer>`` could be scored. Reading spans (not
+  stripping tags out of decoded text) also holds when an observation was cut before its
+  ``</information>`` or a passage contains that tag.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from collections.abc import Iterable, Sequence
 
 __all__ = [
     "normalize_answer",
-    "strip_observations",
     "extract_answer",
     "exact_match",
     "cover_exact_match",
@@ -44,8 +46,6 @@ __all__ = [
 ]
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# An observation block; one cut short (no closing tag) runs to the end of the text.
-_INFORMATION_RE = re.compile(r"<information>.*?(?:</information>|\Z)", re.DOTALL)
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
@@ -56,14 +56,6 @@ def normalize_answer(text: str) -> str:
     text = "".join(ch for ch in text if ch not in _PUNCT)
     text = _ARTICLES_RE.sub(" ", text)
     return " ".join(text.split())
-
-
-def strip_observations(response_text: str) -> str:
-    """The model's own text: ``<information>`` blocks and the invalid-action message removed."""
-    from agent.actions import INVALID_ACTION_MESSAGE
-
-    text = response_text.replace(INVALID_ACTION_MESSAGE.strip(), "")
-    return _INFORMATION_RE.sub("", text)
 
 
 def extract_answer(text: str, *, paper_prompt_included: bool = False) -> str | None:
@@ -143,24 +135,23 @@ def retrieval_recall(passages: Iterable[str], golds: str | Iterable[str]) -> flo
     return 0.0
 
 
-def qa_reward(response_text: str, golds: str | Sequence[str]) -> float:
-    """The search-task reward: exact match of the response's last ``<answer>`` (0.0 if none).
+def qa_reward(model_text: str, golds: str | Sequence[str]) -> float:
+    """The search-task reward: exact match of the model's last ``<answer>`` (0.0 if none).
 
-    Format reward is 0, as in the paper. ``response_text`` is the response only (model turns
-    and observations, e.g. ``Trajectory.response_text``), not the prompt; observations are
-    ignored (see the module docstring).
+    Format reward is 0, as in the paper. ``model_text`` is what the model generated
+    (``Trajectory.model_text``), not the prompt and not the observations (see the module docstring).
     """
-    return exact_match(extract_answer(strip_observations(response_text)), golds)
+    return exact_match(extract_answer(model_text), golds)
 
 
 def qa_scores(
-    response_text: str,
+    model_text: str,
     golds: str | Sequence[str],
     passages: Iterable[str] | None = None,
 ) -> dict[str, float]:
-    """All per-item QA metrics for one response: ``em``, ``f1``, ``cover_em`` and, when the
-    retrieved passages are given, ``retrieval_recall``."""
-    pred = extract_answer(strip_observations(response_text))
+    """All per-item QA metrics for one trajectory's ``model_text``: ``em``, ``f1``, ``cover_em``,
+    ``has_answer`` and, when the retrieved passages are given, ``retrieval_recall``."""
+    pred = extract_answer(model_text)
     scores = {
         "em": exact_match(pred, golds),
         "f1": token_f1(pred, golds),

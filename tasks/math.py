@@ -1,4 +1,4 @@
-"""Math answer extraction and grading (the math reward and the math benchmarks).
+"""The math task: answer extraction and grading (the math reward *and* the math benchmarks' metric).
 
 Extraction follows the paper's grader (rllm ``math_reward.py``, ALGORITHM.md §5):
 
@@ -12,41 +12,40 @@ Extraction follows the paper's grader (rllm ``math_reward.py``, ALGORITHM.md §5
 
 Grading departs from the paper, which used ``grade_answer_mathd`` OR rllm's own sympy check:
 
-* ``grader="math_verify"`` (default): HF math-verify ``parse``/``verify`` on both sides.
-* ``grader="mathd_or_math_verify"``: a MATH-style string normaliser (:func:`mathd_normalize`)
+* ``grader="mathd_or_math_verify"`` (:data:`DEFAULT_GRADER`, the default everywhere: training
+  reward, ``grade_many``, evaluation): a MATH-style string normaliser (:func:`mathd_normalize`)
   first, then math-verify. This is the closest to the paper's grader; it accepts a few
   answers math-verify rejects (for instance a trailing ``\\text{ cm}`` unit on one side).
+* ``grader="math_verify"``: HF math-verify ``parse``/``verify`` on both sides, the stricter
+  common choice.
 
 The grader used is recorded in every results file, because published numbers move by a point
-or more between graders (PRIOR_ART.md §5 item 7).
+or more between graders (ALGORITHM.md §5).
 
 math-verify's own timeouts use ``signal.alarm`` and fail outside the main thread, so they
-are disabled here; grading runs instead in worker *processes* (:class:`GraderPool`) and the
-parent enforces a per-item deadline: a stuck worker is killed and replaced, and the item counts as incorrect
-with reason ``timeout``.
+are disabled here; grading runs instead in worker *processes* (:class:`GraderPool`, a
+:class:`emapg.workers.WorkerPool`) and the parent enforces a per-item deadline: a stuck worker
+is killed and replaced, and the item counts as incorrect with reason ``timeout``.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
+
+from emapg.workers import WorkerPool
 
 __all__ = [
     "Grader",
     "GRADERS",
+    "DEFAULT_GRADER",
     "GradeResult",
     "GraderPool",
     "split_after_think",
@@ -63,6 +62,9 @@ __all__ = [
 
 Grader = Literal["math_verify", "mathd_or_math_verify"]
 GRADERS: tuple[str, ...] = ("math_verify", "mathd_or_math_verify")
+#: The one default of every grading entry point, the training reward's and evaluation's alike: the
+#: check closest to the paper's (ALGORITHM.md §5).
+DEFAULT_GRADER: Grader = "mathd_or_math_verify"
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
-def grade_answer(extracted: str, golds: Sequence[str], grader: Grader = "math_verify") -> tuple[bool, str]:
+def grade_answer(extracted: str, golds: Sequence[str], grader: Grader = DEFAULT_GRADER) -> tuple[bool, str]:
     """Grade one extracted answer against unwrapped golds *in this process, without timeout*.
 
     Returns ``(correct, reason)``. Use :func:`grade_many` for untrusted model output.
@@ -260,191 +262,18 @@ def grade_answer(extracted: str, golds: Sequence[str], grader: Grader = "math_ve
 
 # --------------------------------------------------------------------------- process pool
 
-# Workers are plain ``python -c`` subprocesses talking over two pipes with
-# multiprocessing's framed pickles. Unlike multiprocessing's spawn/forkserver children they
-# never re-import the caller's ``__main__`` (which breaks scripts without a main guard and
-# re-runs notebooks), and they inherit no CUDA or thread state from a training process.
-_BOOT = (
-    "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
-    "from eval.math_grader import _worker_entry; _worker_entry(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])"
-)
 
+class GraderPool(WorkerPool):
+    """A :class:`emapg.workers.WorkerPool` whose workers grade (math-verify imported before the first item).
 
-def _task_name(task: Callable[..., Any]) -> str:
-    name = f"{task.__module__}:{task.__qualname__}"
-    if "<" in name or task.__module__ == "__main__":
-        raise ValueError(f"task must be a module-level function importable by workers, got {name}")
-    return name
-
-
-def _worker_entry(read_fd: int, write_fd: int, task_name: str) -> None:
-    """Worker loop: import the task, announce readiness, run ``task(*args)`` until None."""
-    import importlib
-
-    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    module, qualname = task_name.split(":")
-    task: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        task = getattr(task, part)
-    if task is grade_answer:
-        _load_math_verify()
-    outbox.send(("ready", None))
-    while True:
-        try:
-            args = inbox.recv()
-        except EOFError:  # the parent went away
-            return
-        if args is None:
-            return
-        try:
-            outbox.send(("ok", task(*args)))
-        except Exception as e:  # report, keep serving
-            outbox.send(("error", f"{type(e).__name__}: {e}"))
-
-
-@dataclass
-class _Worker:
-    proc: subprocess.Popen
-    inbox: Connection  # parent reads results here
-    outbox: Connection  # parent sends tasks here
-    ready: bool = False
-    job: int | None = None
-    deadline: float = 0.0
-
-
-class GraderPool:
-    """Worker processes running ``task(*args)`` with a per-item deadline enforced here.
-
-    ``map(items, timeout)`` returns, per item, ``("ok", value)``, ``("error", message)`` or
-    ``("timeout", None)``. A worker that overruns its deadline or dies is killed and replaced,
-    so one pathological input costs one item, never the batch. Thread-safe (one map at a time).
-
-    Args:
-        workers: number of worker processes (started on first use, kept until ``close``).
-        task: a module-level function; workers import it by name.
-        startup_timeout: seconds a new worker may take to import the task (math-verify and
-            sympy take a few seconds on a busy machine).
+    ``task`` may be any module-level function (the pool is generic); it defaults to :func:`grade_answer`.
     """
 
+    what = "grader worker"
+
     def __init__(self, workers: int = 2, task: Callable[..., Any] = grade_answer, startup_timeout: float = 120.0) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        self._task_name = _task_name(task)
-        self._n = workers
-        self._startup_timeout = startup_timeout
-        self._workers: list[_Worker] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self.timeouts = 0  # items that hit their deadline, over the pool's life
-        self.restarts = 0  # workers killed and replaced
-
-    def _start_worker(self) -> _Worker:
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(to_child_r), str(from_child_w), self._task_name],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
-        w = _Worker(proc=proc, inbox=Connection(from_child_r, writable=False), outbox=Connection(to_child_w, readable=False))
-        w.deadline = time.monotonic() + self._startup_timeout
-        return w
-
-    @staticmethod
-    def _kill(w: _Worker) -> None:
-        if w.proc.poll() is None:
-            w.proc.kill()
-        w.proc.wait(timeout=10)
-        w.inbox.close()
-        w.outbox.close()
-
-    def _replace(self, w: _Worker) -> None:
-        self._kill(w)
-        self._workers[self._workers.index(w)] = self._start_worker()
-        self.restarts += 1
-
-    def map(self, items: Sequence[tuple], timeout: float) -> list[tuple[str, Any]]:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("GraderPool is closed")
-            while len(self._workers) < min(self._n, max(1, len(items))):
-                self._workers.append(self._start_worker())
-            return self._run(list(items), timeout)
-
-    def _run(self, items: list[tuple], timeout: float) -> list[tuple[str, Any]]:
-        results: list[tuple[str, Any] | None] = [None] * len(items)
-        pending = deque(range(len(items)))
-        remaining = len(items)
-        while remaining:
-            for w in self._workers:
-                if w.ready and w.job is None and pending:
-                    w.job = pending.popleft()
-                    w.deadline = time.monotonic() + timeout
-                    w.outbox.send(items[w.job])
-            now = time.monotonic()
-            first_deadline = min(w.deadline for w in self._workers)
-            wait_for = None if first_deadline == float("inf") else max(0.0, first_deadline - now)
-            readable = set(wait([w.inbox for w in self._workers], timeout=wait_for))
-            for w in list(self._workers):
-                if w.inbox in readable:
-                    try:
-                        kind, value = w.inbox.recv()
-                    except (EOFError, OSError):
-                        code = w.proc.wait(timeout=10)
-                        if not w.ready:  # it cannot even start: retrying would loop forever
-                            raise RuntimeError(
-                                f"grader worker for {self._task_name} exited with code {code} during startup; "
-                                "see its stderr above"
-                            ) from None
-                        if w.job is not None:
-                            results[w.job] = ("error", f"worker died (exit code {code})")
-                            remaining -= 1
-                        self._replace(w)
-                        continue
-                    if kind == "ready":
-                        w.ready = True
-                        w.deadline = float("inf")
-                    else:
-                        results[w.job] = (kind, value)
-                        remaining -= 1
-                        w.job = None
-                        w.deadline = float("inf")
-                elif time.monotonic() >= w.deadline:
-                    if not w.ready:
-                        raise RuntimeError(f"grader worker did not start within {self._startup_timeout:.0f} s")
-                    results[w.job] = ("timeout", None)
-                    remaining -= 1
-                    self.timeouts += 1
-                    self._replace(w)
-        return results  # type: ignore[return-value]
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            for w in self._workers:
-                try:
-                    w.outbox.send(None)
-                except OSError:
-                    pass
-            for w in self._workers:
-                try:
-                    w.proc.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    pass
-                self._kill(w)
-            self._workers.clear()
-
-    def __enter__(self) -> GraderPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(workers, task, warmup=_load_math_verify if task is grade_answer else None,
+                         startup_timeout=startup_timeout)
 
 
 _shared: dict[int, GraderPool] = {}
@@ -479,7 +308,7 @@ def grade_many(
     golds: Sequence[str | float | Sequence[str]],
     timeout: float = 5.0,
     workers: int | None = None,
-    grader: Grader = "math_verify",
+    grader: Grader = DEFAULT_GRADER,
     pool: GraderPool | None = None,
 ) -> list[GradeResult]:
     """Grade full responses ``preds`` against ``golds`` (one gold or gold list per pred).
@@ -509,6 +338,6 @@ def grade_many(
     return out
 
 
-def math_reward(response_text: str, gold: str | float | Sequence[str], grader: Grader = "math_verify") -> float:
+def math_reward(response_text: str, gold: str | float | Sequence[str], grader: Grader = DEFAULT_GRADER) -> float:
     """The math-task reward: 1.0 if the response's final boxed answer is correct, else 0.0."""
     return float(grade_many([response_text], [gold], grader=grader)[0].correct)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from eval.math_grader import (
+from tasks.math import (
     GradeResult,
     GraderPool,
     extract_math_answer,
@@ -154,3 +154,21 @@ def test_pool_rejects_bad_arguments():
     with GraderPool(workers=1, task=sleepy_task) as pool:
         with pytest.raises(ValueError):
             pool.map([(0.0, 1)], timeout=0)
+
+
+def test_one_default_grader_for_training_evaluation_and_grade_many():
+    """Regression: grade_many defaulted to math_verify while training and evaluation used mathd_or_math_verify."""
+    import inspect
+
+    from eval.protocols import EvalProtocol
+    from tasks.math import DEFAULT_GRADER, grade_answer
+    from tasks.rewards import compute_rewards, math_rewards
+    from trainer.config import RewardConfig
+
+    assert DEFAULT_GRADER == "mathd_or_math_verify" == RewardConfig().math_grader == EvalProtocol().grader
+    for func, param in ((grade_many, "grader"), (grade_answer, "grader"), (math_reward, "grader"),
+                        (math_rewards, "grader"), (compute_rewards, "math_grader")):
+        assert inspect.signature(func).parameters[param].default == DEFAULT_GRADER, func.__name__
+    # and it is the grader that runs: only the mathd check accepts a unit on one side
+    (res,) = grade_many(["so \\boxed{2\\text{ cm}}"], ["2"], workers=1)
+    assert res.correct and res.reason == "mathd"

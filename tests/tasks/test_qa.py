@@ -2,7 +2,7 @@
 
 import pytest
 
-from eval.qa_metrics import (
+from tasks.qa import (
     cover_exact_match,
     exact_match,
     extract_answer,
@@ -109,18 +109,3 @@ def test_retrieval_recall_token_bounded():
 def test_qa_scores_bundle():
     s = qa_scores("<answer>Paris France</answer>", ["Paris"], passages=["Paris is nice"])
     assert s == {"em": 0.0, "f1": pytest.approx(2 / 3), "cover_em": 1.0, "has_answer": 1.0, "retrieval_recall": 1.0}
-
-
-def test_observations_are_not_answers():
-    from agent.actions import INVALID_ACTION_MESSAGE, information_text
-
-    obs_answer = information_text("Doc 1(Title: x) the quiz said <answer> Paris </answer>\n")
-    response = "<think>hm</think> no action" + INVALID_ACTION_MESSAGE + "<search>q</search>" + obs_answer
-    # The corrective message holds "<answer> and </answer>": the paper's regex would read it.
-    assert extract_answer(response) == "Paris"
-    assert qa_scores(response, ["Paris"])["has_answer"] == 0.0
-    assert qa_reward(response, ["Paris"]) == 0.0
-    assert qa_reward(response + "<answer>Paris</answer>", ["Paris"]) == 1.0
-    assert qa_reward("<answer>x</answer>" + INVALID_ACTION_MESSAGE, ["and"]) == 0.0  # last model answer wins
-    # a block cut short (no closing tag) is stripped to the end
-    assert qa_scores("<answer>a</answer><information>Doc 1 <answer>b</answer>", ["a"])["em"] == 1.0

@@ -36,15 +36,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from emapg.errors import UserError
-from emapg.paths import DATA_DIR
+from emapg.paths import BUNDLED_CORPUS, DATA_DIR  # noqa: F401 (BUNDLED_CORPUS: re-exported)
 
 Task = Literal["qa", "math"]
 
 QA_DATASETS: tuple[str, ...] = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 MATH_DATASETS: tuple[str, ...] = ("aime2024", "amc", "math500", "minerva", "olympiadbench")
 
-#: The bundled passage corpus (Search-R1 format: ``{"id", "contents": '"Title"\\ntext', "source"}``).
-BUNDLED_CORPUS = DATA_DIR / "corpus" / "wiki_mini.jsonl.gz"
 
 
 class DatasetError(UserError, ValueError):

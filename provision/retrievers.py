@@ -1,0 +1,146 @@
+"""Open a retriever for a run: connect to running servers, or launch one on an index and connect.
+
+One function, :func:`open_retriever`, for training, evaluation and the demo:
+
+* ``urls`` given (one server or several replicas) -> a :class:`retriever.client.RetrieverClient`
+  over them, load-balanced with failover;
+* else ``index_dir`` -> start ``emapg serve`` on it (:class:`retriever.launch.RetrieverServer`, a free
+  127.0.0.1 port) and connect to it; the server stops when the retriever is closed.
+
+The API key comes from an environment variable (``api_key_env``), never from a command line (``ps``
+shows argv) or a config file. Under ``torchrun`` only one rank should start a server: pass
+``launch=False`` on the others and a ``share_url`` callable that hands rank 0's URL to every rank (a
+broadcast, which the caller owns); every rank then connects to the same server.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from emapg.errors import ConfigError, UserError
+
+__all__ = ["OpenRetriever", "open_retriever", "api_key_from_env"]
+
+
+def api_key_from_env(env: str | None, *, config_key: str = "retriever.api_key_env") -> str | None:
+    """The key held by environment variable ``env`` (None when ``env`` is None); a named but unset
+    variable is a :class:`ConfigError` naming ``config_key``."""
+    if not env:
+        return None
+    key = os.environ.get(env)
+    if not key:
+        raise ConfigError(f"{config_key}: ${env} is not set")
+    return key
+
+
+class OpenRetriever:
+    """A connected retriever and, when this process started it, its server.
+
+    Pass it wherever a retriever is expected (``retrieve(queries, topk=...)``); :meth:`close` (or
+    leaving the ``with`` block) closes the client and stops a server it launched.
+    """
+
+    def __init__(self, client, server=None, description: str = "") -> None:
+        self.client = client
+        self.server = server
+        self.description = description  # "http://..." or "started on <index>", for run records
+
+    @property
+    def urls(self) -> list[str]:
+        return self.client.urls
+
+    def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
+        return self.client.retrieve(queries, topk=topk)
+
+    def health(self) -> dict:
+        return self.client.health()
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+
+    def __enter__(self) -> OpenRetriever:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_retriever(
+    *,
+    urls: Sequence[str] = (),
+    index_dir: str | Path | None = None,
+    topk: int = 3,
+    timeout: float = 30.0,
+    retries: int = 3,
+    api_key_env: str | None = None,
+    api_key: str | None = None,
+    launch: bool = True,
+    share_url: Callable[[str | None], str] | None = None,
+    check: bool = True,
+    log_path: str | Path | None = None,
+) -> OpenRetriever:
+    """Connect to ``urls``, or serve ``index_dir`` and connect to it.
+
+    Args:
+        urls: base URLs of running servers (several = replicas); takes precedence over ``index_dir``.
+        index_dir: a finished index (``meta.json`` present) to serve for the caller's lifetime.
+        topk: the launched server's default passages per query.
+        timeout, retries: per request, for the client.
+        api_key_env: environment variable holding the API key (the launched server requires it too);
+            ``api_key`` gives the key itself instead.
+        launch: whether *this* process may start the server; False on all but one rank.
+        share_url: called with the launched server's URL (None where ``launch`` is False) and returns
+            the URL every caller connects to -- a broadcast from the launching rank.
+        check: ask ``/health`` before returning, so an unreachable server fails here, readably.
+        log_path: the launched server's log file (default: a temp file).
+    """
+    if api_key_env:
+        api_key = api_key_from_env(api_key_env)
+    from retriever.client import RetrieverClient
+
+    server = None
+    url_list = [urls] if isinstance(urls, str) else list(urls)
+    if url_list:
+        description = ", ".join(url_list)
+    else:
+        if index_dir is None:
+            raise ConfigError("a retriever needs server URLs or an index folder to serve")
+        index = Path(index_dir).expanduser()
+        url = None
+        if launch:
+            if not (index / "meta.json").is_file():
+                raise UserError(f"{index} is not a finished index (no meta.json); build one with `emapg index build`")
+            from retriever.launch import RetrieverServer
+
+            server = RetrieverServer(index, topk=topk, api_key=api_key, log_path=log_path).start()
+            url = server.url
+        try:
+            url_list = [share_url(url) if share_url is not None else url]
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
+        if url_list[0] is None:
+            raise ValueError("launch=False needs a share_url that returns the launching process's URL")
+        description = f"started on {index}"
+    try:
+        client = RetrieverClient(url_list, timeout=timeout, retries=retries, api_key=api_key)
+    except ValueError as e:  # a malformed URL
+        if server is not None:
+            server.stop()
+        raise ConfigError(f"retriever URL: {e}") from None
+    opened = OpenRetriever(client, server, description)
+    if check:
+        try:
+            client.health()
+        except Exception as e:
+            opened.close()
+            raise UserError(f"retrieval server at {', '.join(url_list)} is not reachable: {e}") from None
+    return opened

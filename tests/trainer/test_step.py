@@ -1,0 +1,217 @@
+"""The pure step (trainer/step.py): compute_loss against the analytic gradient, and the PPO update.
+
+``compute_loss`` on a tiny softmax policy (one logit vector θ shared by every position, sampled
+token p = position) in float64: its gradient must equal the hand-derived PPO gradient
+Σ_unclipped −A·ρ·(e_p − πθ) / N plus β times the KL kind's gradient. ``ppo_update`` runs on the
+real tiny Qwen2 (micro-batch invariance, non-finite skips, gradient clipping).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from emapg.config import load_config
+from emapg.paths import CONFIG_DIR
+from trainer.batch import MicroBatch, build_token_batch
+from trainer.config import AlgorithmConfig, KLConfig, TrainConfig
+from trainer.grpo import LossAggregation, broadcast_advantages
+from trainer.logprobs import token_stats_from_logits
+from trainer.step import compute_loss
+from trainer.topk_kl import exact_kl_from_hidden
+
+V = 6
+
+
+def _softmax_case(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    theta = (torch.randn(V, dtype=torch.float64, generator=g)).requires_grad_(True)
+    old_logits = theta.detach() + 0.6 * torch.randn(V, dtype=torch.float64, generator=g)  # some ratios clip
+    ref_logits = theta.detach() + 0.5 * torch.randn(V, dtype=torch.float64, generator=g)
+    labels = torch.arange(V).repeat(2, 1)  # (2, V): two rows, every token once
+    mask = torch.ones(2, V, dtype=torch.float64)
+    mask[1, 1] = 0  # an observation token
+    adv = torch.tensor([1.5, -0.75], dtype=torch.float64)  # exact in float32 (token advantages are float32)
+    ids = torch.cat([torch.zeros(2, 1, dtype=torch.long), labels], 1)  # one prompt column
+    mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask, response_width=V, stored={})
+    return theta, old_logits, ref_logits, labels, mask, adv, mb
+
+
+def _analytic_pg_grad(theta, old_logits, labels, mask, adv, clip_low, clip_high):
+    """∂/∂θ of token-mean PPO: −A·ρ·(e_p − π)/N on tokens where the unclipped branch is taken."""
+    pi = torch.softmax(theta.detach(), -1)
+    lp, lo = torch.log_softmax(theta.detach(), -1), torch.log_softmax(old_logits, -1)
+    grad = torch.zeros(V, dtype=torch.float64)
+    n = float(mask.sum())
+    for b in range(labels.shape[0]):
+        a = float(adv[b])
+        for t in range(labels.shape[1]):
+            if not mask[b, t]:
+                continue
+            p = int(labels[b, t])
+            rho = math.exp(float(lp[p] - lo[p]))
+            clipped = (a > 0 and rho > 1 + clip_high) or (a < 0 and rho < 1 - clip_low)
+            if not clipped:
+                e = torch.zeros(V, dtype=torch.float64)
+                e[p] = 1.0
+                grad += -a * rho * (e - pi) / n
+    return grad
+
+
+def _exact_kl_grad(theta, ref_logits, direction):
+    lp, lq = torch.log_softmax(theta.detach(), -1), torch.log_softmax(ref_logits, -1)
+    p, q = lp.exp(), lq.exp()
+    if direction == "reverse":
+        return p * (lp - lq - (p * (lp - lq)).sum())  # ∂/∂θ Σ p (lp − lq)
+    return p - q  # ∂/∂θ Σ q (lq − lp)
+
+
+@pytest.mark.parametrize("kl_type", [None, "exact_reverse", "exact_forward", "k3"])
+def test_compute_loss_gradient_is_the_analytic_pg_plus_beta_kl_gradient(kl_type):
+    theta, old_logits, ref_logits, labels, mask, adv, mb = _softmax_case(1)
+    beta = 0.3
+    alg = AlgorithmConfig(clip_low=0.2, clip_high=0.28,
+                          kl=KLConfig(enabled=kl_type is not None, type=kl_type or "k3", coef=beta, importance_weight=False))
+    z = theta.expand(2, V, V)
+    policy = token_stats_from_logits(z, labels)
+    lq = torch.log_softmax(ref_logits, -1)
+    stored = {"old_logp": torch.log_softmax(old_logits, -1)[labels], "advantages": broadcast_advantages(adv, mask).double(),
+              "ref_logp": lq[labels], "ref_logsumexp": ref_logits.logsumexp(-1).expand(2, V)}
+    if kl_type and kl_type.startswith("exact"):
+        one = torch.ones(2, V, 1, dtype=torch.float64)
+        policy.exact_kl = exact_kl_from_hidden(one, theta[:, None], one, ref_logits[:, None], direction=kl_type.split("_")[1])
+    agg = LossAggregation.for_batch("token-mean", mask)
+    loss, metrics = compute_loss(policy, mb, stored, alg, agg)
+    grad = torch.autograd.grad(loss, theta)[0]
+    want = _analytic_pg_grad(theta, old_logits, labels, mask, adv, 0.2, 0.28)
+    assert float(metrics["pg_clipfrac"]) > 0  # the clipped branch is exercised
+    if kl_type and kl_type.startswith("exact"):
+        want = want + beta * _exact_kl_grad(theta, ref_logits, kl_type.split("_")[1])
+    elif kl_type == "k3":  # per token: w − log w − 1, w = πref(p)/πθ(p) → ∂/∂θ = (1 − w)(e_p − π), token mean
+        pi = torch.softmax(theta.detach(), -1)
+        for b in range(2):
+            for t in range(V):
+                if mask[b, t]:
+                    p = int(labels[b, t])
+                    w = math.exp(float(lq[p] - torch.log_softmax(theta.detach(), -1)[p]))
+                    e = torch.zeros(V, dtype=torch.float64)
+                    e[p] = 1.0
+                    want = want + beta * (1 - w) * (e - pi) / float(mask.sum())
+    assert torch.allclose(grad, want, atol=1e-12, rtol=0)
+    if kl_type:
+        assert float(metrics["kl"]) != 0.0
+
+
+def test_compute_loss_on_policy_uses_the_pass_itself_as_pi_old():
+    theta, _, ref_logits, labels, mask, adv, mb = _softmax_case(2)
+    policy = token_stats_from_logits(theta.expand(2, V, V), labels, entropy=True)
+    stored = {"advantages": broadcast_advantages(adv, mask).double()}
+    alg = AlgorithmConfig(entropy_coef=0.0, kl=KLConfig(enabled=False))
+    loss, m = compute_loss(policy, mb, stored, alg, LossAggregation.for_batch("token-mean", mask))
+    assert float(m["ratio_mean"]) == 1.0 and float(m["pg_clipfrac"]) == 0.0
+    grad = torch.autograd.grad(loss, theta)[0]  # ρ = 1: −A (e_p − π) / N
+    want = _analytic_pg_grad(theta, theta.detach(), labels, mask, adv, 0.2, 0.28)
+    assert torch.allclose(grad, want, atol=1e-12, rtol=0)
+
+
+# ------------------------------------------------------------------ ppo_update on the tiny Qwen2
+
+
+def _update_cfg(model_dir, *extra: str) -> TrainConfig:
+    return load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [
+        f"model.policy={model_dir}", "data.prompts_per_step=2", "rollout.n_samples=4", "algorithm.mini_batch_size=8",
+        "optim.lr=1e-2", "algorithm.kl.type=topk_reverse", "algorithm.kl.topk=4", "algorithm.kl.coef=0.5", *extra,
+    ])
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    responses = [torch.randint(5, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    masks = [[1] * len(r) for r in responses]
+    masks[0][1] = 0
+    batch = build_token_batch(prompts, responses, masks, pad_id=0)
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0, -0.5, 2.0, -2.0, 0.3])
+    batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
+    return batch
+
+
+def _run_update(model_dir, *extra, corrupt=None):
+    from trainer import distributed as D
+    from trainer.policy import build_policy
+    from trainer.step import ppo_update
+    from trainer.stored_stats import compute_stored_stats, plan_stored_stats
+
+    torch.manual_seed(0)
+    cfg = _update_cfg(model_dir, *extra)
+    policy = build_policy(cfg, D.DistInfo(), str(model_dir), bf16=False)
+    with torch.no_grad():  # a distinct anchor, so the KL term has a gradient
+        for t in policy.anchor.tensors.values():
+            t.mul_(0.9)
+    batch = _batch(policy.model.config.vocab_size)
+    plan = plan_stored_stats(cfg, on_policy=False, fuse=False)
+    compute_stored_stats(batch, plan, policy, cfg, torch.device("cpu"))
+    if corrupt is not None:
+        corrupt(batch)
+    warnings: list[str] = []
+    result = ppo_update(batch, policy, plan, cfg, D.DistInfo(), warn=warnings.append)
+    assert result.sums.local()["update/tokens"] == float(batch.loss_mask.sum()) * cfg.algorithm.ppo_epochs
+    return policy, result, warnings
+
+
+def test_ppo_update_is_the_same_for_any_micro_batch_size(tiny_model_dir):
+    """Token-mean loss normalised for the whole mini-batch: 8 micro-batches of 1 == 1 of 8 (and 2 of 4).
+
+    AdamW with eps = 1 and lr = 1 makes the step ≈ 0.1·gradient (linear), so float-order noise in
+    near-zero gradients is not blown up to lr-sized steps and the weights compare tightly."""
+    from safetensors.torch import load_file
+
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    weights, norms = {}, {}
+    for micro in (1, 4, 8):
+        policy, result, _ = _run_update(tiny_model_dir, f"algorithm.micro_batch_size={micro}", "optim.lr=1.0",
+                                        "optim.eps=1.0", "optim.weight_decay=0")
+        assert result.updates == 1 and result.skipped == 0
+        weights[micro] = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+        norms[micro] = result.grad_norms[0]
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert (weights[8][key] - initial[key]).abs().max() > 1e-4  # the update is real
+    for micro in (1, 4):
+        assert norms[micro] == pytest.approx(norms[8], rel=1e-5)
+        for k, v in weights[8].items():
+            torch.testing.assert_close(weights[micro][k], v, atol=1e-7, rtol=1e-5)
+
+
+def test_ppo_update_skips_a_non_finite_step_and_changes_nothing(tiny_model_dir):
+    def poison(batch):
+        batch.stored["advantages"][2, 0] = float("nan")  # a trained token
+
+    policy, result, warnings = _run_update(tiny_model_dir, "algorithm.micro_batch_size=4", corrupt=poison)
+    assert result.updates == 0 and result.skipped == 1 and result.grad_norms == []
+    assert len(warnings) == 1 and "update skipped" in warnings[0]
+    assert all(p.grad is None for p in policy.parameters())
+    assert not policy.optimizer.state  # AdamW never stepped
+
+
+def test_ppo_update_masked_nan_does_not_skip(tiny_model_dir):
+    """A NaN advantage on an observation token is masked out: the update goes ahead."""
+    def poison(batch):
+        batch.stored["advantages"][0, 1] = float("nan")  # loss_mask[0, 1] == 0
+
+    _, result, warnings = _run_update(tiny_model_dir, "algorithm.micro_batch_size=4", corrupt=poison)
+    assert result.updates == 1 and result.skipped == 0 and not warnings
+    assert all(math.isfinite(g) for g in result.grad_norms)
+
+
+def test_ppo_update_mini_batches_and_epochs(tiny_model_dir):
+    _, result, _ = _run_update(tiny_model_dir, "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+                               "algorithm.ppo_epochs=2")
+    assert result.updates == 4 and len(result.grad_norms) == 4  # 8 rows / 4 per step, twice
+
+
+def test_ppo_update_reports_the_norm_before_clipping(tiny_model_dir):
+    _, clipped, _ = _run_update(tiny_model_dir, "optim.grad_clip=1e-6")
+    _, free, _ = _run_update(tiny_model_dir, "optim.grad_clip=0")
+    assert clipped.grad_norms == pytest.approx(free.grad_norms, rel=1e-6) and free.grad_norms[0] > 1e-6

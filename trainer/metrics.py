@@ -1,0 +1,131 @@
+"""A step's metrics: named per-rank sums, reduced across ranks in one all-reduce, then turned into means.
+
+Every rank adds what it saw to one :class:`MetricSums` (rollout sums from
+:func:`rollout_sums`, update sums from :func:`trainer.step.ppo_update`); :meth:`MetricSums.reduce`
+sums them over ranks with a single collective, and :func:`step_metrics` derives the logged values
+(``reward/mean``, ``loss/clip_frac``, ``kl/mean``, ...), global over all ranks' trajectories.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from trainer import distributed as D
+from trainer.batch import TokenBatch
+
+__all__ = ["MetricSums", "rollout_sums", "step_metrics", "rollout_metrics", "update_metrics"]
+
+
+class MetricSums:
+    """Named float sums of one step on this rank.
+
+    Every rank of a run must add the same names (they follow from the config, not the data): the
+    reduction sums one float64 vector laid out by the sorted names.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + float(value)
+
+    def merge(self, other: "MetricSums") -> "MetricSums":
+        for name, value in other._sums.items():
+            self.add(name, value)
+        return self
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._sums
+
+    def local(self) -> dict[str, float]:
+        return dict(self._sums)
+
+    def reduce(self) -> dict[str, float]:
+        """The sums over all ranks (one ``all_reduce``; the local sums when running alone)."""
+        names = sorted(self._sums)
+        total = D.all_reduce_sum(torch.tensor([self._sums[k] for k in names], dtype=torch.float64))
+        return dict(zip(names, total.tolist()))
+
+
+def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any], stats: Any,
+                 reward_counts: Mapping[str, float], batch: TokenBatch) -> MetricSums:
+    """Reward, length, search and time sums of this rank's rollout batch (group-major ``rewards`` ``(N,)``)."""
+    from trainer.rollouts import trajectory_stats
+
+    t = trajectory_stats(trajectories, stats)
+    grouped = rewards.view(-1, group_size)
+    sums = MetricSums()
+    for name, value in {
+        "rollout/trajectories": float(len(rewards)),
+        "rollout/reward_sum": float(rewards.sum()),
+        "rollout/reward_sq_sum": float((rewards * rewards).sum()),
+        "rollout/response_tokens": float(batch.response_lens.sum()),
+        "rollout/model_tokens": float(batch.loss_mask.sum()),
+        "rollout/searches": t["searches"],
+        "rollout/search_failures": t["search_failures"],
+        "rollout/turns": t["turns"],
+        "rollout/truncated": t["truncated"],
+        "rollout/generation_s": t["generation_time"],
+        "rollout/retrieval_s": t["retrieval_time"],
+        "rollout/zero_variance_groups": float((grouped.min(1).values == grouped.max(1).values).sum()),
+        "rollout/groups": float(grouped.shape[0]),
+        "rollout/tokens": float(batch.response_lens.sum() + batch.prompt_lens.sum()),
+        **{f"reward/{key}": value for key, value in reward_counts.items()},
+    }.items():
+        sums.add(name, value)
+    return sums
+
+
+def step_metrics(s: Mapping[str, float], **update: Any) -> dict[str, float]:
+    """The logged metrics of a step from its rank-summed sums ``s`` (timings are added by the caller):
+    :func:`rollout_metrics` and :func:`update_metrics` (``update``: its keyword arguments)."""
+    return {**rollout_metrics(s), **update_metrics(s, **update)}
+
+
+def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
+    """Means over all ranks' trajectories of the rollout sums of :func:`rollout_sums` (+ ``rollout/entropy_sum``)."""
+    n = s["rollout/trajectories"]
+    mean = s["rollout/reward_sum"] / n
+    model_tokens = s["rollout/model_tokens"]
+    return {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(s["rollout/reward_sq_sum"] / n - mean * mean, 0.0)),
+        "reward/zero_variance_groups": s["rollout/zero_variance_groups"] / max(s["rollout/groups"], 1.0),
+        "response/length_mean": s["rollout/response_tokens"] / n,
+        "response/model_tokens_mean": model_tokens / n,
+        "response/truncated_frac": s["rollout/truncated"] / n,
+        "actor/entropy": s["rollout/entropy_sum"] / max(model_tokens, 1.0),
+        "search/per_traj": s["rollout/searches"] / n,
+        "search/failures": s["rollout/search_failures"],
+        "search/turns_per_traj": s["rollout/turns"] / n,
+        **{name: value for name, value in s.items() if name.startswith("reward/")},
+    }
+
+
+def update_metrics(s: Mapping[str, float], *, world_size: int, grad_norms: list[float], updates: int, skipped: int,
+                   lr: float, kl_enabled: bool) -> dict[str, float]:
+    """The ``loss/*``, ``actor/*`` and ``kl/*`` metrics of a PPO update from its rank-summed ``update/*`` sums.
+
+    ``loss/pg`` and ``kl/loss`` are the mean over optimizer steps of the aggregated loss terms (each
+    rank's term is normalised for the global mini-batch times the data-parallel size, hence the
+    division by ``world_size``); ``actor/grad_norm`` is the mean over the updates that were applied.
+    """
+    tokens = max(s["update/tokens"], 1.0)
+    steps = max(updates + skipped, 1)
+    out = {
+        "loss/clip_frac": s["update/clipfrac_sum"] / tokens,
+        "loss/ppo_kl": s["update/ppo_kl_sum"] / tokens,
+        "loss/ratio_mean": s["update/ratio_sum"] / tokens,
+        "loss/pg": s["update/pg_loss"] / world_size / steps,
+        "actor/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "actor/lr": lr,
+        "actor/updates": float(updates),
+        "actor/skipped_updates": float(skipped),
+    }
+    if kl_enabled:
+        out["kl/mean"] = s["update/kl_token_sum"] / tokens
+        out["kl/loss"] = s["update/kl_loss"] / world_size / steps
+    return out

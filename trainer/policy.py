@@ -1,0 +1,273 @@
+"""The trained policy: model build, FSDP2, optimizer, LR schedule, EMA anchor, and its forwards.
+
+:func:`build_policy` is the one place a policy is built from ``model.*``/``optim.*``/
+``algorithm.ema.*`` (LoRA lands here: wrap the model, make the anchor track the adapters, and
+merge them in :meth:`Policy.export_weights`).  :class:`Policy` runs it: the differentiable
+statistics pass (:meth:`Policy.stats`), the anchor's no-grad passes (:meth:`Policy.anchor_stats`,
+:meth:`Policy.anchor_hidden`), the anchor's lm_head for the exact KL (:meth:`Policy.exact_kl_anchor`)
+and the full weights for the engine and checkpoints (:meth:`Policy.export_weights`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from emapg.config import ConfigError
+from trainer import distributed as D
+from trainer.batch import MicroBatch
+from trainer.config import TrainConfig
+from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, causal_lm_hidden, token_stats_from_hidden
+from trainer.topk_kl import ExactKLAnchor, exact_kl_from_hidden
+
+__all__ = ["PolicyForward", "Policy", "build_policy", "use_bf16", "linear_warmup_constant"]
+
+
+class PolicyForward(torch.nn.Module):
+    """The trainer's only entry into the policy: token statistics or final hidden states.
+
+    Why a wrapper: the fused log-prob path runs the decoder body and then uses the lm_head
+    *weight* directly (no ``(T, V)`` logits), so the HF model's own ``forward`` never runs.
+    Under FSDP2 the root unit must be a module whose forward is called, so that its parameters
+    (embeddings, final norm, lm_head) are all-gathered for the pass and their gradients
+    reduce-scattered after backward; this wrapper is that root.  For the same reason the exact
+    KL against the anchor is computed in here: the lm_head weight is unsharded only inside.
+    """
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int, *,
+                hidden_only: bool = False, share_prompt: bool = False, exact_kl_to: ExactKLAnchor | None = None,
+                **stats_kwargs: Any) -> tuple[torch.Tensor | None, ...]:
+        """``hidden_only``: ``(hidden,)``, the final hidden states ``(B, T, H)``; else the fields of
+        :class:`trainer.logprobs.TokenStats` as a tuple (FSDP hooks see plain tensors), ``exact_kl``
+        computed when ``exact_kl_to`` is given."""
+        hidden, head = causal_lm_hidden(self.lm, input_ids, attention_mask, num_response_tokens, share_prompt=share_prompt)
+        if hidden_only:
+            return (hidden,)
+        st = token_stats_from_hidden(hidden, head.weight, input_ids[:, -num_response_tokens:], bias=head.bias, **stats_kwargs)
+        kl = None
+        if exact_kl_to is not None:
+            a = exact_kl_to
+            kl = exact_kl_from_hidden(
+                hidden, head.weight, a.hidden, a.weight, bias=head.bias, ref_bias=a.bias, direction=a.direction,
+                temperature=stats_kwargs.get("temperature", 1.0), chunk_size=stats_kwargs.get("chunk_size", DEFAULT_CHUNK_SIZE),
+            )
+        return st.logp, st.logsumexp, st.topk_logits, st.topk_indices, st.entropy, kl
+
+
+def linear_warmup_constant(warmup_steps: int):
+    """LR multiplier: linear from 1/(w+1) up to 1 over ``warmup_steps`` steps, then 1 (paper search §3.1)."""
+
+    def factor(step: int) -> float:
+        if warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (step + 1) / (warmup_steps + 1))
+
+    return factor
+
+
+def use_bf16(cfg: TrainConfig, dev: torch.device) -> bool:
+    """Whether training computes in bf16 (``run.precision``), after checking the device can."""
+    if cfg.run.device == "cuda" and dev.type != "cuda":
+        raise ConfigError("run.device=cuda but no CUDA device is available")
+    bf16 = cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and dev.type == "cuda")
+    if bf16 and dev.type != "cuda":
+        raise ConfigError("run.precision=bf16 needs a CUDA device (CPU training runs in fp32)")
+    return bf16
+
+
+class Policy:
+    """The model being trained (``model``, its FSDP root ``forward``), ``optimizer``, ``scheduler`` and
+    the EMA ``anchor`` (``None`` without a KL term). Built by :func:`build_policy`."""
+
+    def __init__(self, model: torch.nn.Module, forward: PolicyForward, *, fsdp: bool, bf16: bool,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, anchor: Any, share_prompt: bool) -> None:
+        self.model, self.forward, self.fsdp, self.bf16 = model, forward, fsdp, bf16
+        self.optimizer, self.scheduler, self.anchor = optimizer, scheduler, anchor
+        self.share_prompt = share_prompt
+        # The anchor's names of the lm_head tensors, taken now: FSDP2 registers the sharded parameters
+        # between passes but the unsharded ones after a no-grad forward of the root.
+        head = model.get_output_embeddings()
+        self._head_names = [] if anchor is None else [anchor.name_of(p) for p in (head.weight, head.bias) if p is not None]
+        self._anchor_params: dict[str, tuple[torch.Tensor, torch.dtype, torch.device]] | None = None
+        self._anchor_head: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
+
+    def parameters(self):
+        return self.forward.parameters()
+
+    def autocast(self):
+        if self.bf16 and not self.fsdp:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def stats(self, mb: MicroBatch, **kwargs: Any) -> TokenStats:
+        """The policy's statistics on a micro-batch (differentiable unless under ``no_grad``);
+        ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``."""
+        with self.autocast():
+            return TokenStats(*self.forward(mb.input_ids, mb.attention_mask, mb.response_width, **kwargs))
+
+    @torch.no_grad()
+    def anchor_stats(self, mb: MicroBatch, **kwargs: Any) -> TokenStats:
+        """The anchor's statistics on a micro-batch (prompts shared within groups: ``model.share_prompt``)."""
+        return TokenStats(*self._anchor_forward(mb, share_prompt=self.share_prompt, **kwargs))
+
+    @torch.no_grad()
+    def anchor_hidden(self, mb: MicroBatch) -> torch.Tensor:
+        """The anchor's final hidden states ``(B, T, H)`` at the response positions (for the exact KL).
+
+        Without prompt sharing: the training pass runs every row's prompt, and the exact KL is only
+        exactly 0 (with a zero gradient, which Adam would otherwise blow up to lr-sized steps of
+        rounding noise) at policy = anchor if both passes round alike.
+        """
+        return self._anchor_forward(mb, hidden_only=True, share_prompt=False)[0]
+
+    def _anchor_forward(self, mb: MicroBatch, **kwargs: Any) -> tuple[torch.Tensor | None, ...]:
+        """Unsharded: ``torch.func.functional_call`` runs the policy module with the anchor's
+        tensors in place of its parameters, without touching the parameters, so it is safe
+        while the policy's autograd graph is alive and costs no weight copies (fp32 anchor on
+        the same device). Under FSDP the anchor holds local shards, which only the module's
+        own sharded parameters can carry: the anchor is swapped in and out."""
+        args = (mb.input_ids, mb.attention_mask, mb.response_width)
+        if self.fsdp:
+            with self.anchor.swap_into(self.model), self.autocast():
+                return self.forward(*args, **kwargs)
+        with self.autocast():
+            return torch.func.functional_call(self.forward, self._anchor_tensors(), args, kwargs)
+
+    def _anchor_tensors(self) -> dict[str, torch.Tensor]:
+        """The anchor's tensors keyed like the forward's, in each parameter's dtype and device."""
+        if self._anchor_params is None:  # (anchor tensor, dtype, device) per policy tensor; EMA updates them in place
+            own = {**dict(self.forward.named_parameters()), **dict(self.forward.named_buffers())}
+            self._anchor_params = {
+                f"lm.{name}": (t, own[f"lm.{name}"].dtype, own[f"lm.{name}"].device) for name, t in self.anchor.tensors.items()
+            }
+        return {
+            key: t if (t.dtype == dtype and t.device == device) else t.to(dtype=dtype, device=device)
+            for key, (t, dtype, device) in self._anchor_params.items()
+        }
+
+    def exact_kl_anchor(self, hidden: torch.Tensor, direction: str) -> ExactKLAnchor:
+        """The anchor side of the exact KL for stored anchor ``hidden`` states: its lm_head (in their dtype).
+
+        Unsharded the head is the anchor's own tensor (EMA blends update it in place); under FSDP2
+        it is all-gathered, once per anchor version (every rank calls this in the same step).
+        """
+        names = self._head_names
+        if self.fsdp:
+            version = self.anchor.num_updates
+            if self._anchor_head is None or self._anchor_head[0] != version:
+                full = self.anchor.full_tensors(names)
+                self._anchor_head = (version, full[names[0]], full[names[1]] if len(names) > 1 else None)
+            weight, bias = self._anchor_head[1], self._anchor_head[2]
+        else:
+            tensors = self._anchor_tensors()
+            weight = tensors[f"lm.{names[0]}"]
+            bias = tensors[f"lm.{names[1]}"] if len(names) > 1 else None
+        to = dict(dtype=hidden.dtype, device=hidden.device)
+        return ExactKLAnchor(hidden, weight.to(**to), None if bias is None else bias.to(**to), direction)  # type: ignore[arg-type]
+
+    def restore(self, path: Any, anchor_state: dict[str, torch.Tensor] | None, schedule: dict[str, Any]) -> None:
+        """Load the optimizer, LR schedule and anchor of the checkpoint at ``path`` (the weights came with the model)."""
+        from trainer.checkpoint import load_optimizer_state, load_scheduler_state
+
+        opt = load_optimizer_state(path)
+        if opt is not None or self.fsdp:
+            D.load_optimizer_state(self.forward, self.optimizer, opt or {})
+        sched = load_scheduler_state(path)
+        if sched is not None:
+            self.scheduler.load_state_dict(sched)
+        if self.anchor is not None:
+            if anchor_state is None:
+                raise ConfigError(f"{path} has no anchor.safetensors but algorithm.kl is enabled")
+            # A full (unsharded) anchor; under FSDP each rank keeps its own shards.
+            self.anchor.load_full_state_dict(anchor_state, num_updates=schedule.get("num_updates", 0),
+                                             last_update_step=schedule.get("last_update_step"))
+
+    def checkpoint_state(self, *, is_main: bool) -> dict[str, Any]:
+        """The ``save_checkpoint`` arguments this policy owns (collectives under FSDP: every rank calls it)."""
+        anchor = self.anchor
+        anchor_full = anchor.full_state_dict() if anchor is not None else None
+        return {
+            "policy_state": self.export_weights(all_ranks=False) if self.fsdp else None,
+            "model": self.model,
+            "anchor_state": anchor_full if is_main else None,
+            "optimizer_state": D.optimizer_state(self.forward, self.optimizer),
+            "scheduler_state": self.scheduler.state_dict(),
+        }
+
+    def anchor_schedule(self) -> dict[str, Any]:
+        """The anchor's blend counters, saved in the trainer state."""
+        a = self.anchor
+        return {} if a is None else {"num_updates": a.num_updates, "last_update_step": a.last_update_step}
+
+    def export_weights(self, *, all_ranks: bool) -> dict[str, torch.Tensor]:
+        """The policy's full HF-named state dict (gathered from the shards under FSDP; ``all_ranks=False``:
+        on rank 0 only). What the engine loads and checkpoints save."""
+        sd = D.full_state_dict(self.forward, all_ranks=all_ranks)
+        return {k.removeprefix("lm."): v for k, v in sd.items()}
+
+
+def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: bool) -> Policy:
+    """Load ``model_path`` (fp32 master weights), shard it (FSDP2 under torchrun), and add AdamW, the
+    warm-up schedule and, with a KL term, the EMA anchor."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if cfg.model.attn_implementation:
+        kwargs["attn_implementation"] = cfg.model.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    fsdp = cfg.distributed.fsdp == "on" or (cfg.distributed.fsdp == "auto" and dist.distributed)
+    if dist.distributed and not fsdp:
+        raise ConfigError("multi-process training needs distributed.fsdp=on or auto")
+    world = dist.world_size
+    if cfg.data.prompts_per_step % world or cfg.algorithm.mini_batch_size % world:
+        raise ConfigError(
+            f"data.prompts_per_step ({cfg.data.prompts_per_step}) and algorithm.mini_batch_size "
+            f"({cfg.algorithm.mini_batch_size}) are global and must be multiples of the {world} processes"
+        )
+    model.to(dist.device)
+    forward = PolicyForward(model)
+    if fsdp:
+        D.apply_fsdp2(forward, bf16=bf16, cpu_offload=cfg.distributed.cpu_offload)
+    model.train()
+
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        forward.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+        foreach=dist.device.type == "cuda" or None,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_constant(cfg.warmup_steps))
+    anchor = None
+    if cfg.algorithm.kl.enabled:
+        from trainer.ema import EMAAnchor
+
+        ema = cfg.algorithm.ema
+        anchor = EMAAnchor(
+            model,
+            anchor_decay=ema.decay,
+            update_period=ema.period,
+            dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[ema.dtype],
+            device="cpu" if ema.offload else None,
+            # The FSDP2 root is the forward wrapper (it owns embeddings/lm_head): resharding it around
+            # swap_into keeps anchor passes from reading the policy's unsharded weights.
+            fsdp_root=forward if fsdp else None,
+        )
+    return Policy(model, forward, fsdp=fsdp, bf16=bf16, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
+                  share_prompt=cfg.model.share_prompt)
+
+
+def deterministic(cfg: TrainConfig, dev: torch.device) -> None:
+    """``run.deterministic``: deterministic torch algorithms (bit-for-bit resume on GPU)."""
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if dev.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -1,0 +1,178 @@
+"""The update half of a training step: the micro-batch loss and the PPO update.
+
+* :func:`compute_loss` — pure: the policy's fresh statistics of one micro-batch, the stored
+  statistics, the algorithm settings and the optimizer step's :class:`~trainer.grpo.LossAggregation`
+  → the loss to ``backward()`` (PPO clipped policy-gradient term − entropy bonus + β · the KL
+  kind's term, each normalised for the whole mini-batch) and its metrics.
+* :func:`policy_pass` — the differentiable forward that produces those statistics, asking the
+  model for what the :class:`~trainer.stored_stats.StatsPlan` says the loss needs (q to gather
+  on, its own top-k when fused, the exact KL against the stored anchor hidden states).
+* :func:`ppo_update` — PPO epochs over mini-batches, gradient accumulation over micro-batches
+  (:func:`~trainer.stored_stats.plan_micro_batches`), gradient clipping, and skipping an
+  optimizer step whose loss or gradient is not finite on any rank.  Its metrics are named sums
+  (:class:`~trainer.metrics.MetricSums`) the caller reduces across ranks once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from trainer import distributed as D
+from trainer.batch import MicroBatch, TokenBatch
+from trainer.config import AlgorithmConfig, TrainConfig
+from trainer.grpo import LossAggregation, compute_policy_loss
+from trainer.kl_kinds import get_kl_kind
+from trainer.logprobs import TokenStats
+from trainer.metrics import MetricSums
+from trainer.policy import Policy
+from trainer.stored_stats import StatsPlan, fused_anchor_stats, plan_micro_batches
+
+__all__ = ["compute_loss", "policy_pass", "ppo_update", "UpdateResult", "anchor_from_stored"]
+
+
+def anchor_from_stored(stored: Mapping[str, Tensor], policy: TokenStats) -> TokenStats:
+    """The anchor's :class:`TokenStats` from stored tensors (the policy's own, detached, where none are stored)."""
+    return TokenStats(
+        logp=stored["ref_logp"] if "ref_logp" in stored else policy.logp.detach(),
+        logsumexp=stored["ref_logsumexp"] if "ref_logsumexp" in stored else policy.logsumexp.detach(),
+        topk_logits=stored.get("ref_topk_logits"),
+        topk_indices=stored.get("topk_indices"),
+    )
+
+
+def compute_loss(
+    policy: TokenStats,
+    micro_batch: MicroBatch,
+    stored: Mapping[str, Tensor],
+    alg: AlgorithmConfig,
+    agg: LossAggregation,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss of one micro-batch, already normalised for the whole mini-batch (all ranks), and its metrics.
+
+    ``policy``: the policy's differentiable statistics on ``micro_batch`` (``(B, T)``, gathered on
+    q for Top-k kinds, with ``exact_kl`` for the exact kinds); ``stored``: ``advantages`` and
+    what :mod:`trainer.stored_stats` stored (no ``old_logp``: on-policy, π_old = the policy
+    itself, detached).  Returns ``(loss, metrics)`` with the metrics of
+    :func:`trainer.grpo.compute_policy_loss` and, with a KL term, of :meth:`trainer.kl_kinds.KLKind.loss`.
+    """
+    mask = micro_batch.loss_mask
+    old_logp = stored["old_logp"] if "old_logp" in stored else policy.logp.detach()
+    loss, metrics = compute_policy_loss(
+        policy.logp, old_logp, stored["advantages"], mask, agg,
+        clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip_c=alg.dual_clip,
+        log_ratio_clamp=20.0 if alg.dual_clip is not None else None,
+        entropy=policy.entropy, entropy_coef=alg.entropy_coef,
+    )
+    kl = alg.kl
+    if kl.enabled:
+        kloss, kl_metrics = get_kl_kind(kl.type).loss(
+            policy, anchor_from_stored(stored, policy), micro_batch.labels, mask, agg, cfg=kl, old_logp=old_logp
+        )
+        loss = loss + kl.coef * kloss
+        metrics.update(kl_metrics)
+    return loss, metrics
+
+
+def policy_pass(policy: Policy, mb: MicroBatch, plan: StatsPlan, cfg: TrainConfig) -> tuple[TokenStats, dict[str, Tensor]]:
+    """The policy's differentiable statistics on ``mb`` and the micro-batch's complete stored statistics."""
+    stored: dict[str, Tensor] = dict(mb.stored)
+    on_policy = "old_logp" not in stored
+    kwargs = dict(entropy=cfg.algorithm.entropy_coef != 0.0 or on_policy, temperature=cfg.rollout.temperature,
+                  chunk_size=cfg.model.chunk_size)
+    if plan.fused_topk:
+        stats = policy.stats(mb, topk=plan.fused_topk, **kwargs)
+        stats.topk_indices = stats.topk_indices.detach()
+        stored.update(fused_anchor_stats(mb, policy, stats.topk_indices, cfg))
+    elif plan.exact is not None:
+        stats = policy.stats(mb, exact_kl_to=policy.exact_kl_anchor(stored["ref_hidden"], plan.exact), **kwargs)
+    else:
+        stats = policy.stats(mb, gather_indices=stored.get("topk_indices"), **kwargs)
+    return stats, stored
+
+
+@dataclass
+class UpdateResult:
+    """What one :func:`ppo_update` did: per-rank metric sums (reduce them), gradient norms, update counts."""
+
+    sums: MetricSums = field(default_factory=MetricSums)
+    grad_norms: list[float] = field(default_factory=list)
+    updates: int = 0
+    skipped: int = 0
+
+
+def _accumulate(sums: MetricSums, m: Mapping[str, Tensor], stats: TokenStats, mb: MicroBatch, on_policy: bool) -> None:
+    tokens = float(m["tokens"])
+    sums.add("update/tokens", tokens)
+    sums.add("update/clipfrac_sum", float(m["pg_clipfrac"]) * tokens)
+    sums.add("update/ppo_kl_sum", float(m["ppo_kl"]) * tokens)
+    sums.add("update/ratio_sum", float(m["ratio_mean"]) * tokens)
+    sums.add("update/pg_loss", float(m["pg_loss"]))
+    if "kl" in m:
+        sums.add("update/kl_token_sum", float(m["kl_token_mean"]) * tokens)
+        sums.add("update/kl_loss", float(m["kl"]))
+    if on_policy:  # π_old's entropy is the training pass's (no π_old pass ran)
+        sums.add("rollout/entropy_sum", float((stats.entropy.detach() * mb.loss_mask).sum()))
+
+
+def ppo_update(
+    batch: TokenBatch,
+    policy: Policy,
+    plan: StatsPlan,
+    cfg: TrainConfig,
+    dist: D.DistInfo,
+    *,
+    warn: Callable[[str], None] = print,
+) -> UpdateResult:
+    """PPO epochs over this rank's rows of ``batch`` (``batch.stored`` holds ``advantages`` and the
+    stored statistics): ``algorithm.mini_batch_size`` rows (over all ranks) per optimizer step, the
+    gradients of ``micro_batch_size``-row micro-batches accumulated, clipped to ``optim.grad_clip``.
+    A step whose loss or gradient is NaN/inf on any rank is skipped (``warn`` says so)."""
+    alg = cfg.algorithm
+    n = batch.size
+    mini = max(1, alg.mini_batch_size // dist.world_size)
+    optimizer = policy.optimizer
+    result = UpdateResult()
+    for _ in range(alg.ppo_epochs):
+        for start in range(0, n, mini):
+            micro = plan_micro_batches(batch, range(start, min(start + mini, n)), alg.micro_batch_size)
+            agg = LossAggregation.for_batch(
+                alg.loss_agg, [batch.loss_mask[r] for r in micro], num_micro_batches=len(micro),
+                all_reduce=dist.distributed, norm_length=float(cfg.rollout.max_response_tokens),
+            )
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for rows in micro:
+                mb = batch.micro(rows, dist.device)
+                stats, stored = policy_pass(policy, mb, plan, cfg)
+                loss, metrics = compute_loss(stats, mb, stored, alg, agg)
+                _accumulate(result.sums, metrics, stats, mb, on_policy="old_logp" not in stored)
+                if not torch.isfinite(loss.detach()).all():
+                    finite = False
+                loss.backward()
+            gn = _grad_norm(policy, cfg.optim.grad_clip)
+            flag = torch.tensor([0.0 if (finite and math.isfinite(gn)) else 1.0])
+            if D.all_reduce_max(flag).item() > 0:
+                result.skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+                warn(f"non-finite loss or gradient (norm {gn}); update skipped")
+                continue
+            result.grad_norms.append(gn)
+            optimizer.step()
+            result.updates += 1
+    optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+def _grad_norm(policy: Policy, clip: float) -> float:
+    """The global gradient norm (clipped to ``clip`` when > 0), the same number on every rank."""
+    params = list(policy.parameters())
+    if clip > 0:
+        gn = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        gn = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
