@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import retriever.corpus as corpus  # noqa: E402
@@ -41,11 +41,11 @@ lines = st.one_of(rows.map(lambda r: json.dumps(r).encode()), json_values.map(la
                   st.binary(max_size=40))  # fmt: skip
 
 
-@pytest.mark.xfail(not hasattr(corpus, "CorpusReader"), strict=True,
-                   reason="issue 18 item 4: the corpus reader lets UnicodeDecodeError/EOFError/RecursionError through; "
-                          "fixed by the corpus-reader hardening (retriever.corpus.CorpusReader)")  # fmt: skip
 @SETTINGS
 @given(body=st.lists(lines, max_size=6), gz=st.booleans(), cut=st.integers(0, 40))
+@example(body=[b'{"id": "a", "contents": "x"}', b"\xff\xfe"], gz=False, cut=0)  # not UTF-8
+@example(body=[b'{"id": "a", "contents": "x"}'] * 40, gz=True, cut=20)  # a truncated .gz download
+@example(body=[b"[" * 5000 + b"]" * 5000], gz=False, cut=0)  # nested beyond the parser
 def test_the_corpus_reader_gives_passages_or_a_corpus_error(body, gz, cut):
     data = b"\n".join(body) + b"\n"
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,8 +71,8 @@ yaml_values = st.recursive(
     max_leaves=6,
 )
 raw_values = st.sampled_from(["nan", ".inf", "-.inf", "1e999", "[1, 2]", "{a: 1}", "", "~", "null", "yes", "off", "0x10",
-                              "!!python/object/apply:os.system ['true']", "*undefined", "&a [*a]", "[" * 3000, "[" * 3000 + "]" * 3000,
-                              "{a: " * 2000 + "1" + "}" * 2000, "'", "1_000",
+                              "!!python/object/apply:os.system ['true']", "*undefined", "&a [*a]", "[" * 600, "[" * 600 + "]" * 600,
+                              "{a: " * 600 + "1" + "}" * 600, "'", "1_000",
                               "2001-01-01", "!!binary aGk=", "é\ud800"])  # fmt: skip
 overrides = st.tuples(st.sampled_from(KEYS) | st.text(max_size=12), raw_values | st.text(max_size=12)).map(lambda kv: f"{kv[0]}={kv[1]}")
 
@@ -92,6 +92,9 @@ def _mutated(preset: dict, changes: list[tuple[str, object]]) -> dict:
 @SETTINGS
 @given(changes=st.lists(st.tuples(st.sampled_from(KEYS) | st.text(max_size=10), yaml_values), max_size=4),
        raw=st.one_of(st.none(), st.text(max_size=80), raw_values.map(lambda v: f"run: {v}")), extra=st.lists(overrides, max_size=3))  # fmt: skip
+@example(changes=[], raw="run: " + "[" * 600 + "]" * 600, extra=[])  # found by this test: RecursionError
+@example(changes=[], raw=None, extra=["run.name=" + "{a: " * 600 + "1" + "}" * 600])  # the same in an override
+@example(changes=[], raw="run: \udcff", extra=[])  # found by this test: a non-UTF-8 file raised UnicodeDecodeError
 def test_the_config_loader_gives_a_config_or_a_config_error(changes, raw, extra):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.yaml"
