@@ -14,5 +14,8 @@ if [ ! -f "$INDEX_DIR/meta.json" ]; then
         --encoder "${EMAPG_ENCODER:-minilm}" --index-type "${EMAPG_INDEX_TYPE:-Flat}" --device "${EMAPG_DEVICE:-auto}"
 fi
 # Inside a container the server must listen on all interfaces to be reachable through the
-# published port; publish it on 127.0.0.1 (as docker-compose.yml does) or set EMAPG_RETRIEVER_API_KEY.
-exec emapg serve --index "$INDEX_DIR" --host 0.0.0.0 --port "${EMAPG_PORT:-8000}" --device "${EMAPG_DEVICE:-auto}" "$@"
+# published port. Without EMAPG_RETRIEVER_API_KEY it then refuses to start, unless EMAPG_INSECURE=1
+# says the port is published on 127.0.0.1 only (as docker-compose.yml does).
+INSECURE=""
+[ "${EMAPG_INSECURE:-0}" = "1" ] && INSECURE="--insecure"
+exec emapg serve --index "$INDEX_DIR" --host 0.0.0.0 --port "${EMAPG_PORT:-8000}" --device "${EMAPG_DEVICE:-auto}" $INSECURE "$@"

@@ -188,6 +188,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except RecursionError:  # PyYAML composes recursively
+        raise ConfigError(f"override {key!r}: the value is nested too deeply") from None
     return key.split("."), value
 
 
@@ -215,6 +217,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML composes recursively
+        raise ConfigError(f"{p}: not a config: nested too deeply") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping")
     return data

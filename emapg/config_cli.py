@@ -42,6 +42,9 @@ COMMAND_PARSERS: dict[str, tuple[str, str]] = {
     "demo": ("emapg.demo", "parser"),
     "models": ("emapg.model_cli", "parser"),
     "config": ("emapg.config_cli", "parser"),
+    "serve": ("retriever.cli", "serve_parser"),
+    "index": ("retriever.cli", "index_parser"),
+    "engine serve": ("agent.engines.cli", "serve_parser"),
 }
 
 

@@ -1,7 +1,9 @@
-"""What the project's HTTP servers (the retriever, the generation engine) share.
+"""What the project's HTTP servers (the retriever, the generation engine) share, outside a request.
 
-* :func:`run_uvicorn`: the in-process side of ``emapg serve`` / ``emapg engine serve``;
-  :class:`HTTPError`, :func:`api_key_ok`, :func:`read_body`: pieces of their request handlers.
+* :class:`ServerOptions`: the options both ``emapg serve`` and ``emapg engine serve`` take (bind
+  address, API key from a file or the environment, body bounds, log level), with the refusal to
+  serve a non-loopback address without a key; :func:`run_uvicorn`: the in-process side of both.
+  What a request handler does with its input is in :mod:`emapg.server_input`.
 * :class:`ServerProcess`: start one of them as a subprocess, wait for ``/health``, stop it
   (``retriever.launch.RetrieverServer``, ``agent.engines.launch.EngineServer``).
 * :func:`response_error`: how their clients quote a failed response.
@@ -9,8 +11,10 @@
 
 from __future__ import annotations
 
-import hmac
+import dataclasses
+import ipaddress
 import logging
+import math
 import os
 import signal
 import socket
@@ -19,30 +23,101 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
+from emapg.config import ConfigError, option
 from emapg.paths import REPO_ROOT
 
 if TYPE_CHECKING:
-    from starlette.requests import Request
     from typing_extensions import Self  # typing.Self needs Python 3.11
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
-def run_uvicorn(create_app: Callable[..., Any], cfg: Any, *, log: logging.Logger, exposes: str, banner: str) -> int:
+@dataclass(kw_only=True)
+class ServerOptions:
+    """Options every server command shares: where to bind, the API key, body bounds, logging.
+
+    The API key comes from ``--api-key-file`` or the environment variable ``--api-key-env`` names
+    (the ways to use); ``--api-key KEY`` still works but puts the key in the process list, where
+    every local user can read it. A server bound to anything but loopback refuses to start without
+    a key unless ``--insecure`` says that is intended (e.g. inside a container whose port is
+    published on 127.0.0.1 only).
+    """
+
+    host: str = option("127.0.0.1", help="address to bind; any address but loopback needs an API key (or --insecure)")
+    port: int = option(8000, help="TCP port")
+    api_key_file: str | None = option(None, help="file holding the API key requests must send as 'Authorization: Bearer KEY' "
+                                                 "or 'X-API-Key: KEY' (recommended, like the environment variable)")  # fmt: skip
+    api_key_env: str = option("EMAPG_API_KEY", help="environment variable holding the API key when no --api-key-file is given "
+                                                    "(unset or empty: no key)")  # fmt: skip
+    api_key: str | None = option(None, help="the API key itself; discouraged: a command line is visible to every local user "
+                                            "(ps), use --api-key-file or the environment variable")  # fmt: skip
+    insecure: bool = option(False, help="serve a non-loopback address without an API key (anyone who can reach the port "
+                                        "can use every endpoint)")  # fmt: skip
+    body_timeout: float = option(60.0, help="seconds a client may take to send a request body; then it gets 408 and the "
+                                            "connection is closed")  # fmt: skip
+    max_body_bytes: int = option(4 << 20, help="reject request bodies larger than this many bytes")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", help="log level")
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+        if not (math.isfinite(self.body_timeout) and self.body_timeout > 0):
+            raise ConfigError(f"--body-timeout must be a positive number of seconds, got {self.body_timeout}")
+        if self.max_body_bytes < 1:
+            raise ConfigError("--max-body-bytes must be at least 1")
+        if self.api_key_file and self.api_key:
+            raise ConfigError("give the API key once: --api-key-file or --api-key, not both")
+
+    def api_key_value(self) -> str | None:
+        """The key requests must carry (from the file, the command line or the environment), or None."""
+        if self.api_key_file:
+            path = Path(self.api_key_file).expanduser()
+            try:
+                key = path.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--api-key-file {path}: cannot read it ({type(e).__name__}: {e})") from None
+            if not key or "\n" in key:
+                raise ConfigError(f"--api-key-file {path}: the file must hold the key on one line")
+            return key
+        return self.api_key or os.environ.get(self.api_key_env) or None
+
+
+def help_of(cls: type, name: str) -> str:
+    """The help text of field ``name`` of config dataclass ``cls`` (to redeclare a field with another default)."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def run_uvicorn(create_app: Callable[..., Any], cfg: ServerOptions, *, log: logging.Logger, exposes: str, banner: str) -> int:
     """Serve ``create_app(cfg, on_fatal=...)`` on ``cfg.host:cfg.port`` until interrupted; returns the exit code.
 
-    ``cfg`` needs ``host``, ``port``, ``api_key`` and ``log_level``. ``exposes`` completes the warning for
-    a non-loopback bind without an API key ("anyone who can reach this port can ..."); ``banner`` is logged
-    just before serving. The code is 1 when the app reported a fatal error (``on_fatal``) or uvicorn returned
-    without starting, else 0; when it cannot bind the port, uvicorn logs why and exits the process itself (code 3).
+    Refuses (:class:`ConfigError`, before binding) a non-loopback address without an API key unless
+    ``cfg.insecure``; ``exposes`` completes that message ("anyone who can reach the port could ...").
+    ``banner`` is logged just before serving. The code is 1 when the app reported a fatal error
+    (``on_fatal``) or uvicorn returned without starting, else 0; when it cannot bind the port, uvicorn
+    logs why and exits the process itself (code 3).
     """
     import uvicorn
 
+    key = cfg.api_key_value()
+    if not is_loopback(cfg.host) and not key and not cfg.insecure:
+        raise ConfigError(
+            f"refusing to serve {cfg.host} without an API key: anyone who can reach the port could {exposes}. "
+            f"Set ${cfg.api_key_env} or --api-key-file, bind 127.0.0.1, or pass --insecure if that is intended"
+        )
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exit_code = {"code": 0}
     server: uvicorn.Server | None = None
@@ -55,48 +130,15 @@ def run_uvicorn(create_app: Callable[..., Any], cfg: Any, *, log: logging.Logger
     app = create_app(cfg, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096)
     server = uvicorn.Server(config)
-    if cfg.host not in LOOPBACK_HOSTS and not cfg.api_key:
-        log.warning("binding %s without an API key: anyone who can reach this port can %s", cfg.host, exposes)
+    if not is_loopback(cfg.host) and not key:
+        log.warning("serving %s without an API key (--insecure): anyone who can reach this port can %s", cfg.host, exposes)
+    if cfg.api_key:
+        log.warning("the API key is on the command line, where every local user can read it; use --api-key-file or $%s", cfg.api_key_env)
     log.info("%s", banner)
     server.run()
     if not server.started and exit_code["code"] == 0:
         return 1
     return exit_code["code"]
-
-
-class HTTPError(Exception):
-    """A request the server refuses: answered with ``status`` and ``{"detail": message}``."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def api_key_ok(request: Request, api_key: str | None) -> bool:
-    """Whether ``request`` carries ``api_key`` (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``); True when there is no key."""
-    if not api_key:
-        return True
-    auth = request.headers.get("authorization", "")
-    given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(given.encode(), api_key.encode())
-
-
-async def read_body(request: Request, limit: int, hint: str = "") -> bytes:
-    """The request body, or :class:`HTTPError` 413 (message ending in ``hint``) once it exceeds ``limit`` bytes.
-
-    Checks the declared Content-Length first and counts while streaming, so an oversized body is never held whole.
-    """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPError(413, f"body of {declared} bytes exceeds the limit of {limit} bytes{hint}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"body exceeds the limit of {limit} bytes{hint}")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class ServerStartError(RuntimeError):

@@ -37,6 +37,7 @@ from typing import Literal
 import numpy as np
 
 from emapg.atomic import save_npy_atomic, write_text_atomic
+from emapg.config import option
 
 from retriever.corpus import CorpusReader, DocStore, docstore_complete, file_checksum, write_docstore
 from retriever.encoder import Encoder, EncoderSpec, make_spec
@@ -51,29 +52,32 @@ FORMAT_VERSION = 1
 
 @dataclass
 class BuildConfig:
-    """Options of ``emapg index build`` (see ``retriever.cli`` for the help text of each)."""
+    """Options of ``emapg index build`` (the command-line flags are generated from these fields)."""
 
-    corpus: str
-    out: str
-    encoder: str = "minilm"
-    pooling: Literal["mean", "cls"] | None = None
-    query_prefix: str | None = None
-    passage_prefix: str | None = None
-    max_length: int = 256
-    index_type: str = "Flat"
-    metric: Literal["ip", "l2"] = "ip"
-    bm25: bool = False
-    chunk_size: int = 8192
-    batch_size: int = 64
-    device: str = "auto"
-    fp16: bool | None = None
-    bf16: bool = False
-    train_sample: int = 100_000
-    nprobe: int = 16
-    seed: int = 0
-    limit: int | None = None
-    overwrite: bool = False
-    progress: bool = True
+    corpus: str = option(help="corpus file: jsonl or jsonl.gz with {'id', 'contents': '\"Title\"\\ntext'} rows (or 'title' + 'text')")
+    out: str = option(help="index directory to create (or to resume)")
+    encoder: str = option("minilm", help="encoder model: alias (minilm), local folder or hub name")
+    pooling: Literal["mean", "cls"] | None = option(None, help="pooling over token states (default: from the known-model table or "
+                                                                "the sentence-transformers config, else mean)")  # fmt: skip
+    query_prefix: str | None = option(None, help="text prepended to every query, e.g. 'query: ' for e5 (default: exact-name table, "
+                                                 "else none); stored in meta.json")  # fmt: skip
+    passage_prefix: str | None = option(None, help="text prepended to every passage, e.g. 'passage: ' for e5 (default: exact-name "
+                                                   "table, else none); stored in meta.json")  # fmt: skip
+    max_length: int = option(256, help="max tokens per passage/query")
+    index_type: str = option("Flat", help="any faiss index_factory string: Flat, HNSW32, IVF256,SQ8, IVF256,PQ16, ...")
+    metric: Literal["ip", "l2"] = option("ip", help="inner product (cosine on normalised vectors) or L2")
+    bm25: bool = option(False, help="also build a BM25 index (bm25s) for --hybrid-bm25 serving")
+    chunk_size: int = option(8192, help="passages per embedding chunk file = resume granularity")
+    batch_size: int = option(64, help="passages per encoder forward pass")
+    device: str = option("auto", help="auto, cpu, cuda (all GPUs) or cuda:N")
+    fp16: bool | None = option(None, help="fp16 encoding (default: on for GPU, off for CPU, where it is 3.5x slower)")
+    bf16: bool = option(False, help="bf16 encoding: opt-in for CPUs with bf16 instructions (about 1.8x faster; fp32 is the CPU default)")
+    train_sample: int = option(100_000, help="vectors sampled (seeded) to train IVF/PQ index types")
+    nprobe: int = option(16, help="IVF lists probed per query at serve time, stored in meta.json")
+    seed: int = option(0, help="seed of the training sample")
+    limit: int | None = option(None, help="index only the first N passages (for quick tries)")
+    overwrite: bool = option(False, help="delete an existing (finished or partial) index at --out first")
+    progress: bool = option(True, help="show a progress bar (--no-progress: none)")
 
 
 @dataclass

@@ -21,75 +21,81 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, Field
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from emapg.servers import HTTPError, api_key_ok, read_body
+from emapg.config import ConfigError, option
+from emapg.server_input import HTTPError, as_bool, as_int, as_text, check_fields, guarded, install_error_handlers, json_response, parse_json, read_body
+from emapg.servers import ServerOptions, help_of
 
 log = logging.getLogger("retriever.server")
 
 
-@dataclass
-class ServeConfig:
-    """Options of ``emapg serve`` (help texts in ``retriever.cli``)."""
+@dataclass(kw_only=True)
+class ServeConfig(ServerOptions):
+    """Options of ``emapg serve`` (the command-line flags are generated from these fields)."""
 
-    index: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    topk: int = 3
-    max_topk: int = 100
-    max_batch: int = 64
-    max_wait_ms: float = 5.0
-    api_key: str | None = None
-    max_queries_per_request: int = 4096  # Search-R1 sends a whole rollout batch (e.g. 512 x 5) at once
-    max_query_chars: int = 2000
-    max_body_bytes: int = 4 << 20
-    device: str = "auto"
-    fp16: bool | None = None
-    bf16: bool = False
-    gpu_shards: int = -1
-    gpu_replicate: bool = False
-    hybrid_bm25: bool = False
-    rrf_k: int = 60
-    nprobe: int | None = None
-    encode_batch_size: int = 64
-    query_cache_size: int = 4096
-    encoder: str | None = None
-    log_level: str = "info"
+    port: int = option(8000, help=help_of(ServerOptions, "port"))
+    api_key_env: str = option("EMAPG_RETRIEVER_API_KEY", help=help_of(ServerOptions, "api_key_env"))
+    max_body_bytes: int = option(4 << 20, help=help_of(ServerOptions, "max_body_bytes"))
+    index: str = option(help="index directory built by `emapg index build`")
+    topk: int = option(3, help="hits per query when a request gives no topk")
+    max_topk: int = option(100, help="largest topk a request may ask for")
+    max_batch: int = option(64, help="most queries encoded together across requests; 1 disables micro-batching")
+    max_wait_ms: float = option(5.0, help="how long the first query of a batch may wait for company when traffic is "
+                                          "concurrent, in ms; a lone client never waits")  # fmt: skip
+    max_queries_per_request: int = option(4096, help="reject requests with more queries (Search-R1 sends a whole rollout "
+                                                     "batch, e.g. 512 x 5, in one request)")  # fmt: skip
+    max_query_chars: int = option(2000, help="reject queries longer than this many characters")
+    device: str = option("auto", help="encoder device: auto, cpu, cuda (all GPUs) or cuda:N")
+    fp16: bool | None = option(None, help="fp16 encoder and GPU index (default: on with GPU, off on CPU)")
+    bf16: bool = option(False, help="bf16 query encoder: opt-in for CPUs with bf16 instructions (about 1.8x faster batches; "
+                                    "fp32 is the CPU default)")  # fmt: skip
+    gpu_shards: int = option(-1, help="GPUs for the FAISS index when the encoder is on GPU: -1 all, 0 keep the index on CPU, "
+                                      "N the first N")  # fmt: skip
+    gpu_replicate: bool = option(False, help="replicate the index on each GPU instead of sharding it (more memory, more throughput)")
+    hybrid_bm25: bool = option(False, help="fuse dense and BM25 rankings by reciprocal-rank fusion (index built with --bm25)")
+    rrf_k: int = option(60, help="RRF constant k in 1/(k + rank)")
+    nprobe: int | None = option(None, help="IVF lists probed per query (default: the value in meta.json)")
+    encode_batch_size: int = option(64, help="queries per encoder forward pass inside a batch")
+    query_cache_size: int = option(4096, help="LRU of query embeddings: repeated queries (GRPO groups) skip the encoder; 0 disables")
+    encoder: str | None = option(None, help="assert the index was built with this encoder; refuse to start otherwise")
 
     def validate(self) -> None:
-        for name in ("topk", "max_topk", "max_batch", "max_queries_per_request", "max_query_chars", "max_body_bytes", "encode_batch_size"):
+        super().validate()
+        for name in ("topk", "max_topk", "max_batch", "max_queries_per_request", "max_query_chars", "encode_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.topk > self.max_topk:
-            raise ValueError(f"--topk {self.topk} exceeds --max-topk {self.max_topk}")
-        if self.max_wait_ms < 0:
-            raise ValueError("--max-wait-ms must be >= 0")
+            raise ConfigError(f"--topk {self.topk} exceeds --max-topk {self.max_topk}")
+        if not (math.isfinite(self.max_wait_ms) and self.max_wait_ms >= 0):
+            raise ConfigError("--max-wait-ms must be >= 0")
         if self.bf16 and self.fp16:
-            raise ValueError("--fp16 and --bf16 exclude each other")
+            raise ConfigError("--fp16 and --bf16 exclude each other")
         if self.query_cache_size < 0:
-            raise ValueError("--query-cache-size must be >= 0")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port {self.port} is not a TCP port")
+            raise ConfigError("--query-cache-size must be >= 0")
 
 
 # ----------------------------------------------------------------------------- API schema (OpenAPI)
 
 
 class RetrieveRequest(BaseModel):
-    """Search-R1's request body."""
+    """Search-R1's request body (documentation: the body is checked by :func:`parse_retrieve_body`, which is
+    at least as strict; e.g. a query must also hold a non-whitespace character and valid Unicode)."""
 
-    queries: list[str] = Field(..., description="one or more non-empty query strings", min_length=1)
+    model_config = ConfigDict(extra="forbid")
+
+    queries: list[Annotated[str, Field(min_length=1)]] = Field(..., description="one or more non-empty query strings", min_length=1)
     topk: int | None = Field(None, description="hits per query (default: the server's --topk)", ge=1)
     return_scores: bool = Field(False, description="true: [[{document, score}]]; false: [[document]] (Search-R1 default)")
 
@@ -148,15 +154,14 @@ class Metrics:
         self.latency = Histogram(LATENCY_BUCKETS)
         self.queue_depth = 0
 
-    def request(self, path: str, status: int, seconds: float | None) -> None:
+    def count(self, route: str, status: int, reason: str | None, seconds: float) -> None:
+        """One answered request (``emapg.server_input.Count``); ``reason`` labels every refusal or failure."""
         with self.lock:
-            self.requests[(path, status)] += 1
-            if seconds is not None:
+            self.requests[(route, status)] += 1
+            if reason is not None:
+                self.errors[reason] += 1
+            if route == "/retrieve":
                 self.latency.observe(seconds)
-
-    def error(self, kind: str) -> None:
-        with self.lock:
-            self.errors[kind] += 1
 
     def batch(self, n_queries: int, seconds: float) -> None:
         with self.lock:
@@ -171,7 +176,7 @@ class Metrics:
             out += [f'retriever_requests_total{{path="{p}",status="{s}"}} {n}' for (p, s), n in sorted(self.requests.items())]
             out += ["# HELP retriever_queries_total Queries answered.", "# TYPE retriever_queries_total counter", f"retriever_queries_total {self.queries}"]
             out += ["# HELP retriever_batches_total Micro-batches run by the worker.", "# TYPE retriever_batches_total counter", f"retriever_batches_total {self.batches}"]
-            out += ["# HELP retriever_errors_total Failed requests by kind.", "# TYPE retriever_errors_total counter"]
+            out += ["# HELP retriever_errors_total Refused or failed requests by reason.", "# TYPE retriever_errors_total counter"]
             out += [f'retriever_errors_total{{kind="{k}"}} {n}' for k, n in sorted(self.errors.items())]
             out += ["# HELP retriever_batch_size Queries per micro-batch.", "# TYPE retriever_batch_size histogram"]
             out += self.batch_size.render("retriever_batch_size")
@@ -313,21 +318,15 @@ class MicroBatcher:
 
 
 ALLOWED_FIELDS = ("queries", "topk", "return_scores")
+EXAMPLE = '{"queries": ["who wrote hamlet"], "topk": 3}'
 
 
 def parse_retrieve_body(body: bytes, cfg: ServeConfig) -> tuple[list[str], int, bool]:
-    """Check a /retrieve body; raise :class:`HTTPError` with a fix-it message."""
-    if not body.strip():
-        raise HTTPError(400, 'empty body: send JSON like {"queries": ["who wrote hamlet"], "topk": 3}')
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HTTPError(400, f'body is not valid JSON ({e}); send {{"queries": ["..."], "topk": 3}}') from None
+    """Check a /retrieve body (strict JSON, strict types); raise :class:`HTTPError` with a fix-it message."""
+    data = parse_json(body, EXAMPLE)
     if not isinstance(data, dict):
         raise HTTPError(422, f"body must be a JSON object with a 'queries' list, got a JSON {type(data).__name__}")
-    unknown = sorted(set(data) - set(ALLOWED_FIELDS))
-    if unknown:
-        raise HTTPError(422, f"unknown field(s) {unknown}; allowed fields are {list(ALLOWED_FIELDS)}")
+    check_fields(data, "body", ALLOWED_FIELDS)
     if "queries" not in data:
         raise HTTPError(422, "missing field 'queries': a list of query strings")
     queries = data["queries"]
@@ -342,22 +341,10 @@ def parse_retrieve_body(body: bytes, cfg: ServeConfig) -> tuple[list[str], int, 
             413, f"too many queries: {len(queries)} > {cfg.max_queries_per_request} per request; split them over several requests"
         )
     for i, q in enumerate(queries):
-        if not isinstance(q, str):
-            raise HTTPError(422, f"queries[{i}] must be a string, got {type(q).__name__}")
-        if not q.strip():
-            raise HTTPError(422, f"queries[{i}] is empty or whitespace; every query needs text")
-        if len(q) > cfg.max_query_chars:
-            raise HTTPError(422, f"queries[{i}] has {len(q)} characters, more than the limit of {cfg.max_query_chars}; shorten it")
+        as_text(q, f"queries[{i}]", max_chars=cfg.max_query_chars)
     topk = data.get("topk")
-    if topk is None:
-        topk = cfg.topk
-    elif isinstance(topk, bool) or not isinstance(topk, int):
-        raise HTTPError(422, f"'topk' must be an integer, got {json.dumps(topk)}")
-    elif not 1 <= topk <= cfg.max_topk:
-        raise HTTPError(422, f"'topk' must be between 1 and {cfg.max_topk}, got {topk}")
-    return_scores = data.get("return_scores", False)
-    if not isinstance(return_scores, bool):
-        raise HTTPError(422, f"'return_scores' must be true or false, got {json.dumps(return_scores)}")
+    topk = cfg.topk if topk is None else as_int(topk, "'topk'", 1, cfg.max_topk)
+    return_scores = as_bool(data.get("return_scores", False), "'return_scores'")
     return queries, topk, return_scores
 
 
@@ -366,10 +353,6 @@ def format_result(hits: list[list[dict]], return_scores: bool) -> dict:
     if return_scores:
         return {"result": [[{"document": {"id": h["id"], "contents": h["contents"]}, "score": h["score"]} for h in q] for q in hits]}
     return {"result": [[{"id": h["id"], "contents": h["contents"]} for h in q] for q in hits]}
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"detail": message}, status_code=status)
 
 
 # ----------------------------------------------------------------------------- app
@@ -443,45 +426,33 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
     )
     app.state.retriever = state
     app.state.metrics = metrics
-
-    def unauthorized() -> JSONResponse:
-        metrics.error("unauthorized")
-        return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
+    api_key = cfg.api_key_value()
+    install_error_handlers(app, metrics.count)
+    endpoint = guarded(api_key, metrics.count, log)
 
     @app.post(
         "/retrieve",
         response_model=RetrieveResponse,
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": RetrieveRequest.model_json_schema()}}}},
-        responses={400: {"description": "not JSON"}, 401: {"description": "API key"}, 413: {"description": "too large"}, 422: {"description": "invalid field"}, 503: {"description": "still loading"}},
-    )
+        responses={400: {"description": "not JSON"}, 401: {"description": "API key"}, 408: {"description": "body too slow"},
+                   413: {"description": "too large"}, 422: {"description": "invalid field"}, 503: {"description": "still loading"}},
+    )  # fmt: skip
+    @endpoint
     async def retrieve(request: Request):
         """Top-k passages for each query (Search-R1 request/response format)."""
-        t0 = time.perf_counter()
-        path = "/retrieve"
-        if not api_key_ok(request, cfg.api_key):
-            metrics.request(path, 401, None)
-            return unauthorized()
-        try:
-            queries, topk, return_scores = parse_retrieve_body(await read_body(request, cfg.max_body_bytes, hint="; send fewer or shorter queries"), cfg)
-        except HTTPError as e:
-            metrics.request(path, e.status, None)
-            metrics.error("bad_request")
-            return _error(e.status, e.message)
+        body = await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout, hint="; send fewer or shorter queries")
+        queries, topk, return_scores = parse_retrieve_body(body, cfg)
         if state.status != "ok":
-            metrics.request(path, 503, None)
-            return _error(503, f"index is {state.status}{': ' + state.error if state.error else ''}; retry when GET /health returns 200")
+            raise HTTPError(503, f"index is {state.status}{': ' + state.error if state.error else ''}; retry when GET /health returns 200")
         try:
             hits = await state.batcher.submit(queries, topk)
-        except Exception as e:  # noqa: BLE001 - this request only
-            metrics.request(path, 500, time.perf_counter() - t0)
-            metrics.error("retrieval")
-            return _error(500, f"retrieval failed: {type(e).__name__}: {e}")
-        body = json.dumps(format_result(hits, return_scores), ensure_ascii=False).encode("utf-8")
-        metrics.request(path, 200, time.perf_counter() - t0)
-        return Response(body, media_type="application/json")
+        except Exception as e:  # noqa: BLE001 - this request only (its batch mates were re-run without it)
+            raise HTTPError(500, f"retrieval failed: {type(e).__name__}: {e}", "retrieval") from None
+        return json_response(format_result(hits, return_scores))
 
     @app.get("/health")
-    async def health():
+    @guarded(api_key, metrics.count, log, open_=True)
+    async def health(request: Request):
         """200 with index info once the index is loaded; 503 while loading or after a failed load."""
         if state.status == "ok":
             info = state.searcher.info()
@@ -493,10 +464,9 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
+    @endpoint
     async def metrics_endpoint(request: Request):
-        """Prometheus text format: requests, queries, batch sizes, latency, errors."""
-        if not api_key_ok(request, cfg.api_key):
-            return unauthorized()
+        """Prometheus text format: requests by route and status, errors by reason, queries, batch sizes, latency."""
         text = metrics.render()
         if state.searcher is not None:
             text += (

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent.engines.wire import DTYPES
+from agent.engines.wire import DTYPES, check_weights
 
 
 def _local_address(master_host: str, master_port: int) -> str:
@@ -181,10 +181,12 @@ class CollectiveReceiver:
         if self.pg is None:
             raise RuntimeError("no weight-sync group: the trainer must call /weights/collective/init first")
         try:
-            return receive_buckets(self.pg, self.store, meta, sync_id, self.rank, device)
+            weights = receive_buckets(self.pg, self.store, meta, sync_id, self.rank, device)
         except Exception:
             self.close()  # a broken group cannot be reused; the trainer builds a new one
             raise
+        check_weights(weights)  # NaN/inf refused before anything is loaded (the group stays usable)
+        return weights
 
     def close(self) -> None:
         self.pg, self.store, self.rank = None, None, -1

@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
-from agent.engines.wire import output_from_json, params_to_json, plan_buckets
+from agent.engines.wire import floats_from_json, output_from_json, params_to_json, plan_buckets
 from emapg.servers import response_error
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -256,7 +256,8 @@ class RemoteEngine:
         if len(token_ids) != len(start):
             raise ValueError("token_ids and start must have the same length")
         body = {"token_ids": [list(map(int, t)) for t in token_ids], "start": list(start)}
-        return self._request("POST", self.urls[next(self._rr) % len(self.urls)] + "/score", json=body).json()["logprobs"]
+        rows = self._request("POST", self.urls[next(self._rr) % len(self.urls)] + "/score", json=body).json()["logprobs"]
+        return [floats_from_json(r) for r in rows]  # null: not a finite number
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: dict[str, torch.Tensor], tag: str | None = None) -> list[int]:

