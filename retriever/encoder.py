@@ -10,7 +10,11 @@ Departures from Search-R1's encoder, each for a measured or documented reason:
   bf16 is an opt-in for CPUs with bf16 instructions (AVX512-BF16/AMX): 1.8x faster batches of
   MiniLM queries here, cosine to the fp32 vectors > 0.9999, same recall@3 on the NQ test index.
 * Dynamic padding with sort-by-length batching instead of padding a 512-passage batch to the
-  longest passage (Search-R1's builder reached 18 passages/s on 2 cores that way).
+  longest passage (Search-R1's builder reached 18 passages/s on 2 cores that way), and beyond that
+  texts packed into shared rows (``retriever.packing``): a batch of 32 NQ queries carries ~30% fewer
+  token slots than padded to its longest; on CPU the packed forward runs as a TorchScript trace that
+  holds the GIL once per forward, not once per operator. Both are checked against the padded eager
+  forward when a model loads, and skipped for a model they do not reproduce.
 * Several GPUs: one model replica per device, batches spread over them by threads (PyTorch
   releases the GIL inside CUDA kernels).
 """
@@ -19,21 +23,24 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from retriever.packing import Forward
 
 Pooling = Literal["mean", "cls"]
 
 log = logging.getLogger("retriever.encoder")
 
-# Tokens per packed row. A row's attention is dense (width^2) but masked to its texts, so wider rows waste
-# attention work, narrower ones leave more padding at row ends. Measured on NQ questions (about 12 tokens),
-# MiniLM fp32, one CPU thread, batches of 32-64: 64 is fastest (1.3-1.6x the padded forward), 128 and 256 lose.
+# Tokens per packed row (retriever.packing). A row's attention is dense (width^2) but masked to its texts,
+# so wider rows waste attention work, narrower ones leave more padding at row ends. Measured on NQ
+# questions (about 12 tokens), MiniLM fp32, one CPU thread, batches of 32-64: 64 is fastest (1.3-1.6x
+# the padded forward), 128 and 256 lose.
 ROW_TOKENS = 64
 # Texts of different lengths whose packed and padded embeddings are compared when a model loads.
 PACKING_PROBES = (
@@ -128,42 +135,8 @@ def make_spec(
     )
 
 
-def _first_fit_decreasing(lengths: Sequence[int], width: int) -> list[list[int]]:
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, room in enumerate(free):
-            if lengths[i] <= room:
-                rows[r].append(i)
-                free[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            free.append(width - lengths[i])
-    return rows
-
-
-def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
-    """Pack texts into rows: as few as first-fit decreasing needs for rows of ``max(row_tokens, longest)``
-    tokens, then as narrow as still fits that many (a binary search over the width).
-
-    lengths (N,) token counts -> rows, each a list of text indices (every index exactly once), longest
-    texts first. Padding a batch to its longest text wastes a third of a 32-query NQ batch's FLOPs;
-    packed rows waste only their ends, and narrowing the rows spreads that slack: 16 NQ queries
-    (190 tokens) take 4 x 64 = 256 token slots at full width, about 200 when balanced.
-    """
-    longest = max(lengths)
-    rows = _first_fit_decreasing(lengths, max(row_tokens, longest))
-    n_rows = len(rows)
-    lo, hi = max(longest, -(-sum(lengths) // n_rows)), max(row_tokens, longest) - 1
-    while lo <= hi:  # FFD's row count is not strictly monotone in the width: any width that fits will do
-        mid = (lo + hi) // 2
-        narrower = _first_fit_decreasing(lengths, mid)
-        if len(narrower) <= n_rows:
-            rows, hi = narrower, mid - 1
-        else:
-            lo = mid + 1
-    return rows
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.min(np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
 
 def resolve_devices(device: str) -> list[str]:
@@ -188,6 +161,7 @@ class Encoder:
         from transformers.utils import logging as hf_logging
 
         from emapg.models import resolve_model
+        from retriever.packing import eager_forward
 
         self.spec = spec
         self.devices = resolve_devices(device)
@@ -211,9 +185,11 @@ class Encoder:
         self.dim = int(base.config.hidden_size)
         self._pool = ThreadPoolExecutor(len(self.devices)) if len(self.devices) > 1 else None
         self.row_tokens = row_tokens
+        self._packed_forwards: list[Forward] = [eager_forward(m) for m in self.models]
         # Packing texts into rows needs a model that honours 4D masks and position ids (BERT-family
-        # encoders do; RoBERTa offsets its positions): checked, not assumed.
+        # encoders do; RoBERTa offsets its positions): checked, not assumed. Likewise the trace.
         self.packed = pack and self._packing_is_exact()
+        self.traced = self.packed and not on_gpu and self._trace()
 
     def encode_queries(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         return self.encode([self.spec.query_prefix + t for t in texts], batch_size=batch_size)
@@ -235,7 +211,7 @@ class Encoder:
         def run(job: tuple[int, np.ndarray]) -> None:
             k, rows = job
             feats = {key: [enc[key][r] for r in rows] for key in enc.keys()}
-            out[rows] = forward(self.models[k % len(self.models)], self.devices[k % len(self.devices)], feats)
+            out[rows] = forward(k % len(self.models), feats)
 
         jobs = list(enumerate(batches))
         if self._pool is None:
@@ -245,14 +221,14 @@ class Encoder:
             list(self._pool.map(run, jobs))
         return out
 
-    def _forward_padded(self, model, device: str, feats: dict) -> np.ndarray:
+    def _forward_padded(self, replica: int, feats: dict) -> np.ndarray:
         """One forward over the texts padded to the longest (the reference the packed forward must equal)."""
         import torch
 
         batch = self.tokenizer.pad(feats, return_tensors="pt")
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(self.devices[replica]) for k, v in batch.items()}
         with torch.inference_mode():
-            hidden = model(**batch).last_hidden_state
+            hidden = self.models[replica](**batch).last_hidden_state
             if self.spec.pooling == "cls":
                 emb = hidden[:, 0].float()
             else:
@@ -262,68 +238,56 @@ class Encoder:
                 emb = torch.nn.functional.normalize(emb, dim=-1)
         return emb.cpu().numpy()
 
-    def _forward_packed(self, model, device: str, feats: dict) -> np.ndarray:
-        """One forward over the texts packed into rows (no padding inside a row), see :func:`pack_rows`.
-
-        Each token attends only to the tokens of its own text (a block-diagonal 4D mask) and gets its
-        position within its text, so every text's hidden states are those of an unpadded forward.
-        """
+    def _forward_packed(self, replica: int, feats: dict) -> np.ndarray:
+        """One forward over the texts packed into rows (:mod:`retriever.packing`)."""
         import torch
 
-        ids = feats["input_ids"]
-        lengths = [len(x) for x in ids]
-        rows = pack_rows(lengths, self.row_tokens)
-        width = max(sum(lengths[i] for i in row) for row in rows)
-        text_of = np.full((len(rows), width), -1, dtype=np.int64)  # -1: padding at the end of a row
-        position = np.zeros((len(rows), width), dtype=np.int64)
-        inputs = {key: np.full((len(rows), width), self.tokenizer.pad_token_id if key == "input_ids" else 0, dtype=np.int64) for key in feats if key != "attention_mask"}
-        starts = np.empty(len(ids), dtype=np.int64)
-        for r, row in enumerate(rows):
-            pos = 0
-            for i in row:
-                n = lengths[i]
-                for key, arr in inputs.items():
-                    arr[r, pos : pos + n] = feats[key][i]
-                text_of[r, pos : pos + n] = i
-                position[r, pos : pos + n] = np.arange(n)
-                starts[i] = r * width + pos
-                pos += n
-        text = torch.from_numpy(text_of).to(device)
-        dtype = model.dtype
-        # Additive mask (works with sdpa and eager attention): 0 within a text, -inf-like across texts.
-        # Padding attends to padding, so no softmax row is empty; its outputs are never read.
-        same = (text[:, :, None] == text[:, None, :]).unsqueeze(1)  # (rows, 1, width, width)
-        mask = torch.zeros(same.shape, dtype=dtype, device=device).masked_fill_(~same, torch.finfo(dtype).min)
-        batch = {key: torch.from_numpy(arr).to(device) for key, arr in inputs.items()}
+        from retriever.packing import pack_batch, pool_packed
+
+        batch = pack_batch(feats, self.row_tokens, self.tokenizer.pad_token_id, self.models[replica].dtype, self.devices[replica])
         with torch.inference_mode():
-            hidden = model(**batch, attention_mask=mask, position_ids=torch.from_numpy(position).to(device)).last_hidden_state
-            flat = hidden.reshape(-1, hidden.shape[-1]).float()  # (rows * width, H)
-            if self.spec.pooling == "cls":
-                emb = flat[torch.from_numpy(starts).to(device)]
-            else:
-                text_flat = text.reshape(-1)
-                real = text_flat >= 0
-                emb = torch.zeros(len(ids), flat.shape[1], dtype=torch.float32, device=device).index_add_(0, text_flat[real], flat[real])
-                emb = emb / torch.tensor(lengths, dtype=torch.float32, device=device).unsqueeze(1)
+            emb = pool_packed(self._packed_forwards[replica](batch.inputs), batch, self.spec.pooling)
             if self.spec.normalize:
                 emb = torch.nn.functional.normalize(emb, dim=-1)
         return emb.cpu().numpy()
 
+    def _probe_features(self, texts: tuple[str, ...] = PACKING_PROBES) -> dict:
+        feats = self.tokenizer(list(texts), truncation=True, max_length=self.spec.max_length, padding=False)
+        return {key: list(v) for key, v in feats.items()}
+
     def _packing_is_exact(self) -> bool:
         """Whether this model honours packing (4D masks and position ids): packed vs padded on probe texts."""
-        feats = self.tokenizer(PACKING_PROBES, truncation=True, max_length=self.spec.max_length, padding=False)
-        feats = {key: list(v) for key, v in feats.items()}
+        feats = self._probe_features()
         try:
-            packed = self._forward_packed(self.models[0], self.devices[0], feats)
+            packed = self._forward_packed(0, feats)
         except (TypeError, ValueError, RuntimeError) as e:  # e.g. a model without position_ids
             log.info("encoder %s: packed forward failed (%s); padding instead", self.spec.name, e)
             return False
-        padded = self._forward_padded(self.models[0], self.devices[0], feats)
-        worst = float(np.min(np.sum(packed * padded, axis=1) / (np.linalg.norm(packed, axis=1) * np.linalg.norm(padded, axis=1))))
+        worst = _min_cosine(packed, self._forward_padded(0, feats))
         ok = worst >= (1 - 1e-5 if self.dtype == "float32" else 0.999)
         if not ok:
             log.warning("encoder %s: packed forward differs from padded (cosine %.6f); padding instead", self.spec.name, worst)
         return ok
+
+    def _trace(self) -> bool:
+        """Replace each CPU replica's eager packed forward by a trace, if the trace reproduces it on a
+        batch of another shape than the one traced."""
+        from retriever.packing import eager_forward, pack_batch, traced_forward
+
+        eager = self._forward_packed(0, self._probe_features())
+        example = pack_batch(self._probe_features(PACKING_PROBES[:2]), self.row_tokens, self.tokenizer.pad_token_id, self.models[0].dtype, self.devices[0])
+        try:
+            self._packed_forwards = [traced_forward(m, example) for m in self.models]
+            worst = _min_cosine(self._forward_packed(0, self._probe_features()), eager)
+        except Exception as e:  # noqa: BLE001 - any tracing failure: the eager forward is the safe fallback
+            worst, reason = -1.0, f"{type(e).__name__}: {str(e)[:300]}"
+        else:
+            reason = f"cosine {worst:.6f} to the eager forward"
+        if worst < 1 - 1e-6:
+            log.warning("encoder %s: the traced forward is not exact (%s); running it eagerly", self.spec.name, reason)
+            self._packed_forwards = [eager_forward(m) for m in self.models]
+            return False
+        return True
 
     def close(self) -> None:
         if self._pool is not None:

@@ -224,6 +224,7 @@ class Searcher:
             "index_device": self.index_device,
             "dtype": self.encoder.dtype,
             "encoder_packed_rows": self.encoder.packed,
+            "encoder_traced": self.encoder.traced,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,
         }

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from emapg.models import resolve_model
-from retriever.encoder import Encoder, EncoderSpec, make_spec, pack_rows
+from retriever.encoder import Encoder, EncoderSpec, make_spec
+from retriever.packing import pack_rows
 
 TEXTS = [
     "who got the first nobel prize in physics",
@@ -110,7 +111,7 @@ def test_packed_forward_equals_padded_forward(pooling, row_tokens):
     texts = [t for _ in range(3) for t in TEXTS] + [f"question number {i} about " + "history " * (i % 9) for i in range(40)]
     padded = Encoder(EncoderSpec(name="minilm", pooling=pooling), device="cpu", pack=False)
     packed = Encoder(EncoderSpec(name="minilm", pooling=pooling), device="cpu", row_tokens=row_tokens)
-    assert packed.packed and not padded.packed
+    assert packed.packed and packed.traced and not padded.packed  # on CPU the packed forward runs traced
     for batch_size in (1, 7, 64):
         np.testing.assert_allclose(packed.encode(texts, batch_size=batch_size), padded.encode(texts, batch_size=batch_size), atol=1e-5)
 
@@ -131,5 +132,5 @@ def test_packing_falls_back_to_padding_for_a_model_that_offsets_positions(tmp_pa
     np.testing.assert_allclose(enc.encode(TEXTS, batch_size=3), forced.encode(TEXTS, batch_size=3), atol=1e-6)
     with torch.inference_mode():  # the check is not vacuous: forcing the packed forward really differs
         feats = {k: list(v) for k, v in enc.tokenizer(TEXTS, truncation=True, max_length=256).items()}
-        wrong = enc._forward_packed(enc.models[0], "cpu", feats)
+        wrong = enc._forward_packed(0, feats)
     assert not np.allclose(wrong, forced.encode(TEXTS, batch_size=64), atol=1e-3)
