@@ -1,18 +1,29 @@
-"""Retrieval server under load: cross-request micro-batching on vs off, side by side.
+"""Retrieval server under load, as its users see it: micro-batching on vs off, and single-query traffic vs the batch-of-32 ceiling.
 
-For each mode (``--max-batch 64`` vs ``--max-batch 1``, same server build, same index, same run)
-and each concurrency level, N closed-loop clients each hold one keep-alive connection and send
-one NQ question per request (the way verl/Search-R1 trajectories call the retriever). Reports
-queries/s and p50/p99 latency per level and the throughput ratio batched/unbatched.
+Every measurement uses the same index and the same load harness: N closed-loop clients, each with
+one keep-alive httpx connection (the way verl/Search-R1 trajectories call the retriever), topk 3,
+scores returned. Throughput is queries/s over a measured window that opens once every client has
+had an answer; latency is per request.
 
-Full mode (no ``--quick``) also builds Flat, IVF-SQ8 and IVF-PQ indexes over the whole bundled
-corpus from one set of embeddings and reports encoding passages/s, index memory and recall@3
-against Flat on 500 NQ questions.
+1. **Engine comparison**, query cache off: a ``--max-batch 64`` and a ``--max-batch 1`` server, one
+   NQ question per request, at each concurrency level (alternating which server goes first);
+   q/s, p50/p99 and the ratio batched/unbatched.
+2. **Ceiling**, query cache off, ``--rounds`` times in alternating order: the batched server under 32
+   clients sending one question per request; the same server answering one client's requests of 32
+   questions each (every micro-batch holds 32 queries); and encoder + FAISS + doc lookup alone in
+   this process on batches of 32 with the server's thread count. Ratios single/batch-of-32 per round,
+   reported as min/median/max over the rounds. fp32, and bf16 with ``--dtypes`` (by default where the
+   CPU has bf16 instructions, full mode only: elsewhere bf16 is emulated and ~8x slower than fp32).
+3. **GRPO repeats**: 32 clients asking questions in groups of ``--group`` identical ones (the G
+   rollouts of one prompt often search the same first query), query cache on vs off.
+4. Full mode only: Flat vs IVF-SQ8 vs IVF-PQ over the whole bundled corpus from one set of
+   embeddings: encoding passages/s, index memory, recall@3 against Flat on 500 NQ questions.
 
-    python benchmarks/retriever_load.py --quick     # < 90 s on 2 cores
+    python benchmarks/retriever_load.py --quick     # ~2 min on 2 cores
     python benchmarks/retriever_load.py             # full
 
-Writes ``benchmarks/results/retriever_load.json``.
+Writes ``benchmarks/results/retriever_load.json``. Other work on the machine skews absolute numbers
+(the load average is recorded); the ratios are measured side by side and their spread is reported.
 """
 
 from __future__ import annotations
@@ -20,13 +31,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import itertools
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +57,12 @@ from retriever.launch import RetrieverServer  # noqa: E402
 CORPUS = REPO / "data" / "corpus" / "wiki_mini.jsonl.gz"
 QUESTIONS = REPO / "data" / "qa" / "nq" / "test.jsonl.gz"
 OUT = REPO / "benchmarks" / "results" / "retriever_load.json"
+TOPK = 3
+MAX_WAIT_MS = 5.0
+CEILING_CLIENTS = 32  # single-query clients in the ceiling comparison
+CEILING_BATCH = 32  # queries per request of the batch-of-32 ceiling
+TARGET_CEILING_RATIO = 0.9  # single-query q/s at 32 clients >= 90% of the batch-of-32 q/s
+TARGET_P99_MS = 150.0
 
 
 def questions(n: int) -> list[str]:
@@ -65,6 +85,36 @@ def cached_index(n_passages: int | None, max_length: int) -> tuple[Path, float |
     return out, res.passages_per_s
 
 
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags); without them torch emulates bf16 matmuls."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+# ----------------------------------------------------------------------------- load harness
+
+# A request body for client c's i-th request, and how many queries it holds.
+BodyFn = Callable[[int, int], dict]
+
+
+def single_queries(qs: list[str]) -> BodyFn:
+    """One question per request, each client walking the questions from its own offset."""
+    return lambda c, i: {"queries": [qs[(c * 13 + i * 97) % len(qs)]], "topk": TOPK, "return_scores": True}
+
+
+def batches_of(qs: list[str], n: int) -> BodyFn:
+    return lambda c, i: {"queries": [qs[((c * 1000 + i) * n + j) % len(qs)] for j in range(n)], "topk": TOPK, "return_scores": True}
+
+
+def grpo_groups(qs: list[str], group: int) -> BodyFn:
+    """Every question ``group`` times in a row across all clients, as G rollouts of one prompt ask it."""
+    slots = itertools.count()
+    return lambda c, i: {"queries": [qs[(next(slots) // group) % len(qs)]], "topk": TOPK, "return_scores": True}
+
+
 class _Window:
     """Measured window of one level: opens ``warmup_s`` after every client has had an answer."""
 
@@ -76,18 +126,21 @@ class _Window:
         self.end = float("inf")
         self.stop = False
         self.latencies: list[float] = []
+        self.queries = 0
         self.errors: list[str] = []
 
 
-async def _client(url: str, qs: list[str], offset: int, w: _Window) -> None:
+async def _client(url: str, body: BodyFn, c: int, w: _Window) -> None:
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1)) as http:
-        i, first = offset, True
-        while not w.stop:
+        for i in itertools.count():
+            if w.stop:
+                return
+            payload = body(c, i)
             t0 = time.perf_counter()
             try:
-                r = await http.post("/retrieve", json={"queries": [qs[i % len(qs)]], "topk": 3, "return_scores": True})
+                r = await http.post("/retrieve", json=payload)
                 ok = r.status_code == 200
                 if not ok:
                     w.errors.append(f"HTTP {r.status_code}")
@@ -97,76 +150,155 @@ async def _client(url: str, qs: list[str], offset: int, w: _Window) -> None:
             t1 = time.perf_counter()
             if ok and w.start <= t1 <= w.end:  # completions inside the measured window
                 w.latencies.append(t1 - t0)
-            if first:
-                first = False
+                w.queries += len(payload["queries"])
+            if i == 0:
                 w.warm_clients += 1
                 if w.warm_clients == w.concurrency:
                     w.all_warm.set()
-            i += 97
 
 
-async def _level(url: str, qs: list[str], concurrency: int, warmup_s: float, duration_s: float) -> dict:
+def server_counters(url: str) -> dict[str, float]:
+    """The /metrics counters this benchmark reads (summed over labels)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        m = re.match(r"^(retriever_(?:batch_size_sum|batch_size_count|batch_seconds_sum|queries_total|query_cache_hits_total))(?:\{.*\})? (\S+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def _server_stats(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    batches, queries = d.get("retriever_batch_size_count", 0.0), d.get("retriever_batch_size_sum", 0.0)
+    stats = {
+        "batches": int(batches),
+        "mean_batch_size": round(queries / batches, 2) if batches else None,
+        # the worker thread's busy fraction (encode + search + lookup) over the window
+        "worker_busy_fraction": round(d.get("retriever_batch_seconds_sum", 0.0) / seconds, 3),
+    }
+    if "retriever_query_cache_hits_total" in d and queries:  # of the queries the worker answered, how many skipped the encoder
+        stats["query_cache_hit_fraction"] = round(d["retriever_query_cache_hits_total"] / queries, 3)
+    return stats
+
+
+async def _level(url: str, body: BodyFn, concurrency: int, warmup_s: float, duration_s: float) -> dict:
     w = _Window(concurrency)
-    clients = asyncio.gather(*(_client(url, qs, c * 13, w) for c in range(concurrency)))
+    clients = asyncio.gather(*(_client(url, body, c, w) for c in range(concurrency)))
     try:  # new connections and the first big batch are not steady state; capped to bound the run time
         await asyncio.wait_for(w.all_warm.wait(), timeout=max(5.0, 2 * duration_s))
     except asyncio.TimeoutError:
         pass
     await asyncio.sleep(warmup_s)
+    before = await asyncio.to_thread(server_counters, url)
     w.start = time.perf_counter()
     await asyncio.sleep(duration_s)
     w.end = time.perf_counter()
+    after = await asyncio.to_thread(server_counters, url)
     w.stop = True
     await clients
     arr = np.array(w.latencies) * 1000
     return {
         "concurrency": concurrency,
         "requests": len(arr),
-        "qps": round(len(arr) / (w.end - w.start), 1),
+        "qps": round(w.queries / (w.end - w.start), 1),
         "p50_ms": round(float(np.percentile(arr, 50)), 1) if len(arr) else None,
         "p99_ms": round(float(np.percentile(arr, 99)), 1) if len(arr) else None,
         "errors": len(w.errors),
+        **_server_stats(before, after, w.end - w.start),
     }
 
 
-def _mean_batch(url: str) -> float | None:
-    import httpx
-
-    lines = httpx.get(url + "/metrics").text.splitlines()
-    total = [float(x.split()[1]) for x in lines if x.startswith("retriever_batch_size_sum")]
-    count = [float(x.split()[1]) for x in lines if x.startswith("retriever_batch_size_count")]
-    return round(total[0] / count[0], 2) if total and count and count[0] else None
+def measure(url: str, body: BodyFn, concurrency: int, warmup_s: float, duration_s: float) -> dict:
+    return asyncio.run(_level(url, body, concurrency, warmup_s, duration_s))
 
 
-def run_modes(index_dir: Path, modes: dict[str, int], levels: list[int], qs: list[str], warmup_s: float, duration_s: float, threads: int, bf16: bool) -> dict:
-    """Both servers run side by side (an idle one costs nothing); levels alternate the order of
-    the modes, so drift in the machine's load does not favour either."""
+# ----------------------------------------------------------------------------- the four parts
+
+
+def start_servers(index_dir: Path, specs: dict[str, dict], threads: int, stack) -> dict[str, RetrieverServer]:
+    """Start every server at once (start-up is mostly imports); an idle server costs nothing."""
     from concurrent.futures import ThreadPoolExecutor
-    from contextlib import ExitStack
 
-    with ExitStack() as stack:
-        servers = {
-            name: RetrieverServer(
-                index_dir, max_batch=mb, max_wait_ms=5.0, omp_num_threads=threads, device="cpu",
-                # clients repeat questions: measure encoding, not the cache
-                extra_args=["--query-cache-size", "0", *(["--bf16"] if bf16 else [])],
-            )
-            for name, mb in modes.items()
-        }
-        for server in servers.values():
-            stack.callback(server.stop)
-        with ThreadPoolExecutor(len(servers)) as pool:  # start both at once: start-up is mostly imports
-            list(pool.map(lambda srv: srv.start(), servers.values()))
-        results: dict[str, dict] = {name: {"max_batch": mb, "levels": {}} for name, mb in modes.items()}
-        for k, c in enumerate(levels):
-            order = list(modes) if k % 2 == 0 else list(reversed(modes))
-            for name in order:
-                r = asyncio.run(_level(servers[name].url, qs, c, warmup_s, duration_s))
-                results[name]["levels"][str(c)] = r
-                print(f"  {name:<9s} max_batch={modes[name]:<3d} {r}", flush=True)
-        for name in modes:
-            results[name]["mean_batch_size"] = _mean_batch(servers[name].url)
+    servers = {
+        name: RetrieverServer(
+            index_dir, max_batch=spec["max_batch"], max_wait_ms=MAX_WAIT_MS, omp_num_threads=threads, device="cpu",
+            extra_args=["--query-cache-size", str(spec["query_cache_size"]), *(["--bf16"] if spec["bf16"] else [])],
+        )
+        for name, spec in specs.items()
+    }  # fmt: skip
+    for server in servers.values():
+        stack.callback(server.stop)
+    with ThreadPoolExecutor(len(servers)) as pool:
+        list(pool.map(lambda srv: srv.start(), servers.values()))
+    return servers
+
+
+def engine_comparison(servers: dict[str, RetrieverServer], levels: list[int], qs: list[str], warmup_s: float, duration_s: float) -> dict:
+    """Batched vs unbatched server at each level; the order alternates so drift favours neither."""
+    modes = {"batched": 64, "unbatched": 1}
+    results: dict[str, dict] = {name: {"max_batch": mb, "levels": {}} for name, mb in modes.items()}
+    for k, c in enumerate(levels):
+        for name in list(modes) if k % 2 == 0 else list(reversed(modes)):
+            r = measure(servers[name].url, single_queries(qs), c, warmup_s, duration_s)
+            results[name]["levels"][str(c)] = r
+            print(f"  {name:<9s} max_batch={modes[name]:<3d} {r}", flush=True)
     return results
+
+
+def encoder_qps(searcher, qs: list[str], batch: int, duration_s: float) -> float:
+    """Queries/s of ``searcher.retrieve`` (encode + FAISS + doc lookup) on batches of ``batch`` questions."""
+    searcher.retrieve(qs[:batch], TOPK)  # warm-up
+    n, i, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < duration_s:
+        searcher.retrieve([qs[(i * batch + j) % len(qs)] for j in range(batch)], TOPK)
+        n, i = n + batch, i + 1
+    return n / (time.perf_counter() - t0)
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": round(min(values), 3), "median": round(float(np.median(values)), 3), "max": round(max(values), 3)}
+
+
+def ceiling(server: RetrieverServer, index_dir: Path, bf16: bool, qs: list[str], rounds: int, warmup_s: float, duration_s: float) -> dict:
+    """Single-query traffic at 32 clients vs the same server's batch-of-32 throughput vs the encoder alone."""
+    from retriever.searcher import Searcher
+
+    searcher = Searcher(index_dir, device="cpu", bf16=bf16, query_cache_size=0)
+    per_round = []
+    for r in range(rounds):
+        row: dict = {}
+        steps = {
+            "single_c32": lambda: measure(server.url, single_queries(qs), CEILING_CLIENTS, warmup_s, duration_s),
+            "batch32_c1": lambda: measure(server.url, batches_of(qs, CEILING_BATCH), 1, warmup_s, duration_s),
+            "encoder_batch32_qps": lambda: round(encoder_qps(searcher, qs, CEILING_BATCH, duration_s), 1),
+        }
+        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
+            row[name] = steps[name]()
+        row["single_over_batch32"] = round(row["single_c32"]["qps"] / row["batch32_c1"]["qps"], 3)
+        row["single_over_encoder"] = round(row["single_c32"]["qps"] / row["encoder_batch32_qps"], 3)
+        per_round.append(row)
+        print(f"  round {r + 1}: single c=32 {row['single_c32']['qps']} q/s (p99 {row['single_c32']['p99_ms']} ms, mean batch "
+              f"{row['single_c32']['mean_batch_size']}), batch-of-32 {row['batch32_c1']['qps']} q/s, encoder alone "
+              f"{row['encoder_batch32_qps']} q/s -> single/batch32 {row['single_over_batch32']}, single/encoder {row['single_over_encoder']}", flush=True)  # fmt: skip
+    return {
+        "rounds": per_round,
+        "single_c32_qps": spread([r["single_c32"]["qps"] for r in per_round]),
+        "single_c32_p99_ms": spread([r["single_c32"]["p99_ms"] for r in per_round]),
+        "batch32_qps": spread([r["batch32_c1"]["qps"] for r in per_round]),
+        "encoder_batch32_qps": spread([r["encoder_batch32_qps"] for r in per_round]),
+        "single_over_batch32": spread([r["single_over_batch32"] for r in per_round]),
+        "single_over_encoder": spread([r["single_over_encoder"] for r in per_round]),
+    }
+
+
+def grpo_repeats(servers: dict[str, RetrieverServer], qs: list[str], group: int, warmup_s: float, duration_s: float) -> dict:
+    out = {"group_size": group, "concurrency": CEILING_CLIENTS}
+    for name, key in (("cached", "cache_on"), ("batched", "cache_off")):
+        out[key] = measure(servers[name].url, grpo_groups(qs, group), CEILING_CLIENTS, warmup_s, duration_s)
+        print(f"  query cache {key[6:]:<3s} {out[key]}", flush=True)
+    return out
 
 
 def index_types_report(index_dir: Path, n_queries: int) -> dict:
@@ -213,30 +345,68 @@ def index_types_report(index_dir: Path, n_queries: int) -> dict:
     return report
 
 
+# ----------------------------------------------------------------------------- main
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small index, short levels: < 90 s on 2 cores")
+    p.add_argument("--quick", action="store_true", help="small index, short windows, fp32 only: ~2 min on 2 cores")
     p.add_argument("--passages", type=int, default=None, help="index the first N bundled passages (default: quick 128, full all 43,159)")
-    p.add_argument("--levels", default="1,8,32,64", help="comma-separated concurrency levels (default 1,8,32,64)")
-    p.add_argument("--duration", type=float, default=None, help="measured seconds per level (default: quick 2.5, full 10)")
-    p.add_argument("--warmup", type=float, default=None, help="unmeasured seconds before each level (default: quick 0.5, full 2)")
-    p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of the server in both modes (default 1: the load generator needs the other core)")
-    p.add_argument("--bf16", action="store_true", help="serve with the opt-in bf16 query encoder in both modes (default fp32)")
+    p.add_argument("--levels", default="1,8,32,64", help="comma-separated concurrency levels of the engine comparison (default 1,8,32,64)")
+    p.add_argument("--duration", type=float, default=None, help="measured seconds per level (default: quick 3, full 10)")
+    p.add_argument("--warmup", type=float, default=None, help="unmeasured seconds before each level (default: quick 1, full 2)")
+    p.add_argument("--rounds", type=int, default=None, help="repeats of the ceiling comparison (default: quick 3, full 5)")
+    p.add_argument("--group", type=int, default=5, help="identical questions per group in the GRPO-repeat row (default 5, Search-R1's rollouts per prompt)")
+    p.add_argument("--dtypes", default=None, help="encoder dtypes of the ceiling comparison, e.g. fp32,bf16 (default: quick fp32; full fp32, plus bf16 where the CPU has bf16 instructions)")
+    p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of every server and of the in-process encoder (default 1: the load generator needs the other core)")
+    p.add_argument("--bf16", action="store_true", help="run the engine comparison and GRPO rows with the bf16 encoder too (default fp32)")
     p.add_argument("--recall-queries", type=int, default=500, help="queries for recall@3 vs Flat in full mode (default 500)")
     p.add_argument("--out", default=str(OUT), help=f"JSON output (default {OUT.relative_to(REPO)})")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     n_passages = args.passages if args.passages is not None else (128 if args.quick else None)
-    duration = args.duration if args.duration is not None else (2.5 if args.quick else 10.0)
-    warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 2.0)
+    duration = args.duration if args.duration is not None else (3.0 if args.quick else 10.0)
+    warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     levels = [int(x) for x in args.levels.split(",")]
-    os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # the in-process encoder (full mode) too
+    if args.dtypes is not None:
+        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    else:
+        dtypes = ["fp32"] + (["bf16"] if not args.quick and cpu_has_bf16() else [])
+    if not set(dtypes) <= {"fp32", "bf16"} or not dtypes:
+        p.error(f"--dtypes takes fp32 and/or bf16, got {args.dtypes!r}")
+    os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # the in-process encoder too
+    import torch
 
-    print(f"index: first {n_passages or 'all'} passages of {CORPUS.name}, MiniLM on CPU", flush=True)
+    torch.set_num_threads(args.server_threads)
+
+    print(f"index: first {n_passages or 'all'} passages of {CORPUS.name}, MiniLM on CPU; load average {load_at_start}", flush=True)
     # Serving cost does not depend on the passages' length; quick mode truncates them to build fast.
     index_dir, built_pps = cached_index(n_passages, max_length=128 if args.quick else 256)
     qs = questions(1000)
-    modes = run_modes(index_dir, {"batched": 64, "unbatched": 1}, levels, qs, warmup, duration, args.server_threads, args.bf16)
+    engine_bf16 = args.bf16
+    specs = {
+        "batched": {"max_batch": 64, "query_cache_size": 0, "bf16": engine_bf16},  # clients repeat questions: measure encoding, not the cache
+        "unbatched": {"max_batch": 1, "query_cache_size": 0, "bf16": engine_bf16},
+        "cached": {"max_batch": 64, "query_cache_size": 4096, "bf16": engine_bf16},
+    }
+    for dt in dtypes:
+        if (dt == "bf16") != engine_bf16:
+            specs[f"batched_{dt}"] = {"max_batch": 64, "query_cache_size": 0, "bf16": dt == "bf16"}
+    ceilings = {}
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        servers = start_servers(index_dir, specs, args.server_threads, stack)
+        print(f"engine comparison (query cache off, one question per request, {duration:g} s per level):", flush=True)
+        modes = engine_comparison(servers, levels, qs, warmup, duration)
+        for dt in dtypes:
+            name = "batched" if (dt == "bf16") == engine_bf16 else f"batched_{dt}"
+            print(f"ceiling, {dt} encoder (query cache off, {rounds} rounds of {duration:g} s each):", flush=True)
+            ceilings[dt] = ceiling(servers[name], index_dir, dt == "bf16", qs, rounds, warmup, duration)
+        print(f"GRPO repeats (groups of {args.group} identical questions, {CEILING_CLIENTS} clients):", flush=True)
+        grpo = grpo_repeats(servers, qs, args.group, warmup, duration)
 
     ratios = {}
     p99_ratios = {}
@@ -244,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         b, u = modes["batched"]["levels"][str(c)], modes["unbatched"]["levels"][str(c)]
         ratios[str(c)] = round(b["qps"] / u["qps"], 2) if u["qps"] else None
         p99_ratios[str(c)] = round(b["p99_ms"] / u["p99_ms"], 2) if b["p99_ms"] and u["p99_ms"] else None
+    for mode in modes.values():  # over the measured windows of all levels
+        batches = sum(lv["batches"] for lv in mode["levels"].values())
+        queries = sum(lv["batches"] * lv["mean_batch_size"] for lv in mode["levels"].values() if lv["batches"])
+        mode["mean_batch_size"] = round(queries / batches, 2) if batches else None
+    main_ceiling = ceilings.get("fp32")
     result = {
         "benchmark": "retriever_load",
         "quick": args.quick,
@@ -251,20 +426,23 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "cpu_bf16_instructions": cpu_has_bf16(),
+            "load_average_at_start": load_at_start,
             "load_average_at_end": [round(x, 2) for x in os.getloadavg()],  # other jobs on the box skew absolute numbers
         },
         "setup": {
-            "encoder": f"minilm ({'bf16' if args.bf16 else 'fp32'}, CPU)",
+            "encoder": f"minilm ({'bf16' if engine_bf16 else 'fp32'}, CPU)",
             "index": read_meta(index_dir)["index_type"],
             "passages": read_meta(index_dir)["rows"],
             "server_omp_threads": args.server_threads,
-            "max_wait_ms": 5.0,
+            "max_wait_ms": MAX_WAIT_MS,
             "query_cache": "off",
-            "topk": 3,
+            "topk": TOPK,
             "queries_per_request": 1,
-            "connections": "one keep-alive connection per client, closed loop",
+            "connections": "one keep-alive httpx connection per client, closed loop",
             "duration_s_per_level": duration,
             "warmup_s_per_level": warmup,
+            "ceiling_rounds": rounds,
         },
         "batched": modes["batched"],
         "unbatched": modes["unbatched"],
@@ -272,6 +450,16 @@ def main(argv: list[str] | None = None) -> int:
         "batched_over_unbatched_p99_ratio": p99_ratios,
         "batched_over_unbatched_qps_ratio_c32": ratios.get("32"),
         "target_c32": {"qps_ratio_at_least": 3.0, "met": bool(ratios.get("32") and ratios["32"] >= 3.0), "p99_no_worse": bool(p99_ratios.get("32") and p99_ratios["32"] <= 1.0)},
+        "ceiling": ceilings,
+        # fp32, query cache off: median over rounds of (single-query q/s at 32 clients) / (same server, requests of 32 queries)
+        "single_over_batch32_ceiling_c32": main_ceiling["single_over_batch32"]["median"] if main_ceiling else None,
+        "single_over_encoder_ceiling_c32": main_ceiling["single_over_encoder"]["median"] if main_ceiling else None,
+        "target_ceiling_c32": {
+            "ratio_at_least": TARGET_CEILING_RATIO,
+            "p99_ms_at_most": TARGET_P99_MS,
+            "met": {dt: bool(c["single_over_batch32"]["median"] >= TARGET_CEILING_RATIO and c["single_c32_p99_ms"]["median"] <= TARGET_P99_MS) for dt, c in ceilings.items()},
+        },
+        "grpo_repeats": grpo,
         "reference": "Search-R1's server on the same 2-core machine class: 38-51 req/s at c=32, p99 0.8-1.2 s (docs PRIOR_ART.md)",
     }
     if built_pps:
@@ -285,7 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkstemp(dir=out.parent, suffix=".json.tmp")[1])
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     shutil.move(tmp, out)
-    print(f"c=32: batched/unbatched qps ratio {ratios.get('32')}, p99 ratio {p99_ratios.get('32')}  -> {out}")
+    print(f"c=32: batched/unbatched qps ratio {ratios.get('32')}, p99 ratio {p99_ratios.get('32')}")
+    for dt, c in ceilings.items():
+        r, q = c["single_over_batch32"], c["single_c32_qps"]
+        print(f"c=32 {dt}: single-query {q['median']} q/s [{q['min']}-{q['max']}], p99 {c['single_c32_p99_ms']['median']} ms; "
+              f"batch-of-32 {c['batch32_qps']['median']} q/s; single/batch-of-32 {r['median']} [{r['min']}-{r['max']}] "
+              f"(target >= {TARGET_CEILING_RATIO}, p99 <= {TARGET_P99_MS:g} ms); single/encoder alone {c['single_over_encoder']['median']}")  # fmt: skip
+    print(f"GRPO groups of {args.group}: cache on {grpo['cache_on']['qps']} q/s (hit fraction {grpo['cache_on'].get('query_cache_hit_fraction')}), "
+          f"cache off {grpo['cache_off']['qps']} q/s  -> {out}  ({result['wall_s']} s)")  # fmt: skip
     return 0
 
 

@@ -223,6 +223,8 @@ class Searcher:
             "encoder_device": self.encoder.devices[0] if len(self.encoder.devices) == 1 else ",".join(self.encoder.devices),
             "index_device": self.index_device,
             "dtype": self.encoder.dtype,
+            "encoder_packed_rows": self.encoder.packed,
+            "encoder_traced": self.encoder.traced,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,
         }

@@ -9,9 +9,10 @@ Design (where it departs from Search-R1, and why):
 * One worker thread owns encoder, FAISS index and document store. Search-R1 runs a sync endpoint
   in FastAPI's thread pool, so GPU FAISS is searched from several threads at once (unsafe) and
   every request is encoded alone.
-* Requests go into a queue; a collector forms micro-batches **across requests** (at most
-  ``max_batch`` queries, the first one waiting at most ``max_wait_ms`` when traffic is concurrent),
-  so 64 clients sending one query each are encoded together. Whole requests are never split.
+* Requests go into a queue; the worker thread forms micro-batches **across requests** (at most
+  ``max_batch`` queries, the first one waiting at most ``max_wait_ms`` when traffic is concurrent
+  and the worker was idle), so 64 clients sending one query each are encoded together. Whole
+  requests are never split.
 * If a batch fails, each of its requests is retried alone, so only the request that causes the
   failure gets a 500; the worker survives every error.
 * Validation returns 4xx with a message that says what to fix.
@@ -25,7 +26,7 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -201,7 +202,12 @@ class _Job:
 class MicroBatcher:
     """Collects jobs from many requests into batches run one at a time by a single worker thread.
 
-    ``process(queries, topk) -> list[list[dict]]`` runs in the worker thread.
+    ``process(queries, topk) -> list[list[dict]]`` runs in the worker thread, which forms the batches
+    itself (a long-running task in ``executor``, the thread that loaded the index): when a batch is
+    done it takes the next one from the queue at once and hands the finished results to the event
+    loop in one callback. Handing each batch through the event loop instead cost ~6 ms per batch at
+    32 concurrent clients (the loop is busy answering the batch just finished, and the worker then
+    waits for the GIL), 6% of the worker's time.
     """
 
     def __init__(self, process, executor: ThreadPoolExecutor, max_batch: int, max_wait_s: float, metrics: Metrics):
@@ -210,37 +216,107 @@ class MicroBatcher:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         self.metrics = metrics
-        self.pending: collections.deque[_Job] = collections.deque()
+        self.incoming: list[_Job] = []  # event loop only: submitted in this loop iteration
+        self.pending: collections.deque[_Job] = collections.deque()  # published to the worker
         self.pending_queries = 0
-        self.wakeup = asyncio.Event()
-        self.task: asyncio.Task | None = None
+        self.cond = threading.Condition()  # guards pending, pending_queries, stopping
+        self.stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.worker: Future | None = None
         self.last_batch_requests = 0
         self.last_batch_queries = 0
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.loop = asyncio.get_running_loop()
+        self.worker = self.executor.submit(self._work)
+        self.worker.add_done_callback(self._worker_ended)
+
+    def _worker_ended(self, worker: Future) -> None:
+        if not worker.cancelled() and worker.exception() is not None:
+            log.error("the retrieval worker stopped", exc_info=worker.exception())
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            try:
-                await self.task
-            except asyncio.CancelledError:
-                pass
-        while self.pending:
-            job = self.pending.popleft()
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+            jobs = [*self.pending, *self.incoming]
+            self.pending.clear()
+            self.incoming.clear()
+            self.pending_queries = 0
+        for job in jobs:
             if not job.future.done():
                 job.future.set_exception(RuntimeError("server is shutting down"))
 
     async def submit(self, queries: list[str], topk: int) -> list[list[dict]]:
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Job(queries, topk, fut))
-        self.pending_queries += len(queries)
-        self.metrics.queue_depth = self.pending_queries
-        self.wakeup.set()
+        if self.worker.done():
+            raise RuntimeError("the retrieval worker has stopped; see the server log")
+        fut = self.loop.create_future()
+        self.incoming.append(_Job(queries, topk, fut))
+        if len(self.incoming) == 1:
+            self.loop.call_soon(self._publish)
         return await fut
 
+    def _publish(self) -> None:
+        """Hand what this event-loop iteration received to the worker at once (one lock, one wake-up),
+        so requests parsed together can be batched together."""
+        jobs, self.incoming = self.incoming, []
+        with self.cond:
+            self.pending.extend(jobs)
+            self.pending_queries += sum(len(job.queries) for job in jobs)
+            self.metrics.queue_depth = self.pending_queries
+            self.cond.notify()
+
+    # -- worker thread
+
+    def _work(self) -> None:
+        """Worker thread: take a batch, run it, deliver it, until :meth:`stop`."""
+        idle = True
+        while True:
+            with self.cond:
+                while not self.pending and not self.stopping:
+                    idle = True
+                    self.cond.wait()
+                if self.stopping:
+                    return
+                if idle:
+                    self._wait_for_company()
+                jobs = self._take_batch()
+            if not jobs:
+                continue
+            idle = False
+            self.last_batch_requests = len(jobs)
+            self.last_batch_queries = sum(len(job.queries) for job in jobs)
+            try:
+                results = self._run_batch(jobs)
+            except Exception as e:  # noqa: BLE001 - a bug outside process(): fail these jobs, keep serving
+                log.exception("micro-batch failed")
+                results = [e] * len(jobs)
+            try:
+                self.loop.call_soon_threadsafe(self._deliver, jobs, results)
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                return
+
+    def _wait_for_company(self) -> None:
+        """Called holding ``cond`` when work arrives at an idle worker: wait for more under concurrent traffic.
+
+        A lone client (the last batch held one request) would pay max_wait on every request for nothing.
+        Otherwise wait at most max_wait, and only until as many queries are queued as last time:
+        closed-loop clients (rollout workers) have all come back. A worker that is busy never waits:
+        what queued meanwhile has waited long enough, and whoever it could wait for was just answered
+        and comes back only after a round trip.
+        """
+        if self.last_batch_requests <= 1 or self.max_wait_s <= 0:
+            return
+        enough = min(self.max_batch, max(1, self.last_batch_queries))
+        deadline = time.monotonic() + self.max_wait_s
+        while self.pending_queries < enough and not self.stopping:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self.cond.wait(remaining)
+
     def _take_batch(self) -> list[_Job]:
+        """Called holding ``cond``: whole requests, oldest first, up to max_batch queries (one request at least)."""
         jobs, n = [], 0
         while self.pending:
             job = self.pending[0]
@@ -248,50 +324,12 @@ class MicroBatcher:
                 break  # whole requests only; the rest waits for the next batch
             self.pending.popleft()
             self.pending_queries -= len(job.queries)
-            if job.future.done():  # the client went away
+            if job.future.done():  # the client went away (a stale read is re-checked on delivery)
                 continue
             jobs.append(job)
             n += len(job.queries)
         self.metrics.queue_depth = self.pending_queries
         return jobs
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self.pending:
-                self.wakeup.clear()
-                await self.wakeup.wait()
-            # Wait for company only under concurrent traffic (the last batch held several requests):
-            # a lone client would pay max_wait on every request for nothing. Stop waiting once as many
-            # queries are queued as last time: closed-loop clients (rollout workers) have all come back.
-            # When the worker is busy, requests queue up anyway and the next batch takes them all.
-            deadline = loop.time() + (self.max_wait_s if self.last_batch_requests > 1 else 0.0)
-            enough = min(self.max_batch, max(1, self.last_batch_queries))
-            while self.pending_queries < enough:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                self.wakeup.clear()
-                try:
-                    await asyncio.wait_for(self.wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
-            jobs = self._take_batch()
-            if not jobs:
-                continue
-            self.last_batch_requests = len(jobs)
-            self.last_batch_queries = sum(len(job.queries) for job in jobs)
-            try:
-                results = await loop.run_in_executor(self.executor, self._run_batch, jobs)
-            except Exception as e:  # noqa: BLE001 - e.g. executor shut down; fail these jobs, keep serving
-                results = [e] * len(jobs)
-            for job, res in zip(jobs, results):
-                if job.future.done():
-                    continue
-                if isinstance(res, BaseException):
-                    job.future.set_exception(res)
-                else:
-                    job.future.set_result(res)
 
     def _run_batch(self, jobs: list[_Job]) -> list[Any]:
         """Worker thread: one encoder/FAISS call for all jobs; on failure, each job alone."""
@@ -312,6 +350,18 @@ class MicroBatcher:
             out.append([h[: job.topk] for h in hits[pos : pos + len(job.queries)]])
             pos += len(job.queries)
         return out
+
+    # -- event loop
+
+    @staticmethod
+    def _deliver(jobs: list[_Job], results: list[Any]) -> None:
+        for job, res in zip(jobs, results):
+            if job.future.done():
+                continue
+            if isinstance(res, BaseException):
+                job.future.set_exception(res)
+            else:
+                job.future.set_result(res)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -317,3 +317,27 @@ def test_train_step_sizes_per_config():
     quick = ts.resolve_sizes(ts.parse_args(["--quick", "--no-trl", "--rounds", "3"]))
     assert quick["out"].name == "train_step.json" and "trl" not in quick["modes"] and quick["rounds"] == 3
     assert (quick["prompts"], quick["group"], quick["length"]) == (4, 4, 32)
+
+
+def test_retriever_load_benchmark_writes_its_ratios(tmp_path):
+    """``benchmarks/retriever_load.py`` on a 32-passage index with windows of a fraction of a second:
+    the contract keys (batched/unbatched and single/batch-of-32 at 32 clients) are numbers, every
+    round of the ceiling and the GRPO-repeat row are there, and the query cache answered repeats."""
+    out = tmp_path / "retriever_load.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "retriever_load.py"), "--quick", "--passages", "32", "--levels", "32",
+           "--duration", "0.5", "--warmup", "0.2", "--rounds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for key in ("batched_over_unbatched_qps_ratio_c32", "single_over_batch32_ceiling_c32", "single_over_encoder_ceiling_c32"):
+        assert isinstance(report[key], float) and report[key] > 0, key
+    fp32 = report["ceiling"]["fp32"]
+    assert len(fp32["rounds"]) == 2 and fp32["single_over_batch32"]["min"] <= report["single_over_batch32_ceiling_c32"] <= fp32["single_over_batch32"]["max"]
+    for r in fp32["rounds"]:
+        assert r["single_c32"]["errors"] == 0 and r["single_c32"]["requests"] > 0 and r["batch32_c1"]["requests"] > 0
+        assert r["batch32_c1"]["mean_batch_size"] == 32.0  # every micro-batch of the ceiling holds one 32-query request
+    assert report["unbatched"]["levels"]["32"]["mean_batch_size"] == 1.0
+    grpo = report["grpo_repeats"]
+    # groups of 5: one miss per group, the other four are answered from the cache
+    assert grpo["cache_on"]["query_cache_hit_fraction"] > 0.5 and grpo["cache_off"]["query_cache_hit_fraction"] == 0.0
+    assert "single/batch-of-32" in proc.stdout

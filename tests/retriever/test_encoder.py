@@ -1,4 +1,4 @@
-"""Encoder: pooling against a direct transformers computation, explicit prefixes, order with sorting."""
+"""Encoder: pooling against a direct transformers computation, explicit prefixes, order with sorting, packed rows."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from emapg.models import resolve_model
 from retriever.encoder import Encoder, EncoderSpec, make_spec
+from retriever.packing import pack_rows
 
 TEXTS = [
     "who got the first nobel prize in physics",
@@ -88,3 +89,48 @@ def test_bf16_on_cpu_is_close_to_fp32_and_keeps_the_ranking(retriever_index):
     assert np.mean([x[0]["id"] == y[0]["id"] for x, y in zip(a, b)]) >= 0.95
     with pytest.raises(ValueError, match="fp16 or bf16"):
         Encoder(EncoderSpec(name="minilm"), device="cpu", fp16=True, bf16=True)
+
+
+def test_pack_rows_places_every_text_once_in_as_few_and_as_narrow_rows_as_it_can():
+    lengths = [12, 3, 40, 7, 7, 25, 1, 64, 9, 100]
+    for row_tokens in (1, 16, 64, 128, 1000):
+        rows = pack_rows(lengths, row_tokens)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert max(sum(lengths[i] for i in row) for row in rows) <= max(row_tokens, max(lengths))
+        assert sum(lengths) <= len(rows) * max(row_tokens, max(lengths)) < sum(lengths) + max(row_tokens, max(lengths))
+    assert pack_rows(lengths, 1)[0][0] == 9  # the longest text sets the width and goes first
+    # 16 texts of 12 tokens: rows of 64 would hold 5, 5, 5 and 1 (4 x 60 slots); balanced: 4 rows of 4 (4 x 48).
+    assert sorted(len(row) for row in pack_rows([12] * 16, 64)) == [4, 4, 4, 4]
+    assert len(pack_rows([10] * 32, 64)) == 6  # six fit in a 64-token row: 32 texts need 6 rows
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("row_tokens", [1, 24, 64, 512])
+def test_packed_forward_equals_padded_forward(pooling, row_tokens):
+    """Texts packed into shared rows get the embeddings of a padded forward (which equals unpadded, above)."""
+    texts = [t for _ in range(3) for t in TEXTS] + [f"question number {i} about " + "history " * (i % 9) for i in range(40)]
+    padded = Encoder(EncoderSpec(name="minilm", pooling=pooling), device="cpu", pack=False)
+    packed = Encoder(EncoderSpec(name="minilm", pooling=pooling), device="cpu", row_tokens=row_tokens)
+    assert packed.packed and packed.traced and not padded.packed  # on CPU the packed forward runs traced
+    for batch_size in (1, 7, 64):
+        np.testing.assert_allclose(packed.encode(texts, batch_size=batch_size), padded.encode(texts, batch_size=batch_size), atol=1e-5)
+
+
+def test_packing_falls_back_to_padding_for_a_model_that_offsets_positions(tmp_path, minilm):
+    """RoBERTa numbers positions from padding_idx + 1, so packed position ids 0.. would be wrong: detected at load."""
+    from transformers import RobertaConfig, RobertaModel
+
+    tok, _ = minilm
+    torch.manual_seed(0)
+    config = RobertaConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=300, pad_token_id=tok.pad_token_id)  # fmt: skip
+    RobertaModel(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    enc = Encoder(EncoderSpec(name=str(tmp_path)), device="cpu")
+    assert not enc.packed
+    forced = Encoder(EncoderSpec(name=str(tmp_path)), device="cpu", pack=False)
+    np.testing.assert_allclose(enc.encode(TEXTS, batch_size=3), forced.encode(TEXTS, batch_size=3), atol=1e-6)
+    with torch.inference_mode():  # the check is not vacuous: forcing the packed forward really differs
+        feats = {k: list(v) for k, v in enc.tokenizer(TEXTS, truncation=True, max_length=256).items()}
+        wrong = enc._forward_packed(0, feats)
+    assert not np.allclose(wrong, forced.encode(TEXTS, batch_size=64), atol=1e-3)
