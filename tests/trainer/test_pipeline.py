@@ -103,6 +103,26 @@ def test_async_run_staleness_resume_and_versions(tmp_path, tiny_model_dir, two_s
     assert _compared(resumed[0]) == _compared(resumed[1])
 
 
+def test_sigint_with_generations_in_flight(tmp_path, tiny_model_dir, two_servers):
+    """A real SIGINT after step 1 while the producer generates batches 2-3: step 1 is checkpointed whole,
+    nothing after it is, and the checkpoint resumes."""
+    from trainer.checkpoint import load_checkpoint
+    from trainer.loop import Trainer, train
+
+    cfg = _cfg(tmp_path / "run", tiny_model_dir, [two_servers[0].url], "run.save_every=0")
+    trainer = Trainer(cfg)
+    trainer.step_hooks.append(lambda tr, m: os.kill(os.getpid(), signal.SIGINT) if tr.step == 1 else None)
+    try:
+        trainer.setup()
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert len(history) == 1 and sorted(p.name for p in (tmp_path / "run").glob("step_*")) == ["step_1"]
+    assert load_checkpoint(tmp_path / "run" / "step_1").step == 1
+    rest = train(_cfg(tmp_path / "run", tiny_model_dir, [two_servers[0].url], "run.save_every=0"), resume="")
+    assert len(rest) == STEPS - 1 and [m["async/weights_version"] for m in rest][:2] == [1.0, 1.0]
+
+
 def test_a_replica_dying_mid_run(tmp_path, tiny_model_dir, two_servers):
     """Runs after the test above (it kills the module's second server)."""
     from trainer.loop import Trainer
