@@ -116,7 +116,7 @@ class TrainRolloutConfig(AgentRolloutConfig):
     collective_backend: Literal["auto", "gloo", "nccl"] = option("auto", help="collective: nccl (GPUs on both sides), gloo (CPU tensors, any network); auto: nccl when training on CUDA")
     max_staleness: int = option(
         0, help="0: synchronous (generate, then train). s >= 1: a producer thread generates the next batches on the remote "
-        "servers while the trainer updates; batch k is generated with the weights after step k-1-s (trainer.pipeline)",
+        "servers while the trainer updates; batch k is generated with the weights after step max(k0, k-1-s), k0 the step the run started at (trainer.pipeline)",
     )
 
     def validate(self) -> None:
