@@ -277,8 +277,8 @@ def _seed(trainer: "Trainer", step: int) -> int:
 
 
 def _share(ro: "Rollouts", trainer: "Trainer") -> "Rollouts":
-    """This rank's groups of the global batch ``ro``; the batch-level counts and wall times stay on rank 0
-    (they are summed over ranks when the metrics are reduced)."""
+    """This rank's groups of the global batch ``ro``; the reward counts stay on rank 0 (they are summed over
+    ranks), the batch's wall times go to every rank (they are averaged over ranks)."""
     world = trainer.dist.world_size
     if world == 1:
         return ro
@@ -289,5 +289,4 @@ def _share(ro: "Rollouts", trainer: "Trainer") -> "Rollouts":
     return replace(
         ro, prompts=ro.prompts[groups], trajectories=ro.trajectories[rows], group_ids=ro.group_ids[rows],
         rewards=ro.rewards[rows], reward_counts={k: (v if first else 0.0) for k, v in ro.reward_counts.items()},
-        stats=ro.stats if first else type(ro.stats)(),
     )  # fmt: skip
