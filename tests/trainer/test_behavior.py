@@ -46,8 +46,6 @@ def _expected_grad(theta, prox, behav, adv, alg):
         "old_logp": torch.log_softmax(prox, -1)[None].clone(),
         "behavior_logp": torch.log_softmax(behav, -1)[None].clone(),
     }
-    mask = torch.ones(1, V, dtype=torch.float64)
-    mb = MicroBatch(labels, torch.ones_like(labels), mask, V, stored)
     # Each position is one sample: a per-position sum (token-sum over one "sequence" per sample) weighted by μ.
     per_pos_loss = []
     mu = torch.softmax(behav, -1)
@@ -57,7 +55,6 @@ def _expected_grad(theta, prox, behav, adv, alg):
         one = MicroBatch(labels, torch.ones_like(labels), m, V, stored)
         loss, _ = compute_loss(policy, one, stored, alg, LossAggregation("token-mean", 1.0, 1.0))
         per_pos_loss.append(mu[p] * loss)
-    del mb
     total = torch.stack(per_pos_loss).sum()
     return torch.autograd.grad(total, theta)[0]
 

@@ -4,38 +4,25 @@ producer and the only one pushing weights; both ranks train every step on their 
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
 import torch.multiprocessing as mp
 
 from agent.engines.launch import EngineServer
+from tests.fixtures.spawn import count_calls, free_port, rank_env
 
 pytestmark = pytest.mark.slow
 STEPS = 3
 
 
 def _worker(rank: int, world: int, port: int, out: str, model_dir: str, url: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    import torch
-
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     from agent.engines.remote import RemoteEngine
+    from tests.trainer.test_pipeline import _cfg
     from trainer import distributed as D
     from trainer.loop import Trainer
-    from tests.trainer.test_pipeline import _cfg
 
-    calls = {"load_weights": 0, "generate": 0, "submit": 0}
-    for name in calls:
-        original = getattr(RemoteEngine, name)
-
-        def counted(self, *a, _original=original, _name=name, **k):
-            calls[_name] += 1
-            return _original(self, *a, **k)
-
-        setattr(RemoteEngine, name, counted)
+    calls = count_calls(RemoteEngine, ["load_weights", "generate", "submit"])
     trainer = Trainer(_cfg(f"{out}/run", model_dir, [url], f"run.total_steps={STEPS}", "run.save_every=0")).setup()
     try:
         history = trainer.train()
@@ -46,15 +33,9 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str, url: str
         json.dump({"step": trainer.step, "calls": calls, "history": history}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_rank0_produces_every_rank_trains(tmp_path, tiny_model_dir):
     with EngineServer(tiny_model_dir, engine="hf", max_model_len=512) as server:
-        mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir), server.url), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir), server.url), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["step"] for r in ranks] == [STEPS, STEPS]
     assert ranks[1]["calls"] == {"load_weights": 0, "generate": 0, "submit": 0}
