@@ -223,8 +223,10 @@ class RolloutPipeline:
                 if not is_stale(step, item.version, self.s):
                     payload = ("ok", item.rollouts, item.version, depth)
                     break
-                self.dropped += 1  # too old to train on: the same prompts again, with the current weights
-                self._request(step, item.prompts, version=self.trainer.step)
+                self.dropped += 1  # too old to train on: the same prompts again, with the newest published weights
+                with self._cond:
+                    newest = max(self._weights)
+                self._request(step, item.prompts, version=newest)
         payload = D.broadcast_object(payload)
         waited = time.perf_counter() - t0
         if payload[0] == "error":
