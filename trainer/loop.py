@@ -298,9 +298,7 @@ class Trainer:
         cfg, alg = self.cfg, self.cfg.algorithm
         batch = build_token_batch([list(t.prompt_ids) for t in ro.trajectories], [list(t.response_ids) for t in ro.trajectories],
                                   [list(t.loss_mask) for t in ro.trajectories], pad_id=self.pad_id)
-        batch.stored["behavior_logp"] = behavior_logp_rows(
-            [t.sampling_logprobs if len(t.sampling_logprobs) == len(t.response_ids) else [] for t in ro.trajectories],
-            batch.response_width)  # the engine's own log-probs: the behaviour policy (trainer.behavior)
+        batch.stored["behavior_logp"] = behavior_logp_rows(ro.trajectories, batch.response_width)  # trainer.behavior
         t0 = time.perf_counter()
         timings = self.compute_stored_stats(batch)
         adv = grpo_advantages(ro.rewards, ro.group_ids, norm_by_std=alg.adv_std != "none",

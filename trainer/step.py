@@ -59,7 +59,8 @@ def compute_loss(
     q for Top-k kinds, with ``exact_kl`` for the exact kinds); ``stored``: ``advantages`` and
     what :mod:`trainer.stored_stats` stored (no ``old_logp``: on-policy, π_old = the policy
     itself, detached; ``behavior_logp``: the engine's sampling log-probs, the behaviour policy of
-    :mod:`trainer.behavior`, whose weights multiply the PPO term and the KL's importance weight).  Returns ``(loss, metrics)`` with the metrics of
+    :mod:`trainer.behavior`, whose weights multiply the PPO term and the KL's importance weight).
+    Returns ``(loss, metrics)`` with the metrics of
     :func:`trainer.grpo.compute_policy_loss` and, with a KL term, of :meth:`trainer.kl_kinds.KLKind.loss`.
     """
     mask = micro_batch.loss_mask
@@ -122,9 +123,11 @@ def _accumulate(sums: MetricSums, m: Mapping[str, Tensor], stats: TokenStats, mb
     if "kl" in m:
         sums.add("update/kl_token_sum", float(m["kl_token_mean"]) * tokens)
         sums.add("update/kl_loss", float(m["kl"]))
-    for name, value in m.items():  # trainer.behavior: mismatch and correction sums
-        if name.startswith("behavior/"):
-            sums.maximum(name, float(value)) if name.endswith("_max") else sums.add(name, float(value))
+    for name, value in m.items():  # trainer.behavior: mismatch and correction sums (and one maximum)
+        if name.startswith("behavior/") and name.endswith("_max"):
+            sums.maximum(name, float(value))
+        elif name.startswith("behavior/"):
+            sums.add(name, float(value))
     if on_policy:  # π_old's entropy is the training pass's (no π_old pass ran)
         sums.add("rollout/entropy_sum", float((stats.entropy.detach() * mb.loss_mask).sum()))
 

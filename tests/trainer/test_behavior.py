@@ -261,7 +261,11 @@ def test_perturbed_engine_logprobs_weights_truncation_masking():
 
 
 def test_behavior_rows_and_config_checks():
-    rows = behavior_logp_rows([[-0.5, -1.0], [], [-2.0]], 3)
+    from agent.rollout import Trajectory
+
+    trajs = [Trajectory("u", "g", 0, i, "q", None, [1], response_ids=r, sampling_logprobs=lp)
+             for i, (r, lp) in enumerate([([3, 4], [-0.5, -1.0]), ([], [-1.0]), ([5], [-2.0])])]
+    rows = behavior_logp_rows(trajs, 3)
     assert rows.tolist() == [[-0.5, -1.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 0.0, 0.0]]
     with pytest.raises(ConfigError, match="behavior_band"):
         AlgorithmConfig(behavior_band=[1.2, 2.0]).validate()
