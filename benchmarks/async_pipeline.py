@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs 2 cores (generation on one, training on the other)")
     t_all = time.perf_counter()
+    load_before = os.getloadavg()  # other processes on the 2 cores distort a split-core measurement: say how busy it was
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="emapg-async-bench-") as tmp:
         out = Path(tmp)
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "sync_both_over_sync_split_ratio": results["sync_both"]["steps_per_s"] / sync,
         "generation_over_training_time_sync_split": results["sync_split"]["generation_s_per_step"] / results["sync_split"]["training_s_per_step"],
         "configs": results, "vllm_cpu_mismatch": vllm, "wall_s": time.perf_counter() - t_all,
+        "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
