@@ -145,11 +145,28 @@ class RetrieverConfig:
     timeout: float = option(30.0, help="seconds per retrieval request")
     retries: int = option(3, help="retries per retrieval request before the search counts as failed")
     api_key_env: str | None = option(None, help="name of an environment variable holding the retriever API key")
+    wait: float = option(
+        60.0, help="seconds to wait at start-up for every server of retriever.urls to answer /health and accept the API key "
+        "(a one-query search); also how long training pauses for retrievers that went away mid-run"
+    )
+    max_failure_rate: float = option(
+        0.5, help="a rollout batch whose fraction of failed searches exceeds this is not trained on: it is rolled out again"
+    )
+    failure_patience: int = option(
+        2, help="after this many consecutive rejected rollout batches training pauses, waiting up to retriever.wait for the "
+        "retrievers' /health; it stops with an error if they do not come back or searches still fail afterwards"
+    )
 
     def validate(self) -> None:
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"retriever.urls: {url!r} is not an http(s) URL")
+        if self.wait < 0:
+            raise ConfigError(f"retriever.wait must be >= 0 seconds, got {self.wait}")
+        if not 0.0 <= self.max_failure_rate <= 1.0:
+            raise ConfigError(f"retriever.max_failure_rate must be in [0, 1], got {self.max_failure_rate}")
+        if self.failure_patience < 1:
+            raise ConfigError(f"retriever.failure_patience must be >= 1, got {self.failure_patience}")
 
 
 @dataclass

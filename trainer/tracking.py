@@ -24,6 +24,8 @@ PROGRESS_FIELDS = (
     ("actor/entropy", "ent", "{:.2f}"),
     ("response/length_mean", "len", "{:.0f}"),
     ("search/per_traj", "srch", "{:.2f}"),
+    ("search/failures", "sfail", "{:.0f}"),
+    ("search/rejected_batches", "sdrop", "{:.0f}"),
     ("perf/tokens_per_s", "tok/s", "{:.0f}"),
     ("time/generation", "gen", "{:.1f}s"),
     ("time/retrieval", "ret", "{:.1f}s"),
