@@ -242,6 +242,10 @@ class AlgorithmConfig:
     micro_batch_size: int = option(
         8, help="trajectories per forward/backward on each process (gradient accumulation inside a mini-batch)"
     )
+    micro_batch_tokens: int = option(
+        0, help="token budget per forward/backward on each process: rows sorted by length are packed into micro-batches "
+        "of at most this many padded (prompt + response) tokens, less padding, same loss (0: micro_batch_size rows each)"
+    )
     ppo_epochs: int = option(1, help="passes over the rollout batch")
     kl: KLConfig = option(default_factory=KLConfig, help="KL loss term")
     ema: EMAConfig = option(default_factory=EMAConfig, help="EMA anchor")
@@ -257,6 +261,11 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.micro_batch_size must be <= algorithm.mini_batch_size")
         if self.mini_batch_size % self.micro_batch_size:
             raise ConfigError("algorithm.mini_batch_size must be a multiple of algorithm.micro_batch_size")
+        if self.micro_batch_tokens < 0:
+            raise ConfigError(f"algorithm.micro_batch_tokens must be >= 0 (0: fixed micro_batch_size rows), got {self.micro_batch_tokens}")
+        if self.micro_batch_tokens and self.loss_agg == "microbatch-token-mean":
+            raise ConfigError("algorithm.micro_batch_tokens needs a loss normalised over the mini-batch: "
+                              "loss_agg=microbatch-token-mean depends on which rows share a micro-batch")
 
 
 @dataclass

@@ -27,6 +27,7 @@ PROGRESS_FIELDS = (
     ("search/failures", "sfail", "{:.0f}"),
     ("search/rejected_batches", "sdrop", "{:.0f}"),
     ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+    ("perf/padding_frac", "pad", "{:.2f}"),
     ("time/generation", "gen", "{:.1f}s"),
     ("time/retrieval", "ret", "{:.1f}s"),
     ("time/training", "train", "{:.1f}s"),
