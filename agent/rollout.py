@@ -189,6 +189,7 @@ class Trajectory:
     response_text: str = ""
     model_text: str = ""
     timings: dict[str, float] = field(default_factory=lambda: {"generation_s": 0.0, "retrieval_s": 0.0})
+    weights_version: int | None = None  # asynchronous training: the trainer step whose weights sampled it
 
     @property
     def done(self) -> bool:

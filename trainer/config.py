@@ -114,6 +114,10 @@ class TrainRolloutConfig(AgentRolloutConfig):
     collective_host: str = option("127.0.0.1", help="collective: this trainer's address as the servers reach it (rank 0 hosts the group's TCPStore)")
     collective_port: int = option(0, help="collective: TCPStore port on the trainer (0: a free port)")
     collective_backend: Literal["auto", "gloo", "nccl"] = option("auto", help="collective: nccl (GPUs on both sides), gloo (CPU tensors, any network); auto: nccl when training on CUDA")
+    max_staleness: int = option(
+        0, help="0: synchronous (generate, then train). s >= 1: a producer thread generates the next batches on the remote "
+        "servers while the trainer updates; batch k is generated with the weights after step max(k0, k-1-s), k0 the step the run started at (trainer.pipeline)",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -134,6 +138,11 @@ class TrainRolloutConfig(AgentRolloutConfig):
             raise ConfigError("rollout.engine_timeout must be > 0 and rollout.engine_wait >= 0")
         if self.weight_sync_bucket_mb < 1:
             raise ConfigError("rollout.weight_sync_bucket_mb must be >= 1")
+        if self.max_staleness < 0:
+            raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness and self.engine != "remote":
+            raise ConfigError("rollout.max_staleness >= 1 needs rollout.engine=remote (generation servers the producer "
+                              "keeps busy while the trainer updates)")
         if not 0 <= self.collective_port < 65536:
             raise ConfigError(f"rollout.collective_port {self.collective_port} is not a TCP port (0: pick a free one)")
 
@@ -247,6 +256,16 @@ class AlgorithmConfig:
         "of at most this many padded (prompt + response) tokens, less padding, same loss (0: micro_batch_size rows each)"
     )
     ppo_epochs: int = option(1, help="passes over the rollout batch")
+    behavior_correction: Literal["none", "tis", "mis"] = option(
+        "none", help="correct for the engine (behaviour policy) sampling with other probabilities than the trainer's pi_old "
+        "(decoupled PPO, trainer.behavior): none, tis (truncated importance weight min(rho, behavior_cap)) or "
+        "mis (tokens/sequences with rho outside behavior_band dropped); rho = pi_old / engine sampling prob",
+    )
+    behavior_level: Literal["token", "sequence", "geometric"] = option(
+        "token", help="behaviour ratio rho per token, per sequence (product over its tokens) or geometric (exp of the mean log ratio)"
+    )
+    behavior_cap: float = option(2.0, help="tis: cap C of the truncated importance weight min(rho, C)")
+    behavior_band: list[float] = option([0.5, 2.0], help="mis: [low, high]; tokens (or sequences) with rho outside are dropped")
     kl: KLConfig = option(default_factory=KLConfig, help="KL loss term")
     ema: EMAConfig = option(default_factory=EMAConfig, help="EMA anchor")
 
@@ -261,6 +280,11 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.micro_batch_size must be <= algorithm.mini_batch_size")
         if self.mini_batch_size % self.micro_batch_size:
             raise ConfigError("algorithm.mini_batch_size must be a multiple of algorithm.micro_batch_size")
+        if self.behavior_cap < 1:
+            raise ConfigError(f"algorithm.behavior_cap must be >= 1 (a cap below 1 down-weights every token), got {self.behavior_cap}")
+        band = self.behavior_band
+        if len(band) != 2 or not 0 <= band[0] <= 1 <= band[1]:
+            raise ConfigError(f"algorithm.behavior_band must be [low, high] with 0 <= low <= 1 <= high, got {band}")
         if self.micro_batch_tokens < 0:
             raise ConfigError(f"algorithm.micro_batch_tokens must be >= 0 (0: fixed micro_batch_size rows), got {self.micro_batch_tokens}")
         if self.micro_batch_tokens and self.loss_agg == "microbatch-token-mean":

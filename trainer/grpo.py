@@ -299,6 +299,7 @@ def compute_policy_loss(
     log_ratio_clamp: float | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregated PPO/GRPO policy loss of one micro-batch, minus ``entropy_coef``·entropy.
 
@@ -309,6 +310,8 @@ def compute_policy_loss(
         agg: the optimizer step's :class:`LossAggregation`.
         entropy: optional ``(B, T)`` policy entropy (e.g. ``TokenStats.entropy``); always
             reported, subtracted ×``entropy_coef`` (0 in both paper settings).
+        token_weights: optional ``(B, T)`` constant weights of the per-token PPO loss (the decoupled
+            objective's behaviour correction, :mod:`trainer.behavior`); ``None`` is weight 1.
 
     Returns ``(loss, metrics)``; metrics are detached 0-dim tensors, token means over this
     micro-batch's mask (weight them by ``metrics["tokens"]`` to average over micro-batches):
@@ -321,6 +324,8 @@ def compute_policy_loss(
         logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high,
         dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp, loss_mask=loss_mask,
     )
+    if token_weights is not None:
+        pg_tok = pg_tok * token_weights.detach().to(pg_tok.dtype)
     pg = agg(pg_tok, loss_mask)
     loss = pg
     m = loss_mask.bool()

@@ -43,6 +43,7 @@ from emapg.config import ConfigError, to_dict
 from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOptions, build_engine
 from trainer import distributed as D
 from trainer.batch import TokenBatch, build_token_batch
+from trainer.behavior import behavior_logp_rows
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
@@ -242,23 +243,27 @@ class Trainer:
 
     def rollout(self, prompts: list[SampledPrompt]) -> Rollouts:
         """Produce: ``n_samples`` trajectories per prompt with the current weights, scored; retried on failure."""
+        with self.engine_session.generating(tag=f"step-{self.step}") as engine:
+            return self.produce(engine, prompts, step_seed(self.cfg.run.seed, self.step + 1, self.dist.rank))
+
+    def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> Rollouts:
+        """Generate on ``engine`` with ``seed`` (retried on failure: weights and prompts unchanged) and score.
+        The synchronous step calls it in :meth:`rollout`; the pipeline's producer thread (:mod:`trainer.pipeline`) too."""
         from trainer.rollouts import generate, score
 
         cfg = self.cfg
-        seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)
         last: Exception | None = None
-        with self.engine_session.generating(tag=f"step-{self.step}") as engine:
-            for attempt in range(cfg.run.rollout_retries + 1):
-                try:
-                    trajectories, stats = generate(engine, self.tokenizer, prompts, self.retriever, cfg, seed=seed + attempt)
-                    break
-                except Exception as e:  # a crashed rollout batch is retried (weights and prompts unchanged)
-                    last = e
-                    self._warn(f"rollout attempt {attempt + 1} failed: {type(e).__name__}: {e}")
-            else:
-                raise TrainingError(f"rollout failed {cfg.run.rollout_retries + 1} times; last error: {last}") from last
+        for attempt in range(cfg.run.rollout_retries + 1):
+            try:
+                trajectories, stats = generate(engine, self.tokenizer, prompts, self.retriever, cfg, seed=seed + attempt)
+                break
+            except Exception as e:  # a crashed rollout batch is retried
+                last = e
+                self._warn(f"rollout attempt {attempt + 1} failed: {type(e).__name__}: {e}")
+        else:
+            raise TrainingError(f"rollout failed {cfg.run.rollout_retries + 1} times; last error: {last}") from last
         group_ids = [p.group_id for p in prompts for _ in range(cfg.rollout.n_samples)]
-        rewards, counts = score(trajectories, prompts, cfg, self.engine.tokenizer)
+        rewards, counts = score(trajectories, prompts, cfg, engine.tokenizer)
         return Rollouts(prompts, trajectories, group_ids, torch.tensor(rewards, dtype=torch.float32), counts, stats)
 
     def stats_plan(self, n: int) -> StatsPlan:
@@ -295,6 +300,7 @@ class Trainer:
         cfg, alg = self.cfg, self.cfg.algorithm
         batch = build_token_batch([list(t.prompt_ids) for t in ro.trajectories], [list(t.response_ids) for t in ro.trajectories],
                                   [list(t.loss_mask) for t in ro.trajectories], pad_id=self.pad_id)
+        batch.stored["behavior_logp"] = behavior_logp_rows(ro.trajectories, batch.response_width)  # trainer.behavior
         t0 = time.perf_counter()
         timings = self.compute_stored_stats(batch)
         adv = grpo_advantages(ro.rewards, ro.group_ids, norm_by_std=alg.adv_std != "none",
@@ -346,9 +352,16 @@ class Trainer:
         """Run to ``run.total_steps``; checkpoints and signals handled here. Returns the step metrics."""
         cfg = self.cfg
         history: list[dict[str, float]] = []
+        step_fn = self.train_step
+        if cfg.rollout.max_staleness and self.step < cfg.run.total_steps:
+            from trainer.pipeline import RolloutPipeline  # s >= 1: generation overlaps the update
+
+            pipeline = RolloutPipeline.start(self)
+            self._on_close(pipeline.close)
+            step_fn = pipeline.train_step
         with stop_on_signals(self._on_signal):
             while self.step < cfg.run.total_steps:
-                metrics = self.train_step()
+                metrics = step_fn()
                 history.append(metrics)
                 self.tracker.log(self.step, metrics)
                 self.tracker.log_samples(self.step, self.last_samples)

@@ -15,6 +15,7 @@ import torch
 
 from trainer import distributed as D
 from trainer.batch import TokenBatch
+from trainer.behavior import behavior_metrics
 
 __all__ = ["MetricSums", "rollout_sums", "step_metrics", "rollout_metrics", "update_metrics"]
 
@@ -28,26 +29,37 @@ class MetricSums:
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
+        self._maxima: dict[str, float] = {}  # reduced with a max instead of a sum
 
     def add(self, name: str, value: float) -> None:
         self._sums[name] = self._sums.get(name, 0.0) + float(value)
 
+    def maximum(self, name: str, value: float) -> None:
+        """A running maximum (e.g. the largest train–inference log-prob gap), the max over ranks after :meth:`reduce`."""
+        self._maxima[name] = max(self._maxima.get(name, float("-inf")), float(value))
+
     def merge(self, other: "MetricSums") -> "MetricSums":
         for name, value in other._sums.items():
             self.add(name, value)
+        for name, value in other._maxima.items():
+            self.maximum(name, value)
         return self
 
     def __contains__(self, name: str) -> bool:
-        return name in self._sums
+        return name in self._sums or name in self._maxima
 
     def local(self) -> dict[str, float]:
-        return dict(self._sums)
+        return {**self._sums, **self._maxima}
 
     def reduce(self) -> dict[str, float]:
-        """The sums over all ranks (one ``all_reduce``; the local sums when running alone)."""
+        """The sums (and maxima) over all ranks (one ``all_reduce`` each; the local values when running alone)."""
         names = sorted(self._sums)
         total = D.all_reduce_sum(torch.tensor([self._sums[k] for k in names], dtype=torch.float64))
-        return dict(zip(names, total.tolist()))
+        out = dict(zip(names, total.tolist()))
+        if self._maxima:
+            top = sorted(self._maxima)
+            out.update(zip(top, D.all_reduce_max(torch.tensor([self._maxima[k] for k in top], dtype=torch.float64)).tolist()))
+        return out
 
 
 def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any], stats: Any,
@@ -131,4 +143,4 @@ def update_metrics(s: Mapping[str, float], *, world_size: int, grad_norms: list[
     if kl_enabled:
         out["kl/mean"] = s["update/kl_token_sum"] / tokens
         out["kl/loss"] = s["update/kl_loss"] / world_size / steps
-    return out
+    return {**out, **behavior_metrics(s)}

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from trainer import distributed as D
 from trainer.batch import MicroBatch, TokenBatch
+from trainer.behavior import behavior_correction, kl_old_logp
 from trainer.config import AlgorithmConfig, TrainConfig
 from trainer.grpo import LossAggregation, compute_policy_loss
 from trainer.kl_kinds import get_kl_kind
@@ -57,21 +58,28 @@ def compute_loss(
     ``policy``: the policy's differentiable statistics on ``micro_batch`` (``(B, T)``, gathered on
     q for Top-k kinds, with ``exact_kl`` for the exact kinds); ``stored``: ``advantages`` and
     what :mod:`trainer.stored_stats` stored (no ``old_logp``: on-policy, π_old = the policy
-    itself, detached).  Returns ``(loss, metrics)`` with the metrics of
+    itself, detached; ``behavior_logp``: the engine's sampling log-probs, the behaviour policy of
+    :mod:`trainer.behavior`, whose weights multiply the PPO term and the KL's importance weight).
+    Returns ``(loss, metrics)`` with the metrics of
     :func:`trainer.grpo.compute_policy_loss` and, with a KL term, of :meth:`trainer.kl_kinds.KLKind.loss`.
     """
     mask = micro_batch.loss_mask
     old_logp = stored["old_logp"] if "old_logp" in stored else policy.logp.detach()
+    behavior = behavior_correction(old_logp, stored, mask, alg)
     loss, metrics = compute_policy_loss(
         policy.logp, old_logp, stored["advantages"], mask, agg,
         clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip_c=alg.dual_clip,
         log_ratio_clamp=20.0 if alg.dual_clip is not None else None,
         entropy=policy.entropy, entropy_coef=alg.entropy_coef,
+        token_weights=behavior.weights if behavior is not None else None,  # None: w = 1, today's objective
     )
+    if behavior is not None:
+        metrics.update(behavior.metrics)
     kl = alg.kl
     if kl.enabled:
+        kl_old = old_logp if behavior is None or behavior.weights is None else kl_old_logp(old_logp, behavior.weights)
         kloss, kl_metrics = get_kl_kind(kl.type).loss(
-            policy, anchor_from_stored(stored, policy), micro_batch.labels, mask, agg, cfg=kl, old_logp=old_logp
+            policy, anchor_from_stored(stored, policy), micro_batch.labels, mask, agg, cfg=kl, old_logp=kl_old
         )
         loss = loss + kl.coef * kloss
         metrics.update(kl_metrics)
@@ -117,6 +125,11 @@ def _accumulate(sums: MetricSums, m: Mapping[str, Tensor], stats: TokenStats, mb
     if "kl" in m:
         sums.add("update/kl_token_sum", float(m["kl_token_mean"]) * tokens)
         sums.add("update/kl_loss", float(m["kl"]))
+    for name, value in m.items():  # trainer.behavior: mismatch and correction sums (and one maximum)
+        if name.startswith("behavior/") and name.endswith("_max"):
+            sums.maximum(name, float(value))
+        elif name.startswith("behavior/"):
+            sums.add(name, float(value))
     if on_policy:  # π_old's entropy is the training pass's (no π_old pass ran)
         sums.add("rollout/entropy_sum", float((stats.entropy.detach() * mb.loss_mask).sum()))
 

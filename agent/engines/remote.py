@@ -8,7 +8,10 @@ to the replica with the fewest in flight, and a weight sync goes to every replic
   come back and returns the finished ones, so the async rollout driver keeps many small
   requests in flight and the server batches them (``continuous_batching`` is True).
 * Retries with backoff on connection errors and 5xx; a 4xx is the caller's mistake and
-  becomes a ``ValueError`` carrying the server's message (never retried).
+  becomes a ``ValueError`` carrying the server's message (never retried). A replica that still
+  cannot be reached is *retired* (logged): its generation requests go to the other replicas and
+  http weight syncs skip it; it is not taken back (it would serve stale weights). The last replica
+  is never retired: its failure is the caller's error.
 * The tokenizer is loaded locally from the same model the trainer names (it must be the one
   the server was started with; ``vocab_size`` and ``max_model_len`` come from ``/health``).
 * Weight sync (:meth:`load_weights`), ``weight_sync=``:
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import logging
 import random
 import threading
 import time
@@ -36,6 +40,7 @@ from agent.engines.wire import floats_from_json, output_from_json, params_to_jso
 from emapg.servers import response_error
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+log = logging.getLogger(__name__)
 
 
 class RemoteEngineError(RuntimeError):
@@ -183,13 +188,48 @@ class RemoteEngine:
         """``/health`` of every replica (``weights_version`` etc.)."""
         return [self._request("GET", u + "/health").json() for u in self.urls]
 
-    def _all(self, fn) -> list[Any]:
-        """Run ``fn(url)`` for every replica concurrently; re-raise the first failure."""
-        futs = [self._pool.submit(fn, u) for u in self.urls]
-        return [f.result() for f in futs]
+    def _all(self, fn, *, tolerate_loss: bool = False) -> list[Any]:
+        """Run ``fn(url)`` for every replica concurrently; re-raise the first failure. ``tolerate_loss``: a
+        replica that cannot be reached (:class:`RemoteEngineError`) is retired instead while another remains."""
+        urls = list(self.urls)
+        futs = [self._pool.submit(fn, u) for u in urls]
+        out, lost = [], None
+        for u, f in zip(urls, futs):
+            try:
+                out.append(f.result())
+            except RemoteEngineError as e:
+                if not tolerate_loss:
+                    raise
+                lost = lost or e
+                self._retire(u, e)
+        if lost is not None and not out:
+            raise lost
+        return out
+
+    def _retire(self, url: str, error: BaseException) -> None:
+        """Take a replica that stopped answering out of the rotation for good (it would come back on stale weights)."""
+        with self._lock:
+            if url in self.urls and len(self.urls) > 1:
+                self.urls.remove(url)
+                log.warning("generation server %s retired after: %s; %d replica(s) left", url, error, len(self.urls))
 
     # ------------------------------------------------------------------ generation
     def _post_generate(self, url: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """``/generate`` on ``url``; a replica that cannot be reached is retired and the request goes to another."""
+        tried: list[str] = []
+        while True:
+            try:
+                return self._post_generate_once(url, prompts, params)
+            except RemoteEngineError as e:
+                tried.append(url)
+                self._retire(url, e)
+                with self._lock:
+                    live = [u for u in self.urls if u not in tried]
+                if not live:
+                    raise
+                url = min(live, key=lambda u: self._load[u])
+
+    def _post_generate_once(self, url: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
         body = {"prompts": [list(map(int, p)) for p in prompts], "params": [params_to_json(p) for p in params]}
         data = self._request("POST", url + "/generate", json=body).json()
         outs = data.get("outputs")
@@ -277,10 +317,12 @@ class RemoteEngine:
             for i, bucket in enumerate(meta):
                 # clone(): safetensors refuses tensors that share storage (tied embeddings).
                 body = save({name: state_dict[name].detach().to("cpu").contiguous().clone() for name, _ in bucket["tensors"]})
-                self._all(lambda u, i=i, body=body: self._request("POST", f"{u}/weights/{sync_id}/bucket/{i}", content=body))
+                self._all(lambda u, i=i, body=body: self._request("POST", f"{u}/weights/{sync_id}/bucket/{i}", content=body),
+                          tolerate_loss=True)
                 del body
             commit = {"buckets": len(meta), "tensors": len(state_dict), "tag": tag}
-            answers = self._all(lambda u: self._request("POST", f"{u}/weights/{sync_id}/commit", json=commit, retry_5xx=False).json())
+            answers = self._all(lambda u: self._request("POST", f"{u}/weights/{sync_id}/commit", json=commit, retry_5xx=False).json(),
+                                tolerate_loss=True)
         except BaseException:
             for u in self.urls:  # free the staged buckets; nothing was loaded where the commit did not run
                 try:

@@ -136,3 +136,23 @@ def test_sleep_mode_is_refused_on_cpu(vllm_engine, untied_tiny_dir):
     assert vllm_engine.sleep() is False and not vllm_engine.info.supports_sleep
     with pytest.raises(ValueError, match="sleep mode is not available"):
         make_engine("vllm", untied_tiny_dir, enable_sleep_mode=True)
+
+
+def test_logprobs_are_the_processed_distribution_with_temperature_and_top_p(vllm_engine, untied_tiny_dir):
+    """What the trainer's behaviour correction reads (trainer/behavior.py): at temperature 0.8 and top_p 0.9
+    vLLM's log-prob of each sampled token is the log-softmax of the processed logits
+    (agent.engines.sampling.processed_logits) of the trainer's own forward, not the raw model's."""
+    from agent.engines.sampling import processed_logits
+
+    model = AutoModelForCausalLM.from_pretrained(untied_tiny_dir, dtype=torch.float32)
+    vllm_engine.load_weights(model.state_dict())
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=11)
+    prompt = _prompts(vllm_engine.tokenizer)[2]
+    out = vllm_engine.generate([prompt], params)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    processed = processed_logits(logits, params).log_softmax(-1)
+    expected = [processed[i, t].item() for i, t in enumerate(out.token_ids)]
+    raw = [logits.log_softmax(-1)[i, t].item() for i, t in enumerate(out.token_ids)]
+    assert out.logprobs == pytest.approx(expected, abs=2e-4)
+    assert max(abs(a - b) for a, b in zip(out.logprobs, raw)) > 1e-2  # the processing is visible

@@ -12,12 +12,9 @@ the sync happens before a rollout, so the step-2 update is in the checkpoint onl
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import httpx
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from agent.engines import SamplingParams, make_engine
@@ -25,6 +22,7 @@ from agent.engines.launch import EngineServer
 from agent.engines.remote import RemoteEngine
 from emapg.config import load_config
 from emapg.paths import CONFIG_DIR
+from tests.fixtures.spawn import count_calls, free_port, rank_env
 
 pytestmark = pytest.mark.slow
 
@@ -46,22 +44,12 @@ def _cfg(out, model_dir, url, weight_sync):
 
 
 def _worker(rank: int, world: int, port: int, out: str, model_dir: str, url: str, weight_sync: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     from trainer import distributed as D
     from trainer.loop import Trainer
 
     # Count this rank's calls that change the server's state (weights, sleep/wake).
-    calls = {"load_weights": 0, "wake": 0, "sleep": 0}
-    for name in calls:
-        original = getattr(RemoteEngine, name)
-
-        def counted(self, *a, _original=original, _name=name, **k):
-            calls[_name] += 1
-            return _original(self, *a, **k)
-
-        setattr(RemoteEngine, name, counted)
+    calls = count_calls(RemoteEngine, ["load_weights", "wake", "sleep"])
     trainer = Trainer(_cfg(f"{out}/run", model_dir, url, weight_sync)).setup()
     try:
         assert trainer.fsdp and D.is_sharded(trainer.model) and isinstance(trainer.engine, RemoteEngine)
@@ -74,12 +62,6 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str, url: str
                    "generated": [h["response/length_mean"] for h in history]}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(untied_tiny_dir):
     with EngineServer(untied_tiny_dir, engine="hf") as s:
@@ -89,7 +71,7 @@ def server(untied_tiny_dir):
 @pytest.mark.parametrize("weight_sync", ["http", "collective"])
 def test_two_ranks_share_one_server_and_rank0_pushes_once_per_step(tmp_path, untied_tiny_dir, server, weight_sync):
     before = httpx.get(server.url + "/health").json()["weights_version"]
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(untied_tiny_dir), server.url, weight_sync), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(untied_tiny_dir), server.url, weight_sync), nprocs=2, join=True)
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:

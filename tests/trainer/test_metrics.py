@@ -93,3 +93,15 @@ def test_rollout_and_update_metrics_from_sums():
     assert "kl/mean" not in no_kl and math.isnan(no_kl["actor/grad_norm"]) and no_kl["loss/pg"] == pytest.approx(0.4)
     totals = sums.reduce()
     assert totals["rollout/tokens"] == 7 + 10 and totals["rollout/generation_s"] == 2.0
+
+
+def test_maxima_merge_and_reduce_as_maxima():
+    from trainer.metrics import MetricSums
+
+    a, b = MetricSums(), MetricSums()
+    a.add("x", 1.0)
+    a.maximum("m", 0.5)
+    b.maximum("m", 2.0)
+    b.maximum("m", -1.0)
+    b.add("x", 2.0)
+    assert a.merge(b).reduce() == {"x": 3.0, "m": 2.0} and "m" in a

@@ -1,0 +1,294 @@
+"""Staleness-bounded asynchronous rollouts (``rollout.max_staleness = s ≥ 1``).
+
+A producer thread generates rollout batches on the remote generation servers
+(``rollout.engine=remote``, one or more replicas) while the trainer's main thread updates on the
+current batch. The schedule is fixed, not timing-dependent:
+
+* batch k (the batch step k trains on) is generated with the weights after step
+  v(k) = max(k₀, k − 1 − s), where k₀ is the step the run (or the resume) started from; its
+  staleness when trained is k − 1 − v(k) ≤ s versions. The trainer requests batch k + s + 1 as soon as
+  step k is done and its weights are published, so at most s + 1 batches are ahead of the update;
+* weight sync happens between batches: the producer pushes version v(k) before generating batch k
+  (nothing is in flight then). Requests in flight when the trainer publishes new weights finish on the
+  old ones, so a batch has exactly one version, recorded on the batch and on each of its
+  trajectories (:attr:`agent.rollout.Trajectory.weights_version`);
+* a batch found older than s versions when its step comes (it cannot happen with this schedule, but
+  the bound is checked, not assumed) is dropped, counted in ``async/dropped_batches`` and regenerated
+  with the current weights on the same prompts.
+
+Because v(k) is fixed and each step's sampling seed is fixed (:func:`trainer.loop.step_seed`), a run
+is deterministic for a given s. **Resume**: the queue is not checkpointed; a run resumed at step r
+regenerates batches r + 1 … r + 1 + s from the checkpoint's weights (k₀ = r) and continues the
+schedule, so two resumes of one checkpoint produce the same run; it is not bit-identical to the
+uninterrupted run, whose batches r + 1 … r + s came from versions r − s … r − 1 that no checkpoint
+holds. With s = 0 the loop is the synchronous one and resume is bit-exact.
+
+**Stop** (SIGINT/SIGTERM): the main thread finishes the step it is in, checkpoints, and :meth:`close`
+abandons the batches in flight or queued (never trained on, so nothing trained is lost; the queue is
+regenerated on resume). A server dying mid-batch: :class:`agent.engines.remote.RemoteEngine` sends its
+requests to the other replicas; a batch that still fails is regenerated (``run.rollout_retries``).
+
+**torchrun**: rank 0 is the only producer: it samples the global batch of the step, generates it on the
+shared servers and pushes every weight version to them; every rank is a consumer: rank 0 broadcasts
+the scored batch and each rank trains on its share of the groups; every rank joins the weight export
+(a collective under FSDP2), which rank 0 publishes.
+
+Metrics per step: ``async/staleness`` and the cumulative histogram ``async/staleness_count_{i}``,
+``async/queue_depth`` (batches ready when the step began), ``async/trainer_wait_s`` (the trainer idle,
+waiting for its batch), ``async/producer_busy_s`` / ``async/producer_idle_s`` (since the previous
+step), ``async/dropped_batches`` and ``async/weights_version``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainer import distributed as D
+from trainer.data import SampledPrompt
+
+if TYPE_CHECKING:
+    from trainer.loop import Rollouts, Trainer
+
+__all__ = ["RolloutPipeline", "batch_version", "is_stale"]
+
+
+def batch_version(step: int, start_step: int, max_staleness: int) -> int:
+    """v(k): the weights version batch ``step`` is generated with (0-based versions = steps done)."""
+    return max(start_step, step - 1 - max_staleness)
+
+
+def is_stale(step: int, version: int, max_staleness: int) -> bool:
+    """A batch of weights ``version`` is too old for ``step`` (trained with the weights after step − 1)."""
+    return step - 1 - version > max_staleness
+
+
+@dataclass
+class _Request:
+    step: int
+    version: int
+    prompts: list[SampledPrompt]
+
+
+@dataclass
+class _Produced:
+    step: int
+    version: int
+    prompts: list[SampledPrompt]
+    rollouts: "Rollouts | None" = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Clock:
+    """Busy/idle seconds of the producer, read and reset by each step."""
+
+    busy: float = 0.0
+    idle: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, busy: float = 0.0, idle: float = 0.0) -> None:
+        with self.lock:
+            self.busy += busy
+            self.idle += idle
+
+    def take(self) -> tuple[float, float]:
+        with self.lock:
+            out, self.busy, self.idle = (self.busy, self.idle), 0.0, 0.0
+        return out
+
+
+class RolloutPipeline:
+    """The producer thread (rank 0) and the consumer step (every rank) of an asynchronous run."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+        self.s = trainer.cfg.rollout.max_staleness
+        self.start_step = trainer.step
+        self.total = trainer.cfg.run.total_steps
+        self.producer_rank = trainer.dist.is_main
+        self.dropped = 0
+        self.staleness_counts = [0] * (self.s + 1)
+        self.clock = _Clock()
+        self._cond = threading.Condition()
+        self._requests: collections.deque[_Request] = collections.deque()
+        self._results: dict[int, _Produced] = {}
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._engine_version: int | None = None  # what the servers hold (they start on weights of their own)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # The producer samples ahead with its own copy; the trainer's sampler advances as steps are trained,
+        # so a checkpoint holds the data position of the last trained step.
+        self._sampler = copy.deepcopy(trainer.sampler)
+
+    @classmethod
+    def start(cls, trainer: "Trainer") -> "RolloutPipeline":
+        """Publish the starting weights and request the first s + 1 batches."""
+        pipe = cls(trainer)
+        pipe._publish(trainer.step)
+        if pipe.producer_rank:
+            pipe._thread = threading.Thread(target=pipe._produce_loop, name="emapg-rollout-producer", daemon=True)
+            pipe._thread.start()
+            for k in range(trainer.step + 1, min(trainer.step + 1 + pipe.s, pipe.total) + 1):
+                pipe._request(k)
+        return pipe
+
+    # ------------------------------------------------------------------ the producer (rank 0)
+    def _request(self, step: int, prompts: list[SampledPrompt] | None = None, version: int | None = None) -> None:
+        if prompts is None:
+            prompts = self._sampler.next(self.trainer.cfg.data.prompts_per_step, step)
+        v = batch_version(step, self.start_step, self.s) if version is None else version
+        with self._cond:
+            self._requests.append(_Request(step, v, prompts))
+            self._cond.notify_all()
+
+    def _produce_loop(self) -> None:
+        trainer = self.trainer
+        engine = trainer.engine
+        while True:
+            t0 = time.perf_counter()
+            with self._cond:
+                while not self._requests and not self._stop:
+                    self._cond.wait(0.5)
+                if self._stop:
+                    return
+                req = self._requests.popleft()
+                state = self._weights.get(req.version)
+            self.clock.add(idle=time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            item = _Produced(req.step, req.version, req.prompts)
+            try:
+                if self._engine_version != req.version:
+                    if state is None:
+                        raise RuntimeError(f"weights version {req.version} was never published")
+                    engine.load_weights(state, tag=f"step-{req.version}")
+                    self._engine_version = req.version
+                    self._forget_weights_before(req.version)
+                # the global batch's seed is rank 0's: one producer generates every rank's share
+                seed = _seed(trainer, req.step)
+                ro = trainer.produce(engine, req.prompts, seed)
+                for t in ro.trajectories:
+                    t.weights_version = req.version
+                item.rollouts = ro
+            except BaseException as e:  # handed to the consumer, which stops the run with it
+                item.error = e
+            self.clock.add(busy=time.perf_counter() - t0)
+            with self._cond:
+                self._results[req.step] = item
+                self._cond.notify_all()
+
+    def _forget_weights_before(self, version: int) -> None:
+        with self._cond:
+            for v in [v for v in self._weights if v < version]:
+                del self._weights[v]
+
+    def _publish(self, version: int) -> None:
+        """Every rank joins the export (FSDP2: a collective); rank 0 keeps a CPU copy for the producer."""
+        state = self.trainer.policy.export_weights(all_ranks=False)
+        if self.producer_rank:
+            copy_ = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            with self._cond:
+                self._weights[version] = copy_
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the consumer (every rank)
+    def _wait(self, step: int) -> tuple[_Produced, int]:
+        with self._cond:
+            depth = sum(1 for k in self._results if k >= step)
+            while step not in self._results:
+                if self._thread is not None and not self._thread.is_alive():
+                    raise RuntimeError("the rollout producer thread stopped")
+                self._cond.wait(0.5)
+            return self._results.pop(step), depth
+
+    def _next_batch(self, step: int) -> tuple["Rollouts", int, int, float]:
+        """Rank 0: the batch of ``step`` (regenerated while too stale); every rank: its share. Returns
+        (rollouts, version, queue depth, seconds waited)."""
+        from trainer.loop import TrainingError
+
+        t0 = time.perf_counter()
+        payload = None
+        if self.producer_rank:
+            while True:
+                item, depth = self._wait(step)
+                if item.error is not None:
+                    payload = ("error", f"{type(item.error).__name__}: {item.error}")
+                    break
+                if not is_stale(step, item.version, self.s):
+                    payload = ("ok", item.rollouts, item.version, depth)
+                    break
+                self.dropped += 1  # too old to train on: the same prompts again, with the newest published weights
+                with self._cond:
+                    newest = max(self._weights)
+                self._request(step, item.prompts, version=newest)
+        payload = D.broadcast_object(payload)
+        waited = time.perf_counter() - t0
+        if payload[0] == "error":
+            raise TrainingError(f"the rollout producer failed on step {step}: {payload[1]}")
+        _, ro, version, depth = payload
+        return _share(ro, self.trainer), version, depth, waited
+
+    def train_step(self) -> dict[str, float]:
+        """One step of an asynchronous run: wait for this step's batch, train on it, publish the new weights,
+        request the batch s + 1 steps ahead. Returns the step's metrics (:meth:`Trainer.train_step`'s, plus ``async/*``)."""
+        trainer = self.trainer
+        t_step = time.perf_counter()
+        step = trainer.step + 1
+        ro, version, depth, waited = self._next_batch(step)
+        prompts = trainer.sample_prompts()  # advances the checkpointed sampler: the same prompts the producer drew
+        if [p.group_id for p in prompts] != [p.group_id for p in ro.prompts]:
+            raise RuntimeError(f"step {step}: the producer's prompts are not the step's ({ro.prompts[0].group_id} ...)")
+        metrics, totals = trainer.learn(ro)
+        if trainer.step + 1 + self.s <= self.total:  # these weights generate batch step + 1 + s
+            self._publish(trainer.step)
+            if self.producer_rank:
+                self._request(trainer.step + 1 + self.s)
+        staleness = step - 1 - version
+        self.staleness_counts[staleness] += 1
+        busy, idle = self.clock.take()
+        t_total = time.perf_counter() - t_step
+        metrics.update({
+            "time/rollout": waited, "time/step": t_total, "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9),
+            "async/staleness": float(staleness), "async/weights_version": float(version), "async/queue_depth": float(depth),
+            "async/trainer_wait_s": waited, "async/producer_busy_s": busy, "async/producer_idle_s": idle,
+            "async/dropped_batches": float(self.dropped),
+            **{f"async/staleness_count_{i}": float(c) for i, c in enumerate(self.staleness_counts)},
+        })  # fmt: skip
+        return metrics
+
+    def close(self) -> None:
+        """Stop the producer; a generation in flight is abandoned (its batch was never trained on)."""
+        with self._cond:
+            self._stop = True
+            self._requests.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+
+def _seed(trainer: "Trainer", step: int) -> int:
+    from trainer.loop import step_seed
+
+    return step_seed(trainer.cfg.run.seed, step, 0)
+
+
+def _share(ro: "Rollouts", trainer: "Trainer") -> "Rollouts":
+    """This rank's groups of the global batch ``ro``; the reward counts stay on rank 0 (they are summed over
+    ranks), the batch's wall times go to every rank (they are averaged over ranks)."""
+    world = trainer.dist.world_size
+    if world == 1:
+        return ro
+    n = trainer.cfg.rollout.n_samples
+    groups = D.shard_slice(len(ro.prompts), trainer.dist.rank, world)
+    rows = slice(groups.start * n, groups.stop * n)
+    first = trainer.dist.rank == 0
+    return replace(
+        ro, prompts=ro.prompts[groups], trajectories=ro.trajectories[rows], group_ids=ro.group_ids[rows],
+        rewards=ro.rewards[rows], reward_counts={k: (v if first else 0.0) for k, v in ro.reward_counts.items()},
+    )  # fmt: skip
