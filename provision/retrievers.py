@@ -57,6 +57,10 @@ class OpenRetriever:
     def health(self) -> dict:
         return self.client.health()
 
+    def fingerprints(self) -> dict[str, dict | None]:
+        """The index fingerprint of each server URL (:meth:`retriever.client.RetrieverClient.fingerprints`)."""
+        return self.client.fingerprints()
+
     def close(self) -> None:
         try:
             self.client.close()

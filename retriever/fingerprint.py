@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FINGERPRINT_VERSION", "index_fingerprint", "fingerprint_of", "encoder_files_sha256"]
+__all__ = ["FINGERPRINT_VERSION", "index_fingerprint", "fingerprint_of", "model_files_sha256"]
 
 FINGERPRINT_VERSION = 1
 # Files of a model folder that change what it computes: weights and tokenizer (configs included).
@@ -48,7 +48,7 @@ def _folder_digest(folder: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def encoder_files_sha256(model_dir: str | Path) -> str:
+def model_files_sha256(model_dir: str | Path) -> str:
     """One digest of a model folder's weight, config and tokenizer files (top level, sorted by name)."""
     folder = Path(model_dir)
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in _MODEL_FILE_SUFFIXES and p.name not in _SKIP)
@@ -100,5 +100,5 @@ def fingerprint_of(index_dir: str | Path, meta: dict[str, Any] | None = None, *,
     stored = meta.get("fingerprint")
     if isinstance(stored, dict) and not hybrid_bm25 and nprobe in (None, stored.get("nprobe")):
         return stored
-    encoder_sha256 = stored["encoder_sha256"] if isinstance(stored, dict) else encoder_files_sha256(resolve_model(meta["encoder"]["name"]))
+    encoder_sha256 = stored["encoder_sha256"] if isinstance(stored, dict) else model_files_sha256(resolve_model(meta["encoder"]["name"]))
     return index_fingerprint(meta, encoder_sha256=encoder_sha256, nprobe=nprobe, hybrid_bm25=hybrid_bm25)

@@ -42,7 +42,7 @@ from emapg.config import option
 
 from retriever.corpus import CorpusReader, DocStore, docstore_complete, file_checksum, write_docstore
 from retriever.encoder import Encoder, EncoderSpec, make_spec
-from retriever.fingerprint import encoder_files_sha256, index_fingerprint
+from retriever.fingerprint import model_files_sha256, index_fingerprint
 
 META_FILE = "meta.json"
 INDEX_FILE = "index.faiss"
@@ -292,7 +292,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     }
     from emapg.models import resolve_model
 
-    meta["fingerprint"] = index_fingerprint(meta, encoder_sha256=encoder_files_sha256(resolve_model(spec.name)))
+    meta["fingerprint"] = index_fingerprint(meta, encoder_sha256=model_files_sha256(resolve_model(spec.name)))
     write_text_atomic(out / META_FILE, json.dumps(meta, indent=2))
     log(f"index ready: {out} ({rows} passages, dim {dim}, {cfg.index_type}, {cfg.metric})")
     return BuildResult(out, rows, n_chunks, len(todo), n_chunks - len(todo), enc_seconds, pps, total, empty_skipped)

@@ -138,6 +138,17 @@ class Tracker:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, stats=format_stats(numbers))
 
+    def log_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Extra scalars of a step already logged (TensorBoard, wandb); ``metrics.jsonl`` keeps one record per step."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append a few decoded trajectories to ``samples.jsonl`` (for reading what the policy does)."""
         if not self.enabled or not samples:

@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from retriever.fingerprint import encoder_files_sha256, fingerprint_of, index_fingerprint
+from retriever.fingerprint import model_files_sha256, fingerprint_of, index_fingerprint
 
 META = {
     "format_version": 1,
@@ -62,14 +62,14 @@ def test_encoder_hash_follows_weight_and_tokenizer_files(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "README.md").write_text("docs")
-    first = encoder_files_sha256(tmp_path)
+    first = model_files_sha256(tmp_path)
     (tmp_path / "README.md").write_text("other docs")
-    assert encoder_files_sha256(tmp_path) == first
+    assert model_files_sha256(tmp_path) == first
     (tmp_path / "tokenizer.json").write_text('{"a": 1}')
-    second = encoder_files_sha256(tmp_path)
+    second = model_files_sha256(tmp_path)
     assert second != first
     (tmp_path / "model.safetensors").write_bytes(b"\x01" + b"\x00" * 63)  # same size, one byte differs
-    assert encoder_files_sha256(tmp_path) not in (first, second)
+    assert model_files_sha256(tmp_path) not in (first, second)
 
 
 def _build(tmp_path, name: str, **options):
