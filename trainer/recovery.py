@@ -9,8 +9,8 @@ severe action among them (``warn`` < ``lower_lr`` < ``reset_to_anchor`` < ``roll
   ``guard.lr_factor``;
 * ``reset_to_anchor``: the EMA anchor -- a smoothed past policy -- is copied into the policy, and the
   optimizer's moments (accumulated on the way into the collapse) are cleared;
-* ``rollback``: the newest checkpoint whose ``trainer_state.json`` says it passed the guard is
-  restored (weights, optimizer, LR schedule, anchor, the guard's window) while the data loader keeps
+* ``rollback``: the newest checkpoint whose ``trainer_state.json`` says it passed the guard, and whose
+  weights passed it too (the step after it passed: :func:`last_passing_checkpoint`), is restored (weights, optimizer, LR schedule, anchor, the guard's window) while the data loader keeps
   its position, so the batches that led to the trip are skipped; the step counter keeps counting
   (``run.total_steps`` counts every step run, lost ones included). Without such a checkpoint it falls
   back to ``reset_to_anchor`` (or ``stop`` without an anchor);
@@ -64,8 +64,14 @@ def read_guard_events(run_dir: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def last_passing_checkpoint(run_dir: Path) -> Path | None:
-    """The newest intact checkpoint of ``run_dir`` whose trainer state says it passed the guard."""
+def last_passing_checkpoint(run_dir: Path, verdicts: dict[int, bool]) -> Path | None:
+    """The newest intact checkpoint of ``run_dir`` that passed the guard *and whose weights did too*.
+
+    A checkpoint of step s records whether step s passed, but its weights come out of update s and are
+    first tried by the rollout of step s + 1: a checkpoint is trusted only when ``verdicts[s + 1]`` (the
+    guard's verdict on that step, in this process) is True as well. So after a bad update at step t-1
+    (seen at step t) the checkpoint of step t-1 is never the target.
+    """
     from trainer.checkpoint import list_checkpoints, load_trainer_state, verify_checkpoint
 
     for path in reversed(list_checkpoints(run_dir)):
@@ -73,7 +79,8 @@ def last_passing_checkpoint(run_dir: Path) -> Path | None:
             state = load_trainer_state(path)
         except Exception:  # noqa: BLE001 - a damaged checkpoint is skipped like latest_checkpoint does
             continue
-        if (state.get("guard") or {}).get("passed") and verify_checkpoint(path, verify="size").intact:
+        step = int(state.get("step", -1))
+        if (state.get("guard") or {}).get("passed") and verdicts.get(step + 1) and verify_checkpoint(path, verify="size").intact:
             return path
     return None
 
@@ -91,10 +98,12 @@ class GuardHook:
         self.guard = Guard(cfg)
         self.has_anchor = has_anchor
         self.actions_taken: list[GuardEvent] = []
+        self.verdicts: dict[int, bool] = {}  # step -> passed, for choosing a rollback target
 
     # ------------------------------------------------------------------ the hook
     def __call__(self, trainer: "Trainer", metrics: dict[str, float]) -> None:
         trips = self.guard.check(trainer.step, metrics)
+        self.verdicts[trainer.step] = not trips
         if trainer.tracker is not None:
             trainer.tracker.log_scalars(trainer.step, {"guard/trips": float(len(trips)), "guard/passed": float(not trips)})
         if not trips:
@@ -124,7 +133,7 @@ class GuardHook:
         if action == "lower_lr":
             return self._lower_lr(trainer)
         if action == "rollback":
-            target = last_passing_checkpoint(trainer.run_dir)
+            target = last_passing_checkpoint(trainer.run_dir, self.verdicts)
             if target is not None:
                 return self._rollback(trainer, target)
             if not self.has_anchor:
