@@ -63,7 +63,6 @@ class RecordedRetriever:
         self._batch: dict[Key, list[dict]] = {}
         self._misses: list[str] = []
         self._lock = threading.Lock()
-        self.replayed = self.asked_live = 0
 
     def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         found = {q: self.recorded[(q, topk)] for q in queries if (q, topk) in self.recorded}
@@ -75,8 +74,6 @@ class RecordedRetriever:
         if missing:
             found.update(zip(missing, self.live.retrieve(missing, topk=topk)))
         with self._lock:
-            self.replayed += len(queries) - len(missing)
-            self.asked_live += len(missing)
             for q in queries:
                 self._batch[(q, topk)] = found[q]
         return [found[q] for q in queries]

@@ -378,6 +378,8 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
             raise UserError(f"dataset {ds!r} belongs to the {task} suite, not {suite}")
     if len(set(datasets)) != len(datasets):
         raise UserError(f"datasets listed twice: {datasets}")
+    if cfg.replay is not None and suite != "qa":
+        raise UserError("--replay answers searches; the math suite makes none")
     # Load every dataset before the (slow) engine, so a bad name fails fast.
     examples = {ds: load_dataset(ds, path=cfg.data_paths.get(ds), limit=cfg.limit, seed=cfg.data_seed) for ds in datasets}
     for ds, exs in examples.items():

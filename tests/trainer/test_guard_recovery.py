@@ -5,8 +5,8 @@ reward back within noise of its level before the collapse.
 Real parts (tests/fixtures/trainer.py): the warm-started tiny-qwen2 that answers right about half
 the time, the synthetic-facts index behind a real ``emapg serve``, the production training loop.
 The normal learning rate is tiny (1e-6), so without the fault the reward stays at its starting level;
-the hook below sets 0.05 for the one update of step ``INJECT + 1`` (the LR schedule restores the
-normal rate at its next step), whose weights are first used by the rollout of step ``INJECT + 2``.
+:class:`FaultyTrainer` sets 0.05 for the one update of step ``INJECT + 1``, whose weights are first
+used by the rollout of step ``INJECT + 2``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from emapg.config import load_config
 from emapg.paths import CONFIG_DIR
-from tests.fixtures.trainer import toy_overrides, warm_start
+from tests.fixtures.trainer import toy_overrides
 from trainer.checkpoint import load_trainer_state, step_dir_name
 from trainer.config import TrainConfig
 from trainer.guard import DETECTORS
@@ -28,21 +28,19 @@ from trainer.plot import guard_marks
 from trainer.recovery import read_guard_events
 
 INJECT = 3  # after step 3's hooks: the update of step 4 runs at the wrecking learning rate
-STEPS = 8
-PROMPTS, SAMPLES = 8, 4
+STEPS = 7
+PROMPTS, SAMPLES = 4, 4
 
 
-@pytest.fixture(scope="module")
-def warm_policy(tmp_path_factory, tiny_model_dir, toy_task):
-    return warm_start(tiny_model_dir, toy_task, tmp_path_factory.mktemp("guard") / "warm", steps=120)
+class FaultyTrainer(Trainer):
+    """The update after step ``INJECT`` runs at a learning rate that wrecks the policy (set just before it,
+    so no checkpoint holds it; the LR schedule restores the normal rate right after the update)."""
 
-
-def inject_learning_rate(at_step: int, lr: float):
-    def hook(trainer, metrics):
-        if trainer.step == at_step:
-            for group in trainer.policy.optimizer.param_groups:
-                group["lr"] = lr
-    return hook
+    def _update(self, batch):
+        if self.step == INJECT:
+            for group in self.policy.optimizer.param_groups:
+                group["lr"] = 0.05
+        return super()._update(batch)
 
 
 def run_with_fault(run_dir, policy, task, url, action: str):
@@ -54,10 +52,9 @@ def run_with_fault(run_dir, policy, task, url, action: str):
         "algorithm.ema.period": 100,  # the anchor stays the warm start: the smoothed past policy of this short run
         "guard.enabled": "true", "guard.nonfinite.action": action, **every,
     }))
-    trainer = Trainer(cfg)
+    trainer = FaultyTrainer(cfg)
     try:
         trainer.setup()
-        trainer.step_hooks.append(inject_learning_rate(INJECT, 0.05))
         history = trainer.train()
         report = trainer.guard.report()
     finally:
@@ -73,9 +70,9 @@ def within_noise(before: list[float], after: list[float]) -> bool:
 
 
 @pytest.mark.parametrize("action", ["rollback", "reset_to_anchor"])
-def test_collapse_is_detected_and_recovered(action, tmp_path, warm_policy, toy_task, toy_server):
+def test_collapse_is_detected_and_recovered(action, tmp_path, toy_warm_policy, toy_task, toy_server):
     run = tmp_path / action
-    history, report = run_with_fault(run, warm_policy, toy_task, toy_server.url, action)
+    history, report = run_with_fault(run, toy_warm_policy, toy_task, toy_server.url, action)
     rewards = [h["reward/mean"] for h in history]
     assert len(rewards) == STEPS
     before = rewards[:INJECT + 1]  # steps 1-4 roll out with healthy weights
