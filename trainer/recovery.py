@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -172,7 +173,9 @@ class GuardHook:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = getattr(model.config, "tie_word_embeddings", False)
         if unexpected or (missing and not tied):
-            raise ConfigError(f"guard rollback: {path}/policy does not match the policy (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            from trainer.loop import TrainingError
+
+            raise TrainingError(f"guard rollback: {path}/policy does not match the policy (missing {missing[:3]}, unexpected {unexpected[:3]})")
         state = ckpt.trainer_state
         trainer.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
         self.guard.load_state_dict({**(state.get("guard") or {}), "recoveries": self.guard.recoveries})
@@ -192,7 +195,8 @@ class GuardHook:
         if not trainer.dist.is_main:
             return
         with open(Path(trainer.run_dir) / GUARD_FILE, "a") as f:
-            f.write(json.dumps(asdict(event), default=str) + "\n")
+            record = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(event).items()}
+            f.write(json.dumps(record) + "\n")  # NaN/inf as strings, as in metrics.jsonl
         if trainer.tracker is not None:
             trainer.tracker.log_scalars(trainer.step, {f"guard/{event.detector}": 1.0,
                                                        f"guard/action_{event.action}": 1.0})
