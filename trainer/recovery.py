@@ -14,7 +14,7 @@ severe action among them (``warn`` < ``lower_lr`` < ``reset_to_anchor`` < ``roll
   its position, so the batches that led to the trip are skipped; the step counter keeps counting
   (``run.total_steps`` counts every step run, lost ones included). Without such a checkpoint it falls
   back to ``reset_to_anchor`` (or ``stop`` without an anchor);
-* ``stop``: :class:`trainer.loop.TrainingError` with the report of every event.
+* ``stop``: :class:`trainer.errors.TrainingError` with the report of every event.
 
 After ``guard.max_recoveries`` recoveries, the next trip that asks for one stops the run instead.
 
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from emapg.config import ConfigError
+from trainer.errors import TrainingError
 from trainer.guard import Guard, GuardConfig, GuardEvent
 
 if TYPE_CHECKING:
@@ -120,8 +121,6 @@ class GuardHook:
             self._record(trainer, e)
         self.actions_taken.append(trips[0])
         if action == "stop":
-            from trainer.loop import TrainingError
-
             raise TrainingError(f"stability guard stopped the run at step {trainer.step}: "
                                 + "; ".join(e.describe() for e in trips) + "\n" + self.report())
 
@@ -138,9 +137,7 @@ class GuardHook:
             if target is not None:
                 return self._rollback(trainer, target)
             if not self.has_anchor:
-                from trainer.loop import TrainingError
-
-                raise TrainingError(f"stability guard: rollback at step {trainer.step} is impossible (no checkpoint passed "
+                    raise TrainingError(f"stability guard: rollback at step {trainer.step} is impossible (no checkpoint passed "
                                     "the guard yet and there is no anchor)\n" + self.report())
             return "no checkpoint passed the guard yet; " + self._reset_to_anchor(trainer)
         return self._reset_to_anchor(trainer)
@@ -173,8 +170,6 @@ class GuardHook:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = getattr(model.config, "tie_word_embeddings", False)
         if unexpected or (missing and not tied):
-            from trainer.loop import TrainingError
-
             raise TrainingError(f"guard rollback: {path}/policy does not match the policy (missing {missing[:3]}, unexpected {unexpected[:3]})")
         state = ckpt.trainer_state
         trainer.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
