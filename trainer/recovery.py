@@ -137,7 +137,7 @@ class GuardHook:
             if target is not None:
                 return self._rollback(trainer, target)
             if not self.has_anchor:
-                    raise TrainingError(f"stability guard: rollback at step {trainer.step} is impossible (no checkpoint passed "
+                raise TrainingError(f"stability guard: rollback at step {trainer.step} is impossible (no checkpoint passed "
                                     "the guard yet and there is no anchor)\n" + self.report())
             return "no checkpoint passed the guard yet; " + self._reset_to_anchor(trainer)
         return self._reset_to_anchor(trainer)
