@@ -50,7 +50,7 @@ def test_guard_hook_runs_first(trainer_factory):
     assert isinstance(trainer.step_hooks[0], GuardHook) and trainer.step_hooks[0] is trainer.guard
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 def test_lower_lr_survives_the_schedule(trainer_factory):
     trainer = trainer_factory("guard.reward_drop.action=lower_lr", "guard.lr_factor=0.25")
     lr = trainer.policy.optimizer.param_groups[0]["lr"]
