@@ -53,6 +53,8 @@ class CompareConfig:
     runs: list[str] = option(help="run folders written by `emapg eval`")
     out: str = option(help="folder for report.md, comparison.json and plots")
     paper: bool = option(True, help="add the paper's published numbers as labelled reference columns")
+    allow_mismatch: bool = option(False, help="compare runs whose index fingerprint or protocol differ (listed as warnings in "
+                                  "the report) instead of refusing")
 
 
 def eval_parser() -> argparse.ArgumentParser:
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         from eval.report import compare_runs
 
         cmp = config_from_args(CompareConfig, compare_parser().parse_args(argv[1:]))
-        data = compare_runs(cmp.runs, cmp.out, with_paper=cmp.paper)
+        data = compare_runs(cmp.runs, cmp.out, with_paper=cmp.paper, allow_mismatch=cmp.allow_mismatch)
         print(f"compared {len(data['runs'])} run(s): {os.path.join(cmp.out, 'report.md')}")
         return 0
     args = eval_parser().parse_args(argv)

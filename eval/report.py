@@ -250,10 +250,29 @@ def write_run_report(results: dict[str, Any], out_dir: str | Path, notes: str | 
     return path
 
 
-def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper: bool = True) -> dict[str, Any]:
+def _provenance_section(reference: str, diffs: dict[str, Any]) -> list[str]:
+    """The report's provenance section: every difference to the first run, the refusable ones flagged."""
+    lines = ["## Provenance", ""]
+    if not any(d.blocking or d.informational for d in diffs.values()):
+        return lines + [f"Same index fingerprint, protocol, model and packages as {reference}." if diffs else "One run."]
+    for label, d in diffs.items():
+        for text in d.blocking:
+            lines.append(f"- **Warning ({label} vs {reference}): not comparable**: `{text}`")
+        for text in d.informational:
+            lines.append(f"- {label} vs {reference}: `{text}`")
+    return lines
+
+
+def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper: bool = True,
+                 allow_mismatch: bool = False) -> dict[str, Any]:
     """Side-by-side report of several runs of one suite; writes ``report.md``,
-    ``comparison.json`` and plots to ``out_dir``; returns the comparison data."""
+    ``comparison.json`` and plots to ``out_dir``; returns the comparison data.
+
+    Every difference between the first run and each other one (:func:`eval.provenance.run_differences`)
+    is listed; runs searched against another index or under another protocol are refused, unless
+    ``allow_mismatch`` (then the report carries a warning)."""
     from emapg.errors import UserError
+    from eval.provenance import run_differences
 
     runs = [load_run(d) for d in run_dirs]
     if not runs:
@@ -262,6 +281,12 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     if len(suites) != 1:
         raise UserError(f"cannot compare runs of different suites: {', '.join(sorted(suites))}")
     suite = suites.pop()
+    labels = _unique_labels(runs)
+    diffs = {label: run_differences(runs[0], r) for label, r in zip(labels[1:], runs[1:])}
+    blocking = [f"{label}: {d}" for label, rd in diffs.items() for d in rd.blocking]
+    if blocking and not allow_mismatch:
+        raise UserError(f"these runs searched another index or used another protocol than {labels[0]}, so their numbers are "
+                        f"not comparable: {'; '.join(blocking)} (pass --allow-mismatch to compare them anyway)")
     metric = runs[0]["primary_metric"]
     ref = PAPER_REFERENCE[suite]
     reference = ref["columns"] if with_paper and ref["metric"] == metric else None
@@ -281,6 +306,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     lines.append(f"![{metric}]({bars.name})")
     if passk is not None:
         lines += ["", f"![pass@k]({passk.name})"]
+    lines += ["", *_provenance_section(labels[0], diffs)]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     data = {
         "suite": suite,
@@ -289,6 +315,8 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
                                                           "grader", "timestamp")}}
                  for label, r in zip(_unique_labels(runs), runs)],
         "paper_reference": {"columns": reference, "model": ref["model"], "note": ref["note"]} if reference else None,
+        "fingerprints": {label: r.get("fingerprint") for label, r in zip(labels, runs)},
+        "differences": {label: {"blocking": d.blocking, "informational": d.informational} for label, d in diffs.items()},
     }
     (out_dir / "comparison.json").write_text(json.dumps(data, indent=2) + "\n")
     return data

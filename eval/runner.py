@@ -8,10 +8,12 @@ rewards' own functions (:mod:`tasks`), on the text the model generated.
 
 Layout of ``out_dir``::
 
-    run.json               settings of the run (checked on resume)
+    run.json               settings of the run and the index fingerprint (both checked on resume)
+    retrievals.jsonl       every distinct (query, top-k) searched and the passages returned (eval.replay)
     items/<dataset>.jsonl  one line per question: prompt, full trajectory text, prediction,
                            golds, scores, searches, turns (all samples when n > 1)
-    results.json           per-dataset metrics, unweighted average, model, protocol, grader, time
+    results.json           per-dataset metrics, unweighted average, model, protocol, grader, time,
+                           index ``fingerprint`` and ``protocol_card`` (eval.provenance)
     report.md, *.png       the table and plots (eval.report)
 
 Resume: questions are processed in fixed batches (batch b of a dataset is always the same
@@ -38,6 +40,7 @@ from typing import Any, Literal
 from emapg.errors import UserError
 from emapg.config import ConfigError, option, to_dict
 from eval.protocols import EvalProtocol
+from eval.provenance import eval_protocol_card
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,9 @@ class EvalConfig:
     retriever_api_key: str | None = option(None, help="qa: API key of the retrieval server, if it needs one (the CLI reads EMAPG_RETRIEVER_API_KEY)")
     retriever_timeout: float = option(30.0, help="qa: seconds per retrieval request")
     retriever_retries: int = option(5, help="qa: retries per retrieval request before the search counts as failed")
+    replay: str | None = option(None, help="qa: answer searches from the retrievals recorded in this earlier eval run's folder "
+                                "(its retrievals.jsonl) instead of a server; a query it did not record is an error, unless "
+                                "--retriever-url or --index is also given, which then answers it live")
     rollout_mode: Literal["batched", "async"] = option("batched", help="rollout driver (see agent.rollout)")
     grader_workers: int = option(2, help="math: grading worker processes")
     progress: bool = option(True, help="show a progress bar (only on a terminal)")
@@ -271,6 +277,7 @@ def _fingerprint(cfg: EvalConfig, engine_kind: str) -> dict[str, Any]:
         "data_paths": dict(cfg.data_paths),
         "batch_size": cfg.batch_size,
         "rollout_mode": cfg.rollout_mode,
+        "replay": cfg.replay,
     }
 
 
@@ -371,6 +378,8 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
             raise UserError(f"dataset {ds!r} belongs to the {task} suite, not {suite}")
     if len(set(datasets)) != len(datasets):
         raise UserError(f"datasets listed twice: {datasets}")
+    if cfg.replay is not None and suite != "qa":
+        raise UserError("--replay answers searches; the math suite makes none")
     # Load every dataset before the (slow) engine, so a bad name fails fast.
     examples = {ds: load_dataset(ds, path=cfg.data_paths.get(ds), limit=cfg.limit, seed=cfg.data_seed) for ds in datasets}
     for ds, exs in examples.items():
@@ -389,18 +398,21 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
 
     engine = engine_kind = retriever = pool = None
     retriever_desc = None
+    index_fp: dict[str, Any] | None = None
+    index_fps: dict[str, Any] = {}
     t_start = time.perf_counter()
     t_ready = t_start
     try:
         if n_todo:
             # The retriever first: it is quick to check, the engine is not (vLLM: a minute).
             if suite == "qa":
-                retriever = _open_retriever(cfg)
-                retriever_desc = retriever.description
+                retriever, retriever_desc, index_fp, index_fps = _open_recorded_retriever(cfg)
+                _check_index(out_dir, index_fp)
             engine, engine_kind = _make_engine(cfg)
             _check_resume(out_dir, _fingerprint(cfg, engine_kind))
-            (out_dir / RUN_FILE).write_text(json.dumps({"fingerprint": _fingerprint(cfg, engine_kind),
-                                                        "retriever": retriever_desc, "started": _now()}, indent=2) + "\n")
+            (out_dir / RUN_FILE).write_text(json.dumps({"fingerprint": _fingerprint(cfg, engine_kind), "retriever": retriever_desc,
+                                                        "index_fingerprint": index_fp, "retriever_fingerprints": index_fps,
+                                                        "started": _now()}, indent=2) + "\n")
             if suite == "math":
                 from tasks.math import GraderPool
 
@@ -408,6 +420,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         elif (out_dir / RUN_FILE).exists():  # everything was done by an earlier run
             previous = json.loads((out_dir / RUN_FILE).read_text())
             engine_kind, retriever_desc = previous["fingerprint"]["engine"], previous.get("retriever")
+            index_fp, index_fps = previous.get("index_fingerprint"), previous.get("retriever_fingerprints") or {}
         else:
             engine_kind = cfg.engine
         t_ready = time.perf_counter()
@@ -417,8 +430,8 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     finally:
         if pool is not None:
             pool.close()
-        if retriever is not None:
-            retriever.close()
+        if retriever is not None and retriever.live is not None:
+            retriever.live.close()
         if engine is not None:
             engine.close()
 
@@ -433,6 +446,10 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         "protocol": to_dict(p),
         "grader": p.grader if suite == "math" else "squad_em_last_answer",
         "retriever": retriever_desc,
+        # provenance (eval.provenance): the index that answered the searches and the protocol card
+        "fingerprint": index_fp,
+        "retriever_fingerprints": index_fps,
+        "protocol_card": eval_protocol_card(cfg, examples, _model_path(cfg)),
         "limit": cfg.limit,
         "data_seed": cfg.data_seed,
         "timestamp": _now(),
@@ -491,6 +508,62 @@ def _notes(suite: str, records: dict[str, list[dict]]) -> str | None:
     return "\n\n".join(notes) or None
 
 
+def _model_path(cfg: EvalConfig) -> str | None:
+    from emapg.models import resolve_model
+
+    try:
+        return resolve_model(cfg.model)
+    except ValueError:
+        return None
+
+
+def _check_index(out_dir: Path, index_fp: dict[str, Any] | None) -> None:
+    """A resumed run must search the index its first part searched."""
+    path = out_dir / RUN_FILE
+    old = json.loads(path.read_text()).get("index_fingerprint") if path.exists() else None
+    if old is not None and index_fp is not None and old != index_fp:
+        raise UserError(f"{out_dir} was started against index {old['id']}, but this retriever serves index {index_fp['id']}; "
+                        "use another --out folder (or the original index) so one run does not mix two indexes")
+
+
+def _open_recorded_retriever(cfg: EvalConfig):
+    """The run's retriever wrapped in an :class:`eval.replay.RecordedRetriever` (live, replayed, or a
+    replay that asks a live server for what was not recorded), its description, and the index
+    fingerprint the searches are answered by (one, and per server URL)."""
+    from eval.replay import RecordedRetriever, load_retrievals
+    from provision.provenance import single_fingerprint
+
+    live = None
+    if cfg.replay is None or cfg.retriever_url or cfg.index:
+        live = _open_retriever(cfg)
+    try:
+        fps = live.fingerprints() if live is not None else {}
+        index_fp = single_fingerprint(fps) if fps else None
+        if cfg.replay is None:
+            return RecordedRetriever(live=live), live.description, index_fp, fps
+        recorded = load_retrievals(cfg.replay)
+        replayed_fp = _recorded_fingerprint(cfg.replay)
+        if live is not None and replayed_fp is not None and index_fp is not None and replayed_fp != index_fp:
+            raise UserError(f"--replay {cfg.replay} searched index {replayed_fp['id']}, but the live retriever serves index "
+                            f"{index_fp['id']}; a replay may only fall back to the same index")
+        desc = f"replayed from {cfg.replay}" + (f" (unrecorded queries: {live.description})" if live is not None else "")
+        return RecordedRetriever(live=live, recorded=recorded), desc, replayed_fp or index_fp, fps
+    except BaseException:
+        if live is not None:
+            live.close()
+        raise
+
+
+def _recorded_fingerprint(run_dir: str) -> dict[str, Any] | None:
+    for name, key in (("results.json", "fingerprint"), (RUN_FILE, "index_fingerprint")):
+        path = Path(run_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get(key)
+            if value is not None:
+                return value
+    return None
+
+
 def _open_retriever(cfg: EvalConfig):
     """The run's retriever: ``--retriever-url``, else a server on ``--index`` or the bundled index."""
     from provision.indexes import ensure_bundled_index
@@ -505,6 +578,7 @@ def _open_retriever(cfg: EvalConfig):
 
 def _run_dataset(cfg, ds, examples, done_ids, engine, retriever, pool, out_dir, on_batch) -> None:
     from agent.rollout import run_rollouts
+    from eval.replay import RETRIEVALS_FILE, append_retrievals
 
     p = cfg.protocol
     n_done = sum(ex.id in done_ids for ex in examples)
@@ -519,6 +593,8 @@ def _run_dataset(cfg, ds, examples, done_ids, engine, retriever, pool, out_dir, 
                 continue
             rcfg = _rollout_config(p, cfg.rollout_mode, _batch_seed(p.seed, ds, b // cfg.batch_size))
             trajs = run_rollouts(engine, batch, retriever, rcfg, batch_tag=f"{ds}-{b // cfg.batch_size}")
+            if retriever is not None:  # the searches before the items: an item never lacks its retrievals
+                append_retrievals(out_dir / RETRIEVALS_FILE, retriever.finish_batch())
             per_item = [trajs[i * p.n : (i + 1) * p.n] for i in range(len(batch))]
             if p.suite == "qa":
                 records = [score_qa(ex, ts, engine.tokenizer) for ex, ts in zip(batch, per_item)]

@@ -57,6 +57,10 @@ class OpenRetriever:
     def health(self) -> dict:
         return self.client.health()
 
+    def fingerprints(self) -> dict[str, dict | None]:
+        """The index fingerprint of each server URL (:meth:`retriever.client.RetrieverClient.fingerprints`)."""
+        return self.client.fingerprints()
+
     def wait_ready(self, wait_s: float) -> None:
         """Every server's ``/health`` and a keyed one-query search within ``wait_s`` seconds
         (:meth:`retriever.client.RetrieverClient.wait_ready`; raises its ``RetrievalError``)."""

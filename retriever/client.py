@@ -160,6 +160,18 @@ class RetrieverClient:
         """``/health`` of the next replica that answers 200 (retried like ``retrieve``)."""
         return self._request("GET", "/health").json()
 
+    def fingerprints(self) -> dict[str, dict | None]:
+        """Each replica's index fingerprint (its ``/health`` ``fingerprint``; None where it gives none or
+        does not answer): replicas of one retriever must agree, and run records name each."""
+        out: dict[str, dict | None] = {}
+        for url in self._p.urls:
+            try:
+                resp = self._http.get(url + "/health")
+                out[url] = resp.json().get("fingerprint") if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                out[url] = None
+        return out
+
     def wait_ready(self, wait_s: float, *, poll_s: float = 0.5, probe: str = "health check") -> None:
         """Wait up to ``wait_s`` seconds (in all) until every replica answers ``/health`` with 200, then
         send each one search of ``probe`` (1 passage): that checks the API key and that retrieval works.

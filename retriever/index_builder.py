@@ -7,6 +7,7 @@ Layout of an index directory::
     emb/chunk_00000.npy  passage embeddings, one file per ``chunk_size`` rows
     emb/progress.json    build settings + finished chunks (the resume point)
     index.faiss          the FAISS index (any ``index_factory`` string)
+    (meta.json also holds the index fingerprint, :mod:`retriever.fingerprint`)
     bm25/                bm25s index (with ``--bm25``; built in memory from all passages)
 
 Corpus problems (see :mod:`retriever.corpus`): a line that is not UTF-8 / JSON / a passage, a truncated
@@ -41,6 +42,7 @@ from emapg.config import option
 
 from retriever.corpus import CorpusReader, DocStore, docstore_complete, file_checksum, write_docstore
 from retriever.encoder import Encoder, EncoderSpec, make_spec
+from retriever.fingerprint import model_files_sha256, index_fingerprint
 
 META_FILE = "meta.json"
 INDEX_FILE = "index.faiss"
@@ -233,6 +235,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     encoded_rows = 0
     if todo:
         encoder = Encoder(spec, device=cfg.device, fp16=cfg.fp16, bf16=cfg.bf16)
+        progress["dtype"] = encoder.dtype  # the fingerprint's dtype when a later rerun encodes nothing
         bar = _progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress)
         try:
             for i in todo:
@@ -265,6 +268,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
 
     total = time.perf_counter() - t_start
     pps = encoded_rows / enc_seconds if encoded_rows else 0.0
+    trained = not faiss.index_factory(dim, cfg.index_type, faiss_metric(cfg.metric)).is_trained
     meta = {
         "format_version": FORMAT_VERSION,
         "encoder": spec.to_dict(),
@@ -277,14 +281,18 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
                    "empty_skipped": empty_skipped},
         "bm25": bool(cfg.bm25),
         "chunk_size": cfg.chunk_size,
+        "train": {"sample": cfg.train_sample, "seed": cfg.seed} if trained else None,
         "build": {
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "encode_seconds": round(enc_seconds, 3),
             "passages_per_s": round(pps, 2),
             "total_seconds": round(total, 3),
-            "dtype": encoder.dtype if encoder is not None else None,
+            "dtype": encoder.dtype if encoder is not None else progress.get("dtype"),
         },
     }
+    from emapg.models import resolve_model
+
+    meta["fingerprint"] = index_fingerprint(meta, encoder_sha256=model_files_sha256(resolve_model(spec.name)))
     write_text_atomic(out / META_FILE, json.dumps(meta, indent=2))
     log(f"index ready: {out} ({rows} passages, dim {dim}, {cfg.index_type}, {cfg.metric})")
     return BuildResult(out, rows, n_chunks, len(todo), n_chunks - len(todo), enc_seconds, pps, total, empty_skipped)

@@ -97,6 +97,10 @@ class Searcher:
         if index.ntotal != self.meta["rows"]:
             raise ValueError(f"{index_dir}: FAISS index has {index.ntotal} vectors, meta.json says {self.meta['rows']}")
         self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16, bf16=bf16)
+        from retriever.fingerprint import fingerprint_of
+
+        # Served in /health: which index (and search settings) produced a number.
+        self.fingerprint = fingerprint_of(self.index_dir, self.meta, nprobe=nprobe, hybrid_bm25=hybrid_bm25)
         if self.encoder.dim != self.meta["dim"]:
             raise EncoderMismatchError(f"encoder produces {self.encoder.dim}-d vectors, the index holds {self.meta['dim']}-d")
         self.encode_batch_size = encode_batch_size

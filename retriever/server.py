@@ -507,7 +507,7 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         if state.status == "ok":
             info = state.searcher.info()
             info.update(max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms, topk=cfg.topk, max_topk=cfg.max_topk)
-            return {"status": "ok", "index": info}
+            return {"status": "ok", "index": info, "fingerprint": state.searcher.fingerprint}
         body = {"status": state.status}
         if state.error:
             body["error"] = state.error

@@ -18,6 +18,7 @@ from typing import Literal
 
 from agent.rollout import RolloutConfig as AgentRolloutConfig
 from emapg.config import ConfigError, option
+from trainer.guard import GuardConfig
 from trainer.logprobs import DEFAULT_CHUNK_SIZE
 
 
@@ -355,6 +356,7 @@ class TrainConfig:
     reward: RewardConfig = option(default_factory=RewardConfig, help="reward computation")
     logging: LoggingConfig = option(default_factory=LoggingConfig, help="metrics and progress")
     distributed: DistributedConfig = option(default_factory=DistributedConfig, help="torchrun / FSDP2")
+    guard: GuardConfig = option(default_factory=GuardConfig, help="stability guard: collapse detectors and automatic recovery")
 
     def validate(self) -> None:
         batch = self.data.prompts_per_step * self.rollout.n_samples

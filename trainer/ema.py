@@ -272,6 +272,13 @@ class EMAAnchor:
                 for name, b in backups.items():
                     _local(targets[name]).copy_(b)
 
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Overwrite the tracked model tensors with the anchor's (the stability guard's reset_to_anchor:
+        the policy restarts from the smoothed past policy). Each rank copies its own shards."""
+        for name, src in self._sources.items():
+            _local(src).copy_(self.tensors[name])
+
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Anchor weights as full (unsharded) tensors keyed like ``model.state_dict()``.
 

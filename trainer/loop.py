@@ -154,7 +154,8 @@ def sample_records(ro: Rollouts, n: int) -> list[dict[str, Any]]:
     """The first ``n`` trajectories of a batch as ``samples.jsonl`` rows."""
     return [
         {"group_id": g, "reward": float(r), "stop_reason": t.stop_reason, "searches": t.num_searches,
-         "question": t.question, "response": t.response_text}
+         "question": t.question, "response": t.response_text,
+         "queries": list(t.queries), "retrieved_ids": [list(ids) for ids in t.retrieved_ids]}
         for t, g, r in list(zip(ro.trajectories, ro.group_ids, ro.rewards.tolist()))[:n]
     ]
 
@@ -171,6 +172,8 @@ class Trainer:
         self.step_hooks: list[StepHook] = [stop_on_nonfinite_streak]
         self.fuse_on_policy_topk = True  # the on-policy Top-k reverse shortcut (tests compare it with the stored path)
         self.last_samples: list[dict[str, Any]] = []
+        self.guard = None  # trainer.recovery.GuardHook when guard.enabled
+        self.provenance: dict[str, Any] = {}  # index fingerprints and protocol card, saved in every checkpoint
         self.engine_session: EngineSession | None = None
         self.engine = self.retriever = self.tracker = None
         self.search_guard: SearchOutageGuard | None = None
@@ -203,8 +206,17 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.policy = build_policy(cfg, self.dist, self.model_path, bf16=bf16)
         self.model, self.anchor, self.fsdp = self.policy.model, self.policy.anchor, self.policy.fsdp
+        if cfg.guard.enabled:
+            from trainer.recovery import GuardHook
+
+            self.guard = GuardHook(cfg.guard, fsdp=self.fsdp, has_anchor=self.anchor is not None)
+            self.step_hooks.insert(0, self.guard)  # before the non-finite streak stop: it may recover first
         if ckpt_path is not None:
             self._restore(ckpt_path)
+        if self.dist.is_main:
+            from trainer.provenance import train_provenance
+
+            self.provenance = train_provenance(cfg, self.retriever, examples, self.model_path)
         if with_engine:
             spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
             self.engine_session = EngineSession(build_engine(spec), spec.kind, export_weights=self.policy.export_weights,
@@ -231,6 +243,8 @@ class Trainer:
         self.step, state = ckpt.step, ckpt.trainer_state
         self.sampler.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        if self.guard is not None and state.get("guard"):
+            self.guard.load_state_dict(state["guard"])
         self.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
         if self.dist.is_main:
             log.info("resumed from %s at step %d", path, self.step)
@@ -373,6 +387,8 @@ class Trainer:
                 if stop:
                     self._message(f"stopped by signal after step {self.step}; checkpoint saved to {self.run_dir}")
                     break
+        if self.guard is not None:
+            self.guard.finish(self)
         return history
 
     def save(self) -> Path:
@@ -380,9 +396,15 @@ class Trainer:
         return save_checkpoint(
             self.run_dir, self.step, tokenizer=self.tokenizer, **self.policy.checkpoint_state(is_main=self.dist.is_main),
             trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak,
-                           "anchor": self.policy.anchor_schedule()},
+                           "anchor": self.policy.anchor_schedule(), "provenance": self._provenance_now(),
+                           **({"guard": self.guard.state_dict()} if self.guard is not None else {})},
             config=cfg, keep_last=cfg.run.keep_last, rank=self.dist.rank, world_size=self.dist.world_size, barrier=D.barrier,
         )
+
+    def _provenance_now(self) -> dict[str, Any]:
+        from trainer.provenance import refreshed
+
+        return refreshed(self.provenance, self.retriever) if self.dist.is_main else {}
 
     def _on_signal(self, signum: int) -> None:
         if self.stop_signal is not None:  # a second signal: stop now

@@ -78,6 +78,7 @@ def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any]
         "rollout/model_tokens": float(batch.loss_mask.sum()),
         "rollout/searches": t["searches"],
         "rollout/search_failures": t["search_failures"],
+        "rollout/invalid_action_trajectories": t["invalid_action_trajectories"],
         "rollout/turns": t["turns"],
         "rollout/truncated": t["truncated"],
         "rollout/generation_s": t["generation_time"],
@@ -109,6 +110,9 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "response/length_mean": s["rollout/response_tokens"] / n,
         "response/model_tokens_mean": model_tokens / n,
         "response/truncated_frac": s["rollout/truncated"] / n,
+        # the stability guard's format-error detector reads these two
+        "response/invalid_action_rate": s.get("rollout/invalid_action_trajectories", 0.0) / n,
+        "response/no_answer_rate": s.get("reward/no_answer", 0.0) / n,
         "actor/entropy": s["rollout/entropy_sum"] / max(model_tokens, 1.0),
         "search/per_traj": s["rollout/searches"] / n,
         "search/failures": s["rollout/search_failures"],

@@ -2,7 +2,9 @@
 
 One panel per metric (reward, KL, response length by default), one line per run,
 read from each run's ``metrics.jsonl``. Lines can be smoothed with a trailing
-moving average; the raw values are drawn faintly underneath. The command's options come from
+moving average; the raw values are drawn faintly underneath. Stability-guard events (the run's
+``guard.jsonl``, :mod:`trainer.recovery`) are marked on every panel: a dotted line at the step of a
+warning, a dashed one where the guard acted (lower_lr, rollback, reset_to_anchor, stop). The command's options come from
 :class:`PlotConfig` (help written once, on its fields).
 """
 
@@ -44,6 +46,17 @@ def load_curves(run_dir: Path, metrics: list[str]) -> dict[str, tuple[list[int],
     return curves
 
 
+def guard_marks(run_dir: Path) -> list[tuple[int, bool]]:
+    """(step, whether the guard acted rather than only warned) of each step with guard events."""
+    from trainer.recovery import read_guard_events
+
+    acted: dict[int, bool] = {}
+    for e in read_guard_events(run_dir):
+        step = int(e["step"])
+        acted[step] = acted.get(step, False) or not str(e.get("detail", "")).startswith("warn")
+    return sorted(acted.items())
+
+
 def plot_runs(
     run_dirs: list[Path], out: Path, *, metrics: list[str], labels: list[str] | None = None, smooth: int = 1, title: str | None = None
 ) -> Path:
@@ -56,6 +69,9 @@ def plot_runs(
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.6), squeeze=False)
     for run_dir, label, color in zip(run_dirs, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
         curves = load_curves(run_dir, metrics)
+        for ax in axes[0]:
+            for step, acted in guard_marks(run_dir):
+                ax.axvline(step, color=color, alpha=0.6, linewidth=1, linestyle="--" if acted else ":")
         for ax, m in zip(axes[0], metrics):
             steps, values = curves[m]
             if not steps:

@@ -64,6 +64,7 @@ def trajectory_stats(trajectories: list[Any], stats: Any) -> dict[str, float]:
     return {
         "searches": float(sum(t.num_searches for t in trajectories)),
         "search_failures": float(sum(t.search_failures for t in trajectories)),
+        "invalid_action_trajectories": float(sum(t.invalid_actions > 0 for t in trajectories)),
         "turns": float(sum(t.num_turns for t in trajectories)),
         "truncated": float(sum(t.stop_reason in ("length", "context") for t in trajectories)),
         "generation_time": float(stats.generation_s),

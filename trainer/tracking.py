@@ -132,14 +132,21 @@ class Tracker:
         record = {"step": step, **clean}
         self._jsonl.write(json.dumps(record) + "\n")
         numbers = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.log_scalars(step, numbers)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, stats=format_stats(numbers))
+
+    def log_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Scalars to TensorBoard and wandb only: :meth:`log`'s, and extra ones of a step already logged (the
+        stability guard's), since ``metrics.jsonl`` keeps one record per step."""
+        if not self.enabled:
+            return
         if self._tb is not None:
-            for k, v in numbers.items():
+            for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(numbers, step=step)
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, stats=format_stats(numbers))
+            self._wandb.log(values, step=step)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append a few decoded trajectories to ``samples.jsonl`` (for reading what the policy does)."""

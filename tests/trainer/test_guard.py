@@ -1,0 +1,123 @@
+"""The stability guard's detectors: each trips on its failure and stays quiet on a healthy run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from emapg.config import ConfigError, load_config
+from emapg.paths import CONFIG_DIR
+from trainer.config import TrainConfig
+from trainer.guard import DETECTORS, Guard, GuardConfig, check_nonfinite
+
+HEALTHY = {
+    "actor/entropy": 2.0, "kl/mean": 0.01, "response/length_mean": 40.0, "response/invalid_action_rate": 0.05,
+    "response/no_answer_rate": 0.1, "reward/mean": 0.5, "actor/grad_norm": 1.0, "loss/pg": 0.1, "kl/loss": 1e-5,
+    "actor/updates": 2.0, "actor/skipped_updates": 0.0,
+}
+# detector -> (metric, the value that trips it against the HEALTHY baseline)
+TRIPS = {
+    "entropy_collapse": ("actor/entropy", 0.3),  # < 0.25 * 2.0
+    "entropy_explosion": ("actor/entropy", 9.0),  # > 4 * 2.0 + 0.5
+    "kl_spike": ("kl/mean", 0.2),  # > 10 * 0.01 + 0.05
+    "length_blowup": ("response/length_mean", 100.0),  # > 2 * 40 + 16
+    "format_errors": ("response/invalid_action_rate", 0.5),  # > 0.05 + 0.3
+    "reward_drop": ("reward/mean", 0.1),  # < 0.5 - 0.3
+    "grad_norm_spike": ("actor/grad_norm", 12.0),  # > 10 * 1.0
+}
+# just inside each threshold: no trip
+NEAR = {
+    "entropy_collapse": ("actor/entropy", 0.6), "entropy_explosion": ("actor/entropy", 8.0), "kl_spike": ("kl/mean", 0.14),
+    "length_blowup": ("response/length_mean", 90.0), "format_errors": ("response/no_answer_rate", 0.3),
+    "reward_drop": ("reward/mean", 0.25), "grad_norm_spike": ("actor/grad_norm", 9.0),
+}
+
+
+def warmed_guard(**overrides) -> Guard:
+    guard = Guard(GuardConfig(enabled=True, **overrides))
+    for step in range(1, 4):  # min_history passing steps
+        assert guard.check(step, HEALTHY) == []
+    return guard
+
+
+def test_every_detector_is_covered():
+    assert set(TRIPS) == set(NEAR) == set(DETECTORS)
+
+
+@pytest.mark.parametrize("name", list(DETECTORS))
+def test_detector_trips(name):
+    guard = warmed_guard()
+    metric, value = TRIPS[name]
+    trips = guard.check(4, {**HEALTHY, metric: value})
+    assert [e.detector for e in trips] == [name], trips
+    event = trips[0]
+    assert event.metric == metric and event.value == value and event.step == 4 and event.action == "warn"
+    assert not guard.last_passed and guard.events == trips
+    assert len(guard.window[metric]) == 3  # a tripped step does not enter the baseline
+
+
+@pytest.mark.parametrize("name", list(DETECTORS))
+def test_detector_does_not_trip_inside_its_threshold(name):
+    guard = warmed_guard()
+    metric, value = NEAR[name]
+    assert guard.check(4, {**HEALTHY, metric: value}) == []
+    assert guard.last_passed
+
+
+def test_relative_tests_wait_for_history_absolute_ones_do_not():
+    guard = Guard(GuardConfig(enabled=True))
+    assert guard.check(1, {**HEALTHY, "reward/mean": 0.0}) == []  # no baseline yet
+    cfg = GuardConfig(enabled=True)
+    cfg.reward_drop.limit = 0.05
+    assert [e.detector for e in Guard(cfg).check(1, {**HEALTHY, "reward/mean": 0.0})] == ["reward_drop"]
+
+
+def test_disabled_detector_and_chosen_action():
+    cfg = GuardConfig(enabled=True)
+    cfg.kl_spike.enabled = False
+    cfg.reward_drop.action = "rollback"
+    guard = Guard(cfg)
+    for step in range(1, 4):
+        guard.check(step, HEALTHY)
+    assert guard.check(4, {**HEALTHY, "kl/mean": 5.0}) == []
+    assert guard.check(5, {**HEALTHY, "reward/mean": 0.0})[0].action == "rollback"
+
+
+@pytest.mark.parametrize("metric", ["loss/pg", "kl/mean", "actor/grad_norm", "actor/entropy", "reward/mean"])
+def test_injected_nan_is_caught(metric):
+    guard = warmed_guard()
+    trips = guard.check(4, {**HEALTHY, metric: float("nan")})
+    assert trips[0].detector == "nonfinite" and trips[0].metric == metric and math.isnan(trips[0].value)
+    assert trips[0].action == "rollback"
+    assert [e.detector for e in trips] == ["nonfinite"]  # the other detectors ignore the NaN
+
+
+def test_skipped_update_is_nonfinite_and_healthy_is_not():
+    cfg = GuardConfig(enabled=True).nonfinite
+    event = check_nonfinite(cfg, {**HEALTHY, "actor/skipped_updates": 1.0, "actor/grad_norm": float("nan"), "actor/updates": 0.0}, 7)
+    assert event.metric == "actor/skipped_updates" and event.step == 7
+    assert check_nonfinite(cfg, HEALTHY, 7) is None
+    assert check_nonfinite(cfg, {**HEALTHY, "loss/pg": float("inf")}, 7).metric == "loss/pg"
+
+
+def test_window_is_a_moving_mean_of_passing_steps():
+    guard = Guard(GuardConfig(enabled=True, window=3, min_history=2))
+    for step, r in enumerate([0.9, 0.9, 0.75, 0.6, 0.5], 1):  # a slow decline: each step passes against the last 3
+        assert guard.check(step, {**HEALTHY, "reward/mean": r}) == []
+    assert list(guard.window["reward/mean"]) == [0.75, 0.6, 0.5]
+    assert guard.check(6, {**HEALTHY, "reward/mean": 0.2})[0].baseline == pytest.approx(0.6167, abs=1e-4)
+    state = guard.state_dict()
+    other = Guard(GuardConfig(enabled=True, window=3, min_history=2))
+    other.load_state_dict(state)
+    assert other.baselines()["reward/mean"] == pytest.approx((0.75 + 0.6 + 0.5) / 3)
+
+
+def test_guard_config_in_train_config():
+    cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["guard.enabled=true", "guard.kl_spike.action=stop"])
+    assert cfg.guard.enabled and cfg.guard.kl_spike.action == "stop" and cfg.guard.kl_spike.ratio == 10.0
+    assert not load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", []).guard.enabled  # off by default
+    with pytest.raises(ConfigError, match="guard"):
+        load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["guard.min_history=20"])
+    with pytest.raises(ConfigError, match="action"):
+        load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["guard.kl_spike.action=panic"])

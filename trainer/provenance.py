@@ -1,0 +1,36 @@
+"""A training run's provenance, saved in every checkpoint's ``trainer_state.json`` (``provenance``).
+
+``retriever_fingerprints``: the index fingerprint each retriever URL serves (:mod:`retriever.fingerprint`,
+read from ``GET /health`` at every save, so a server swapped to another index mid-run shows); and the
+protocol card (:func:`provision.provenance.protocol_card`): the rollout settings (sampling, max turns,
+top-k, budgets), the template's hash, the training data's file hash and the hash of its examples,
+the initial policy's hash and package versions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from emapg.config import to_dict
+from provision.provenance import dataset_card, model_card, protocol_card
+
+__all__ = ["train_provenance", "refreshed"]
+
+
+def train_provenance(cfg: Any, retriever: Any, examples: list[Any], model_path: str) -> dict[str, Any]:
+    """The provenance of a run of ``cfg`` (a :class:`trainer.config.TrainConfig`) over ``examples``."""
+    from agent.rollout import RolloutConfig
+
+    r = cfg.rollout
+    agent_fields = {k: v for k, v in to_dict(r).items() if k in RolloutConfig.__dataclass_fields__}
+    train = Path(cfg.data.train).expanduser()
+    data = dataset_card(cfg.data.train, examples, split=cfg.data.split, path=str(train) if train.is_file() else None)
+    card = protocol_card({**agent_fields, "seed": cfg.run.seed}, template=r.template_name,
+                         datasets={cfg.data.train: data}, model=model_card(cfg.model.policy, model_path))
+    return refreshed({"protocol_card": card}, retriever)
+
+
+def refreshed(provenance: dict[str, Any], retriever: Any) -> dict[str, Any]:
+    """``provenance`` with the retriever's per-URL fingerprints read now (none for the math task)."""
+    return {**provenance, "retriever_fingerprints": retriever.fingerprints() if retriever is not None else {}}
