@@ -197,13 +197,15 @@ def merged_state_dict(state: dict[str, Tensor], scaling: float) -> dict[str, Ten
 
 
 def merge_adapter_folder(path: str | Path, out: str | Path) -> Path:
-    """Write the adapter folder ``path`` merged into its base as a plain HF folder ``out`` (weights + tokenizer)."""
+    """Write the adapter folder ``path`` merged into its base (or the full HF folder ``path`` as it is) as a plain HF
+    folder ``out``: config, safetensors weights, tokenizer."""
     from transformers import AutoTokenizer
 
     out = Path(out)
     model = load_policy_model(path)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer_from = path if (Path(path) / "tokenizer_config.json").is_file() else adapter_base_model(path)
+    has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
+    tokenizer_from = path if has_tokenizer or not is_adapter_folder(path) else adapter_base_model(path)
     AutoTokenizer.from_pretrained(str(tokenizer_from)).save_pretrained(out)
     return out
 
