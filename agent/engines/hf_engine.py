@@ -27,6 +27,24 @@ from agent.engines.sampling import sample
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _served_lora(model) -> dict:
+    """The LoRA config (``lora_adapter_config`` form) of a peft model's adapters."""
+    c = model.peft_config["default"]
+    return lora_adapter_config({"r": int(c.r), "lora_alpha": float(c.lora_alpha), "target_modules": sorted(c.target_modules)})
+
+
+def _adapter_shapes(linear_shapes: dict[str, tuple[int, ...]], config: dict) -> dict[str, tuple[int, int]]:
+    """The peft saved names and shapes of LoRA adapters of ``config`` on linear layers of these (out, in) shapes
+    (peft's rule: a layer whose name is a target or ends in ``.<target>``): A (r, in), B (out, r)."""
+    r, targets = config["r"], config["target_modules"]
+    out: dict[str, tuple[int, int]] = {}
+    for name, (o, i) in linear_shapes.items():
+        if any(name == t or name.endswith("." + t) for t in targets):
+            out[f"base_model.model.{name}.lora_A.weight"] = (r, i)
+            out[f"base_model.model.{name}.lora_B.weight"] = (o, r)
+    return out
+
+
 class HFEngine:
     """Generation with a transformers causal LM. Thread-safe per call (one lock)."""
 
@@ -60,6 +78,10 @@ class HFEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device).eval()
         self.device = torch.device(device)
+        # (out, in) of every linear layer of the base, by name: what LoRA adapters must fit (load_lora).
+        base_model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self._linear_shapes = {n.removesuffix(".base_layer"): tuple(m.weight.shape) for n, m in base_model.named_modules()
+                               if isinstance(m, torch.nn.Linear) and ".lora_" not in n}
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or 4096
         self.max_model_len = min(max_model_len or limit, limit)
@@ -233,7 +255,7 @@ class HFEngine:
         """Serve the base with these LoRA adapters (peft saved names), unmerged: the first call wraps the model
         with peft adapters of ``config`` (:func:`agent.engines.base.lora_adapter_config`), every call copies
         the adapter tensors in. The base weights are never touched."""
-        from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+        from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
         config = lora_adapter_config(config)
         problem = self.info.lora_problem(config["r"])
@@ -241,18 +263,17 @@ class HFEngine:
             raise ValueError(f"cannot serve LoRA adapters: {problem}")
         if self._asleep:
             self.wake()
+        # Checked before anything changes: a refused sync leaves the served adapters as they were.
+        want = _adapter_shapes(self._linear_shapes, config)
+        bad = sorted(set(want) ^ set(adapters)) or sorted(k for k in want if tuple(adapters[k].shape) != want[k])
+        if bad:
+            raise ValueError(f"LoRA adapters do not match the served model's (rank {config['r']}, "
+                             f"targets {config['target_modules']}): first mismatch {bad[:3]}")
         with self._lock, torch.no_grad():
+            if isinstance(self.model, PeftModel) and _served_lora(self.model) != config:  # another run's adapters: start over
+                self.model = self.model.unload()
             if not isinstance(self.model, PeftModel):
                 self.model = get_peft_model(self.model, LoraConfig(**config, lora_dropout=0.0, bias="none")).eval()
-            own = get_peft_model_state_dict(self.model)
-            bad = sorted(set(own) ^ set(adapters)) or sorted(k for k in own if tuple(own[k].shape) != tuple(adapters[k].shape))
-            if bad:
-                raise ValueError(f"LoRA adapters do not match the served model's (rank {config['r']}, "
-                                 f"targets {config['target_modules']}): first mismatch {bad[:3]}")
-            served = self.model.peft_config["default"]
-            if (served.r, float(served.lora_alpha)) != (config["r"], config["lora_alpha"]):
-                raise ValueError(f"LoRA config r={config['r']}, alpha={config['lora_alpha']} differs from the served "
-                                 f"adapters' r={served.r}, alpha={served.lora_alpha}")
             set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in adapters.items()})
 
     def sleep(self) -> bool:
