@@ -278,7 +278,11 @@ def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: b
 
             # The adapter folder names its base: an alias as given (portable), else the folder loaded.
             alias = cfg.model.policy if cfg.model.policy.lower() in ALIASES else None
-            model = apply_lora(model, lora, base_model_name_or_path=alias or os.path.abspath(model_path))
+            # Seeded by run.seed alone: every rank draws the same A (FSDP2 shards each rank's own copy),
+            # and the ranks' own RNG streams are left as they were.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.run.seed)
+                model = apply_lora(model, lora, base_model_name_or_path=alias or os.path.abspath(model_path))
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
