@@ -1,8 +1,10 @@
 """The trained policy: model build, FSDP2, optimizer, LR schedule, EMA anchor, and its forwards.
 
 :func:`build_policy` is the one place a policy is built from ``model.*``/``optim.*``/
-``algorithm.ema.*`` (LoRA lands here: wrap the model, make the anchor track the adapters, and
-merge them in :meth:`Policy.export_weights`).  :class:`Policy` runs it: the differentiable
+``algorithm.ema.*``. With ``model.lora`` it wraps the model with peft adapters (:mod:`trainer.lora`),
+the optimizer holds only them, the anchor is the EMA of the adapters over the shared frozen base
+(or, with ``ema.decay=1``, the base with the adapters off), and :meth:`Policy.export_weights` hands
+the engine the adapters (or the weights with them merged, ``model.lora.engine_weights=merged``).  :class:`Policy` runs it: the differentiable
 statistics pass (:meth:`Policy.stats`), the anchor's no-grad passes (:meth:`Policy.anchor_stats`,
 :meth:`Policy.anchor_hidden`), the anchor's lm_head for the exact KL (:meth:`Policy.exact_kl_anchor`)
 and the full weights for the engine and checkpoints (:meth:`Policy.export_weights`).
