@@ -18,7 +18,6 @@ maps such a state dict back to plain HF names with W + (alpha/r)·B·A folded in
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any, Iterator
 

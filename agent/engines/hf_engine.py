@@ -241,10 +241,12 @@ class HFEngine:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a trainer's (HF-named) state dict into the model in place."""
+        """Copy a trainer's (HF-named) state dict into the model in place (full weights: adapters being served are dropped)."""
         if self._asleep:
             self.wake()
         with self._lock, torch.no_grad():
+            if hasattr(self.model, "unload"):  # a peft model: full weights replace base + adapters
+                self.model = self.model.unload()
             missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
             missing = [k for k in missing if k not in tied]

@@ -13,6 +13,10 @@
 * Collective weight sync (the generation server's ``collective`` transport):
   :meth:`collective_init` / :meth:`collective_receive` run in every worker, which receives
   the trainer's broadcast directly (agent/engines/collective.py).
+* LoRA (``max_lora_rank=``, or a LoRA run's adapter folder as ``model_path``): the engine serves its base with
+  one adapter, a ``LoRARequest`` every request carries; :meth:`load_lora` writes each new version to a private
+  peft folder and hot-loads it under a new id (the old one is removed), so nothing restarts and no base weight
+  changes. Full weights (:meth:`load_weights`) replace base + adapters.
 * Sleep mode (GPU only in vLLM 0.32): ``sleep()`` offloads weights and drops the KV
   cache; :meth:`load_weights` wakes the weights first, so a sync can never write into
   released memory (trl#5142) or be lost to a later wake-up (trl#5312).
@@ -235,6 +239,9 @@ class VLLMEngine:
             shutil.rmtree(tmpdir, ignore_errors=True)
         if not counts or min(counts) == 0:
             raise RuntimeError(f"vLLM loaded no weights from the state dict ({len(state_dict)} tensors)")
+        if self._lora_request is not None:  # full weights replace base + adapters
+            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            self._lora_request = None
         self.llm.reset_prefix_cache()
 
     def load_lora(self, adapters: dict[str, torch.Tensor], config: dict) -> None:

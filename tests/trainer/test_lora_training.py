@@ -210,3 +210,23 @@ def test_bad_lora_input_fails_before_any_model_or_rollout(tmp_path, tiny_model_d
         assert trainer.engine is None
     finally:
         trainer.close()
+
+
+def test_merged_engine_weights_also_resume(tmp_path, tiny_model_dir):
+    """``model.lora.engine_weights=merged``: the engine gets the merged full weights (also after a resume, when
+    it starts from the adapter folder and then takes full weights, dropping the adapters it served)."""
+    cfg = lora_cfg(tmp_path / "run", tiny_model_dir, "run.total_steps=1", "model.lora.engine_weights=merged",
+                   "optim.lr=5e-2", "algorithm.kl.type=topk_reverse", "run.save_every=1")
+    train(cfg)
+    cfg2 = lora_cfg(tmp_path / "run", tiny_model_dir, "run.total_steps=3", "model.lora.engine_weights=merged",
+                    "optim.lr=5e-2", "algorithm.kl.type=topk_reverse", "run.save_every=1")
+    trainer = Trainer(cfg2, resume=tmp_path / "run").setup()
+    try:
+        assert trainer.step == 1 and trainer.engine_session.lora_config is None
+        pushed = trainer.policy.export_weights(all_ranks=True)
+        assert "model.layers.0.self_attn.q_proj.weight" in pushed and not any(".lora_" in k for k in pushed)
+        trainer.train()
+        assert L.is_adapter_folder(tmp_path / "run" / "step_3" / "policy")
+        assert not hasattr(trainer.engine.model, "peft_config")  # serving the merged weights of step 2
+    finally:
+        trainer.close()
