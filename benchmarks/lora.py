@@ -19,7 +19,7 @@ Two parts, in one run:
 
 LoRA targets every linear layer of the decoder blocks (q, k, v, o, gate, up, down), alpha 32.
 
-    python benchmarks/lora.py --quick     # < 3 min on 2 cores: 8 rows x 48 tokens, 2 timed repeats
+    python benchmarks/lora.py --quick     # < 3 min on 2 cores: 4 rows x 32 tokens, 2 timed repeats
     python benchmarks/lora.py             # 16 rows x 128 tokens, 4 timed repeats
 
 Writes ``benchmarks/results/lora.json`` with ``anchor_plus_optimizer_memory_ratio_3b`` and
@@ -197,10 +197,10 @@ def measure(mode: str, model_dir: str, rows: int, length: int, repeats: int, eng
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="CI size: 8 rows x 48 tokens, 2 timed repeats (< 3 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="CI size: 4 rows x 32 tokens, 2 timed repeats (< 3 min on 2 cores)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lora.json")
     args = ap.parse_args(argv)
-    rows, length, repeats = (8, 48, 2) if args.quick else (16, 128, 4)
+    rows, length, repeats = (4, 32, 2) if args.quick else (16, 128, 4)
 
     import torch
     from transformers import AutoConfig
