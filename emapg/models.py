@@ -27,6 +27,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from emapg.errors import UserError
 from emapg.paths import cache_dir
@@ -72,6 +73,35 @@ def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
     return name_or_path
 
 
+#: A peft LoRA adapter folder holds this (and ``adapter_model.safetensors``); its base is named inside.
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a peft adapter folder (it has ``adapter_config.json``) rather than a full HF model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``adapter_config.json`` of a LoRA adapter folder (a :class:`UserError` when unreadable or not LoRA)."""
+    f = Path(path) / ADAPTER_CONFIG
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{f}: not a readable adapter config ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict) or data.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{f}: not a LoRA adapter config (peft_type {data.get('peft_type') if isinstance(data, dict) else None!r})")
+    return data
+
+
+def adapter_base_model(path: str | Path) -> str:
+    """The base model of the adapter folder ``path`` (its ``base_model_name_or_path``), resolved to a loadable name/folder."""
+    base = read_adapter_config(path).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{Path(path) / ADAPTER_CONFIG} names no base_model_name_or_path")
+    return resolve_model(str(base), option=f"{Path(path) / ADAPTER_CONFIG}: base_model_name_or_path")
+
+
 def _hub_problem(name: str) -> str | None:
     """Why ``name`` cannot be loaded (None: it may be a hub model; the hub decides)."""
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name:
@@ -88,12 +118,13 @@ def _hub_problem(name: str) -> str | None:
 
 
 def _checkpoint_policy(path: Path) -> Path:
-    """A run folder or a ``step_N`` checkpoint resolves to the HF policy folder inside it."""
-    if (path / "config.json").exists():
+    """A run folder or a ``step_N`` checkpoint resolves to the policy folder inside it: an HF folder, or
+    a LoRA run's peft adapter folder (``adapter_config.json``; see ``trainer.lora``)."""
+    if (path / "config.json").exists() or (path / ADAPTER_CONFIG).exists():
         return path
     if (path / "latest").is_file():  # a training run: follow the atomically written pointer
         path = path / (path / "latest").read_text().strip()
-    if (path / "policy" / "config.json").exists():
+    if (path / "policy" / "config.json").exists() or (path / "policy" / ADAPTER_CONFIG).exists():
         return path / "policy"
     return path
 
