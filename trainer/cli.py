@@ -64,3 +64,43 @@ def main(argv: list[str]) -> int:
         print(f"finished step {len(history)} of this session; reward/mean={last.get('reward/mean', float('nan')):.4f}; "
               f"run folder: {cfg.output_path}")
     return 0
+
+
+def sft_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="emapg sft",
+        description="Fine-tune a policy on search-agent trajectories (observation tokens masked out of the loss), "
+        "tokenised exactly as rollouts are. Presets: configs/sft_*.yaml. Every option can be overridden as "
+        "dotted.key=value (see `emapg config reference`).",
+    )
+    p.add_argument("--config", required=True, help="YAML config (e.g. configs/sft_smollm2_starter.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr=1e-4 model.lora.enabled=true")
+    return p
+
+
+def sft_main(argv: list[str]) -> int:
+    """``emapg sft --config FILE [dotted.key=value ...]``: the config (``trainer.sft_config.SFTConfig``) is
+    loaded and validated, and the model name resolved, before any data is built or model loaded."""
+    args = sft_parser().parse_args(argv)
+    for o in args.overrides:
+        if "=" not in o:
+            raise UserError(f"override {o!r} must look like key.subkey=value")
+    from emapg.models import resolve_model
+    from trainer.sft_config import SFTConfig
+
+    cfg = load_config(SFTConfig, args.config, args.overrides)
+    resolve_model(cfg.model.policy, option="model.policy")
+    if cfg.data.source == "file":
+        from trainer.sft_data import read_trajectory_file
+
+        read_trajectory_file(cfg.data.path)  # a bad row: one line naming file and line, before any model loads
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    from trainer.sft import run_sft
+
+    result = run_sft(cfg)
+    print(f"held-out SFT loss {result.heldout_loss_before:.4f} -> {result.heldout_loss_after:.4f}; "
+          f"policy folder: {result.output_dir / 'policy'}")
+    return 0
