@@ -53,7 +53,8 @@ class SFTLoraConfig:
 
 @dataclass
 class SFTModelConfig:
-    policy: str = option("tiny-qwen2", help="model to fine-tune: a local HF folder, an alias (tiny-qwen2, smollm2-135m-instruct) or a run/checkpoint folder")
+    policy: str = option("tiny-qwen2", help="model to fine-tune: a local HF folder, an alias (tiny-qwen2, smollm2-135m-instruct, "
+                        "smollm2-135m-search-starter), a peft adapter folder, or a run/checkpoint folder")
     lora: SFTLoraConfig = option(default_factory=SFTLoraConfig, help="LoRA adapters")
     chunk_size: int = option(DEFAULT_CHUNK_SIZE, help="tokens per chunk of the fused lm_head log-prob pass")
     gradient_checkpointing: bool = option(False, help="recompute activations in the backward pass (less memory, slower)")
