@@ -102,12 +102,13 @@ def _hub_problem(name: str) -> str | None:
 
 
 def _checkpoint_policy(path: Path) -> Path:
-    """A run folder or a ``step_N`` checkpoint resolves to the HF policy folder inside it."""
-    if (path / "config.json").exists():
+    """A run folder or a ``step_N`` checkpoint resolves to the policy folder inside it: an HF folder, or
+    a LoRA run's peft adapter folder (``adapter_config.json``; see ``trainer.lora``)."""
+    if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     if (path / "latest").is_file():  # a training run: follow the atomically written pointer
         path = path / (path / "latest").read_text().strip()
-    if (path / "policy" / "config.json").exists():
+    if (path / "policy" / "config.json").exists() or (path / "policy" / "adapter_config.json").exists():
         return path / "policy"
     return path
 
