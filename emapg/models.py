@@ -10,8 +10,7 @@ Accepted everywhere a model is named (policy, encoder):
 * a training run folder (``latest`` pointer) or a checkpoint folder (``step_N/``): its policy;
 * ``smollm2-135m-search-starter``: the starter search policy, SmolLM2-135M-Instruct warm-started by
   ``emapg sft`` (``scripts/build_starter.py``), shipped as a LoRA adapter under ``data/starter/`` and
-  merged once into a full folder in the cache; any folder holding a peft LoRA adapter
-  (``adapter_config.json``) resolves the same way, onto its ``base_model_name_or_path``;
+  merged once into a full HF folder in the cache, so every engine and trainer loads it as a plain model;
 * ``tiny-qwen2``: a 1.7M-parameter Qwen2 with a locally trained BPE tokenizer,
   built deterministically in seconds (tests, CI smoke runs; its text is noise);
 * any other string is a Hugging Face hub name: passed through when the hub is reachable; with
@@ -63,8 +62,6 @@ def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
     if path.exists():
         if not path.is_dir():
             raise UnknownModelError(f"{where}model path {path} is not a folder")
-        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-            return str(merged_adapter_folder(path, option=option))
         return str(_checkpoint_policy(path))
     key = name_or_path.lower()
     if key in (SMOLLM2, "smollm2", "huggingfacetb/smollm2-135m-instruct"):

@@ -33,7 +33,7 @@ from emapg.atomic import write_folder_atomic, write_text_atomic
 from emapg.config import to_dict
 from trainer.batch import build_token_batch
 from trainer.logprobs import causal_lm_token_stats
-from trainer.sft_config import SFTConfig, SFTLoraConfig
+from trainer.sft_config import SFTConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +60,6 @@ def heldout_loss(model: torch.nn.Module, trajs: Sequence[Trajectory], *, pad_id:
         total, tokens = total + float(nll), tokens + n
     model.train(was_training)
     return total / max(tokens, 1)
-
-
-def apply_lora(model: torch.nn.Module, cfg: SFTLoraConfig) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters on ``cfg.target_modules``; only the adapters train."""
-    from peft import LoraConfig, get_peft_model
-
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [m for m in cfg.target_modules if m not in present]
-    if missing:
-        from emapg.config import ConfigError
-
-        raise ConfigError(f"model.lora.target_modules: the model has no layers named {missing}")
-    return get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                                            target_modules=list(cfg.target_modules), task_type="CAUSAL_LM"))
 
 
 @dataclass
@@ -108,7 +94,9 @@ def fine_tune(cfg: SFTConfig, model_path: str, train: list[Trajectory], heldout:
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.model.lora.enabled:
-        model = apply_lora(model, cfg.model.lora)
+        from trainer.lora import apply_lora
+
+        model = apply_lora(model, cfg.model.lora, base_model_name_or_path=cfg.model.policy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     kw = dict(pad_id=pad_id, chunk_size=cfg.model.chunk_size, device=device)
     o = cfg.optim
@@ -157,7 +145,9 @@ def save_policy(model: torch.nn.Module, tokenizer, cfg: SFTConfig, result: SFTRe
     out = cfg.output_path
     out.mkdir(parents=True, exist_ok=True)
     if cfg.model.lora.enabled:
-        write_folder_atomic(out / "adapter", lambda tmp: model.save_pretrained(tmp, safe_serialization=True))
+        from trainer.lora import save_adapter
+
+        write_folder_atomic(out / "adapter", lambda tmp: save_adapter(tmp, model))
         model = model.merge_and_unload()
     write_folder_atomic(out / "policy", lambda tmp: (model.save_pretrained(tmp, safe_serialization=True),
                                                      tokenizer.save_pretrained(tmp)))

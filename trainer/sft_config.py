@@ -14,7 +14,7 @@ from typing import Literal
 
 from agent.rollout import RolloutConfig
 from emapg.config import ConfigError, option
-from trainer.config import RetrieverConfig
+from trainer.config import LoraConfig, RetrieverConfig
 from trainer.logprobs import DEFAULT_CHUNK_SIZE
 
 
@@ -32,30 +32,13 @@ class SFTRunConfig:
 
 
 @dataclass
-class SFTLoraConfig:
-    enabled: bool = option(False, help="train LoRA adapters instead of all weights (peft format; merged into a full policy folder too)")
-    rank: int = option(16, help="LoRA rank r")
-    alpha: float = option(32.0, help="LoRA alpha (the update is scaled by alpha / rank)")
-    dropout: float = option(0.0, help="dropout on the LoRA input")
-    target_modules: list[str] = option(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        help="names of the linear layers that get adapters",
-    )
-
-    def validate(self) -> None:
-        if self.rank < 1 or self.alpha <= 0:
-            raise ConfigError("model.lora.rank must be >= 1 and model.lora.alpha > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("model.lora.dropout must be in [0, 1)")
-        if self.enabled and not self.target_modules:
-            raise ConfigError("model.lora.target_modules must name at least one layer")
-
-
-@dataclass
 class SFTModelConfig:
     policy: str = option("tiny-qwen2", help="model to fine-tune: a local HF folder, an alias (tiny-qwen2, smollm2-135m-instruct, "
                         "smollm2-135m-search-starter), a peft adapter folder, or a run/checkpoint folder")
-    lora: SFTLoraConfig = option(default_factory=SFTLoraConfig, help="LoRA adapters")
+    lora: LoraConfig = option(
+        default_factory=LoraConfig,
+        help="LoRA adapters (trainer.lora); the output's policy/ is then the merged model and adapter/ the peft adapter",
+    )
     chunk_size: int = option(DEFAULT_CHUNK_SIZE, help="tokens per chunk of the fused lm_head log-prob pass")
     gradient_checkpointing: bool = option(False, help="recompute activations in the backward pass (less memory, slower)")
 
