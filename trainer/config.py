@@ -194,6 +194,8 @@ class RetrieverConfig:
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"retriever.urls: {url!r} is not an http(s) URL")
+        if self.index_dir and not Path(self.index_dir).expanduser().exists():
+            raise ConfigError(f"retriever.index_dir: {self.index_dir} does not exist")
 
 
 @dataclass
@@ -360,8 +362,6 @@ class TrainConfig:
             )
         if self.rollout.task == "search" and not self.retriever.urls and not self.retriever.index_dir:
             raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
-        if self.retriever.index_dir and not Path(self.retriever.index_dir).expanduser().exists():
-            raise ConfigError(f"retriever.index_dir: {self.retriever.index_dir} does not exist")
 
     @property
     def output_path(self) -> Path:

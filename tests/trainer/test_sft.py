@@ -101,6 +101,23 @@ def test_constructed_set_contains_no_eval_question(tokenizer, client):
     assert not any(question_key(t.question) in evals for t, _ in pairs)
 
 
+def test_sft_presets_validate_and_the_starter_uses_the_cpu_rl_loop():
+    from dataclasses import fields
+
+    from emapg.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.sft_config import SFTConfig
+
+    presets = sorted((REPO / "configs").glob("sft_*.yaml"))
+    assert {p.name for p in presets} >= {"sft_tiny_cpu.yaml", "sft_smollm2_starter.yaml"}
+    for p in presets:
+        load_config(SFTConfig, p)
+    starter = load_config(SFTConfig, REPO / "configs/sft_smollm2_starter.yaml").rollout
+    rl = load_config(TrainConfig, REPO / "configs/search_smollm2_cpu.yaml").rollout
+    shaping = [f.name for f in fields(RolloutConfig) if f.name not in ("temperature", "top_p", "top_k", "seed", "n_samples")]
+    assert {k: getattr(starter, k) for k in shaping} == {k: getattr(rl, k) for k in shaping}  # same tokens in SFT and RL
+
+
 def test_parse_passages_round_trips_and_rejects_other_text():
     from agent.actions import format_passages
 
