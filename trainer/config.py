@@ -215,6 +215,8 @@ class RetrieverConfig:
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"retriever.urls: {url!r} is not an http(s) URL")
+        if self.index_dir and not Path(self.index_dir).expanduser().exists():
+            raise ConfigError(f"retriever.index_dir: {self.index_dir} does not exist")
         if self.wait < 0:
             raise ConfigError(f"retriever.wait must be >= 0 seconds, got {self.wait}")
         if not 0.0 <= self.max_failure_rate <= 1.0:
@@ -416,8 +418,6 @@ class TrainConfig:
                               "set rollout.weight_sync=http, or model.lora.engine_weights=merged for a collective sync of merged weights")
         if self.rollout.task == "search" and not self.retriever.urls and not self.retriever.index_dir:
             raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
-        if self.retriever.index_dir and not Path(self.retriever.index_dir).expanduser().exists():
-            raise ConfigError(f"retriever.index_dir: {self.retriever.index_dir} does not exist")
 
     @property
     def output_path(self) -> Path:
