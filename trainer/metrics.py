@@ -68,6 +68,7 @@ def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any]
         "rollout/search_failures": t["search_failures"],
         "rollout/turns": t["turns"],
         "rollout/truncated": t["truncated"],
+        "rollout/answered": float(sum(tr.stop_reason == "answer" for tr in trajectories)),
         "rollout/generation_s": t["generation_time"],
         "rollout/retrieval_s": t["retrieval_time"],
         "rollout/zero_variance_groups": float((grouped.min(1).values == grouped.max(1).values).sum()),
@@ -97,6 +98,8 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "response/length_mean": s["rollout/response_tokens"] / n,
         "response/model_tokens_mean": model_tokens / n,
         "response/truncated_frac": s["rollout/truncated"] / n,
+        # the format rate: trajectories that ended with an answer action (search: an <answer> was given)
+        "response/answered_frac": s["rollout/answered"] / n,
         "actor/entropy": s["rollout/entropy_sum"] / max(model_tokens, 1.0),
         "search/per_traj": s["rollout/searches"] / n,
         "search/failures": s["rollout/search_failures"],
