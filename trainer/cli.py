@@ -17,14 +17,26 @@ from emapg.errors import UserError
 from emapg.config import ConfigError, load_config
 
 
-def _parser() -> argparse.ArgumentParser:
+def _yaml_command_parser(prog: str, description: str, config_example: str, overrides_example: str) -> argparse.ArgumentParser:
+    """``--config FILE`` plus ``dotted.key=value`` overrides: the shape of ``emapg train`` and ``emapg sft``."""
     p = argparse.ArgumentParser(
-        prog="emapg train",
-        description="Train a policy with EMA-PG or GRPO. Presets: configs/*.yaml. "
-        "Every option can be overridden as dotted.key=value (see `emapg config reference`).",
+        prog=prog,
+        description=f"{description} Every option can be overridden as dotted.key=value (see `emapg config reference`).",
     )
-    p.add_argument("--config", required=True, help="YAML config (e.g. configs/search_tiny_cpu.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.total_steps=20 optim.lr=1e-5")
+    p.add_argument("--config", required=True, help=f"YAML config (e.g. {config_example})")
+    p.add_argument("overrides", nargs="*", help=f"dotted.key=value overrides, e.g. {overrides_example}")
+    return p
+
+
+def _check_overrides(overrides: list[str]) -> None:
+    for o in overrides:
+        if "=" not in o:
+            raise UserError(f"override {o!r} must look like key.subkey=value")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _yaml_command_parser("emapg train", "Train a policy with EMA-PG or GRPO. Presets: configs/*.yaml.",
+                             "configs/search_tiny_cpu.yaml", "run.total_steps=20 optim.lr=1e-5")
     p.add_argument(
         "--resume", nargs="?", const="", default=None, metavar="DIR",
         help="continue from the latest checkpoint of the run (or of DIR: a run folder or a step_N folder)",
@@ -34,9 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    for o in args.overrides:
-        if "=" not in o:
-            raise UserError(f"override {o!r} must look like key.subkey=value")
+    _check_overrides(args.overrides)
     from trainer.config import TrainConfig
     from trainer.data import load_prompts
 
@@ -63,4 +73,37 @@ def main(argv: list[str]) -> int:
         last = history[-1]
         print(f"finished step {len(history)} of this session; reward/mean={last.get('reward/mean', float('nan')):.4f}; "
               f"run folder: {cfg.output_path}")
+    return 0
+
+
+def sft_parser() -> argparse.ArgumentParser:
+    return _yaml_command_parser(
+        "emapg sft", "Fine-tune a policy on search-agent trajectories (observation tokens masked out of the loss), "
+        "tokenised exactly as rollouts are. Presets: configs/sft_*.yaml.",
+        "configs/sft_smollm2_starter.yaml", "optim.lr=1e-4 model.lora.enabled=true")
+
+
+def sft_main(argv: list[str]) -> int:
+    """``emapg sft --config FILE [dotted.key=value ...]``: the config (``trainer.sft_config.SFTConfig``) is
+    loaded and validated, and the model name resolved, before any data is built or model loaded."""
+    args = sft_parser().parse_args(argv)
+    _check_overrides(args.overrides)
+    from emapg.models import resolve_model
+    from trainer.sft_config import SFTConfig
+
+    cfg = load_config(SFTConfig, args.config, args.overrides)
+    resolve_model(cfg.model.policy, option="model.policy")
+    if cfg.data.source == "file":
+        from trainer.sft_data import read_trajectory_file
+
+        read_trajectory_file(cfg.data.path)  # a bad row: one line naming file and line, before any model loads
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    from trainer.sft import run_sft
+
+    result = run_sft(cfg)
+    print(f"held-out SFT loss {result.heldout_loss_before:.4f} -> {result.heldout_loss_after:.4f}; "
+          f"policy folder: {result.output_dir / 'policy'}")
     return 0

@@ -52,6 +52,49 @@ class RunConfig:
             raise ConfigError("run.rollout_retries must be >= 0")
 
 
+#: What ``model.lora.target_modules`` adapts by default: every linear layer of a Qwen2/Llama decoder block.
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (``peft``): W + (alpha/rank)·B·A on each targeted linear layer.
+
+    Only the adapters train (the optimizer holds only them); the EMA anchor is an fp32 EMA of
+    the adapters over the shared frozen base (see :mod:`trainer.lora`)."""
+
+    enabled: bool = option(False, help="train LoRA adapters instead of every weight (the base stays frozen)")
+    rank: int = option(16, help="LoRA rank r (the inner dimension of B·A)")
+    alpha: float = option(32.0, help="LoRA alpha: the update is scaled by alpha / rank")
+    dropout: float = option(0.0, help="dropout on the adapters' input during training (0 keeps training passes deterministic)")
+    target_modules: list[str] = option(
+        list(LORA_DEFAULT_TARGETS), help="module names (suffixes, e.g. q_proj) to adapt, or ['all-linear']"
+    )
+    init: Literal["default", "gaussian"] = option(
+        "default", help="adapter initialisation: B = 0 (the first step is the base model) with A Kaiming-uniform (default) or Gaussian"
+    )
+    engine_weights: Literal["adapters", "merged"] = option(
+        "adapters",
+        help="what the generation engine gets: adapters (base + LoRA, each sync sends adapter tensors only) or "
+        "merged (base + adapters merged into full weights, for an engine that cannot serve LoRA)",
+    )
+
+    def validate(self) -> None:
+        if self.rank <= 0:
+            raise ConfigError(f"model.lora.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ConfigError(f"model.lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or any(not t for t in self.target_modules):
+            raise ConfigError("model.lora.target_modules must name at least one module (e.g. q_proj)")
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank, the factor on B·A."""
+        return self.alpha / self.rank
+
+
 @dataclass
 class ModelConfig:
     policy: str = option(
@@ -65,6 +108,7 @@ class ModelConfig:
         help="no-grad passes (EMA anchor / reference, recomputed old log-probs) run each distinct prompt once and "
         "continue every group member from its KV cache; same values up to float rounding, fewer FLOPs",
     )
+    lora: LoraConfig = option(default_factory=LoraConfig, help="LoRA adapters (off by default: full fine-tuning)")
 
     def validate(self) -> None:
         if not self.policy:
