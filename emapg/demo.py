@@ -63,15 +63,15 @@ class DemoPreset:
 PresetName = Literal["default", "tiny"]
 
 PRESETS: dict[str, DemoPreset] = {
-    # Budget on a fresh 2-core machine: index ~7.6 min (cached afterwards), each evaluation of the 7 x 20
-    # questions ~1.5 min, training 3.5 min, start-ups and report ~1 min.
+    # Budget on a fresh 2-core machine (15 min): index ~7.6 min (cached afterwards), each evaluation of the
+    # 7 x 15 questions ~1.7 min (vLLM start-up included), training 2.5 min + its start-up, report ~0.5 min.
     "default": DemoPreset(
         policy=STARTER_POLICY,
         train_config=CONFIG_DIR / "demo_search_smollm2.yaml",
         index_limit=None,
-        eval_limit=20,
+        eval_limit=15,
         engine="vllm",
-        train_budget_s=210.0,
+        train_budget_s=150.0,
         eval_overrides=("--protocol", "qa_quick"),  # greedy, 2 searches, 64 tokens per turn (as in training)
     ),
     # CI-sized: a 1.7M-parameter random model, a 2k-passage index; checks the plumbing, not learning.
@@ -396,7 +396,7 @@ class DemoConfig:
 
     preset: PresetName = option(
         "default", help="default: the starter SmolLM2-135M search policy on the whole bundled corpus, evaluated on "
-        "140 held-out questions before and after ~3.5 min of EMA-PG (<= 15 min on a fresh 2-core machine, ~8 min once "
+        "105 held-out questions before and after ~2.5 min of EMA-PG (<= 15 min on a fresh 2-core machine, ~8 min once "
         "the index is cached); tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
     out: str | None = option(None, help="run folder (default runs/demo-<preset>-<timestamp>)")
 
