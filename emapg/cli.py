@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "engine": ("agent.engines.cli", "main", "serve a vLLM or transformers generation engine over HTTP for remote rollouts"),
     "train": ("trainer.cli", "main", "train a policy with EMA-PG or GRPO from a YAML config"),
     "sft": ("trainer.cli", "sft_main", "warm-start a search agent: fine-tune on trajectories, observations masked out of the loss"),
+    "export": ("trainer.cli", "export_main", "write a trained policy (a LoRA run merged into its base) as a plain HF folder"),
     "eval": ("eval.cli", "main", "evaluate a model on the QA or math suites; `eval compare` for side-by-side reports"),
     "plot": ("trainer.plot", "main", "plot training curves of one or several runs to PNG"),
     "demo": ("emapg.demo", "main", "the whole pipeline on bundled data: index, serve, train, eval, report"),

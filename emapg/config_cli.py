@@ -40,6 +40,7 @@ COMMAND_PARSERS: dict[str, tuple[str, str]] = {
     "eval": ("eval.cli", "eval_parser"),
     "eval compare": ("eval.cli", "compare_parser"),
     "plot": ("trainer.plot", "parser"),
+    "export": ("trainer.cli", "export_parser"),
     "demo": ("emapg.demo", "parser"),
     "models": ("emapg.model_cli", "parser"),
     "config": ("emapg.config_cli", "parser"),

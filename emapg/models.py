@@ -30,6 +30,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from emapg.errors import UserError
 from emapg.paths import DATA_DIR, cache_dir
@@ -83,6 +84,35 @@ def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
     return name_or_path
 
 
+#: A peft LoRA adapter folder holds this (and ``adapter_model.safetensors``); its base is named inside.
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a peft adapter folder (it has ``adapter_config.json``) rather than a full HF model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``adapter_config.json`` of a LoRA adapter folder (a :class:`UserError` when unreadable or not LoRA)."""
+    f = Path(path) / ADAPTER_CONFIG
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{f}: not a readable adapter config ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict) or data.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{f}: not a LoRA adapter config (peft_type {data.get('peft_type') if isinstance(data, dict) else None!r})")
+    return data
+
+
+def adapter_base_model(path: str | Path) -> str:
+    """The base model of the adapter folder ``path`` (its ``base_model_name_or_path``), resolved to a loadable name/folder."""
+    base = read_adapter_config(path).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{Path(path) / ADAPTER_CONFIG} names no base_model_name_or_path")
+    return resolve_model(str(base), option=f"{Path(path) / ADAPTER_CONFIG}: base_model_name_or_path")
+
+
 def _hub_problem(name: str) -> str | None:
     """Why ``name`` cannot be loaded (None: it may be a hub model; the hub decides)."""
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name:
@@ -101,11 +131,11 @@ def _hub_problem(name: str) -> str | None:
 def _checkpoint_policy(path: Path) -> Path:
     """A run folder or a ``step_N`` checkpoint resolves to the policy folder inside it: an HF folder, or
     a LoRA run's peft adapter folder (``adapter_config.json``; see ``trainer.lora``)."""
-    if (path / "config.json").exists() or (path / "adapter_config.json").exists():
+    if (path / "config.json").exists() or (path / ADAPTER_CONFIG).exists():
         return path
     if (path / "latest").is_file():  # a training run: follow the atomically written pointer
         path = path / (path / "latest").read_text().strip()
-    if (path / "policy" / "config.json").exists() or (path / "policy" / "adapter_config.json").exists():
+    if (path / "policy" / "config.json").exists() or (path / "policy" / ADAPTER_CONFIG).exists():
         return path / "policy"
     return path
 
@@ -114,22 +144,18 @@ def merged_adapter_folder(adapter_dir: str | Path, *, option: str | None = None)
     """A peft LoRA adapter merged into its base model: a plain HF folder that transformers and vLLM load.
 
     Built once per adapter content (``$EMAPG_CACHE/models/merged-<name>-<sha>``); the base is the
-    adapter's ``base_model_name_or_path``, itself resolved by :func:`resolve_model` (an alias works).
+    adapter's ``base_model_name_or_path`` (:func:`adapter_base_model`: an alias works). Used for the shipped
+    starter, so every engine and trainer (LoRA or not) loads it as an ordinary model.
     """
     import hashlib
 
     adapter_dir = Path(adapter_dir)
-    digest = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        f = adapter_dir / name
-        if not f.is_file():
-            raise UnknownModelError(f"{option + ': ' if option else ''}{adapter_dir} is not a peft adapter folder (no {name})")
-        digest.update(f.read_bytes())
-    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base:
-        raise UnknownModelError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path")
-    base_path = resolve_model(base, option=option)
-    target = cache_dir() / "models" / f"merged-{adapter_dir.name}-{digest.hexdigest()[:12]}"
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UnknownModelError(f"{option + ': ' if option else ''}{adapter_dir} is not a peft adapter folder (no {weights.name})")
+    digest = hashlib.sha256((adapter_dir / ADAPTER_CONFIG).read_bytes() + weights.read_bytes()).hexdigest()[:12]
+    base_path = adapter_base_model(adapter_dir)
+    target = cache_dir() / "models" / f"merged-{adapter_dir.name}-{digest}"
     return _atomic_build(target, lambda tmp: _merge_adapter(base_path, adapter_dir, tmp))
 
 

@@ -68,6 +68,7 @@ class EngineSpec:
     device: str | None = None
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     remote: RemoteOptions | None = None
+    max_lora_rank: int | None = None  # vllm: build it to serve LoRA adapters up to this rank (hf serves any rank)
 
 
 def available_kind(kind: EngineKind, *, warn: Callable[[str], None] | None = None) -> EngineKind:
@@ -111,6 +112,8 @@ def build_engine(spec: EngineSpec) -> Any:
         v = spec.vllm
         options.update({k: getattr(v, k) for k in ("tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode")
                         if getattr(v, k) is not None})
+        if spec.max_lora_rank:
+            options["max_lora_rank"] = spec.max_lora_rank
     else:
         raise ValueError(f"unknown engine kind {spec.kind!r}; choose hf, vllm or remote")
     try:
@@ -133,11 +136,14 @@ class EngineSession:
         export_weights: ``export_weights(all_ranks=...)`` → the policy's full HF-named state dict
             (a collective under FSDP: every rank calls it; ``all_ranks=False`` returns it on rank 0).
         is_main: this process is rank 0. ``barrier``: waits for every rank.
+        lora_config: LoRA (``agent.engines.base.lora_adapter_config``): ``export_weights`` returns the
+            adapters only, and the engine serves its base with them (``load_lora``).
     """
 
     def __init__(self, engine: Any, kind: EngineKind, *, export_weights: Callable[..., dict],
-                 is_main: bool = True, barrier: Callable[[], None] = lambda: None) -> None:
+                 is_main: bool = True, barrier: Callable[[], None] = lambda: None, lora_config: dict | None = None) -> None:
         self.engine = engine
+        self.lora_config = lora_config
         self.kind = kind
         self.shared = kind == "remote"
         self.sleeps_after_rollout = kind == "vllm"
@@ -159,12 +165,18 @@ class EngineSession:
             state = self.export_weights(all_ranks=False)
             if self.is_main:
                 self.engine.wake()
-                self.engine.load_weights(state, tag=tag)
+                self._load(state, tag=tag)
             self.barrier()
         else:
             self.engine.wake()
-            self.engine.load_weights(self.export_weights(all_ranks=True))
+            self._load(self.export_weights(all_ranks=True))
         self.stale = False
+
+    def _load(self, state: dict, **tag: Any) -> None:
+        if self.lora_config is not None:
+            self.engine.load_lora(state, self.lora_config, **tag)
+        else:
+            self.engine.load_weights(state, **tag)
 
     @contextlib.contextmanager
     def generating(self, tag: str) -> Iterator[Any]:

@@ -1,4 +1,4 @@
-"""``emapg train --config FILE [dotted.key=value ...] [--resume [DIR]]``.
+"""``emapg train --config FILE [dotted.key=value ...] [--resume [DIR]]`` and ``emapg export RUN --out DIR``.
 
 The config is loaded and validated (including the dataset name and the index folder)
 before any model is loaded, so mistakes cost a second, not a model load. ``--resume``
@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from emapg.errors import UserError
-from emapg.config import ConfigError, load_config
+from emapg.config import ConfigError, add_config_arguments, config_from_args, load_config, option
 
 
 def _yaml_command_parser(prog: str, description: str, config_example: str, overrides_example: str) -> argparse.ArgumentParser:
@@ -106,4 +108,37 @@ def sft_main(argv: list[str]) -> int:
     result = run_sft(cfg)
     print(f"held-out SFT loss {result.heldout_loss_before:.4f} -> {result.heldout_loss_after:.4f}; "
           f"policy folder: {result.output_dir / 'policy'}")
+    return 0
+
+
+@dataclass
+class ExportConfig:
+    """``emapg export``: a trained policy as a plain HF folder."""
+
+    model: str = option(help="a run folder (its latest checkpoint), a step_N checkpoint, or a LoRA adapter folder")
+    out: str = option(help="folder to write (config, safetensors weights, tokenizer); it must not exist yet")
+
+    def validate(self) -> None:
+        if Path(self.out).expanduser().exists():
+            raise ConfigError(f"--out {self.out} exists; give a new folder")
+
+
+def export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="emapg export",
+        description="Write a trained policy as a plain Hugging Face folder that any transformers/vLLM loader reads: "
+        "a LoRA run's adapters are merged into their base (W + alpha/r * B A), a full run's weights are copied.",
+    )
+    add_config_arguments(p, ExportConfig, positional=("model",))
+    return p
+
+
+def export_main(argv: list[str]) -> int:
+    cfg = config_from_args(ExportConfig, export_parser().parse_args(argv))
+    from emapg.models import resolve_model
+    from trainer.lora import merge_adapter_folder
+
+    source = resolve_model(cfg.model, option="model")
+    out = merge_adapter_folder(source, Path(cfg.out).expanduser())
+    print(f"wrote {out} (from {source})")
     return 0

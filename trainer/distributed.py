@@ -94,7 +94,9 @@ def shard_slice(n: int, rank: int, world_size: int) -> slice:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of an HF causal LM (the FSDP wrapping unit)."""
+    """The transformer blocks of an HF causal LM, also one wrapped by peft (the FSDP wrapping unit)."""
+    if hasattr(model, "get_base_model"):  # a peft LoRA model: its blocks are the wrapped model's
+        model = model.get_base_model()
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None) if inner is not None else None
     if layers is None:

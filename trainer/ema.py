@@ -25,7 +25,7 @@ Floating-point buffers are blended too (paper: "every parameter and every buffer
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -102,6 +102,8 @@ class EMAAnchor:
             that was ``fully_shard``-ed around the HF model).  It owns the parameters not in any
             inner FSDP unit (embeddings, final norm, lm_head) and must be resharded around
             :meth:`swap_into` too, or forwards would reuse its stale unsharded weights.
+        only: track just these parameters (names as in ``model.named_parameters()``; no
+            buffers): LoRA's anchor is the EMA of the adapters over the shared frozen base.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class EMAAnchor:
         device: torch.device | str | None = None,
         include_buffers: bool = True,
         fsdp_root: nn.Module | None = None,
+        only: Collection[str] | None = None,
     ) -> None:
         if not 0.0 <= anchor_decay <= 1.0:
             raise ValueError(f"anchor_decay must be in [0, 1], got {anchor_decay}")
@@ -129,7 +132,12 @@ class EMAAnchor:
         self.fsdp_root = fsdp_root
         self._reshard_all(model)  # capture the sharded parameter objects, which FSDP2 keeps for its lifetime
         self._sources: dict[str, Tensor] = dict(model.named_parameters())
-        if include_buffers:
+        if only is not None:
+            unknown = set(only) - set(self._sources)
+            if unknown:
+                raise ValueError(f"the model has no parameters {sorted(unknown)[:5]}")
+            self._sources = {n: t for n, t in self._sources.items() if n in set(only)}
+        elif include_buffers:
             self._sources.update((n, b) for n, b in model.named_buffers() if b.is_floating_point())
         with torch.no_grad():
             self.tensors: dict[str, Tensor] = {

@@ -46,6 +46,7 @@ from trainer.batch import TokenBatch, build_token_batch
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
+from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
 from trainer.step import UpdateResult, ppo_update
@@ -103,6 +104,7 @@ def engine_spec(cfg: TrainConfig, model_path: str, device: torch.device, bf16: b
         r.engine, model_path, max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=cfg.run.seed,
         dtype="bfloat16" if bf16 else "float32", device=str(device), remote=remote,
         vllm=VLLMOptions(r.vllm_tensor_parallel_size, r.vllm_gpu_memory_utilization, r.vllm_sleep and device.type == "cuda"),
+        max_lora_rank=cfg.model.lora.rank if serves_adapters(cfg.model.lora) else None,
     )  # fmt: skip
 
 
@@ -204,10 +206,14 @@ class Trainer:
             self._on_close(self.retriever.close)
         if with_engine:
             spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
-            self.engine_session = EngineSession(build_engine(spec), spec.kind, export_weights=self.policy.export_weights,
-                                                is_main=self.dist.is_main, barrier=D.barrier)
-            self._on_close(self.engine_session.close)
-            self.engine = self.engine_session.engine
+            engine = build_engine(spec)
+            self._on_close(engine.close)
+            lora = engine_lora_config(self.model) if serves_adapters(cfg.model.lora) else None
+            if lora is not None:  # an engine that cannot serve the adapters fails here, before any rollout
+                check_engine_serves_lora(engine.info, cfg.model.lora)
+            self.engine_session = EngineSession(engine, spec.kind, export_weights=self.policy.export_weights,
+                                                is_main=self.dist.is_main, barrier=D.barrier, lora_config=lora)
+            self.engine = engine
         self.tracker = Tracker(
             self.run_dir, total_steps=cfg.run.total_steps, start_step=self.step, tensorboard=cfg.logging.tensorboard,
             wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, run_name=cfg.run.name, config=to_dict(cfg),

@@ -17,6 +17,7 @@ maps such a state dict back to plain HF names with W + (alpha/r)·B·A folded in
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,51 +26,26 @@ import torch
 from torch import Tensor, nn
 
 from emapg.config import ConfigError
-from emapg.errors import UserError
+from emapg.models import ADAPTER_CONFIG, adapter_base_model, is_adapter_folder, read_adapter_config
 from trainer.config import LoraConfig
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "is_adapter_folder", "adapter_base_model", "matching_modules",
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "is_adapter_folder", "adapter_base_model", "read_adapter_config",
+    "matching_modules",
     "peft_lora_config", "apply_lora", "adapter_parameters", "adapter_state_dict", "save_adapter", "AdapterFolderWriter",
     "load_adapter_model", "load_policy_model", "merged_state_dict", "merge_adapter_folder", "adapter_scaling",
+    "saved_adapter_name", "AdaptersOffReference", "serves_adapters", "engine_lora_config", "check_engine_serves_lora",
 ]
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: What peft puts in front of the wrapped HF model's parameter names.
 PEFT_PREFIX = "base_model.model."
 _ADAPTER_NAME = "default"
 
 
-def is_adapter_folder(path: str | Path) -> bool:
-    """Whether ``path`` is a peft adapter folder (it has ``adapter_config.json``) rather than a full HF model."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def _read_adapter_config(path: str | Path) -> dict[str, Any]:
-    f = Path(path) / ADAPTER_CONFIG
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"{f}: not a readable adapter config ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict) or data.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"{f}: not a LoRA adapter config (peft_type {data.get('peft_type') if isinstance(data, dict) else None!r})")
-    return data
-
-
-def adapter_base_model(path: str | Path) -> str:
-    """The base model of the adapter folder ``path`` (its ``base_model_name_or_path``), resolved to a loadable name/folder."""
-    from emapg.models import resolve_model
-
-    base = _read_adapter_config(path).get("base_model_name_or_path")
-    if not base:
-        raise UserError(f"{Path(path) / ADAPTER_CONFIG} names no base_model_name_or_path")
-    return resolve_model(str(base), option=f"{Path(path) / ADAPTER_CONFIG}: base_model_name_or_path")
-
-
 def adapter_scaling(path: str | Path) -> float:
     """alpha / r of the adapter folder ``path``."""
-    cfg = _read_adapter_config(path)
+    cfg = read_adapter_config(path)
     return float(cfg["lora_alpha"]) / float(cfg["r"])
 
 
@@ -103,7 +79,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_model_name_or_path: st
     """
     import peft
 
-    if not matching_modules(model, cfg.target_modules):
+    head = model.get_output_embeddings()
+    matched = matching_modules(model, cfg.target_modules)
+    if any(m is head for n, m in model.named_modules() if n in matched):
+        raise ConfigError("model.lora.target_modules: the output head cannot take an adapter "
+                          "(the fused log-prob path reads its weight directly)")
+    if not matched:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"model.lora.target_modules {list(cfg.target_modules)} match no linear layer of this "
                           f"{type(model).__name__}; its linear layers are named {', '.join(names)}")
@@ -118,6 +99,11 @@ def adapter_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     for name, p in model.named_parameters():
         if _is_adapter_key(name):
             yield name, p
+
+
+def saved_adapter_name(name: str) -> str:
+    """The peft saved-format name of a live adapter parameter (``...lora_A.default.weight`` → ``...lora_A.weight``)."""
+    return name.replace(f".{_ADAPTER_NAME}.", ".")
 
 
 def _is_adapter_key(name: str) -> bool:
@@ -211,12 +197,65 @@ def merged_state_dict(state: dict[str, Tensor], scaling: float) -> dict[str, Ten
 
 
 def merge_adapter_folder(path: str | Path, out: str | Path) -> Path:
-    """Write the adapter folder ``path`` merged into its base as a plain HF folder ``out`` (weights + tokenizer)."""
+    """Write the adapter folder ``path`` merged into its base (or the full HF folder ``path`` as it is) as a plain HF
+    folder ``out``: config, safetensors weights, tokenizer."""
     from transformers import AutoTokenizer
 
     out = Path(out)
     model = load_policy_model(path)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer_from = path if (Path(path) / "tokenizer_config.json").is_file() else adapter_base_model(path)
+    has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
+    tokenizer_from = path if has_tokenizer or not is_adapter_folder(path) else adapter_base_model(path)
     AutoTokenizer.from_pretrained(str(tokenizer_from)).save_pretrained(out)
     return out
+
+
+class AdaptersOffReference:
+    """The frozen reference of a LoRA run whose anchor never moves (``algorithm.ema.decay=1``, GRPO): the base
+    with the adapters disabled. With B = 0 at initialisation that *is* the initial policy, and it costs no
+    memory: no tensors, no blends; :meth:`swap_into` runs the model under peft's ``disable_adapter``.
+    The rest mirrors :class:`trainer.ema.EMAAnchor`'s interface (schedule counters, checkpoint state)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, Tensor] = {}
+        self.num_updates = 0
+        self.last_update_step: int | None = None
+
+    def maybe_update(self, step: int) -> bool:
+        return False
+
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        return {}
+
+    def load_full_state_dict(self, tensors: dict[str, Tensor], *, num_updates: int = 0, last_update_step: int | None = None) -> None:
+        if tensors:
+            raise ValueError(f"the checkpoint has an EMA anchor ({len(tensors)} tensors) but algorithm.ema.decay=1 "
+                             "makes the reference the base model; resume with the run's algorithm.ema.decay")
+        self.num_updates, self.last_update_step = int(num_updates), last_update_step
+
+    @contextlib.contextmanager
+    def swap_into(self, model: nn.Module) -> Iterator[nn.Module]:
+        with model.disable_adapter():
+            yield model
+
+
+def serves_adapters(cfg: LoraConfig) -> bool:
+    """Whether a run with ``model.lora`` = ``cfg`` hands its engine adapters (not merged weights)."""
+    return cfg.enabled and cfg.engine_weights == "adapters"
+
+
+def engine_lora_config(model: nn.Module) -> dict[str, Any]:
+    """What an engine needs to serve ``model``'s adapters (``agent.engines.base.lora_adapter_config``): rank, alpha and
+    the target module names peft resolved (``all-linear`` becomes the names it matched)."""
+    c = model.peft_config[_ADAPTER_NAME]
+    targets = c.target_modules if isinstance(c.target_modules, (set, list, tuple)) else [c.target_modules]
+    return {"r": int(c.r), "lora_alpha": float(c.lora_alpha), "target_modules": sorted(targets)}
+
+
+def check_engine_serves_lora(info: Any, cfg: LoraConfig) -> None:
+    """Before any rollout: the engine (``info``: its ``agent.engines.base.EngineInfo``) can serve rank-``cfg.rank``
+    adapters, else a :class:`~emapg.config.ConfigError` naming the way out (never a silent merged fallback)."""
+    problem = info.lora_problem(cfg.rank)
+    if problem:
+        raise ConfigError(f"model.lora.engine_weights=adapters, but {problem}; start `emapg engine serve` with "
+                          f"--max-lora-rank {cfg.rank} (vLLM), or set model.lora.engine_weights=merged to sync merged full weights")

@@ -19,7 +19,8 @@ import torch
 from emapg.config import ConfigError
 from trainer import distributed as D
 from trainer.batch import MicroBatch
-from trainer.config import TrainConfig
+from trainer.config import LoraConfig, TrainConfig
+from trainer.lora import AdaptersOffReference, adapter_parameters, is_adapter_folder
 from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, causal_lm_hidden, token_stats_from_hidden
 from trainer.topk_kl import ExactKLAnchor, exact_kl_from_hidden
 
@@ -87,14 +88,19 @@ class Policy:
     the EMA ``anchor`` (``None`` without a KL term). Built by :func:`build_policy`."""
 
     def __init__(self, model: torch.nn.Module, forward: PolicyForward, *, fsdp: bool, bf16: bool,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, anchor: Any, share_prompt: bool) -> None:
+                 optimizer: torch.optim.Optimizer, scheduler: Any, anchor: Any, share_prompt: bool,
+                 lora: LoraConfig | None = None) -> None:
         self.model, self.forward, self.fsdp, self.bf16 = model, forward, fsdp, bf16
         self.optimizer, self.scheduler, self.anchor = optimizer, scheduler, anchor
         self.share_prompt = share_prompt
-        # The anchor's names of the lm_head tensors, taken now: FSDP2 registers the sharded parameters
-        # between passes but the unsharded ones after a no-grad forward of the root.
+        self.lora = lora  # None: full fine-tuning; else model is a peft model whose adapters alone train
+        # The lm_head tensors and the anchor's names of them, taken now: FSDP2 registers the sharded
+        # parameters between passes but the unsharded ones after a no-grad forward of the root. With
+        # LoRA the head is frozen and shared: the anchor tracks only adapters (no head names).
         head = model.get_output_embeddings()
-        self._head_names = [] if anchor is None else [anchor.name_of(p) for p in (head.weight, head.bias) if p is not None]
+        self._head = (head.weight, head.bias)
+        tracked = getattr(anchor, "_sources", {})
+        self._head_names = [anchor.name_of(p) for p in self._head if p is not None and any(p is t for t in tracked.values())]
         self._anchor_params: dict[str, tuple[torch.Tensor, torch.dtype, torch.device]] | None = None
         self._anchor_head: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
 
@@ -134,6 +140,9 @@ class Policy:
         the same device). Under FSDP the anchor holds local shards, which only the module's
         own sharded parameters can carry: the anchor is swapped in and out."""
         args = (mb.input_ids, mb.attention_mask, mb.response_width)
+        if isinstance(self.anchor, AdaptersOffReference):  # LoRA's frozen reference: the base, adapters off
+            with self.anchor.swap_into(self.model), self.autocast():
+                return self.forward(*args, **kwargs)
         if self.fsdp:
             with self.anchor.swap_into(self.model), self.autocast():
                 return self.forward(*args, **kwargs)
@@ -159,7 +168,9 @@ class Policy:
         it is all-gathered, once per anchor version (every rank calls this in the same step).
         """
         names = self._head_names
-        if self.fsdp:
+        if not names:  # LoRA: the anchor's head is the policy's own frozen one
+            weight, bias = self._frozen_head()
+        elif self.fsdp:
             version = self.anchor.num_updates
             if self._anchor_head is None or self._anchor_head[0] != version:
                 full = self.anchor.full_tensors(names)
@@ -171,6 +182,13 @@ class Policy:
             bias = tensors[f"lm.{names[1]}"] if len(names) > 1 else None
         to = dict(dtype=hidden.dtype, device=hidden.device)
         return ExactKLAnchor(hidden, weight.to(**to), None if bias is None else bias.to(**to), direction)  # type: ignore[arg-type]
+
+    def _frozen_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frozen lm_head (LoRA), detached; under FSDP2 all-gathered once (it never changes)."""
+        if self._anchor_head is None:
+            full = [None if t is None else (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for t in self._head]
+            self._anchor_head = (0, full[0], full[1])  # type: ignore[arg-type]
+        return self._anchor_head[1], self._anchor_head[2]
 
     def restore(self, path: Any, anchor_state: dict[str, torch.Tensor] | None, schedule: dict[str, Any]) -> None:
         """Load the optimizer, LR schedule and anchor of the checkpoint at ``path`` (the weights came with the model)."""
@@ -193,9 +211,15 @@ class Policy:
         """The ``save_checkpoint`` arguments this policy owns (collectives under FSDP: every rank calls it)."""
         anchor = self.anchor
         anchor_full = anchor.full_state_dict() if anchor is not None else None
+        if self.lora is not None:  # policy/ is the peft adapter folder
+            from trainer.lora import AdapterFolderWriter
+
+            policy_state, model = (self.adapter_weights() if self.fsdp else None), AdapterFolderWriter(self.model)
+        else:
+            policy_state, model = (self.export_weights(all_ranks=False) if self.fsdp else None), self.model
         return {
-            "policy_state": self.export_weights(all_ranks=False) if self.fsdp else None,
-            "model": self.model,
+            "policy_state": policy_state,
+            "model": model,
             "anchor_state": anchor_full if is_main else None,
             "optimizer_state": D.optimizer_state(self.forward, self.optimizer),
             "scheduler_state": self.scheduler.state_dict(),
@@ -207,10 +231,28 @@ class Policy:
         return {} if a is None else {"num_updates": a.num_updates, "last_update_step": a.last_update_step}
 
     def export_weights(self, *, all_ranks: bool) -> dict[str, torch.Tensor]:
-        """The policy's full HF-named state dict (gathered from the shards under FSDP; ``all_ranks=False``:
-        on rank 0 only). What the engine loads and checkpoints save."""
-        sd = D.full_state_dict(self.forward, all_ranks=all_ranks)
-        return {k.removeprefix("lm."): v for k, v in sd.items()}
+        """What the engine loads (gathered from the shards under FSDP; ``all_ranks=False``: on rank 0 only):
+        the full HF-named state dict, or with LoRA the adapters (``model.lora.engine_weights=adapters``,
+        peft saved names, see :meth:`adapter_weights`) or the HF-named weights with the adapters merged."""
+        if self.lora is not None and self.lora.engine_weights == "adapters":
+            return self.adapter_weights()
+        sd = {k.removeprefix("lm."): v for k, v in D.full_state_dict(self.forward, all_ranks=all_ranks).items()}
+        if self.lora is not None and sd:
+            from trainer.lora import merged_state_dict
+
+            sd = merged_state_dict(sd, self.lora.scaling)
+        return sd
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """LoRA: the adapters as full CPU tensors under peft's saved names (all-gathered under FSDP2: every
+        rank calls it, and every rank gets them -- they are megabytes)."""
+        from trainer.lora import adapter_parameters, saved_adapter_name
+
+        out = {}
+        for name, p in adapter_parameters(self.model):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[saved_adapter_name(name)] = full.detach().cpu().clone()
+        return out
 
 
 def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: bool) -> Policy:
@@ -221,7 +263,22 @@ def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: b
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if cfg.model.attn_implementation:
         kwargs["attn_implementation"] = cfg.model.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    lora = cfg.model.lora if cfg.model.lora.enabled else None
+    if is_adapter_folder(model_path):  # a LoRA run's checkpoint: its base plus the saved adapters
+        if lora is None:
+            raise ConfigError(f"{model_path} holds LoRA adapters; set model.lora.enabled=true to resume training them")
+        from trainer.lora import load_adapter_model
+
+        model = load_adapter_model(model_path, trainable=True, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        if lora is not None:
+            from emapg.models import ALIASES
+            from trainer.lora import apply_lora
+
+            # The adapter folder names its base: an alias as given (portable), else the folder loaded.
+            alias = cfg.model.policy if cfg.model.policy.lower() in ALIASES else None
+            model = apply_lora(model, lora, base_model_name_or_path=alias or os.path.abspath(model_path))
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -241,16 +298,19 @@ def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: b
     model.train()
 
     o = cfg.optim
+    trainable = [p for p in forward.parameters() if p.requires_grad]  # LoRA: the adapters only
     optimizer = torch.optim.AdamW(
-        forward.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+        trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
         foreach=dist.device.type == "cuda" or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_constant(cfg.warmup_steps))
-    anchor = None
-    if cfg.algorithm.kl.enabled:
+    anchor: Any = None
+    ema = cfg.algorithm.ema
+    if cfg.algorithm.kl.enabled and lora is not None and ema.decay == 1.0:
+        anchor = AdaptersOffReference()  # GRPO's frozen reference: the base, no tensors at all
+    elif cfg.algorithm.kl.enabled:
         from trainer.ema import EMAAnchor
 
-        ema = cfg.algorithm.ema
         anchor = EMAAnchor(
             model,
             anchor_decay=ema.decay,
@@ -260,9 +320,11 @@ def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: b
             # The FSDP2 root is the forward wrapper (it owns embeddings/lm_head): resharding it around
             # swap_into keeps anchor passes from reading the policy's unsharded weights.
             fsdp_root=forward if fsdp else None,
+            # LoRA: the EMA of the adapters (fp32 by default); anchor passes run the shared base with them.
+            only=None if lora is None else [n for n, _ in adapter_parameters(model)],
         )
     return Policy(model, forward, fsdp=fsdp, bf16=bf16, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
-                  share_prompt=cfg.model.share_prompt)
+                  share_prompt=cfg.model.share_prompt, lora=lora)
 
 
 def deterministic(cfg: TrainConfig, dev: torch.device) -> None:

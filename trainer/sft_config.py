@@ -120,8 +120,6 @@ class SFTConfig:
             raise ConfigError("rollout.n_samples must be 1 for supervised trajectories")
         if self.data.source == "construct" and not (self.retriever.urls or self.retriever.index_dir):
             raise ConfigError("data.source=construct needs retriever.urls or retriever.index_dir (the live retriever)")
-        if self.retriever.index_dir and not Path(self.retriever.index_dir).expanduser().exists():
-            raise ConfigError(f"retriever.index_dir: {self.retriever.index_dir} does not exist")
 
     @property
     def output_path(self) -> Path:

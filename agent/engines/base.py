@@ -102,11 +102,47 @@ class EngineInfo:
     supports_sleep: bool = False
     continuous_batching: bool = False
     extra: dict = field(default_factory=dict)
+    #: LoRA: the engine serves base + adapters (``load_lora``); ``max_lora_rank`` None means any rank.
+    serves_lora: bool = False
+    max_lora_rank: int | None = None
+
+    def lora_problem(self, rank: int) -> str | None:
+        """Why this engine cannot serve LoRA adapters of ``rank`` (None: it can)."""
+        if not self.serves_lora:
+            return f"the {self.kind} engine was not started with LoRA support"
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            return f"the {self.kind} engine serves LoRA ranks up to {self.max_lora_rank}, not {rank}"
+        return None
+
+
+#: The most a LoRA adapter config may ask for (rank; target module names) -- bounds what a server accepts.
+MAX_LORA_RANK = 4096
+MAX_LORA_TARGETS = 256
+
+
+def lora_adapter_config(config: object) -> dict:
+    """The LoRA settings an engine needs to serve adapters, checked and normalised (``ValueError`` names what is wrong):
+    ``{"r": int >= 1, "lora_alpha": number > 0, "target_modules": [name, ...]}`` (peft's names; peft's
+    saved adapter key names go with it, e.g. ``base_model.model.<module>.lora_A.weight``)."""
+    if not isinstance(config, dict) or set(config) != {"r", "lora_alpha", "target_modules"}:
+        raise ValueError("a LoRA config is an object with exactly 'r', 'lora_alpha' and 'target_modules'")
+    r, alpha, targets = config["r"], config["lora_alpha"], config["target_modules"]
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_LORA_RANK:
+        raise ValueError(f"LoRA 'r' must be an integer in [1, {MAX_LORA_RANK}]")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
+        raise ValueError("LoRA 'lora_alpha' must be a positive number")
+    if (not isinstance(targets, list) or not 1 <= len(targets) <= MAX_LORA_TARGETS
+            or not all(isinstance(t, str) and 0 < len(t) <= 200 for t in targets)):
+        raise ValueError(f"LoRA 'target_modules' must be a list of 1 to {MAX_LORA_TARGETS} module names")
+    return {"r": r, "lora_alpha": float(alpha), "target_modules": sorted(set(targets))}
 
 
 @runtime_checkable
 class Engine(Protocol):
     """A generation engine (vLLM or transformers). All methods are synchronous.
+
+    An engine whose ``info.serves_lora`` also has ``load_lora(adapters, config)``: serve the base
+    with these LoRA adapters (peft saved names; ``config`` as :func:`lora_adapter_config`).
 
     ``submit``/``step`` are the continuous-batching interface used by the async rollout
     driver: ``submit`` queues one request, each ``step`` advances generation and returns

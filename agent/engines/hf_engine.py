@@ -15,14 +15,34 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from pathlib import Path
 
 import torch
 
-from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
+from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, lora_adapter_config, per_prompt_params
+from emapg.models import adapter_base_model, is_adapter_folder, read_adapter_config
 from agent.engines.sampling import sample
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _served_lora(model) -> dict:
+    """The LoRA config (``lora_adapter_config`` form) of a peft model's adapters."""
+    c = model.peft_config["default"]
+    return lora_adapter_config({"r": int(c.r), "lora_alpha": float(c.lora_alpha), "target_modules": sorted(c.target_modules)})
+
+
+def _adapter_shapes(linear_shapes: dict[str, tuple[int, ...]], config: dict) -> dict[str, tuple[int, int]]:
+    """The peft saved names and shapes of LoRA adapters of ``config`` on linear layers of these (out, in) shapes
+    (peft's rule: a layer whose name is a target or ends in ``.<target>``): A (r, in), B (out, r)."""
+    r, targets = config["r"], config["target_modules"]
+    out: dict[str, tuple[int, int]] = {}
+    for name, (o, i) in linear_shapes.items():
+        if any(name == t or name.endswith("." + t) for t in targets):
+            out[f"base_model.model.{name}.lora_A.weight"] = (r, i)
+            out[f"base_model.model.{name}.lora_B.weight"] = (o, r)
+    return out
 
 
 class HFEngine:
@@ -37,14 +57,31 @@ class HFEngine:
         max_model_len: int | None = None,
         max_batch_size: int = 64,
         seed: int = 0,
+        max_lora_rank: int | None = None,
     ) -> None:
+        """``max_lora_rank``: the largest LoRA rank :meth:`load_lora` accepts (None: any; 0: no adapters)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device).eval()
+        if is_adapter_folder(model_path):  # a LoRA run's policy: its base with the adapters (kept unmerged: load_lora swaps them)
+            from peft import PeftModel
+
+            base = adapter_base_model(model_path)
+            if max_lora_rank is not None:  # it serves these adapters whatever the limit for later ones
+                max_lora_rank = max(max_lora_rank, int(read_adapter_config(model_path)["r"]))
+            tokenizer_from = model_path if (Path(model_path) / "tokenizer_config.json").is_file() else base
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+            self.model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=_DTYPES[dtype]), str(model_path))
+            self.model = self.model.to(device).eval()
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device).eval()
         self.device = torch.device(device)
+        # (out, in) of every linear layer of the base, by name: what LoRA adapters must fit (load_lora).
+        base_model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self._linear_shapes = {n.removesuffix(".base_layer"): tuple(m.weight.shape) for n, m in base_model.named_modules()
+                               if isinstance(m, torch.nn.Linear) and ".lora_" not in n}
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None) or 4096
         self.max_model_len = min(max_model_len or limit, limit)
@@ -61,7 +98,8 @@ class HFEngine:
         self._lock = threading.Lock()
         self._queue: deque[tuple[str, list[int], SamplingParams]] = deque()
         self._asleep = False
-        self.info = EngineInfo("hf", str(model_path), self.max_model_len, supports_sleep=self.device.type == "cuda")
+        self.info = EngineInfo("hf", str(model_path), self.max_model_len, supports_sleep=self.device.type == "cuda",
+                               serves_lora=max_lora_rank != 0, max_lora_rank=max_lora_rank or None)
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -212,6 +250,31 @@ class HFEngine:
             missing = [k for k in missing if k not in tied]
             if unexpected or missing:
                 raise ValueError(f"state dict does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+
+    def load_lora(self, adapters: dict[str, torch.Tensor], config: dict) -> None:
+        """Serve the base with these LoRA adapters (peft saved names), unmerged: the first call wraps the model
+        with peft adapters of ``config`` (:func:`agent.engines.base.lora_adapter_config`), every call copies
+        the adapter tensors in. The base weights are never touched."""
+        from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+
+        config = lora_adapter_config(config)
+        problem = self.info.lora_problem(config["r"])
+        if problem:
+            raise ValueError(f"cannot serve LoRA adapters: {problem}")
+        if self._asleep:
+            self.wake()
+        # Checked before anything changes: a refused sync leaves the served adapters as they were.
+        want = _adapter_shapes(self._linear_shapes, config)
+        bad = sorted(set(want) ^ set(adapters)) or sorted(k for k in want if tuple(adapters[k].shape) != want[k])
+        if bad:
+            raise ValueError(f"LoRA adapters do not match the served model's (rank {config['r']}, "
+                             f"targets {config['target_modules']}): first mismatch {bad[:3]}")
+        with self._lock, torch.no_grad():
+            if isinstance(self.model, PeftModel) and _served_lora(self.model) != config:  # another run's adapters: start over
+                self.model = self.model.unload()
+            if not isinstance(self.model, PeftModel):
+                self.model = get_peft_model(self.model, LoraConfig(**config, lora_dropout=0.0, bias="none")).eval()
+            set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in adapters.items()})
 
     def sleep(self) -> bool:
         """Offload weights to CPU on an accelerator; a no-op on CPU (returns False)."""

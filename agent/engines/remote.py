@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import torch
 
-from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
+from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, lora_adapter_config, per_prompt_params
 from agent.engines.wire import floats_from_json, output_from_json, params_to_json, plan_buckets
 from emapg.servers import response_error
 
@@ -143,6 +143,8 @@ class RemoteEngine:
         self.info = EngineInfo(
             "remote", str(model_path or h["model"]), self.max_model_len, supports_sleep=any(x["supports_sleep"] for x in self.healths),
             continuous_batching=True, extra={"urls": self.urls, "server_engines": [x["engine"] for x in self.healths], "weight_sync": self.weight_sync},
+            serves_lora=all(x.get("serves_lora", False) for x in self.healths) and self.weight_sync == "http",
+            max_lora_rank=min((x["max_lora_rank"] for x in self.healths if x.get("max_lora_rank") is not None), default=None),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ HTTP
@@ -268,7 +270,16 @@ class RemoteEngine:
             return self._load_collective(state_dict, tag)
         return self._load_http(state_dict, tag)
 
-    def _load_http(self, state_dict: dict[str, torch.Tensor], tag: str | None) -> list[int]:
+    def load_lora(self, adapters: dict[str, torch.Tensor], config: dict, tag: str | None = None) -> list[int]:
+        """Push LoRA adapters (peft saved names; ``config`` as :func:`agent.engines.base.lora_adapter_config`) to
+        every replica, which serves its base with them: the sync is the adapters' bytes only. http only."""
+        if self._inflight:
+            raise RuntimeError("load_lora while requests are in flight; let the rollout finish first")
+        if self.weight_sync == "collective":
+            raise ValueError("LoRA adapters are synced over http (weight_sync=http): they are megabytes")
+        return self._load_http(adapters, tag, lora=lora_adapter_config(config))
+
+    def _load_http(self, state_dict: dict[str, torch.Tensor], tag: str | None, *, lora: dict | None = None) -> list[int]:
         from safetensors.torch import save
 
         sync_id = uuid.uuid4().hex
@@ -280,6 +291,8 @@ class RemoteEngine:
                 self._all(lambda u, i=i, body=body: self._request("POST", f"{u}/weights/{sync_id}/bucket/{i}", content=body))
                 del body
             commit = {"buckets": len(meta), "tensors": len(state_dict), "tag": tag}
+            if lora is not None:
+                commit["lora"] = lora
             answers = self._all(lambda u: self._request("POST", f"{u}/weights/{sync_id}/commit", json=commit, retry_5xx=False).json())
         except BaseException:
             for u in self.urls:  # free the staged buckets; nothing was loaded where the commit did not run

@@ -13,7 +13,9 @@ and the schema, ``/openapi.json`` and ``/docs``):
   A log-prob that is not a finite number is sent as ``null``.
 * ``POST /score``: ``{"token_ids": [[ids]], "start": [int]}`` -> ``{"logprobs": [[float | null]]}``.
 * ``POST /weights/{sync_id}/bucket/{index}`` (a safetensors body), ``POST /weights/{sync_id}/commit``,
-  ``DELETE /weights/{sync_id}``: the http weight transport (agent/engines/staging.py).
+  ``DELETE /weights/{sync_id}``: the http weight transport (agent/engines/staging.py). A commit with
+  ``"lora": {"r", "lora_alpha", "target_modules"}`` loads the staged tensors as LoRA adapters (peft names)
+  over the served base (``--max-lora-rank``); ``/health`` says ``serves_lora``/``max_lora_rank``.
 * ``POST /weights/collective/init`` (only to the addresses ``--collective-allow`` names) and
   ``/weights/collective/receive``: the collective transport (agent/engines/collective.py).
 * ``POST /sleep``, ``POST /wake``; ``GET /metrics`` (JSON counters, refusals by reason).
@@ -39,9 +41,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.engines.base import check_prompts, per_prompt_params
+from agent.engines.base import MAX_LORA_RANK, MAX_LORA_TARGETS, check_prompts, lora_adapter_config, per_prompt_params
 from agent.engines.engine_loop import EngineLoop, EngineStepError, log
-from agent.engines.staging import WeightStaging, check_against_manifest, checkpoint_manifest, float32_bytes
+from agent.engines.staging import WeightStaging, check_against_manifest, checkpoint_manifest, float32_bytes, lora_rank
 from agent.engines.wire import (
     MAX_INT32, MAX_SEED, MAX_TEMPERATURE, check_bucket_meta, check_seeds, check_weights, finite_or_none, meta_bytes,
     output_to_json, params_from_json, parse_prompts,
@@ -79,6 +81,8 @@ class EngineServeConfig(ServerOptions):
     max_bucket_mb: int = option(1024, help="reject weight buckets (http transport) larger than this many MiB")
     max_staged_mb: int | None = option(None, help="most MiB one weight sync may stage (default: the served model in float32, "
                                                   "from its safetensors files; 64 GiB for a model without them)")  # fmt: skip
+    max_lora_rank: int = option(0, help="serve LoRA adapters up to this rank (a trainer with model.lora then pushes only its "
+                                        "adapters; vLLM rounds it up to a rank it supports); 0: no adapters")  # fmt: skip
     collective_allow: list[str] = option(["127.0.0.0/8", "::1"], help="addresses (IPs, CIDR networks or host names) whose "
                                          "weight-sync groups POST /weights/collective/init may join; none: collective sync is off")  # fmt: skip
 
@@ -87,6 +91,8 @@ class EngineServeConfig(ServerOptions):
         for name in ("max_model_len", "tensor_parallel_size", "max_prompts_per_request", "max_bucket_mb"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ConfigError(f"--max-lora-rank must be between 0 and {MAX_LORA_RANK}")
         if self.max_staged_mb is not None and self.max_staged_mb < 1:
             raise ConfigError("--max-staged-mb must be at least 1")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -108,13 +114,16 @@ class EngineServeConfig(ServerOptions):
                 max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
                 gpu_memory_utilization=self.gpu_memory_utilization, enable_sleep_mode=self.sleep_mode, seed=self.seed,
             )  # fmt: skip
+            if self.max_lora_rank:
+                opts["max_lora_rank"] = self.max_lora_rank
             if self.dtype:
                 opts["dtype"] = self.dtype
             return opts
         import torch
 
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return dict(max_model_len=self.max_model_len, seed=self.seed, dtype=self.dtype or "float32", device=device)
+        return dict(max_model_len=self.max_model_len, seed=self.seed, dtype=self.dtype or "float32", device=device,
+                    max_lora_rank=self.max_lora_rank)
 
 
 # ----------------------------------------------------------------------------- collective address allow-list
@@ -189,10 +198,17 @@ class ScoreBody(_Strict):
     start: list[Annotated[int, Field(ge=1)]] = Field(..., description="per sequence, the first position scored (>= 1)")
 
 
+class LoraBody(_Strict):
+    r: int = Field(..., ge=1, le=MAX_LORA_RANK)
+    lora_alpha: float = Field(..., gt=0)
+    target_modules: list[str] = Field(..., min_length=1, max_length=MAX_LORA_TARGETS)
+
+
 class CommitBody(_Strict):
     buckets: int = Field(..., ge=1, le=MAX_BUCKETS)
     tensors: int | None = Field(None, ge=1)
     tag: str | int | None = None
+    lora: LoraBody | None = None
 
 
 class CollectiveInitBody(_Strict):
@@ -252,6 +268,18 @@ def parse_tag(tag: Any) -> str | int | None:
     return as_int(tag, "'tag'", -MAX_SEED, MAX_SEED)
 
 
+def parse_lora(value: Any, info: Any) -> dict:
+    """A commit's ``lora`` config (:func:`agent.engines.base.lora_adapter_config`), and the engine must serve that rank."""
+    try:
+        lora = lora_adapter_config(value)
+    except ValueError as e:
+        raise HTTPError(422, f"'lora': {e}") from None
+    problem = info.lora_problem(lora["r"])
+    if problem:
+        raise HTTPError(422, f"cannot serve LoRA adapters: {problem} (start it with --max-lora-rank {lora['r']})", "lora_unsupported")
+    return lora
+
+
 def load_bucket(body: bytes, index: int) -> dict:
     """A safetensors body -> checked tensors (worker thread: parsing and the finite check touch every byte)."""
     from safetensors.torch import load as load_safetensors
@@ -272,7 +300,7 @@ def load_bucket(body: bytes, index: int) -> dict:
 
 def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | None = None) -> FastAPI:
     cfg.validate()
-    from emapg.models import resolve_model
+    from emapg.models import adapter_base_model, is_adapter_folder, resolve_model
 
     model_dir = resolve_model(cfg.model)
 
@@ -282,7 +310,8 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         return make_engine(cfg.engine, model_dir, **cfg.engine_options())
 
     loop_ = EngineLoop(load or default_load, cfg.max_wait_ms / 1000, on_fatal)
-    manifest = checkpoint_manifest(model_dir)
+    # A LoRA run's adapter folder is served on its base: syncs are checked against the base's tensors.
+    manifest = checkpoint_manifest(adapter_base_model(model_dir) if is_adapter_folder(model_dir) else model_dir)
     max_staged = cfg.max_staged_mb << 20 if cfg.max_staged_mb else float32_bytes(manifest) if manifest else 64 << 30
     staging = WeightStaging(manifest, max_staged)
     state: dict[str, Any] = {"version": 0, "tag": None, "collective_timeout": 600.0, "receiver": None}
@@ -432,12 +461,17 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         """Load a fully staged sync into the engine (``{"buckets": N, "tensors": M, "tag": ...}``) and bump the version."""
         engine = ready_engine()
         check_sync_id(sync_id)
-        data = await json_body(request, ("buckets", "tensors", "tag"), ("buckets",))
+        data = await json_body(request, ("buckets", "tensors", "tag", "lora"), ("buckets",))
         n = as_int(data["buckets"], "'buckets'", 1, MAX_BUCKETS)
         n_tensors = None if data.get("tensors") is None else as_int(data["tensors"], "'tensors'", 1, 1 << 24)
         tag = parse_tag(data.get("tag"))
+        lora = None if data.get("lora") is None else parse_lora(data["lora"], engine.info)
         sd = staging.take(sync_id, n, n_tensors)
-        await run(loop_.call(lambda: engine.load_weights(sd)))
+        rank = lora_rank({k: tuple(v.shape) for k, v in sd.items()})
+        if (lora is None) != (rank is None) or (lora is not None and rank != lora["r"]):
+            raise HTTPError(422, "a sync of LoRA adapters needs a matching 'lora' config (r = the adapters' rank), "
+                                 "and a sync of model weights none", "weights_mismatch")
+        await run(loop_.call(lambda: engine.load_weights(sd) if lora is None else engine.load_lora(sd, lora)))
         return committed(tag)
 
     @app.delete("/weights/{sync_id}")
@@ -525,7 +559,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
             "asleep": loop_.asleep, "supports_sleep": info.supports_sleep, "continuous_batching": info.continuous_batching,
             "collective_ranks": int(info.extra.get("tensor_parallel_size", 1)), "max_bucket_bytes": cfg.max_bucket_bytes,
             "max_body_bytes": cfg.max_body_bytes, "max_prompts_per_request": cfg.max_prompts_per_request,
-            "max_staged_bytes": staging.max_bytes,
+            "max_staged_bytes": staging.max_bytes, "serves_lora": info.serves_lora, "max_lora_rank": info.max_lora_rank,
         }  # fmt: skip
 
     @app.get("/metrics")

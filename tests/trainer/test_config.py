@@ -14,7 +14,7 @@ from trainer.config import TrainConfig
 from trainer.policy import linear_warmup_constant
 
 ENTRY = "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"
-PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
+PRESETS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("sft_"))  # sft_*: SFTConfig (test_sft.py)
 
 
 def load(name: str, *overrides: str) -> TrainConfig:

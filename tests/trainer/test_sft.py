@@ -101,6 +101,23 @@ def test_constructed_set_contains_no_eval_question(tokenizer, client):
     assert not any(question_key(t.question) in evals for t, _ in pairs)
 
 
+def test_sft_presets_validate_and_the_starter_uses_the_cpu_rl_loop():
+    from dataclasses import fields
+
+    from emapg.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.sft_config import SFTConfig
+
+    presets = sorted((REPO / "configs").glob("sft_*.yaml"))
+    assert {p.name for p in presets} >= {"sft_tiny_cpu.yaml", "sft_smollm2_starter.yaml"}
+    for p in presets:
+        load_config(SFTConfig, p)
+    starter = load_config(SFTConfig, REPO / "configs/sft_smollm2_starter.yaml").rollout
+    rl = load_config(TrainConfig, REPO / "configs/search_smollm2_cpu.yaml").rollout
+    shaping = [f.name for f in fields(RolloutConfig) if f.name not in ("temperature", "top_p", "top_k", "seed", "n_samples")]
+    assert {k: getattr(starter, k) for k in shaping} == {k: getattr(rl, k) for k in shaping}  # same tokens in SFT and RL
+
+
 def test_parse_passages_round_trips_and_rejects_other_text():
     from agent.actions import format_passages
 
@@ -144,24 +161,24 @@ def test_sft_reduces_heldout_loss_and_saves_loadable_policies(tmp_path, retrieve
     from trainer.sft_config import SFTConfig
 
     data = tmp_path / "trajs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _search_r1_rows(retriever_index.questions[:40])))
+    data.write_text("".join(json.dumps(r) + "\n" for r in _search_r1_rows(retriever_index.questions[:24])))
     for lora in (False, True):
         out = tmp_path / f"out-{lora}"
         path = _write_config(tmp_path, data={"source": "file", "path": str(data), "exclude_eval_questions": False,
-                                             "heldout_fraction": 0.2},
+                                             "heldout_fraction": 0.25},
                              run={"output_dir": str(out)}, optim={"lr": 3e-3 if lora else 1e-3, "epochs": 2, "batch_size": 4},
                              model={"lora": {"enabled": lora, "rank": 8}})
         result = run_sft(load_config(SFTConfig, path))
         assert result.heldout_loss_after < result.heldout_loss_before - 0.3, (lora, result.heldout_loss_before, result.heldout_loss_after)
         record = json.loads((out / "sft_record.json").read_text())
-        assert record["data"]["kept"] == 40 and record["trajectories"] == {**record["trajectories"], "train": 32, "heldout": 8}
+        assert record["data"]["kept"] == 24 and record["trajectories"] == {**record["trajectories"], "train": 18, "heldout": 6}
         assert resolve_model(str(out)) == str(out / "policy")  # a run folder resolves to its policy, as for RL runs
         AutoModelForCausalLM.from_pretrained(out / "policy")
         train_cfg = load_config(TrainConfig, REPO / "configs/search_tiny_cpu.yaml", [f"model.policy={out}"])
         assert resolve_model(train_cfg.model.policy) == str(out / "policy")
         assert (out / "adapter" / "adapter_config.json").is_file() == lora
         lines = (out / "trajectories.jsonl").read_text().splitlines()
-        assert len(lines) == 40 and sum(json.loads(x)["heldout"] for x in lines) == 8
+        assert len(lines) == 24 and sum(json.loads(x)["heldout"] for x in lines) == 6
 
 
 
