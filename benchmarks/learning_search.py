@@ -216,14 +216,20 @@ def main(argv: list[str] | None = None) -> int:
             "per_dataset_end": {ds: statistics.mean(r["per_dataset_end"][ds] for r in runs) for ds in QA_SETS},
             "train_reward_last": statistics.mean(r["train_reward"][-1] for r in runs),
         }
-        report[alg]["vs_start"] = compare_learning(start_dir, final_dirs[alg][0], list(QA_SETS))["pooled"]["difference"] \
-            if len(final_dirs[alg]) == 1 else None
-    g, e = per_question_em(final_dirs["grpo"]), per_question_em(final_dirs["emapg"])
-    keys = sorted(g)
-    diff = paired_bootstrap([g[k] for k in keys], [e[k] for k in keys])
-    report["emapg_minus_grpo_end"] = {"mean": 100 * diff.mean, "low": 100 * diff.low, "high": 100 * diff.high, "n": diff.n,
-                                      "confidence": diff.confidence, "method": "paired bootstrap over held-out questions "
-                                      "(per question: EM averaged over seeds), percentile interval"}
+
+    def difference(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
+        keys = sorted(a)
+        d = paired_bootstrap([a[k] for k in keys], [b[k] for k in keys])
+        return {"mean": 100 * d.mean, "low": 100 * d.low, "high": 100 * d.high, "n": d.n, "confidence": d.confidence,
+                "method": "paired bootstrap over held-out questions (per question: EM averaged over seeds), percentile interval"}
+
+    start_q = per_question_em([start_dir])
+    end_q = {alg: per_question_em(final_dirs[alg]) for alg in ALGOS}
+    for alg in ALGOS:
+        report[alg]["end_minus_start"] = difference(start_q, end_q[alg])
+    report["emapg_minus_grpo_end"] = difference(end_q["grpo"], end_q["emapg"])
+    start_per_ds = compare_learning(start_dir, start_dir, list(QA_SETS), resamples=1)["datasets"]
+    report["start_per_dataset"] = {ds: b["base"] for ds, b in start_per_ds.items()}
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     out = Path(args.out)
@@ -235,10 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nheld-out EM per dataset at step {steps} (mean over seeds {args.seeds}; start = the starter):")
     print(f"{'dataset':<18}{'start':>8}{'grpo':>8}{'emapg':>8}")
-    start_per_ds = compare_learning(start_dir, start_dir, list(QA_SETS), resamples=1)["datasets"] if args.work else None
     for ds in QA_SETS:
-        s = f"{start_per_ds[ds]['base']:.1f}" if start_per_ds else "–"
-        print(f"{ds:<18}{s:>8}{report['grpo']['per_dataset_end'][ds]:>8.1f}{report['emapg']['per_dataset_end'][ds]:>8.1f}")
+        print(f"{ds:<18}{report['start_per_dataset'][ds]:>8.1f}{report['grpo']['per_dataset_end'][ds]:>8.1f}{report['emapg']['per_dataset_end'][ds]:>8.1f}")
     print(f"{'pooled':<18}{em_start:>8.1f}{report['grpo']['heldout_em_end']:>8.1f}{report['emapg']['heldout_em_end']:>8.1f}")
     d = report["emapg_minus_grpo_end"]
     print(f"EMA-PG - GRPO at step {steps}: {d['mean']:+.1f} pp (95% CI [{d['low']:+.1f}, {d['high']:+.1f}], n={d['n']}); "
