@@ -57,6 +57,11 @@ class OpenRetriever:
     def health(self) -> dict:
         return self.client.health()
 
+    def wait_ready(self, wait_s: float) -> None:
+        """Every server's ``/health`` and a keyed one-query search within ``wait_s`` seconds
+        (:meth:`retriever.client.RetrieverClient.wait_ready`; raises its ``RetrievalError``)."""
+        self.client.wait_ready(wait_s)
+
     def close(self) -> None:
         try:
             self.client.close()
@@ -84,6 +89,7 @@ def open_retriever(
     launch: bool = True,
     share_url: Callable[[str | None], str] | None = None,
     check: bool = True,
+    wait_s: float | None = None,
     log_path: str | Path | None = None,
 ) -> OpenRetriever:
     """Connect to ``urls``, or serve ``index_dir`` and connect to it.
@@ -99,6 +105,10 @@ def open_retriever(
         share_url: called with the launched server's URL (None where ``launch`` is False) and returns
             the URL every caller connects to -- a broadcast from the launching rank.
         check: ask ``/health`` before returning, so an unreachable server fails here, readably.
+        wait_s: instead of ``check``'s single question, wait up to this many seconds for *every*
+            server's ``/health`` and check the API key with a one-query search
+            (:meth:`OpenRetriever.wait_ready`); a server that stays down or refuses the key is a
+            :class:`UserError` naming its URL.
         log_path: the launched server's log file (default: a temp file).
     """
     if api_key_env:
@@ -137,7 +147,16 @@ def open_retriever(
             server.stop()
         raise ConfigError(f"retriever URL: {e}") from None
     opened = OpenRetriever(client, server, description)
-    if check:
+    if wait_s is not None:
+        from retriever.client import RetrievalError
+
+        try:
+            opened.wait_ready(wait_s)
+        except RetrievalError as e:
+            opened.close()
+            hint = "check retriever.api_key_env" if e.status in (401, 403) else "start it (`emapg serve`) or raise retriever.wait"
+            raise UserError(f"{e}; {hint}") from None
+    elif check:
         try:
             client.health()
         except Exception as e:

@@ -8,7 +8,9 @@ pool while the engine keeps generating, so no ``asyncio`` twin is needed). Its p
   5xx/429 answers, never on other 4xx (those are our bugs: retrying cannot fix them);
 * several replica URLs: each attempt goes to the next replica (round-robin), so a dead
   replica costs one failed attempt, not the request;
-* ``retrieve`` splits long query lists into requests of ``batch_size`` queries.
+* ``retrieve`` splits long query lists into requests of ``batch_size`` queries;
+* :meth:`RetrieverClient.wait_ready` waits (bounded) for *every* replica's ``/health`` and
+  checks the API key with a one-query search, naming the replica that is down or refuses.
 
 Raises :class:`RetrievalError` when every attempt failed, with the last server message.
 """
@@ -157,6 +159,45 @@ class RetrieverClient:
     def health(self) -> dict:
         """``/health`` of the next replica that answers 200 (retried like ``retrieve``)."""
         return self._request("GET", "/health").json()
+
+    def wait_ready(self, wait_s: float, *, poll_s: float = 0.5, probe: str = "health check") -> None:
+        """Wait up to ``wait_s`` seconds (in all) until every replica answers ``/health`` with 200, then
+        send each one search of ``probe`` (1 passage): that checks the API key and that retrieval works.
+
+        A server without ``/health`` (404: Search-R1's) goes straight to the search probe. Raises
+        :class:`RetrievalError` naming the first replica that did not become ready, with its last answer;
+        ``status`` is 401/403 when the key was refused (that is not waited on).
+        """
+        deadline = time.monotonic() + max(0.0, wait_s)
+        for url in self._p.urls:
+            last = "no answer"
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    last, status = self._probe(url, timeout=max(0.5, min(remaining, 10.0)), probe=probe)
+                except httpx.TransportError as e:  # nothing listening yet, or not answering
+                    last, status = f"{type(e).__name__}: {e}", None
+                if status == 200:
+                    break
+                if status in (401, 403):
+                    raise RetrievalError(f"retriever {url} refused the API key: {last}", status)
+                if remaining <= 0:
+                    raise RetrievalError(f"retriever {url} was not ready within {wait_s:g} s; last answer: {last}", status)
+                time.sleep(min(poll_s, max(remaining, 0.0)))
+
+    def _probe(self, url: str, *, timeout: float, probe: str) -> tuple[str, int]:
+        """(message, status) of one readiness probe of ``url``: ``/health``, then a one-passage search."""
+        resp = self._http.get(url + "/health", timeout=timeout)
+        if resp.status_code not in (200, 404):
+            return _error_message(resp), resp.status_code
+        resp = self._http.post(url + "/retrieve", json=self._p.body([probe], 1), timeout=timeout)
+        if resp.status_code != 200:
+            return _error_message(resp), resp.status_code
+        try:
+            _parse_hits(resp.json(), 1)
+        except (ValueError, RetrievalError) as e:  # a server that answers garbage is not ready either
+            return f"malformed answer from {url}/retrieve: {e}", None
+        return "ok", 200
 
     def close(self) -> None:
         self._http.close()

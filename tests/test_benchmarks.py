@@ -341,3 +341,18 @@ def test_retriever_load_benchmark_writes_its_ratios(tmp_path):
     # groups of 5: one miss per group, the other four are answered from the cache
     assert grpo["cache_on"]["query_cache_hit_fraction"] > 0.5 and grpo["cache_off"]["query_cache_hit_fraction"] == 0.0
     assert "single/batch-of-32" in proc.stdout
+
+
+def test_micro_batches_benchmark_quick(tmp_path):
+    """``benchmarks/micro_batches.py --quick``: both plans run side by side on search-shaped rows; the
+    token-budget plan computes less padding (the figure the SmolLM2 run reports)."""
+    out = tmp_path / "micro_batches.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "micro_batches.py"), "--quick", "--rounds", "1",
+                           "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert math.isfinite(report["tokens_over_fixed_step_time_ratio"])
+    assert 0 <= report["padding_frac_tokens"] < report["padding_frac_fixed"]
+    full = report["full_search_shape_planner"]
+    assert full["tokens"]["padding_frac"] < full["fixed"]["padding_frac"] and full["tokens"]["micro_batches"] <= full["fixed"]["micro_batches"]

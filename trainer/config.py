@@ -189,6 +189,17 @@ class RetrieverConfig:
     timeout: float = option(30.0, help="seconds per retrieval request")
     retries: int = option(3, help="retries per retrieval request before the search counts as failed")
     api_key_env: str | None = option(None, help="name of an environment variable holding the retriever API key")
+    wait: float = option(
+        60.0, help="seconds to wait at start-up for every server of retriever.urls to answer /health and accept the API key "
+        "(a one-query search); also how long training pauses for retrievers that went away mid-run"
+    )
+    max_failure_rate: float = option(
+        0.5, help="a rollout batch whose fraction of failed searches exceeds this is not trained on: it is rolled out again"
+    )
+    failure_patience: int = option(
+        2, help="after this many consecutive rejected rollout batches training pauses, waiting up to retriever.wait for the "
+        "retrievers' /health; it stops with an error if they do not come back or searches still fail afterwards"
+    )
 
     def validate(self) -> None:
         for url in self.urls:
@@ -196,6 +207,12 @@ class RetrieverConfig:
                 raise ConfigError(f"retriever.urls: {url!r} is not an http(s) URL")
         if self.index_dir and not Path(self.index_dir).expanduser().exists():
             raise ConfigError(f"retriever.index_dir: {self.index_dir} does not exist")
+        if self.wait < 0:
+            raise ConfigError(f"retriever.wait must be >= 0 seconds, got {self.wait}")
+        if not 0.0 <= self.max_failure_rate <= 1.0:
+            raise ConfigError(f"retriever.max_failure_rate must be in [0, 1], got {self.max_failure_rate}")
+        if self.failure_patience < 1:
+            raise ConfigError(f"retriever.failure_patience must be >= 1, got {self.failure_patience}")
 
 
 @dataclass
@@ -271,6 +288,10 @@ class AlgorithmConfig:
     micro_batch_size: int = option(
         8, help="trajectories per forward/backward on each process (gradient accumulation inside a mini-batch)"
     )
+    micro_batch_tokens: int = option(
+        0, help="token budget per forward/backward on each process: rows sorted by length are packed into micro-batches "
+        "of at most this many padded (prompt + response) tokens, less padding, same loss (0: micro_batch_size rows each)"
+    )
     ppo_epochs: int = option(1, help="passes over the rollout batch")
     kl: KLConfig = option(default_factory=KLConfig, help="KL loss term")
     ema: EMAConfig = option(default_factory=EMAConfig, help="EMA anchor")
@@ -286,6 +307,11 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.micro_batch_size must be <= algorithm.mini_batch_size")
         if self.mini_batch_size % self.micro_batch_size:
             raise ConfigError("algorithm.mini_batch_size must be a multiple of algorithm.micro_batch_size")
+        if self.micro_batch_tokens < 0:
+            raise ConfigError(f"algorithm.micro_batch_tokens must be >= 0 (0: fixed micro_batch_size rows), got {self.micro_batch_tokens}")
+        if self.micro_batch_tokens and self.loss_agg == "microbatch-token-mean":
+            raise ConfigError("algorithm.micro_batch_tokens needs a loss normalised over the mini-batch: "
+                              "loss_agg=microbatch-token-mean depends on which rows share a micro-batch")
 
 
 @dataclass

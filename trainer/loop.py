@@ -46,18 +46,16 @@ from trainer.batch import TokenBatch, build_token_batch
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
+from trainer.errors import TrainingError
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
+from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
 from trainer.stored_stats import StatsPlan, compute_stored_stats, on_policy_single_update, plan_stored_stats
 from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot continue (repeated NaN/inf, a rollout that keeps failing)."""
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -135,7 +133,8 @@ def open_run_retriever(cfg: TrainConfig, dist: D.DistInfo) -> Any:
 
     r = cfg.retriever
     return open_retriever(urls=r.urls, index_dir=r.index_dir, topk=cfg.rollout.topk, timeout=r.timeout, retries=r.retries,
-                          api_key_env=r.api_key_env, launch=dist.is_main, share_url=D.broadcast_object, check=False)
+                          api_key_env=r.api_key_env, launch=dist.is_main, share_url=D.broadcast_object, check=False,
+                          wait_s=r.wait)
 
 
 @contextlib.contextmanager
@@ -175,6 +174,7 @@ class Trainer:
         self.last_samples: list[dict[str, Any]] = []
         self.engine_session: EngineSession | None = None
         self.engine = self.retriever = self.tracker = None
+        self.search_guard: SearchOutageGuard | None = None
         self._resources = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ set-up
@@ -191,6 +191,11 @@ class Trainer:
         # Data first: a bad dataset name fails before any model loads.
         examples = load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)
         self.sampler = PromptSampler(examples, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        # Then the retriever: one that is down or refuses the key fails within retriever.wait, before any model loads.
+        self.retriever = open_run_retriever(cfg, self.dist)
+        if self.retriever is not None:
+            self._on_close(self.retriever.close)
+            self.search_guard = SearchOutageGuard(self.retriever, cfg.retriever, warn=self._warn)
         from transformers import AutoTokenizer
 
         from emapg.models import resolve_model
@@ -201,9 +206,6 @@ class Trainer:
         self.model, self.anchor, self.fsdp = self.policy.model, self.policy.anchor, self.policy.fsdp
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        self.retriever = open_run_retriever(cfg, self.dist)
-        if self.retriever is not None:
-            self._on_close(self.retriever.close)
         if with_engine:
             spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
             engine = build_engine(spec)
@@ -329,8 +331,12 @@ class Trainer:
         t_step = time.perf_counter()
         prompts = self.sample_prompts()
         ro = self.rollout(prompts)
+        while self.search_guard is not None and not self.search_guard.accept(ro.trajectories):
+            ro = self.rollout(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
         t_rollout = time.perf_counter() - t_step
         metrics, totals = self.learn(ro)
+        if self.search_guard is not None:
+            metrics.update(self.search_guard.step_metrics())
         t_total = time.perf_counter() - t_step
         metrics.update({"time/rollout": t_rollout, "time/step": t_total,
                         "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9)})

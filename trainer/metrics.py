@@ -114,7 +114,8 @@ def update_metrics(s: Mapping[str, float], *, world_size: int, grad_norms: list[
 
     ``loss/pg`` and ``kl/loss`` are the mean over optimizer steps of the aggregated loss terms (each
     rank's term is normalised for the global mini-batch times the data-parallel size, hence the
-    division by ``world_size``); ``actor/grad_norm`` is the mean over the updates that were applied.
+    division by ``world_size``); ``actor/grad_norm`` is the mean over the updates that were applied;
+    ``perf/padding_frac`` the share of the training passes' tokens that were padding (micro-batching's cost).
     """
     tokens = max(s["update/tokens"], 1.0)
     steps = max(updates + skipped, 1)
@@ -128,6 +129,8 @@ def update_metrics(s: Mapping[str, float], *, world_size: int, grad_norms: list[
         "actor/updates": float(updates),
         "actor/skipped_updates": float(skipped),
     }
+    if "update/computed_tokens" in s:  # trainer.step.ppo_update adds both
+        out["perf/padding_frac"] = 1.0 - s["update/real_tokens"] / max(s["update/computed_tokens"], 1.0)
     if kl_enabled:
         out["kl/mean"] = s["update/kl_token_sum"] / tokens
         out["kl/loss"] = s["update/kl_loss"] / world_size / steps

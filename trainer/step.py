@@ -8,7 +8,7 @@
   model for what the :class:`~trainer.stored_stats.StatsPlan` says the loss needs (q to gather
   on, its own top-k when fused, the exact KL against the stored anchor hidden states).
 * :func:`ppo_update` — PPO epochs over mini-batches, gradient accumulation over micro-batches
-  (:func:`~trainer.stored_stats.plan_micro_batches`), gradient clipping, and skipping an
+  (:func:`~trainer.stored_stats.micro_batches`: fixed rows, or packed by a token budget), gradient clipping, and skipping an
   optimizer step whose loss or gradient is not finite on any rank.  Its metrics are named sums
   (:class:`~trainer.metrics.MetricSums`) the caller reduces across ranks once.
 """
@@ -30,7 +30,7 @@ from trainer.kl_kinds import get_kl_kind
 from trainer.logprobs import TokenStats
 from trainer.metrics import MetricSums
 from trainer.policy import Policy
-from trainer.stored_stats import StatsPlan, fused_anchor_stats, plan_micro_batches
+from trainer.stored_stats import StatsPlan, fused_anchor_stats, micro_batches
 
 __all__ = ["compute_loss", "policy_pass", "ppo_update", "UpdateResult", "anchor_from_stored"]
 
@@ -108,6 +108,8 @@ class UpdateResult:
 def _accumulate(sums: MetricSums, m: Mapping[str, Tensor], stats: TokenStats, mb: MicroBatch, on_policy: bool) -> None:
     tokens = float(m["tokens"])
     sums.add("update/tokens", tokens)
+    sums.add("update/computed_tokens", float(mb.attention_mask.numel()))  # what the forward ran on, padding included
+    sums.add("update/real_tokens", float(mb.attention_mask.sum()))
     sums.add("update/clipfrac_sum", float(m["pg_clipfrac"]) * tokens)
     sums.add("update/ppo_kl_sum", float(m["ppo_kl"]) * tokens)
     sums.add("update/ratio_sum", float(m["ratio_mean"]) * tokens)
@@ -130,7 +132,7 @@ def ppo_update(
 ) -> UpdateResult:
     """PPO epochs over this rank's rows of ``batch`` (``batch.stored`` holds ``advantages`` and the
     stored statistics): ``algorithm.mini_batch_size`` rows (over all ranks) per optimizer step, the
-    gradients of ``micro_batch_size``-row micro-batches accumulated, clipped to ``optim.grad_clip``.
+    gradients of its micro-batches (``micro_batch_size`` rows, or ``micro_batch_tokens`` padded tokens) accumulated, clipped to ``optim.grad_clip``.
     A step whose loss or gradient is NaN/inf on any rank is skipped (``warn`` says so)."""
     alg = cfg.algorithm
     n = batch.size
@@ -139,7 +141,7 @@ def ppo_update(
     result = UpdateResult()
     for _ in range(alg.ppo_epochs):
         for start in range(0, n, mini):
-            micro = plan_micro_batches(batch, range(start, min(start + mini, n)), alg.micro_batch_size)
+            micro = micro_batches(batch, range(start, min(start + mini, n)), alg)
             agg = LossAggregation.for_batch(
                 alg.loss_agg, [batch.loss_mask[r] for r in micro], num_micro_batches=len(micro),
                 all_reduce=dist.distributed, norm_length=float(cfg.rollout.max_response_tokens),

@@ -34,12 +34,13 @@ from typing import Literal
 import torch
 
 from trainer.batch import MicroBatch, TokenBatch
-from trainer.config import TrainConfig
+from trainer import distributed as D
+from trainer.config import AlgorithmConfig, TrainConfig
 from trainer.kl_kinds import get_kl_kind
 from trainer.policy import Policy
 from trainer.topk_kl import Direction
 
-__all__ = ["StatsPlan", "plan_stored_stats", "compute_stored_stats", "plan_micro_batches", "fused_anchor_stats"]
+__all__ = ["StatsPlan", "plan_stored_stats", "compute_stored_stats", "plan_micro_batches", "micro_batches", "fused_anchor_stats"]
 
 
 @dataclass(frozen=True)
@@ -91,13 +92,59 @@ def plan_stored_stats(cfg: TrainConfig, *, on_policy: bool, fuse: bool) -> Stats
     return StatsPlan(old_pass=plan.old_pass, old_topk=old_topk, anchor="tokens", anchor_topk=anchor_topk, gather_topk=needs.topk)
 
 
-def plan_micro_batches(batch: TokenBatch, rows: range, micro_batch_size: int) -> list[slice]:
+def plan_micro_batches(batch: TokenBatch, rows: range, micro_batch_size: int, token_budget: int = 0,
+                       *, at_least: int = 1) -> list[slice | torch.Tensor]:
     """Split ``rows`` of ``batch`` into micro-batches (forward/backward units).
 
-    Today: consecutive runs of ``micro_batch_size`` rows. The one place a token-budget planner
-    goes (it has the batch's ``prompt_lens``/``response_lens`` to balance on).
+    ``token_budget == 0``: consecutive runs of ``micro_batch_size`` rows. ``token_budget > 0``: the rows
+    sorted by length (response, then prompt; longest first) and cut into consecutive runs whose padded
+    tensor -- ``rows × (widest prompt + widest response)``, what :meth:`TokenBatch.micro` builds and the
+    model computes -- fits the budget (a row longer than the budget goes alone): the fewest runs that
+    fit, and among those the cuts that compute the fewest tokens (dynamic programming over the sorted
+    rows). Those micro-batches are index tensors. Rows of similar length then share a micro-batch, so
+    less padding is computed; losses normalised over the whole mini-batch do not depend on the grouping.
+    ``at_least``: split the largest micro-batches in two until there are that many (every rank of a
+    sharded run must run the same number of forwards; at most ``len(rows)``).
     """
-    return [slice(i, min(i + micro_batch_size, rows.stop)) for i in range(rows.start, rows.stop, micro_batch_size)]
+    if token_budget <= 0:
+        return [slice(i, min(i + micro_batch_size, rows.stop)) for i in range(rows.start, rows.stop, micro_batch_size)]
+    prompt, response = batch.prompt_lens.tolist(), batch.response_lens.tolist()
+    order = sorted(rows, key=lambda i: (-response[i], -prompt[i], i))
+    n = len(order)
+    # best[j]: (micro-batches, computed tokens) of the best cut of the first j sorted rows; cut[j]: its last run's start.
+    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        widest_prompt = 0
+        for i in range(j - 1, -1, -1):  # the run order[i:j]; its widest response is order[i]'s (sorted)
+            widest_prompt = max(widest_prompt, prompt[order[i]])
+            cost = (j - i) * (widest_prompt + max(1, response[order[i]]))
+            if cost > token_budget and j - i > 1:
+                break  # longer runs only cost more
+            candidate = (best[i][0] + 1, best[i][1] + cost)
+            if candidate < best[j]:
+                best[j], cut[j] = candidate, i
+    groups: list[list[int]] = []
+    j = n
+    while j > 0:
+        groups.insert(0, order[cut[j] : j])
+        j = cut[j]
+    while len(groups) < min(at_least, len(rows)):
+        big = max(range(len(groups)), key=lambda g: len(groups[g]))
+        half = len(groups[big]) // 2
+        groups[big : big + 1] = [groups[big][:half], groups[big][half:]]
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def micro_batches(batch: TokenBatch, rows: range, alg: AlgorithmConfig) -> list[slice | torch.Tensor]:
+    """:func:`plan_micro_batches` by ``algorithm.micro_batch_size`` / ``micro_batch_tokens``, with as many
+    micro-batches on this rank as on the rank that has the most (FSDP2's forwards are collective)."""
+    planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens)
+    if alg.micro_batch_tokens > 0:  # fixed row counts are the same on every rank already
+        most = int(D.all_reduce_max(torch.tensor([len(planned)], dtype=torch.float64)).item())
+        if most > len(planned):
+            planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens, at_least=most)
+    return planned
 
 
 @torch.no_grad()
@@ -113,7 +160,7 @@ def compute_stored_stats(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
     t0 = time.perf_counter()
     if plan.old_pass:
         old_logp, entropy = torch.zeros(n, t), torch.zeros(n, t)
-        for rows in plan_micro_batches(batch, range(n), cfg.algorithm.micro_batch_size):
+        for rows in micro_batches(batch, range(n), cfg.algorithm):
             mb = batch.micro(rows, device)
             st = policy.stats(mb, topk=plan.old_topk, entropy=True, temperature=temp, chunk_size=chunk,
                               share_prompt=cfg.model.share_prompt)
@@ -129,7 +176,7 @@ def compute_stored_stats(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
         return timings
     t0 = time.perf_counter()
     if plan.anchor == "hidden":
-        _store_anchor_hidden(batch, policy, cfg.algorithm.micro_batch_size, device)
+        _store_anchor_hidden(batch, policy, cfg.algorithm, device)
     else:
         _store_anchor_tokens(batch, plan, policy, cfg, device, topk_idx)
     timings["time/anchor"] = time.perf_counter() - t0
@@ -141,7 +188,7 @@ def _store_anchor_tokens(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
     n, t, k = batch.size, batch.response_width, plan.gather_topk
     ref_logp, ref_lse = torch.zeros(n, t), torch.zeros(n, t)
     ref_vals = torch.zeros(n, t, k) if k else None
-    for rows in plan_micro_batches(batch, range(n), cfg.algorithm.micro_batch_size):
+    for rows in micro_batches(batch, range(n), cfg.algorithm):
         mb = batch.micro(rows, device)
         w = mb.response_width
         gather = topk_idx[rows, :w].to(device) if plan.old_topk else None
@@ -160,9 +207,9 @@ def _store_anchor_tokens(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
         batch.stored["topk_indices"] = topk_idx
 
 
-def _store_anchor_hidden(batch: TokenBatch, policy: Policy, micro_batch_size: int, device: torch.device) -> None:
+def _store_anchor_hidden(batch: TokenBatch, policy: Policy, alg: AlgorithmConfig, device: torch.device) -> None:
     hidden: torch.Tensor | None = None
-    for rows in plan_micro_batches(batch, range(batch.size), micro_batch_size):
+    for rows in micro_batches(batch, range(batch.size), alg):
         mb = batch.micro(rows, device)
         h = policy.anchor_hidden(mb)
         if hidden is None:  # in the dtype the forward produced (bf16 on GPU): H numbers per token

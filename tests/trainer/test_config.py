@@ -95,6 +95,11 @@ def test_paper_presets_cite_algorithm_md_next_to_numbers():
         (["algorithm.ema.decay=1.5"], "ema.decay must be in [0, 1]"),
         (["algorithm.micro_batch_size=16", "algorithm.mini_batch_size=8"], "micro_batch_size must be <="),
         (["optim.betas=[0.9]"], "optim.betas"),
+        (["algorithm.micro_batch_tokens=-1"], "micro_batch_tokens must be >= 0"),
+        (["algorithm.micro_batch_tokens=4096", "algorithm.loss_agg=microbatch-token-mean"], "depends on which rows share a micro-batch"),
+        (["retriever.wait=-1"], "retriever.wait must be >= 0"),
+        (["retriever.max_failure_rate=1.5"], "retriever.max_failure_rate must be in [0, 1]"),
+        (["retriever.failure_patience=0"], "retriever.failure_patience must be >= 1"),
     ],
 )
 def test_bad_configs_fail_with_readable_errors(overrides, message):

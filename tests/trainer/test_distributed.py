@@ -140,14 +140,14 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
     assert (run / "latest").read_text().strip() == "step_2"
 
 
-def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
+def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str, extra: tuple[str, ...] = ()) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     from trainer import distributed as D
     from trainer.loop import Trainer
 
-    trainer = Trainer(_cfg(f"{out}/run", model_dir, *EXACT)).setup(with_engine=False)
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, *EXACT, *extra)).setup(with_engine=False)
     try:
         assert trainer.fsdp and D.is_sharded(trainer.model)
         half = D.shard_slice(N_GROUPS, rank, world)
@@ -174,22 +174,27 @@ def _exact_update(trainer, rows: slice):
     return _one_update(trainer, rows)
 
 
+def _single_exact_update(tmp_path, model_dir) -> tuple[dict, dict]:
+    """:func:`_exact_update` of the whole batch in one plain process (fixed rows): its metrics and weights."""
+    from trainer.loop import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    trainer = Trainer(_cfg(tmp_path / "single", model_dir, *EXACT)).setup(with_engine=False)
+    try:
+        single = _exact_update(trainer, slice(0, N_GROUPS * GROUP))
+        return single, {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+
+
 def test_fsdp2_exact_kl_from_hidden_states_matches_single_process(tmp_path, tiny_model_dir):
     """The exact KL under FSDP2: the anchor's hidden states from its swapped-in shards, its lm_head
     all-gathered once, the KL computed inside the sharded policy forward; equal to one process."""
     mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
 
-    from trainer.loop import Trainer
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    trainer = Trainer(_cfg(tmp_path / "single", tiny_model_dir, *EXACT)).setup(with_engine=False)
-    try:
-        single = _exact_update(trainer, slice(0, N_GROUPS * GROUP))
-        policy = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
-    finally:
-        trainer.close()
-        torch.set_num_threads(threads)
+    single, policy = _single_exact_update(tmp_path, tiny_model_dir)
     from safetensors.torch import load_file
 
     fsdp = torch.load(tmp_path / "fsdp_exact.pt", weights_only=True)
@@ -198,5 +203,25 @@ def test_fsdp2_exact_kl_from_hidden_states_matches_single_process(tmp_path, tiny
     assert (policy[key] - initial[key]).abs().max() > 1e-4  # the update is real
     assert fsdp["metrics"]["actor/updates"] == single["actor/updates"] == 1
     assert single["kl/mean"] > 1e-3 and abs(fsdp["metrics"]["kl/mean"] - single["kl/mean"]) < 1e-6
+    for k, v in fsdp["policy"].items():
+        torch.testing.assert_close(v, policy[k], atol=1e-6, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_fsdp2_token_budget_micro_batches_match_single_process(tmp_path, tiny_model_dir):
+    """Token-budget micro-batches under FSDP2: the ranks' own plans have 3 and 2 micro-batches, so rank 1
+    splits one (every sharded forward is collective); the update equals one process's with fixed rows."""
+    from trainer.batch import build_token_batch
+    from trainer.stored_stats import plan_micro_batches
+
+    prompts, responses, masks, _, _ = _global_batch()
+    halves = [build_token_batch(prompts[s], responses[s], masks[s], pad_id=0) for s in (slice(0, 4), slice(4, 8))]
+    assert [len(plan_micro_batches(b, range(4), 2, 28)) for b in halves] == [3, 2]  # the case this test is about
+    mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir), ("algorithm.micro_batch_tokens=28",)),
+             nprocs=2, join=True)
+
+    single, policy = _single_exact_update(tmp_path, tiny_model_dir)
+    fsdp = torch.load(tmp_path / "fsdp_exact.pt", weights_only=True)
+    assert fsdp["metrics"]["actor/updates"] == single["actor/updates"] == 1
+    assert fsdp["metrics"]["perf/padding_frac"] < single["perf/padding_frac"]
     for k, v in fsdp["policy"].items():
         torch.testing.assert_close(v, policy[k], atol=1e-6, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")

@@ -75,7 +75,8 @@ def test_rollout_and_update_metrics_from_sums():
     sums = rollout_sums(rewards, 2, trajs, RolloutStats(generation_s=2.0, retrieval_wait_s=0.5), {"no_answer": 3.0}, batch)
     sums.add("rollout/entropy_sum", 9.0)
     for name, value in {"update/tokens": 9.0, "update/clipfrac_sum": 0.9, "update/ppo_kl_sum": -0.18,
-                        "update/ratio_sum": 9.09, "update/pg_loss": 0.4, "update/kl_token_sum": 0.27, "update/kl_loss": 0.06}.items():
+                        "update/ratio_sum": 9.09, "update/pg_loss": 0.4, "update/kl_token_sum": 0.27, "update/kl_loss": 0.06,
+                        "update/computed_tokens": 40.0, "update/real_tokens": 30.0}.items():
         sums.add(name, value)
     m = step_metrics(sums.reduce(), world_size=1, grad_norms=[0.5, 1.5], updates=2, skipped=0, lr=1e-3, kl_enabled=True)
     assert m["reward/mean"] == 0.75 and m["reward/std"] == pytest.approx(math.sqrt(0.75 - 0.5625))
@@ -87,6 +88,7 @@ def test_rollout_and_update_metrics_from_sums():
     assert m["loss/ratio_mean"] == pytest.approx(1.01) and m["loss/pg"] == pytest.approx(0.2)
     assert m["kl/mean"] == pytest.approx(0.03) and m["kl/loss"] == pytest.approx(0.03)
     assert (m["actor/grad_norm"], m["actor/lr"], m["actor/updates"], m["actor/skipped_updates"]) == (1.0, 1e-3, 2.0, 0.0)
+    assert m["perf/padding_frac"] == 0.25
     no_kl = step_metrics(sums.reduce(), world_size=1, grad_norms=[], updates=0, skipped=1, lr=1e-3, kl_enabled=False)
     assert "kl/mean" not in no_kl and math.isnan(no_kl["actor/grad_norm"]) and no_kl["loss/pg"] == pytest.approx(0.4)
     totals = sums.reduce()
