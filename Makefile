@@ -12,7 +12,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 BENCH_STAMP := $(VENV)/.installed-bench
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: venv install-gpu test test-fast demo bench bench-smollm2 gpu-check
+.PHONY: venv install-gpu test test-fast demo bench bench-smollm2 bench-learning gpu-check
 
 venv: $(STAMP)
 
@@ -59,6 +59,11 @@ bench: $(BENCH_STAMP)
 # Training step on SmolLM2-135M, ours vs TRL and EMA-PG vs GRPO (about 15 minutes on 2 cores).
 bench-smollm2: $(BENCH_STAMP)
 	$(PY) benchmarks/train_step.py --config smollm2
+
+# GRPO vs EMA-PG from the starter on real questions, 2 seeds, held-out EM of all seven QA sets
+# (about 90 minutes on 2 cores; LEARNING_ARGS=--quick is a smoke run). Writes benchmarks/results/learning_search.{json,png}.
+bench-learning: $(STAMP)
+	$(PY) benchmarks/learning_search.py $(LEARNING_ARGS)
 
 # One prepared check of every GPU code path on one CUDA GPU (<= 8 minutes): writes
 # benchmarks/results/gpu_check.json and .md. Uses .venv (`make install-gpu`) when present, else

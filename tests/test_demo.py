@@ -39,8 +39,23 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
             scores = results["datasets"][name][label]
             assert scores["n_items"] == 2 and 0.0 <= scores["em"] <= 100.0
     assert results["training"]["steps"] == 2
+    # contract: pooled EM (percent over all held-out questions) of the starter and the trained policy
+    for label in ("base", "trained"):
+        assert 0.0 <= results[label]["pooled_em"] <= 100.0
+    diff = results["difference"]["pooled_em"]
+    assert diff["n"] == 2 * len(QA) and diff["low"] <= diff["mean"] <= diff["high"]
+    assert diff["mean"] == pytest.approx(results["trained"]["pooled_em"] - results["base"]["pooled_em"])
+    assert results["training"]["questions"]["hotpotqa"] == 100  # the dev-drawn rows are evaluation questions
+    curves = [m["reward/mean"] for m in results["training"]["metrics"]]
+    assert len(curves) == 2 and all("response/answered_frac" in m for m in results["training"]["metrics"])
+    # every stage's own output went to a log file named in the report, not to the console
+    for name in ("models", "eval_base", "train", "eval_trained"):
+        assert Path(results["logs"][name]).is_file() and Path(results["logs"][name]).stat().st_size > 0
+    assert "Traceback" not in proc.stdout and "INFO" not in proc.stdout
     md = (report / "report.md").read_text()
     assert all(f"| {name} |" in md for name in QA) and "Example trajectories" in md
+    assert "| **pooled** |" in md and "KL *estimate*" in md
+    assert (report / "training_curves.png").is_file()
 
 
 def test_ctrl_c_stops_every_process_and_keeps_the_cache(tmp_path, demo_env):

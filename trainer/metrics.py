@@ -81,6 +81,7 @@ def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any]
         "rollout/invalid_action_trajectories": t["invalid_action_trajectories"],
         "rollout/turns": t["turns"],
         "rollout/truncated": t["truncated"],
+        "rollout/answered": float(sum(tr.stop_reason == "answer" for tr in trajectories)),
         "rollout/generation_s": t["generation_time"],
         "rollout/retrieval_s": t["retrieval_time"],
         "rollout/zero_variance_groups": float((grouped.min(1).values == grouped.max(1).values).sum()),
@@ -113,6 +114,8 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         # the stability guard's format-error detector reads these two
         "response/invalid_action_rate": s.get("rollout/invalid_action_trajectories", 0.0) / n,
         "response/no_answer_rate": s.get("reward/no_answer", 0.0) / n,
+        # the format rate: trajectories that ended with an answer action (search: an <answer> was given)
+        "response/answered_frac": s["rollout/answered"] / n,
         "actor/entropy": s["rollout/entropy_sum"] / max(model_tokens, 1.0),
         "search/per_traj": s["rollout/searches"] / n,
         "search/failures": s["rollout/search_failures"],

@@ -1,10 +1,13 @@
 """``emapg plot RUN_DIR... --out curves.png``: training curves of one or several runs side by side.
 
-One panel per metric (reward, KL, response length by default), one line per run,
-read from each run's ``metrics.jsonl``. Lines can be smoothed with a trailing
-moving average; the raw values are drawn faintly underneath. Stability-guard events (the run's
-``guard.jsonl``, :mod:`trainer.recovery`) are marked on every panel: a dotted line at the step of a
-warning, a dashed one where the guard acted (lower_lr, rollback, reset_to_anchor, stop). The command's options come from
+One panel per metric (reward, KL, response length by default), one line per run, every logged
+step, read from each run's ``metrics.jsonl``. Lines can be smoothed with a trailing moving
+average; the raw values are drawn faintly underneath. The KL panel is titled by the run's
+estimator (``algorithm.kl.type`` of its checkpoint's ``config.yaml``): ``kl/mean`` is the
+per-token mean of that *estimate* at the sampled tokens, not the exact KL; a sampled or Top-k
+estimate can be negative. Stability-guard events (the run's ``guard.jsonl``, :mod:`trainer.recovery`)
+are marked on every panel: a dotted line at the step of a warning, a dashed one where the guard
+acted (lower_lr, rollback, reset_to_anchor, stop). The command's options come from
 :class:`PlotConfig` (help written once, on its fields).
 """
 
@@ -18,7 +21,47 @@ from emapg.config import ConfigError, add_config_arguments, config_from_args, op
 from emapg.errors import UserError
 
 DEFAULT_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
-TITLES = {"reward/mean": "mean reward", "kl/mean": "KL(policy || anchor)", "response/length_mean": "response length (tokens)"}
+TITLES = {
+    "reward/mean": "mean reward",
+    "kl/mean": "KL(policy || anchor) estimate (can be < 0)",
+    "response/length_mean": "response length (tokens)",
+    "response/answered_frac": "format rate (ended with an answer)",
+    "search/per_traj": "searches per question",
+}
+#: ``kl/mean`` titles by ``algorithm.kl.type``: which estimate the curve is.
+KL_TITLES = {
+    "topk_reverse": "Top-k reverse KL estimate (policy || anchor; can be < 0)",
+    "topk_forward": "Top-k forward KL estimate (anchor || policy; can be < 0)",
+    "exact_reverse": "exact reverse KL (policy || anchor)",
+    "exact_forward": "exact forward KL (anchor || policy)",
+    "k3": "K3 estimate of KL(policy || anchor)",
+    "low_var_kl": "K3 estimate of KL(policy || anchor)",
+}
+
+
+def kl_type(run_dir: Path) -> str | None:
+    """``algorithm.kl.type`` of the run's latest checkpoint (None when there is none)."""
+    from trainer.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    path = ckpt / "config.yaml" if ckpt is not None else None
+    if path is None or not path.is_file():
+        return None
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+        return str(cfg["algorithm"]["kl"]["type"])
+    except (yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
+def metric_title(metric: str, kl_types: set[str | None]) -> str:
+    """A panel's title; the KL panel names the estimator when every run (``kl_types``: theirs) used the same one."""
+    if metric == "kl/mean" and len(kl_types) == 1 and None not in kl_types:
+        kind = next(iter(kl_types))
+        return KL_TITLES.get(kind, f"{kind} estimate of the KL (can be < 0)")
+    return TITLES.get(metric, metric)
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -66,6 +109,7 @@ def plot_runs(
     import matplotlib.pyplot as plt
 
     labels = labels or [p.name for p in run_dirs]
+    kinds = {kl_type(r) for r in run_dirs}
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.6), squeeze=False)
     for run_dir, label, color in zip(run_dirs, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
         curves = load_curves(run_dir, metrics)
@@ -76,13 +120,14 @@ def plot_runs(
             steps, values = curves[m]
             if not steps:
                 continue
+            marker = "o" if len(steps) <= 30 else None  # every logged step is drawn; few steps get markers
             if smooth > 1:
                 ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
                 ax.plot(steps, moving_average(values, smooth), color=color, label=label, linewidth=2)
             else:
-                ax.plot(steps, values, color=color, label=label, linewidth=2)
+                ax.plot(steps, values, color=color, label=label, linewidth=2, marker=marker, markersize=3)
     for ax, m in zip(axes[0], metrics):
-        ax.set_title(TITLES.get(m, m))
+        ax.set_title(metric_title(m, kinds), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.lines:

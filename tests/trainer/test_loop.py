@@ -256,3 +256,12 @@ def test_fused_on_policy_topk_reverse_equals_the_stored_path(tmp_path, tiny_mode
     assert abs(mf["kl/mean"] - ms["kl/mean"]) < 1e-6 and mf["kl/mean"] != 0
     for k in wf:
         torch.testing.assert_close(wf[k], ws[k], atol=1e-5, rtol=1e-4)
+
+
+def test_plot_titles_say_which_kl_estimate():
+    from trainer.plot import metric_title
+
+    assert metric_title("kl/mean", {"topk_reverse"}) == "Top-k reverse KL estimate (policy || anchor; can be < 0)"
+    assert "estimate" in metric_title("kl/mean", {"topk_reverse", "k3"})  # mixed runs: a generic estimate title
+    assert "estimate" in metric_title("kl/mean", {None})
+    assert metric_title("response/answered_frac", {None}).startswith("format rate")

@@ -1,0 +1,115 @@
+"""Before vs after training on the same questions: per dataset and pooled, with a paired bootstrap interval.
+
+Two QA runs of ``emapg eval`` over the same held-out questions (same datasets, same ``--limit`` and
+``--data-seed``) are paired question by question from their ``items/<dataset>.jsonl``; each question
+contributes its EM (mean over samples) and whether its first sample ended with an ``<answer>`` (the
+format rate). *Pooled* numbers are over all questions of all datasets (each question weighs the same),
+unlike the unweighted per-dataset ``average`` of ``results.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eval.significance import paired_bootstrap
+
+
+@dataclass(frozen=True)
+class PairedItems:
+    """One dataset's questions scored by both runs, in the same order."""
+
+    ids: list[str]
+    base: list[float]  # EM per question, in [0, 1]
+    trained: list[float]
+    base_answered: list[float]  # 1.0 where the first sample ended with an answer
+    trained_answered: list[float]
+
+
+def _items(run_dir: Path, dataset: str) -> dict[str, dict[str, Any]]:
+    from eval.runner import ITEMS_DIR, read_items
+
+    path = Path(run_dir) / ITEMS_DIR / f"{dataset}.jsonl"
+    records = read_items(path)
+    if not records:
+        raise ValueError(f"{path}: no evaluated questions")
+    return {r["id"]: r for r in records}
+
+
+def _answered(record: dict[str, Any]) -> float:
+    samples = record.get("samples") or [{}]
+    return float(samples[0].get("stop_reason") == "answer")
+
+
+def paired_items(base_dir: str | Path, trained_dir: str | Path, datasets: list[str], metric: str = "em") -> dict[str, PairedItems]:
+    """Per dataset, the questions both runs scored; they must be the same questions."""
+    out = {}
+    for ds in datasets:
+        a, b = _items(Path(base_dir), ds), _items(Path(trained_dir), ds)
+        if set(a) != set(b):
+            raise ValueError(f"{ds}: the two runs scored different questions ({len(set(a) ^ set(b))} not in both); "
+                             "evaluate both on the same --limit and --data-seed")
+        ids = sorted(a)
+        out[ds] = PairedItems(ids, [float(a[i]["scores"][metric]) for i in ids], [float(b[i]["scores"][metric]) for i in ids],
+                              [_answered(a[i]) for i in ids], [_answered(b[i]) for i in ids])
+    return out
+
+
+def _percent_difference(a: list[float], b: list[float], seed: int, resamples: int) -> dict[str, float | int]:
+    d = paired_bootstrap(a, b, seed=seed, resamples=resamples)
+    return {"mean": 100 * d.mean, "low": 100 * d.low, "high": 100 * d.high, "n": d.n, "confidence": d.confidence,
+            "resamples": d.resamples, "method": "paired bootstrap over questions, percentile interval"}
+
+
+def _mean_pct(values: list[float]) -> float:
+    return 100 * sum(values) / len(values)
+
+
+def compare_learning(base_dir: str | Path, trained_dir: str | Path, datasets: list[str], *, metric: str = "em",
+                     seed: int = 0, resamples: int = 10_000) -> dict[str, Any]:
+    """Base vs trained, in percent: per dataset and pooled over all questions, each with the paired
+    bootstrap interval of the difference, and the format rate (questions answered in ``<answer>``)."""
+    pairs = paired_items(base_dir, trained_dir, datasets, metric)
+
+    def block(p_base: list[float], p_trained: list[float], f_base: list[float], f_trained: list[float]) -> dict[str, Any]:
+        return {"n": len(p_base), "base": _mean_pct(p_base), "trained": _mean_pct(p_trained),
+                "difference": _percent_difference(p_base, p_trained, seed, resamples),
+                "format_rate": {"base": _mean_pct(f_base), "trained": _mean_pct(f_trained)}}
+
+    per_ds = {ds: block(p.base, p.trained, p.base_answered, p.trained_answered) for ds, p in pairs.items()}
+    pooled = block(*([x for p in pairs.values() for x in getattr(p, f)]
+                     for f in ("base", "trained", "base_answered", "trained_answered")))
+    return {"metric": metric, "datasets": per_ds, "pooled": pooled}
+
+
+def learning_table(comparison: dict[str, Any], labels: tuple[str, str] = ("starter", "trained")) -> str:
+    """Markdown: datasets × (n, base, trained, difference with its interval, format rates), pooled last."""
+    m = comparison["metric"]
+    level = round(100 * comparison["pooled"]["difference"]["confidence"])
+    head = (f"| dataset | n | {labels[0]} {m} (%) | {labels[1]} {m} (%) | difference (pp, {level}% CI) "
+            f"| answered {labels[0]} / {labels[1]} (%) |")
+    rows = [head, "|---|---:|---:|---:|---:|---:|"]
+
+    def row(name: str, b: dict[str, Any], bold: bool = False) -> str:
+        d, f = b["difference"], b["format_rate"]
+        cells = [str(b["n"]), f"{b['base']:.1f}", f"{b['trained']:.1f}",
+                 f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]", f"{f['base']:.0f} / {f['trained']:.0f}"]
+        if bold:
+            name, cells = f"**{name}**", [f"**{c}**" for c in cells]
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    rows += [row(ds, b) for ds, b in comparison["datasets"].items()]
+    rows.append(row("pooled", comparison["pooled"], bold=True))
+    return "\n".join(rows)
+
+
+def verdict(difference: dict[str, float]) -> str:
+    """One sentence on whether the interval excludes zero."""
+    lo, hi = difference["low"], difference["high"]
+    level = round(100 * difference["confidence"])
+    if lo > 0:
+        return f"the {level}% interval lies above zero: training improved the pooled score beyond noise"
+    if hi < 0:
+        return f"the {level}% interval lies below zero: training made the pooled score worse beyond noise"
+    return f"the {level}% interval contains zero: the difference cannot be told from noise at this sample size"

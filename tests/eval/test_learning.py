@@ -1,0 +1,80 @@
+"""Paired bootstrap (checked against the exact bootstrap distribution by enumeration) and the
+before/after comparison of two evaluation runs' item files."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from eval.learning import compare_learning, learning_table, verdict
+from eval.significance import bootstrap_means, paired_bootstrap
+
+
+def _exact_bootstrap(diffs):
+    """Every one of the n^n equally likely resamples' means (float64)."""
+    n = len(diffs)
+    return np.array([np.mean([diffs[i] for i in idx]) for idx in itertools.product(range(n), repeat=n)])
+
+
+def test_bootstrap_matches_the_exact_resampling_distribution():
+    diffs = np.array([1.0, 0.0, -1.0, 1.0, 1.0])  # n=5: 3,125 resamples enumerated
+    exact = _exact_bootstrap(diffs)
+    sampled = bootstrap_means(diffs, resamples=200_000, seed=1)
+    assert sampled.mean() == pytest.approx(exact.mean(), abs=2e-3)
+    assert sampled.var() == pytest.approx(exact.var(), rel=2e-2)
+    # each attainable mean (multiples of 1/5) has the exact probability, within sampling error
+    values, counts = np.unique(exact, return_counts=True)
+    for v, c in zip(values, counts):
+        assert np.mean(np.isclose(sampled, v)) == pytest.approx(c / len(exact), abs=4e-3)
+
+
+def test_paired_interval_is_the_percentile_interval_of_the_exact_distribution():
+    a = [0, 0, 1, 0, 1]
+    b = [1, 0, 1, 1, 0]
+    d = paired_bootstrap(a, b, resamples=100_000, seed=3)
+    assert d.mean == pytest.approx(1 / 5) and d.n == 5
+    exact = _exact_bootstrap(np.array(b, float) - np.array(a, float))
+    lo, hi = np.quantile(exact, [0.025, 0.975])
+    # attainable means are multiples of 1/5: the sampled quantiles land on the exact ones
+    assert d.low == pytest.approx(lo) and d.high == pytest.approx(hi)
+
+
+def test_identical_runs_and_a_constant_shift():
+    same = paired_bootstrap([0, 1, 1, 0], [0, 1, 1, 0])
+    assert (same.mean, same.low, same.high) == (0.0, 0.0, 0.0)
+    shift = paired_bootstrap([0.0, 0.0, 0.5], [0.25, 0.25, 0.75])
+    assert shift.low == pytest.approx(0.25) and shift.high == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="equal lengths"):
+        paired_bootstrap([1], [1, 0])
+
+
+def _write_run(root, name, scores):
+    items = root / name / "items"
+    items.mkdir(parents=True)
+    for ds, values in scores.items():
+        rows = [{"id": f"{ds}-{i}", "scores": {"em": em}, "samples": [{"stop_reason": "answer" if ans else "max_turns"}]}
+                for i, (em, ans) in enumerate(values)]
+        (items / f"{ds}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / name
+
+
+def test_compare_learning_pools_questions_and_pairs_by_id(tmp_path):
+    base = _write_run(tmp_path, "base", {"nq": [(0, 1), (0, 0)], "bamboogle": [(1, 1), (0, 0), (0, 0), (0, 1)]})
+    trained = _write_run(tmp_path, "trained", {"nq": [(1, 1), (0, 1)], "bamboogle": [(1, 1), (1, 1), (0, 1), (0, 1)]})
+    c = compare_learning(base, trained, ["nq", "bamboogle"], resamples=2000)
+    assert c["datasets"]["nq"]["base"] == 0.0 and c["datasets"]["nq"]["trained"] == 50.0
+    assert c["pooled"]["n"] == 6
+    assert c["pooled"]["base"] == pytest.approx(100 / 6) and c["pooled"]["trained"] == pytest.approx(50.0)
+    assert c["pooled"]["difference"]["mean"] == pytest.approx(100 * 2 / 6)
+    assert c["pooled"]["format_rate"] == {"base": 50.0, "trained": 100.0}
+    table = learning_table(c)
+    assert "| nq | 2 | 0.0 | 50.0 | +50.0 [" in table and "| **pooled** | **6** |" in table
+    assert "interval" in verdict(c["pooled"]["difference"])
+
+
+def test_compare_learning_refuses_different_questions(tmp_path):
+    base = _write_run(tmp_path, "base", {"nq": [(0, 1), (0, 0)]})
+    trained = _write_run(tmp_path, "trained", {"nq": [(1, 1)]})
+    with pytest.raises(ValueError, match="different questions"):
+        compare_learning(base, trained, ["nq"])

@@ -1,0 +1,35 @@
+"""benchmarks/learning_search.py's pieces (the benchmark itself runs minutes: see its --quick mode)."""
+
+import json
+
+from benchmarks.learning_search import ALGOS, per_question_em, plot
+
+
+def _eval_dir(root, name, ems):
+    items = root / name / "items"
+    items.mkdir(parents=True)
+    for ds in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"):
+        rows = [{"id": f"{ds}-{i}", "scores": {"em": em}, "samples": [{"stop_reason": "answer"}]} for i, em in enumerate(ems)]
+        (items / f"{ds}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / name
+
+
+def test_per_question_em_averages_seeds(tmp_path):
+    a = _eval_dir(tmp_path, "seed0", [1.0, 0.0])
+    b = _eval_dir(tmp_path, "seed1", [1.0, 1.0])
+    em = per_question_em([a, b])
+    assert len(em) == 14 and em["nq/nq-0"] == 1.0 and em["bamboogle/bamboogle-1"] == 0.5
+
+
+def test_algorithms_are_the_papers_baseline_and_emapg():
+    assert "algorithm.kl.type=k3" in ALGOS["grpo"] and "algorithm.ema.decay=1.0" in ALGOS["grpo"]
+    assert "algorithm.kl.type=topk_reverse" in ALGOS["emapg"] and "algorithm.ema.decay=0.9" in ALGOS["emapg"]
+
+
+def test_plot_draws_every_run(tmp_path):
+    from matplotlib.image import imread
+
+    run = {"eval_steps": [0, 2], "heldout_em": [10.0, 12.0], "train_steps": [1, 2], "train_reward": [0.1, 0.2]}
+    report = {"policy": "p", "heldout": {"questions": 14}, "runs": {"grpo": {"0": run, "1": run}, "emapg": {"0": run}}}
+    img = imread(plot(report, tmp_path / "curves.png"))
+    assert img.shape[0] > 100 and img.shape[1] > 300
