@@ -37,10 +37,10 @@ $(GPU_STAMP): requirements/gpu.txt pyproject.toml
 	@touch $(GPU_STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 # PRESET=tiny runs the CI-sized demo; OUT=DIR picks the run folder.
 PRESET ?= default
