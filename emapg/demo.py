@@ -42,7 +42,7 @@ from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 
 #: The policy the default demo starts from: the warm-started (SFT) SmolLM2-135M-Instruct search agent.
-STARTER_POLICY = "smollm2-135m-instruct"
+STARTER_POLICY = "smollm2-135m-search-starter"  # emapg.models.STARTER: data/starter/, built by scripts/build_starter.py
 QA_SETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 
 

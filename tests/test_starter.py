@@ -1,0 +1,47 @@
+"""The shipped starter search policy (``data/starter/``, built by scripts/build_starter.py) loads and answers in the format."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from agent.rollout import RolloutConfig, run_rollouts
+from emapg.config import load_config
+from emapg.models import STARTER, STARTER_ADAPTER, resolve_model
+from tasks.qa import extract_answer
+from trainer.config import TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_starter_is_a_small_peft_adapter_with_its_record():
+    adapter = STARTER_ADAPTER / "adapter_model.safetensors"
+    assert adapter.is_file() and adapter.stat().st_size <= 20 * 2**20
+    config = json.loads((STARTER_ADAPTER / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["base_model_name_or_path"] == "smollm2-135m-instruct"
+    record = json.loads((STARTER_ADAPTER / "record.json").read_text())
+    assert record["data"]["total_kept"] >= record["trajectories"]["train"] + record["trajectories"]["heldout"]
+    assert record["heldout_loss_after"] < record["heldout_loss_before"]
+
+
+def test_starter_answers_in_the_answer_format(retriever_server, retriever_index):
+    """Greedy rollouts of the starter (transformers engine) with the CPU RL preset's loop, live retriever."""
+    from agent.engines.hf_engine import HFEngine
+    from retriever.client import RetrieverClient
+
+    path = resolve_model(STARTER)
+    preset = load_config(TrainConfig, REPO / "configs/search_smollm2_cpu.yaml").rollout
+    cfg = RolloutConfig(**{f.name: getattr(preset, f.name) for f in fields(RolloutConfig)})
+    cfg.temperature = 0.0
+    engine = HFEngine(path, max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
+    client = RetrieverClient(retriever_server.url)
+    try:
+        questions = [q["question"] for q in retriever_index.questions[:4]]  # bundled NQ test questions
+        trajs = run_rollouts(engine, questions, client, cfg)
+    finally:
+        client.close()
+        engine.close()
+    answered = [t for t in trajs if extract_answer(t.model_text) is not None]
+    assert len(answered) >= 3, [t.model_text for t in trajs]
+    assert all(t.num_searches >= 1 for t in answered)  # it searched before answering
