@@ -174,6 +174,8 @@ class CorpusReader:
                         raise CorpusError(f"{self.path}:{lineno}: not valid JSON (nested too deeply)") from None
                     except _BadRow as e:
                         raise CorpusError(f"{self.path}:{lineno}: {e}") from None
+                    except ValueError as e:  # json's int conversion: an integer of more than sys.get_int_max_str_digits() digits
+                        raise CorpusError(f"{self.path}:{lineno}: not valid JSON ({e})") from None
                     kept += not empty
                     yield lineno, passage, empty
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:

@@ -46,6 +46,7 @@ lines = st.one_of(rows.map(lambda r: json.dumps(r).encode()), json_values.map(la
 @example(body=[b'{"id": "a", "contents": "x"}', b"\xff\xfe"], gz=False, cut=0)  # not UTF-8
 @example(body=[b'{"id": "a", "contents": "x"}'] * 40, gz=True, cut=20)  # a truncated .gz download
 @example(body=[b"[" * 5000 + b"]" * 5000], gz=False, cut=0)  # nested beyond the parser
+@example(body=[b'{"id": "a", "contents": "x", "n": ' + b"1" * 5001 + b"}"], gz=False, cut=0)  # found by this test: int > 4300 digits
 def test_the_corpus_reader_gives_passages_or_a_corpus_error(body, gz, cut):
     data = b"\n".join(body) + b"\n"
     with tempfile.TemporaryDirectory() as tmp:
