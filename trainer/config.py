@@ -106,8 +106,10 @@ class ModelConfig:
     chunk_size: int = option(DEFAULT_CHUNK_SIZE, help="tokens per chunk when computing log-probs/top-k/entropy from the LM head")
     share_prompt: bool = option(
         True,
-        help="no-grad passes (EMA anchor / reference, recomputed old log-probs) run each distinct prompt once and "
-        "continue every group member from its KV cache; same values up to float rounding, fewer FLOPs",
+        help="every forward (the differentiable training pass, the EMA anchor / reference and recomputed old "
+        "log-probs) runs each distinct prompt of a micro-batch once and continues every group member from its KV "
+        "cache; same values and gradients up to float rounding, fewer FLOPs (the training pass falls back to "
+        "one pass per row under model.gradient_checkpointing)",
     )
     lora: LoraConfig = option(default_factory=LoraConfig, help="LoRA adapters (off by default: full fine-tuning)")
 

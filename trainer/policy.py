@@ -23,7 +23,8 @@ from trainer import distributed as D
 from trainer.batch import MicroBatch
 from trainer.config import LoraConfig, TrainConfig
 from trainer.lora import AdaptersOffReference, adapter_parameters, is_adapter_folder
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, causal_lm_hidden, token_stats_from_hidden
+from trainer.logprobs import (DEFAULT_CHUNK_SIZE, TokenStats, activation_checkpointing_active, causal_lm_hidden,
+                              token_stats_from_hidden)
 from trainer.topk_kl import ExactKLAnchor, exact_kl_from_hidden
 
 __all__ = ["PolicyForward", "Policy", "build_policy", "use_bf16", "linear_warmup_constant"]
@@ -116,7 +117,10 @@ class Policy:
 
     def stats(self, mb: MicroBatch, **kwargs: Any) -> TokenStats:
         """The policy's statistics on a micro-batch (differentiable unless under ``no_grad``);
-        ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``."""
+        ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``
+        (default ``model.share_prompt``: the training pass runs each group's prompt once, see
+        :func:`trainer.logprobs.causal_lm_hidden`)."""
+        kwargs.setdefault("share_prompt", self.share_prompt)
         with self.autocast():
             return TokenStats(*self.forward(mb.input_ids, mb.attention_mask, mb.response_width, **kwargs))
 
@@ -129,11 +133,13 @@ class Policy:
     def anchor_hidden(self, mb: MicroBatch) -> torch.Tensor:
         """The anchor's final hidden states ``(B, T, H)`` at the response positions (for the exact KL).
 
-        Without prompt sharing: the training pass runs every row's prompt, and the exact KL is only
-        exactly 0 (with a zero gradient, which Adam would otherwise blow up to lr-sized steps of
-        rounding noise) at policy = anchor if both passes round alike.
+        Prompts shared exactly when the training pass shares them (``model.share_prompt``, not under
+        activation checkpointing): the exact KL is only exactly 0 (with a zero gradient, which Adam
+        would otherwise blow up to lr-sized steps of rounding noise) at policy = anchor if both
+        passes round alike.
         """
-        return self._anchor_forward(mb, hidden_only=True, share_prompt=False)[0]
+        share = self.share_prompt and not activation_checkpointing_active(self.model)
+        return self._anchor_forward(mb, hidden_only=True, share_prompt=share)[0]
 
     def _anchor_forward(self, mb: MicroBatch, **kwargs: Any) -> tuple[torch.Tensor | None, ...]:
         """Unsharded: ``torch.func.functional_call`` runs the policy module with the anchor's
