@@ -109,7 +109,8 @@ class ModelConfig:
         help="every forward (the differentiable training pass, the EMA anchor / reference and recomputed old "
         "log-probs) runs each distinct prompt of a micro-batch once and continues every group member from its KV "
         "cache; same values and gradients up to float rounding, fewer FLOPs (the training pass falls back to "
-        "one pass per row under model.gradient_checkpointing)",
+        "one pass per row under model.gradient_checkpointing); token-budget micro-batches keep a group together "
+        "where that costs no extra forward",
     )
     lora: LoraConfig = option(default_factory=LoraConfig, help="LoRA adapters (off by default: full fine-tuning)")
 

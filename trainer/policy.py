@@ -118,9 +118,8 @@ class Policy:
     def stats(self, mb: MicroBatch, **kwargs: Any) -> TokenStats:
         """The policy's statistics on a micro-batch (differentiable unless under ``no_grad``);
         ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``
-        (default ``model.share_prompt``: the training pass runs each group's prompt once, see
+        (the training pass passes ``model.share_prompt``: each group's prompt runs once, see
         :func:`trainer.logprobs.causal_lm_hidden`)."""
-        kwargs.setdefault("share_prompt", self.share_prompt)
         with self.autocast():
             return TokenStats(*self.forward(mb.input_ids, mb.attention_mask, mb.response_width, **kwargs))
 
