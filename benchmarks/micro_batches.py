@@ -18,8 +18,8 @@ alternate, so a burst of load from elsewhere hits both):
 
 Both give the same loss and gradient (``tests/trainer/test_step.py``: float64, to rounding); what
 differs is the padding the model computes (``perf/padding_frac``) and so the time. Both run with
-``model.share_prompt`` (the default: each distinct prompt of a micro-batch runs once, in the
-training pass too), so what a plan's forwards really compute is ``distinct prompts × widest prompt
+``model.share_prompt`` / ``share_prompt_training`` (the defaults: each distinct prompt of a
+micro-batch runs once, in the training pass too), so what a plan's forwards really compute is ``distinct prompts × widest prompt
 + rows × widest response`` per micro-batch (``shared_computed_tokens``); the token-budget planner
 keeps a group together where that costs no extra forward. It also reports
 the planner's padding alone (no model run) at the paper's full search shape (Search-R1: 512

@@ -16,8 +16,8 @@ optimizer step per rollout batch over all P x G completions, token-mean (DAPO) l
   installed by ``make bench``). Missing TRL is an error, not a silent None; ``--no-trl`` skips it.
 
 Our forwards -- the differentiable training pass and the no-grad anchor/reference pass -- run each
-group's prompt once and continue the G responses from its KV cache (``model.share_prompt``, on by
-default; gradients flow back through the shared prompt activations), so the training pass computes
+group's prompt once and continue the G responses from its KV cache (``model.share_prompt`` and
+``model.share_prompt_training``, on by default; gradients flow back through the shared prompt activations), so the training pass computes
 one prompt + G responses per group where TRL computes G prompt+response rows, and the extra no-grad
 forward of the anchor that EMA-PG costs over plain GRPO is one response-length pass per row.
 

@@ -527,7 +527,8 @@ def _shared_prompt_hidden(
         from trainer.distributed import all_reduce_max
 
         share = share and T > 1
-        share = not bool(all_reduce_max(torch.tensor([0.0 if share else 1.0])).item())
+        # On the inputs' device: an NCCL group reduces CUDA tensors only.
+        share = not bool(all_reduce_max(torch.tensor([0.0 if share else 1.0], device=input_ids.device)).item())
     if not share:
         return None
     first = torch.zeros(unique.shape[0], dtype=torch.long, device=input_ids.device)

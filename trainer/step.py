@@ -7,7 +7,7 @@
 * :func:`policy_pass` — the differentiable forward that produces those statistics, asking the
   model for what the :class:`~trainer.stored_stats.StatsPlan` says the loss needs (q to gather
   on, its own top-k when fused, the exact KL against the stored anchor hidden states); with
-  ``model.share_prompt`` each distinct prompt of the micro-batch runs once.
+  ``model.share_prompt_training`` each distinct prompt of the micro-batch runs once.
 * :func:`ppo_update` — PPO epochs over mini-batches, gradient accumulation over micro-batches
   (:func:`~trainer.stored_stats.micro_batches`: fixed rows, or packed by a token budget), gradient clipping, and skipping an
   optimizer step whose loss or gradient is not finite on any rank.  Its metrics are named sums
@@ -92,7 +92,7 @@ def policy_pass(policy: Policy, mb: MicroBatch, plan: StatsPlan, cfg: TrainConfi
     stored: dict[str, Tensor] = dict(mb.stored)
     on_policy = "old_logp" not in stored
     kwargs = dict(entropy=cfg.algorithm.entropy_coef != 0.0 or on_policy, temperature=cfg.rollout.temperature,
-                  chunk_size=cfg.model.chunk_size, share_prompt=policy.share_prompt)
+                  chunk_size=cfg.model.chunk_size, share_prompt=policy.share_prompt_training)
     if plan.fused_topk:
         stats = policy.stats(mb, topk=plan.fused_topk, **kwargs)
         stats.topk_indices = stats.topk_indices.detach()

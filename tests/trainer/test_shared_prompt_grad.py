@@ -1,4 +1,4 @@
-"""Prompt sharing in the differentiable training pass (``model.share_prompt``, trainer/logprobs.py).
+"""Prompt sharing in the differentiable training pass (``model.share_prompt_training``, trainer/logprobs.py).
 
 The training forward runs each distinct prompt of a micro-batch once and every group member's response
 block on its gathered KV cache. In float64 on the real tiny Qwen2 the loss and *every* parameter

@@ -216,7 +216,7 @@ def test_token_budget_micro_batches_give_the_same_update_in_float64(tiny_model_d
 
 def test_shared_prompt_updates_equal_one_pass_updates_for_every_micro_batch_plan(tiny_model_dir, monkeypatch):
     """Two GRPO groups of 4 rows (prompts of different lengths, left-padded in one micro-batch; ragged right-padded
-    responses), float64: with ``model.share_prompt`` the training pass (and the stored passes) run each distinct
+    responses), float64: with ``model.share_prompt`` (and ``share_prompt_training``) the training pass (and the stored passes) run each distinct
     prompt of a micro-batch once, and the update equals that of one-pass forwards -- one micro-batch of 8, fixed
     micro-batches of 4 (whole groups) and 2, token-budget micro-batches (planned to keep groups together).
     Qwen2's RMSNorm runs in the model dtype here (it computes in float32 otherwise, which would make sharing,
