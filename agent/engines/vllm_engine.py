@@ -302,9 +302,10 @@ class VLLMEngine:
         (every worker takes part in the broadcasts) and it is hot-loaded as :meth:`load_lora` does.
         """
         if lora is not None:
-            rpc = lambda path: self.llm.collective_rpc("emapg_collective_receive_to_file", timeout=timeout_s + 30,
-                                                       args=(meta, sync_id, path))
-            self._install_lora(lora, rpc)
+            def receive_into(path: str) -> None:
+                self.llm.collective_rpc("emapg_collective_receive_to_file", timeout=timeout_s + 30, args=(meta, sync_id, path))
+
+            self._install_lora(lora, receive_into)
             return
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
