@@ -1,19 +1,22 @@
 """EMA-PG with LoRA learns the toy search task too: the task, warm start and learning criterion of
-``test_learning.py`` (full fine-tuning), with only rank-16 adapters training and the EMA anchor the EMA of the adapters.
+``test_learning.py`` (full fine-tuning; 12 steps here, not 20), with only rank-16 adapters training and the EMA anchor
+the EMA of the adapters.
 
 Real parts only: the toy index behind a live ``emapg serve``, the agent loop over HTTP, exact-match rewards, EMA-PG
 (Top-k reverse KL to the adapters' EMA) and, before each rollout, the adapters (not the base) loaded into the
 transformers engine. The base weights never move; the checkpoint's policy is a peft adapter folder.
 
-Calibration (``model.lora`` rank 16, alpha 32, every decoder linear; 8 prompts x 4 samples, 20 steps; warm start
-seed 0; reward = mean over the first 3 steps -> the last 4; probe P(observed digit) with a contradicting
-observation, 0.52 after the warm start):
+Calibration (8 prompts x 4 samples per step, warm start seed 0 unless said; reward = mean over the first 3 steps ->
+the last 4; probe = P(observed digit) with a contradicting observation, 0.52 after the warm start):
 
-* lr 1e-3 (this test), RL seed 0/1/2: 0.55 -> 0.86, 0.50 -> 0.84, 0.48 -> 0.86; probe -> 0.94, 0.95, 0.94;
-* lr 3e-3 (an earlier attempt): rose for 4 steps, then collapsed to reward 0.
+* rank 16, alpha 32, lr 1e-3 (this test), 12 steps, RL seed 0/1/2: 0.55 -> 0.84, 0.50 -> 0.81, 0.48 -> 0.84; probe
+  0.93, 0.91, 0.93; P(the fact's own digit) <= 0.024. The same runs for 20 steps: -> 0.86, 0.84, 0.86 (probe 0.94-0.95);
+  warm start seed 1 (probe 0.45), 20 steps: 0.50 -> 0.82, probe 0.93;
+* 20 steps, RL seed 0: lr 5e-4: 0.55 -> 0.84; rank 8, alpha 16, lr 1e-3: 0.55 -> 0.84;
+* lr 2e-3, 12 steps, seeds 0/1/2: 0.56 -> 0.70 (short of +0.15), 0.47 -> 0.83, 0.55 -> 0.81;
+* lr 3e-3 (an earlier attempt), 20 steps: 0.59 over the first 3 steps, then reward 0 from step 5 on (collapsed).
 
-Full fine-tuning learns at lr 3e-4; the adapters' update is a rank-16 slice scaled by alpha / r = 2, so they need a
-few times the learning rate, not ten.
+Full fine-tuning learns at lr 3e-4; the adapters (a rank-16 update scaled by alpha / r = 2) want about three times that.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from trainer.loop import train
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 12
 
 
 def test_mean_reward_rises_with_lora(tmp_path, toy_reading_policy, toy_task, toy_server):
