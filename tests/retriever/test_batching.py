@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from retriever.server import Metrics, MicroBatcher
 
@@ -69,6 +70,9 @@ def test_an_idle_worker_waits_for_as_many_as_last_time_under_concurrent_traffic(
 
     async def scenario(batcher):
         await asyncio.gather(batcher.submit(["a1"], 1), batcher.submit(["a2"], 1))  # concurrent: one batch of two
+        # let the worker go idle: on a loaded machine it may not have looked at the queue again yet, and a
+        # worker that finds "b1" there on its way back from a batch is busy, not idle (the first test)
+        await asyncio.sleep(0.2)
         first = asyncio.ensure_future(batcher.submit(["b1"], 1))
         await asyncio.sleep(0.2)  # the idle worker now waits for company (max_wait is a minute)
         second = asyncio.ensure_future(batcher.submit(["b2"], 1))
@@ -112,13 +116,15 @@ def test_stop_fails_queued_requests_and_the_worker_thread_ends():
     assert isinstance(queued, RuntimeError) and "shutting down" in str(queued)
 
 
-def test_batched_retrieval_equals_one_query_at_a_time(retriever_index):
-    """Packed batches of mixed lengths: every query's hits and scores as when it is encoded alone."""
+@pytest.mark.parametrize("encode_threads", [1, 3])
+def test_batched_retrieval_equals_one_query_at_a_time(retriever_index, encode_threads):
+    """Packed batches of mixed lengths: every query's hits and scores as when it is encoded alone; with
+    several encode threads each batch is split into parts encoded at once (3: parts of unequal size)."""
     from retriever.searcher import Searcher
 
     questions = [q["question"] for q in retriever_index.questions[:48]] + ["a", "what " * 40]
-    searcher = Searcher(retriever_index.index_dir, device="cpu")
-    assert searcher.encoder.packed
+    searcher = Searcher(retriever_index.index_dir, device="cpu", encode_threads=encode_threads)
+    assert searcher.encoder.packed and searcher.encoder.parallel == encode_threads
     together = searcher.retrieve(questions, 5)
     alone = [searcher.retrieve([q], 5)[0] for q in questions]
     assert [[h["id"] for h in hh] for hh in together] == [[h["id"] for h in hh] for hh in alone]
