@@ -210,7 +210,8 @@ def server_counters(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         m = re.match(r"^(retriever_(?:batch_size_sum|batch_size_count|batch_seconds_sum|queries_total|query_cache_hits_total|queue_wait_seconds_sum"
-                     r"|queue_wait_seconds_count|gather_wait_seconds_total|delivery_lag_seconds_sum|delivery_lag_seconds_count))(?:\{.*\})? (\S+)$", line)
+                     r"|queue_wait_seconds_count|gather_wait_seconds_total|delivery_lag_seconds_sum|delivery_lag_seconds_count"
+                     r"|request_latency_seconds_sum|request_latency_seconds_count))(?:\{.*\})? (\S+)$", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         m = re.match(r'^retriever_stage_seconds_total\{stage="(\w+)"\} (\S+)$', line)
@@ -234,6 +235,8 @@ def _server_stats(before: dict[str, float], after: dict[str, float], seconds: fl
                                  "gather_wait": ms("retriever_gather_wait_seconds_total")}  # fmt: skip
     if d.get("retriever_queue_wait_seconds_count"):
         stats["mean_queue_wait_ms"] = round(1000 * d["retriever_queue_wait_seconds_sum"] / d["retriever_queue_wait_seconds_count"], 2)
+    if d.get("retriever_request_latency_seconds_count"):  # inside the server's handler, vs the client's p50/p99
+        stats["mean_server_latency_ms"] = round(1000 * d["retriever_request_latency_seconds_sum"] / d["retriever_request_latency_seconds_count"], 2)
     if d.get("retriever_delivery_lag_seconds_count"):
         stats["mean_delivery_lag_ms"] = round(1000 * d["retriever_delivery_lag_seconds_sum"] / d["retriever_delivery_lag_seconds_count"], 2)
     if "retriever_query_cache_hits_total" in d and queries:  # of the queries the worker answered, how many skipped the encoder
@@ -503,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             "connections": "one keep-alive HTTP/1.1 connection per client (LeanHTTPClient), closed loop",
             "load_generator": "same machine and cores as the servers (asyncio, one process)",
             "server_encode_threads": "auto (--encode-threads 0: CPU cores / OMP threads)",
+            "server_regroup_wait_ms": "default (5 ms)",
             "duration_s_per_level": duration,
             "warmup_s_per_level": warmup,
             "ceiling_rounds": rounds,
