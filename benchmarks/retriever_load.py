@@ -529,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             "met": {dt: bool(c["single_over_batch32"]["median"] >= TARGET_CEILING_RATIO and c["single_c32_p99_ms"]["median"] <= TARGET_P99_MS) for dt, c in ceilings.items()},
         },
         "grpo_repeats": grpo,
+        **({} if "bf16" in ceilings or cpu_has_bf16() else {"bf16": "not measured: this CPU has no bf16 instructions (AVX512-BF16/AMX); "
+                                                                   "torch emulates bf16 matmuls there, ~8x slower than fp32"}),  # fmt: skip
         "reference": "Search-R1's server on the same 2-core machine class: 38-51 req/s at c=32, p99 0.8-1.2 s (docs PRIOR_ART.md)",
     }
     if built_pps:
