@@ -22,8 +22,12 @@ evaluated once (greedy: the same for every run). Outputs:
 * ``benchmarks/results/learning_search.png`` -- held-out pooled EM and train reward vs step, both
   algorithms, each seed.
 
-    python benchmarks/learning_search.py            # default: 2 seeds x 8 steps, eval at start and end, 15 q/set (<= 90 min, 2 cores)
+    python benchmarks/learning_search.py            # default: 2 seeds x 8 steps, eval at start and end, 15 q/set (~85 min on 2 cores, estimated)
     python benchmarks/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 q/set
+
+The default's size comes from the demo's measured stage times on 2 cores (2026-12-01): a step of 16
+trajectories ~100-130 s, an evaluation of 105 questions ~5 min, so 4 runs x (8 steps + 1 evaluation)
++ the starter's evaluation is ~85 min; it has not yet been run end to end at this size.
 """
 
 from __future__ import annotations
