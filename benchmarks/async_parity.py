@@ -96,6 +96,32 @@ def run_one(task, *, start: Path, retriever_url: str, engine_url: str, s: int, s
     }  # fmt: skip
 
 
+def write_report(args, runs: dict[str, dict], levels: list[int], task, work: Path, t_all: float, load_before) -> dict:
+    """The JSON and the reward-curve PNG of the runs of ``levels`` (values of s, 0 first) done so far."""
+    from trainer.plot import plot_runs
+
+    names = [f"s{s}_seed{seed}" for s in levels for seed in args.seeds]
+    plot_runs([work / n for n in names], Path(args.out).with_suffix(".png"), metrics=["reward/mean", "mismatch/abs_logp_diff_mean"],
+              labels=[f"s = {runs[n]['max_staleness']} (seed {runs[n]['seed']})" for n in names], smooth=3,
+              title="toy search task: rollout.max_staleness s = 0 vs s >= 1 (tiny-qwen2, EMA-PG, real servers)")
+    last = {s: [runs[f"s{s}_seed{seed}"]["last_k_mean_reward"] for seed in args.seeds] for s in levels}
+    report = {
+        "benchmark": "async_parity", "quick": args.quick, "steps": args.steps, "seeds": args.seeds, "staleness": levels,
+        "staleness_requested": args.staleness, "last_k": args.last_k, "lr": args.lr, "behavior_correction": args.correction,
+        "facts": task.facts, "model": "tiny-qwen2 (warm start of tests/fixtures/trainer.py)",
+        "engine": "one remote hf server (emapg engine serve), 1 thread",
+        "last_k_mean_reward": {f"s{s}": dict(zip(map(str, args.seeds), v)) for s, v in last.items()},
+        "last_k_mean_reward_over_seeds": {f"s{s}": statistics.fmean(v) for s, v in last.items()},
+        "paired_vs_s0": {f"s{s}": paired_difference(last[s], last[0]) for s in levels if s},
+        "train_wall_s_over_seeds": {f"s{s}": sum(runs[f"s{s}_seed{seed}"]["wall_s"] for seed in args.seeds) for s in levels},
+        "runs": {n: runs[n] for n in names}, "wall_s": time.perf_counter() - t_all,
+        "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20)
@@ -109,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.staleness, args.last_k = 4, [0, 1], [0, 1], 2
-    if args.staleness[0] != 0 or len(set(args.staleness)) != len(args.staleness):
-        p.error("--staleness must start with 0 (the synchronous reference) and not repeat")
+    if args.staleness[0] != 0 or len(args.staleness) < 2 or len(set(args.staleness)) != len(args.staleness):
+        p.error("--staleness must start with 0 (the synchronous reference), then one or more other values, none repeated")
     if len(args.seeds) < 2:
         p.error("--seeds needs at least 2 seeds (the interval is over seeds)")
     for key, value in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
@@ -125,51 +151,33 @@ def main(argv: list[str] | None = None) -> int:
     from emapg.models import resolve_model
     from retriever.launch import RetrieverServer
     from tests.fixtures.trainer import build_toy_task, warm_start
-    from trainer.plot import plot_runs
 
     t_all = time.perf_counter()
     load_before = os.getloadavg()
     runs: dict[str, dict] = {}
-    run_dirs, labels = [], []
     with tempfile.TemporaryDirectory(prefix="emapg-async-parity-") as tmp:
         work = Path(tmp)
         task = build_toy_task(work / "task")
         start = warm_start(Path(resolve_model("tiny-qwen2")), task, work / "warm_start")
         with RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1) as retriever, \
                 EngineServer(start, engine="hf", omp_num_threads=1, max_model_len=256) as engine:  # fmt: skip
-            for seed in args.seeds:
-                for s in args.staleness:
+            # s = 0 and the first s >= 1 over every seed first, then each further s: the report is rewritten after
+            # each level, so a run stopped early still has the main comparison.
+            for level, s in enumerate(args.staleness):
+                for seed in args.seeds:
                     name = f"s{s}_seed{seed}"
                     runs[name] = run_one(task, start=start, retriever_url=retriever.url, engine_url=engine.url, s=s, seed=seed,
                                          args=args, out=work / name)
                     r = runs[name]
                     print(f"s={s} seed {seed}: reward {r['first_k_mean_reward']:.3f} -> {r['last_k_mean_reward']:.3f} "
                           f"(last {args.last_k}); {r['wall_s']:.0f} s", flush=True)
-                    run_dirs.append(work / name)
-                    labels.append(f"s = {s} (seed {seed})")
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        png = Path(args.out).with_suffix(".png")
-        plot_runs(run_dirs, png, metrics=["reward/mean", "mismatch/abs_logp_diff_mean"], labels=labels, smooth=3,
-                  title="toy search task: rollout.max_staleness s = 0 vs s >= 1 (tiny-qwen2, EMA-PG, real servers)")
-    last = {s: [runs[f"s{s}_seed{seed}"]["last_k_mean_reward"] for seed in args.seeds] for s in args.staleness}
-    wall = {s: sum(runs[f"s{s}_seed{seed}"]["wall_s"] for seed in args.seeds) for s in args.staleness}
-    report = {
-        "benchmark": "async_parity", "quick": args.quick, "steps": args.steps, "seeds": args.seeds, "staleness": args.staleness,
-        "last_k": args.last_k, "lr": args.lr, "behavior_correction": args.correction, "facts": task.facts,
-        "model": "tiny-qwen2 (warm start of tests/fixtures/trainer.py)", "engine": "one remote hf server (emapg engine serve)",
-        "last_k_mean_reward": {f"s{s}": dict(zip(map(str, args.seeds), v)) for s, v in last.items()},
-        "last_k_mean_reward_over_seeds": {f"s{s}": statistics.fmean(v) for s, v in last.items()},
-        "paired_vs_s0": {f"s{s}": paired_difference(last[s], last[0]) for s in args.staleness if s},
-        "train_wall_s_over_seeds": {f"s{s}": w for s, w in wall.items()},
-        "runs": runs, "wall_s": time.perf_counter() - t_all,
-        "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
-    }  # fmt: skip
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+                if level:
+                    report = write_report(args, runs, args.staleness[: level + 1], task, work, t_all, load_before)
     for s in args.staleness[1:]:
         d = report["paired_vs_s0"][f"s{s}"]
         print(f"s={s} - s=0, last {args.last_k} steps' mean reward: {d['mean_difference']:+.3f} "
               f"[95% CI {d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] over {len(args.seeds)} seeds: {d['verdict']}")
-    print(f"wrote {args.out} and {png} ({report['wall_s']:.0f} s)")
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')} ({report['wall_s']:.0f} s)")
     return 0
 
 
