@@ -92,18 +92,52 @@ def run_one(task, *, start: Path, retriever_url: str, engine_url: str, s: int, s
         "last_k_mean_reward": statistics.fmean(rewards[-k:]), "wall_s": wall,
         "staleness": [h.get("async/staleness", 0.0) for h in history],
         "mismatch_abs_logp_diff_mean": mean("mismatch/abs_logp_diff_mean"), "mismatch_k3": mean("mismatch/k3"),
+        "mismatch_abs_logp_diff_mean_per_step": [h.get("mismatch/abs_logp_diff_mean") for h in history],
         "behavior_truncated_frac": mean("behavior/truncated_frac"), "search_failures": sum(h["search/failures"] for h in history),
     }  # fmt: skip
 
 
-def write_report(args, runs: dict[str, dict], levels: list[int], task, work: Path, t_all: float, load_before) -> dict:
-    """The JSON and the reward-curve PNG of the runs of ``levels`` (values of s, 0 first) done so far."""
-    from trainer.plot import plot_runs
+def plot_parity(report: dict, png: Path) -> Path:
+    """Reward curves coloured by s (thin: each seed; thick: the mean over seeds) and, per s >= 1, the paired
+    differences of the last-k mean reward with their 95 % interval."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels, seeds, colors = report["staleness"], report["seeds"], plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, (curves, diffs) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    for i, s in enumerate(levels):
+        per_seed = [report["runs"][f"s{s}_seed{seed}"]["reward"] for seed in seeds]
+        for rewards in per_seed:
+            curves.plot(range(1, len(rewards) + 1), rewards, color=colors[i], alpha=0.3, linewidth=0.8)
+        mean = [statistics.fmean(step) for step in zip(*per_seed)]
+        curves.plot(range(1, len(mean) + 1), mean, color=colors[i], linewidth=2.2, label=f"s = {s} (mean of {len(seeds)} seeds)")
+    curves.set(xlabel="step", ylabel="mean reward", title="reward per step")
+    curves.legend(fontsize=8)
+    curves.grid(alpha=0.3)
+    for i, s in enumerate(levels[1:], start=1):
+        d = report["paired_vs_s0"][f"s{s}"]
+        diffs.scatter([i] * len(d["differences"]), d["differences"], color=colors[i], alpha=0.6, s=18)
+        diffs.errorbar([i], [d["mean_difference"]], yerr=[[d["mean_difference"] - d["ci95"][0]], [d["ci95"][1] - d["mean_difference"]]],
+                       fmt="D", color=colors[i], capsize=6, label=f"s = {s}: {d['verdict']}")
+    diffs.axhline(0.0, color="black", linewidth=0.8)
+    diffs.set(xticks=range(1, len(levels)), xticklabels=[f"s = {s}" for s in levels[1:]], xlim=(0.5, len(levels) - 0.5),
+              ylabel=f"last-{report['last_k']} reward − s = 0's", title="paired by seed, 95 % t interval")
+    diffs.legend(fontsize=8)
+    diffs.grid(alpha=0.3)
+    fig.suptitle(f"toy search task: rollout.max_staleness s >= 1 vs s = 0 (tiny-qwen2, EMA-PG + {report['behavior_correction']}, "
+                 f"{report['steps']} steps)", fontsize=10)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def write_report(args, runs: dict[str, dict], levels: list[int], task, t_all: float, load_before) -> dict:
+    """The JSON and the PNG of the runs of ``levels`` (values of s, 0 first) done so far."""
     names = [f"s{s}_seed{seed}" for s in levels for seed in args.seeds]
-    plot_runs([work / n for n in names], Path(args.out).with_suffix(".png"), metrics=["reward/mean", "mismatch/abs_logp_diff_mean"],
-              labels=[f"s = {runs[n]['max_staleness']} (seed {runs[n]['seed']})" for n in names], smooth=3,
-              title="toy search task: rollout.max_staleness s = 0 vs s >= 1 (tiny-qwen2, EMA-PG, real servers)")
     last = {s: [runs[f"s{s}_seed{seed}"]["last_k_mean_reward"] for seed in args.seeds] for s in levels}
     report = {
         "benchmark": "async_parity", "quick": args.quick, "steps": args.steps, "seeds": args.seeds, "staleness": levels,
@@ -119,6 +153,7 @@ def write_report(args, runs: dict[str, dict], levels: list[int], task, work: Pat
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    plot_parity(report, Path(args.out).with_suffix(".png"))
     return report
 
 
@@ -132,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--correction", default="tis", choices=["none", "tis", "mis"], help="algorithm.behavior_correction (every run)")
     p.add_argument("--quick", action="store_true", help="2 seeds x s = 0, 1, 4 steps (a smoke run; its verdict means nothing)")
     p.add_argument("--out", default=str(RESULTS / "async_parity.json"))
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a report this script wrote (next to it)")
     args = p.parse_args(argv)
+    if args.replot:
+        print(f"wrote {plot_parity(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix('.png'))}")
+        return 0
     if args.quick:
         args.steps, args.seeds, args.staleness, args.last_k = 4, [0, 1], [0, 1], 2
     if args.staleness[0] != 0 or len(args.staleness) < 2 or len(set(args.staleness)) != len(args.staleness):
@@ -172,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"s={s} seed {seed}: reward {r['first_k_mean_reward']:.3f} -> {r['last_k_mean_reward']:.3f} "
                           f"(last {args.last_k}); {r['wall_s']:.0f} s", flush=True)
                 if level:
-                    report = write_report(args, runs, args.staleness[: level + 1], task, work, t_all, load_before)
+                    report = write_report(args, runs, args.staleness[: level + 1], task, t_all, load_before)
     for s in args.staleness[1:]:
         d = report["paired_vs_s0"][f"s{s}"]
         print(f"s={s} - s=0, last {args.last_k} steps' mean reward: {d['mean_difference']:+.3f} "

@@ -38,3 +38,14 @@ def test_verdicts_and_bad_input():
     assert parity.t975(2) == 4.303 and parity.t975(11) == 2.228 and parity.t975(100) == 1.96
     with pytest.raises(ValueError, match="at least 2"):
         parity.paired_difference([0.5], [0.4])
+
+
+def test_plot_from_a_report(tmp_path):
+    """The PNG is drawn from the JSON alone (``--replot``): curves per s and seed, the paired intervals."""
+    parity = _parity()
+    rewards = {0: [[0.5, 0.7, 0.9], [0.4, 0.6, 0.8]], 1: [[0.5, 0.6, 0.85], [0.4, 0.65, 0.8]]}
+    report = {"staleness": [0, 1], "seeds": [0, 1], "last_k": 2, "steps": 3, "behavior_correction": "tis",
+              "runs": {f"s{s}_seed{seed}": {"reward": r} for s, per_seed in rewards.items() for seed, r in enumerate(per_seed)},
+              "paired_vs_s0": {"s1": parity.paired_difference([0.725, 0.725], [0.8, 0.7])}}
+    png = parity.plot_parity(report, tmp_path / "parity.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
