@@ -22,6 +22,7 @@ from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR
 from provision.retrievers import open_retriever
 from retriever.launch import RetrieverServer, free_port
+from tests.trainer.test_pipeline import record_weights_versions
 from trainer.config import RetrieverConfig, TrainConfig
 from trainer.errors import TrainingError
 from trainer.loop import Trainer
@@ -158,6 +159,7 @@ def killing_before_generation(trainer: Trainer, n: int, kill: Callable[[], None]
     return produced
 
 
+@pytest.mark.slow  # a generation server, a retriever killed (and restarted)
 def test_async_s1_retriever_dies_before_a_batch_and_comes_back(tmp_path, searcher_dir, retriever_index, searcher_engine):
     """``rollout.max_staleness=1`` on a real generation server: the retriever is killed just before the producer
     generates batch 2 (while the trainer trains on batch 1) and restarted on its port 2 s later. The producer
@@ -167,17 +169,10 @@ def test_async_s1_retriever_dies_before_a_batch_and_comes_back(tmp_path, searche
     servers = [RetrieverServer(retriever_index.index_dir, port=port, log_path=tmp_path / "retriever.log").start()]
     restart = threading.Thread(target=lambda: (time.sleep(2.0), servers.append(
         RetrieverServer(retriever_index.index_dir, port=port, log_path=tmp_path / "retriever.log").start())))
-    seen: list[list[int | None]] = []
     trainer = Trainer(async_search_cfg(tmp_path, searcher_dir, f"http://127.0.0.1:{port}", searcher_engine.url, "retriever.wait=120"))
     # the producer's second generation is batch 2's first (batch 1's came first)
     produced = killing_before_generation(trainer, 2, lambda: (servers[0].stop(), restart.start()))
-    learn = trainer.learn
-
-    def recording_learn(ro):
-        seen.append([t.weights_version for t in ro.trajectories])
-        return learn(ro)
-
-    trainer.learn = recording_learn
+    seen = record_weights_versions(trainer)
     try:
         trainer.setup()
         history = trainer.train()
@@ -198,6 +193,7 @@ def test_async_s1_retriever_dies_before_a_batch_and_comes_back(tmp_path, searche
         assert m["search/per_traj"] > 0 and m["search/failures"] == 0 and m["search/failure_rate"] == 0.0
 
 
+@pytest.mark.slow  # a generation server, a retriever killed (and restarted)
 def test_async_s1_retriever_that_stays_down_stops_the_run(tmp_path, searcher_dir, retriever_index, searcher_engine):
     """The same with no restart: the producer's pause ends after retriever.wait and the run stops with the guard's
     error after step 1; nothing is trained on the failed searches."""
