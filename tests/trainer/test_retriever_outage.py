@@ -162,17 +162,27 @@ def killing_before_generation(trainer: Trainer, n: int, kill: Callable[[], None]
 @pytest.mark.slow  # a generation server, a retriever killed (and restarted)
 def test_async_s1_retriever_dies_before_a_batch_and_comes_back(tmp_path, searcher_dir, retriever_index, searcher_engine):
     """``rollout.max_staleness=1`` on a real generation server: the retriever is killed just before the producer
-    generates batch 2 (while the trainer trains on batch 1) and restarted on its port 2 s later. The producer
-    rejects and regenerates batch 2 (same weights version) until the retriever is back, pausing on the
-    patience-th rejection; no step trains on failed searches; the rejections are counted."""
+    generates batch 2 (while the trainer trains on batch 1) and restarted on its port once the producer has
+    rejected that batch. The producer regenerates batch 2 (same weights version) until the retriever is back
+    (pausing on the patience-th rejection); no step trains on failed searches (``max_failure_rate=0``: a batch
+    that met the restarted server still loading is rejected too); the rejections are counted."""
     port = free_port()
     servers = [RetrieverServer(retriever_index.index_dir, port=port, log_path=tmp_path / "retriever.log").start()]
-    restart = threading.Thread(target=lambda: (time.sleep(2.0), servers.append(
-        RetrieverServer(retriever_index.index_dir, port=port, log_path=tmp_path / "retriever.log").start())))
-    trainer = Trainer(async_search_cfg(tmp_path, searcher_dir, f"http://127.0.0.1:{port}", searcher_engine.url, "retriever.wait=120"))
+    restart = threading.Thread(target=lambda: servers.append(
+        RetrieverServer(retriever_index.index_dir, port=port, log_path=tmp_path / "retriever.log").start()))
+    trainer = Trainer(async_search_cfg(tmp_path, searcher_dir, f"http://127.0.0.1:{port}", searcher_engine.url, "retriever.wait=120",
+                                       "retriever.max_failure_rate=0"))
     # the producer's second generation is batch 2's first (batch 1's came first)
-    produced = killing_before_generation(trainer, 2, lambda: (servers[0].stop(), restart.start()))
+    produced = killing_before_generation(trainer, 2, servers[0].stop)
     seen = record_weights_versions(trainer)
+    message = trainer._message
+
+    def restart_after_the_first_rejection(text: str) -> None:
+        if "rollout batch dropped" in text and restart.ident is None:
+            restart.start()
+        message(text)
+
+    trainer._message = restart_after_the_first_rejection
     try:
         trainer.setup()
         history = trainer.train()
