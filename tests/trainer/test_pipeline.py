@@ -60,12 +60,9 @@ def two_servers(tiny_model_dir):
         yield a, b
 
 
-def test_async_run_staleness_resume_and_versions(tmp_path, tiny_model_dir, two_servers):
-    from trainer.loop import Trainer, train
-
-    url = two_servers[0].url
+def record_weights_versions(trainer) -> list[list[int | None]]:
+    """Make ``trainer.learn`` record each trained batch's per-trajectory weights versions; returns the record."""
     seen: list[list[int | None]] = []
-    trainer = Trainer(_cfg(tmp_path / "run", tiny_model_dir, [url]))
     original = trainer.learn
 
     def recording_learn(ro):
@@ -73,6 +70,15 @@ def test_async_run_staleness_resume_and_versions(tmp_path, tiny_model_dir, two_s
         return original(ro)
 
     trainer.learn = recording_learn
+    return seen
+
+
+def test_async_run_staleness_resume_and_versions(tmp_path, tiny_model_dir, two_servers):
+    from trainer.loop import Trainer, train
+
+    url = two_servers[0].url
+    trainer = Trainer(_cfg(tmp_path / "run", tiny_model_dir, [url]))
+    seen = record_weights_versions(trainer)
     try:
         trainer.setup()
         history = trainer.train()

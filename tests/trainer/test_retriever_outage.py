@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -21,6 +22,7 @@ from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR
 from provision.retrievers import open_retriever
 from retriever.launch import RetrieverServer, free_port
+from tests.trainer.test_pipeline import record_weights_versions
 from trainer.config import RetrieverConfig, TrainConfig
 from trainer.errors import TrainingError
 from trainer.loop import Trainer
@@ -126,3 +128,95 @@ def test_retriever_down_at_start_dies_mid_run_and_comes_back(tmp_path, searcher_
     assert history[1]["search/rejected_batches"] >= 1 and history[1]["search/rejected_failures"] > 0
     for m in history:  # every trained batch had working searches
         assert m["search/per_traj"] > 0 and m["search/failures"] == 0 and m["search/failure_rate"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def searcher_engine(searcher_dir):
+    """A real ``emapg engine serve`` process serving the scripted searcher (for ``rollout.max_staleness >= 1``)."""
+    from agent.engines.launch import EngineServer
+
+    with EngineServer(searcher_dir, engine="hf", max_model_len=1024) as server:
+        yield server
+
+
+def async_search_cfg(tmp_path, searcher_dir, retriever_url: str, engine_url: str, *extra: str) -> TrainConfig:
+    return search_cfg(tmp_path, searcher_dir, retriever_url, "run.total_steps=2", "rollout.engine=remote",
+                      f"rollout.engine_urls=[{engine_url}]", "rollout.max_staleness=1", *extra)
+
+
+def killing_before_generation(trainer: Trainer, n: int, kill: Callable[[], None]) -> list[int]:
+    """Make the producer call ``kill`` just before its ``n``-th generation; returns the list of generations run."""
+    produced: list[int] = []
+    produce = trainer.produce
+
+    def produce_killing(engine, prompts, seed):
+        produced.append(len(produced) + 1)
+        if len(produced) == n:
+            kill()
+        return produce(engine, prompts, seed)
+
+    trainer.produce = produce_killing
+    return produced
+
+
+@pytest.mark.slow  # a generation server, a retriever killed (and restarted)
+def test_async_s1_retriever_dies_before_a_batch_and_comes_back(tmp_path, searcher_dir, retriever_index, searcher_engine):
+    """``rollout.max_staleness=1`` on a real generation server: the retriever is killed just before the producer
+    generates batch 2 (while the trainer trains on batch 1) and restarted on its port once the producer has
+    rejected that batch. The producer regenerates batch 2 (same weights version) until the retriever is back
+    (pausing on the patience-th rejection); no step trains on failed searches (``max_failure_rate=0``: a batch
+    that met the restarted server still loading is rejected too); the rejections are counted."""
+    port = free_port()
+    servers = [RetrieverServer(retriever_index.index_dir, port=port, log_path=tmp_path / "retriever.log").start()]
+    restart = threading.Thread(target=lambda: servers.append(
+        RetrieverServer(retriever_index.index_dir, port=port, log_path=tmp_path / "retriever.log").start()))
+    trainer = Trainer(async_search_cfg(tmp_path, searcher_dir, f"http://127.0.0.1:{port}", searcher_engine.url, "retriever.wait=120",
+                                       "retriever.max_failure_rate=0"))
+    # the producer's second generation is batch 2's first (batch 1's came first)
+    produced = killing_before_generation(trainer, 2, servers[0].stop)
+    seen = record_weights_versions(trainer)
+    message = trainer._message
+
+    def restart_after_the_first_rejection(text: str) -> None:
+        if "rollout batch dropped" in text and restart.ident is None:
+            restart.start()
+        message(text)
+
+    trainer._message = restart_after_the_first_rejection
+    try:
+        trainer.setup()
+        history = trainer.train()
+    finally:
+        trainer.close()
+        if restart.ident is not None:
+            restart.join()
+        for s in servers:
+            s.stop()
+    assert len(history) == 2 and len(servers) == 2
+    assert [m["async/staleness"] for m in history] == [0.0, 1.0]
+    rejected = history[1]["search/rejected_batches"]
+    assert rejected >= 1 and history[1]["search/rejected_failures"] > 0 and len(produced) == 2 + rejected
+    assert history[0]["search/rejected_batches"] == 0.0 and history[0]["async/search_dropped_batches"] == 0.0
+    assert history[1]["async/search_dropped_batches"] == rejected and history[1]["async/dropped_batches"] == 0.0
+    assert seen == [[0] * 4, [0] * 4]  # batch 2 regenerated with its scheduled weights version v(2) = 0
+    for m in history:  # every trained batch had working searches
+        assert m["search/per_traj"] > 0 and m["search/failures"] == 0 and m["search/failure_rate"] == 0.0
+
+
+@pytest.mark.slow  # a generation server, a retriever killed (and restarted)
+def test_async_s1_retriever_that_stays_down_stops_the_run(tmp_path, searcher_dir, retriever_index, searcher_engine):
+    """The same with no restart: the producer's pause ends after retriever.wait and the run stops with the guard's
+    error after step 1; nothing is trained on the failed searches."""
+    server = RetrieverServer(retriever_index.index_dir, log_path=tmp_path / "retriever.log").start()
+    trainer = Trainer(async_search_cfg(tmp_path, searcher_dir, server.url, searcher_engine.url, "retriever.wait=1"))
+    killing_before_generation(trainer, 2, server.stop)
+    try:
+        trainer.setup()
+        with pytest.raises(TrainingError, match=rf"producer failed on step 2: .*searches failed .* retriever {server.url} was not ready within 1 s"):
+            trainer.train()
+        assert trainer.step == 1
+    finally:
+        trainer.close()
+        server.stop()
+    (first,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert first["search/failures"] == 0 and first["search/rejected_batches"] == 0
