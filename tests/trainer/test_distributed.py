@@ -11,15 +11,13 @@ checkpoint with per-rank RNG files) and resumes from it.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from emapg.config import load_config
 from emapg.paths import CONFIG_DIR
+from tests.fixtures.spawn import free_port, rank_env
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +66,7 @@ def _one_update(trainer, rows: slice):
 
 
 def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     from trainer import distributed as D
     from trainer.loop import Trainer
 
@@ -88,24 +84,24 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
         trainer.train()
     finally:
         trainer.close()
-    # ... and a resume from its checkpoint for one more.
-    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=2"), resume=f"{out}/run").setup()
+    resume_one_more_step(out, model_dir)
+    D.destroy()
+
+
+def resume_one_more_step(out: str, model_dir: str, *extra: str) -> None:
+    """Resume the run in ``out/run`` (one step trained) from its checkpoint and train one more step."""
+    from trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=2", *extra), resume=f"{out}/run").setup()
     try:
         assert trainer.step == 1
         trainer.train()
     finally:
         trainer.close()
-    D.destroy()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
 
     from trainer.loop import Trainer
 
@@ -141,9 +137,7 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
 
 
 def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str, extra: tuple[str, ...] = ()) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     from trainer import distributed as D
     from trainer.loop import Trainer
 
@@ -192,7 +186,7 @@ def _single_exact_update(tmp_path, model_dir) -> tuple[dict, dict]:
 def test_fsdp2_exact_kl_from_hidden_states_matches_single_process(tmp_path, tiny_model_dir):
     """The exact KL under FSDP2: the anchor's hidden states from its swapped-in shards, its lm_head
     all-gathered once, the KL computed inside the sharded policy forward; equal to one process."""
-    mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+    mp.spawn(_exact_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
 
     single, policy = _single_exact_update(tmp_path, tiny_model_dir)
     from safetensors.torch import load_file
@@ -216,7 +210,7 @@ def test_fsdp2_token_budget_micro_batches_match_single_process(tmp_path, tiny_mo
     prompts, responses, masks, _, _ = _global_batch()
     halves = [build_token_batch(prompts[s], responses[s], masks[s], pad_id=0) for s in (slice(0, 4), slice(4, 8))]
     assert [len(plan_micro_batches(b, range(4), 2, 28)) for b in halves] == [3, 2]  # the case this test is about
-    mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir), ("algorithm.micro_batch_tokens=28",)),
+    mp.spawn(_exact_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir), ("algorithm.micro_batch_tokens=28",)),
              nprocs=2, join=True)
 
     single, policy = _single_exact_update(tmp_path, tiny_model_dir)
