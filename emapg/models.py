@@ -143,9 +143,9 @@ def _checkpoint_policy(path: Path) -> Path:
 def merged_adapter_folder(adapter_dir: str | Path, *, option: str | None = None) -> Path:
     """A peft LoRA adapter merged into its base model: a plain HF folder that transformers and vLLM load.
 
-    Built once per adapter content (``$EMAPG_CACHE/models/merged-<name>-<sha>``); the base is the
-    adapter's ``base_model_name_or_path`` (:func:`adapter_base_model`: an alias works). Used for the shipped
-    starter, so every engine and trainer (LoRA or not) loads it as an ordinary model.
+    Built once per adapter content (``$EMAPG_CACHE/models/merged-<name>-<sha>``) by :func:`merge_adapter_folder`;
+    the base is the adapter's ``base_model_name_or_path`` (:func:`adapter_base_model`: an alias works). Used for
+    the shipped starter, so every engine and trainer (LoRA or not) loads it as an ordinary model.
     """
     import hashlib
 
@@ -154,20 +154,46 @@ def merged_adapter_folder(adapter_dir: str | Path, *, option: str | None = None)
     if not weights.is_file():
         raise UnknownModelError(f"{option + ': ' if option else ''}{adapter_dir} is not a peft adapter folder (no {weights.name})")
     digest = hashlib.sha256((adapter_dir / ADAPTER_CONFIG).read_bytes() + weights.read_bytes()).hexdigest()[:12]
-    base_path = adapter_base_model(adapter_dir)
+    adapter_base_model(adapter_dir)  # an unknown base is a UserError before the build starts
     target = cache_dir() / "models" / f"merged-{adapter_dir.name}-{digest}"
-    return _atomic_build(target, lambda tmp: _merge_adapter(base_path, adapter_dir, tmp))
+    return _atomic_build(target, lambda tmp: merge_adapter_folder(adapter_dir, tmp))
 
 
-def _merge_adapter(base_path: str, adapter_dir: Path, out: Path) -> None:
+def load_adapter_model(path: str | Path, *, trainable: bool, dtype: Any = None, **model_kwargs: Any) -> Any:
+    """The base model of the adapter folder ``path`` with its adapters loaded (a ``peft.PeftModel``).
+
+    ``trainable``: the adapters require grad (resuming training) or not (inference); ``dtype`` (default
+    float32) and ``model_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` of the base.
+    """
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    merged.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(base_path).save_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(adapter_base_model(path), dtype=dtype or torch.float32, **model_kwargs)
+    return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
+
+
+def load_merged_model(path: str | Path, *, dtype: Any = None, **model_kwargs: Any) -> Any:
+    """A plain HF causal LM from a full model folder, or from an adapter folder with its adapters merged in."""
+    if is_adapter_folder(path):
+        return load_adapter_model(path, trainable=False, dtype=dtype, **model_kwargs).merge_and_unload()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, **model_kwargs)
+
+
+def merge_adapter_folder(path: str | Path, out: str | Path) -> Path:
+    """Write the adapter folder ``path`` merged into its base (or the full HF folder ``path`` as it is) as a plain
+    HF folder ``out``: config, float32 safetensors weights, tokenizer (the adapter folder's own, else its base's)."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    load_merged_model(path).save_pretrained(out, safe_serialization=True)
+    has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
+    tokenizer_from = path if has_tokenizer or not is_adapter_folder(path) else adapter_base_model(path)
+    AutoTokenizer.from_pretrained(str(tokenizer_from)).save_pretrained(out)
+    return out
 
 
 def minilm_folder() -> str:

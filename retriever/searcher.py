@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,7 @@ class Searcher:
         nprobe: int | None = None,
         encode_batch_size: int = 64,
         query_cache_size: int = 0,
+        encode_threads: int = 1,
     ):
         import faiss
 
@@ -96,7 +98,7 @@ class Searcher:
             raise ValueError(f"{self.index_dir / INDEX_FILE} is not a readable FAISS index ({str(e).strip().splitlines()[-1]}); rebuild it") from None
         if index.ntotal != self.meta["rows"]:
             raise ValueError(f"{index_dir}: FAISS index has {index.ntotal} vectors, meta.json says {self.meta['rows']}")
-        self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16, bf16=bf16)
+        self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16, bf16=bf16, threads=encode_threads)
         from retriever.fingerprint import fingerprint_of
 
         # Served in /health: which index (and search settings) produced a number.
@@ -109,6 +111,8 @@ class Searcher:
         self.query_cache_size = query_cache_size
         self._query_cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self.cache_hits = 0
+        # seconds spent per stage of :meth:`retrieve` ("encode", "search", "lookup"), served in /metrics
+        self.stage_seconds: collections.Counter[str] = collections.Counter(encode=0.0, search=0.0, lookup=0.0)
         self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
         self.index_device = "cpu"
         self._gpu_resources = None
@@ -161,11 +165,17 @@ class Searcher:
     def search(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
         """queries (B,) -> (indices (B, k), scores (B, k)); -1 marks a missing hit."""
         k = min(topk, len(self.store))
+        t0 = time.perf_counter()
         q = self._encode(queries)
+        t1 = time.perf_counter()
         if self.bm25 is None:
             scores, idx = self.index.search(q, k)
-            return idx.astype(np.int64), scores
-        return self._hybrid(queries, q, k)
+            idx = idx.astype(np.int64)
+        else:
+            idx, scores = self._hybrid(queries, q, k)
+        self.stage_seconds["encode"] += t1 - t0
+        self.stage_seconds["search"] += time.perf_counter() - t1
+        return idx, scores
 
     def _encode(self, queries: list[str]) -> np.ndarray:
         """queries (B,) -> (B, dim), encoding each distinct uncached query once."""
@@ -201,6 +211,7 @@ class Searcher:
     def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]:
         """queries (B,) -> per query a list of ``{"id", "contents", "score"}``, best first."""
         idx, scores = self.search(queries, topk)
+        t0 = time.perf_counter()
         valid = idx >= 0
         docs = iter(self.store.lookup(idx[valid]))  # one vectorised gather for the whole batch
         out = []
@@ -212,6 +223,7 @@ class Searcher:
                     d["score"] = float(scores[b, j])
                     hits.append(d)
             out.append(hits)
+        self.stage_seconds["lookup"] += time.perf_counter() - t0
         return out
 
     def info(self) -> dict:
@@ -229,6 +241,7 @@ class Searcher:
             "dtype": self.encoder.dtype,
             "encoder_packed_rows": self.encoder.packed,
             "encoder_traced": self.encoder.traced,
+            "encoder_parallel_forwards": self.encoder.parallel,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,
         }

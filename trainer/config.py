@@ -412,10 +412,6 @@ class TrainConfig:
                 f"algorithm.mini_batch_size ({mini}) must divide the rollout batch "
                 f"data.prompts_per_step * rollout.n_samples = {batch}"
             )
-        lora = self.model.lora
-        if lora.enabled and lora.engine_weights == "adapters" and self.rollout.engine == "remote" and self.rollout.weight_sync == "collective":
-            raise ConfigError("model.lora.engine_weights=adapters syncs over rollout.weight_sync=http (adapters are megabytes); "
-                              "set rollout.weight_sync=http, or model.lora.engine_weights=merged for a collective sync of merged weights")
         if self.rollout.task == "search" and not self.retriever.urls and not self.retriever.index_dir:
             raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
 

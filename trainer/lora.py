@@ -2,6 +2,8 @@
 
 Pure helpers; :func:`trainer.policy.build_policy` composes them (the optimizer over
 :func:`adapter_parameters`, the EMA anchor over the same tensors) and ``emapg sft`` reuses them.
+Loading a folder (with its adapters, or merged) and writing a merged HF folder live one layer down, in
+:mod:`emapg.models` (``resolve_model`` merges the shipped starter with them); they are re-exported here.
 
 Adapter folders are peft's format, so peft (``PeftModel.from_pretrained``) and vLLM (a
 ``LoRARequest``) load them as they are: ``adapter_config.json`` (rank, alpha, target modules,
@@ -25,14 +27,17 @@ import torch
 from torch import Tensor, nn
 
 from emapg.config import ConfigError
-from emapg.models import ADAPTER_CONFIG, adapter_base_model, is_adapter_folder, read_adapter_config
+from emapg.models import (
+    ADAPTER_CONFIG, adapter_base_model, is_adapter_folder, load_adapter_model, load_merged_model, merge_adapter_folder,
+    read_adapter_config,
+)  # fmt: skip
 from trainer.config import LoraConfig
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "is_adapter_folder", "adapter_base_model", "read_adapter_config",
     "matching_modules",
     "peft_lora_config", "apply_lora", "adapter_parameters", "adapter_state_dict", "save_adapter", "AdapterFolderWriter",
-    "load_adapter_model", "load_policy_model", "merged_state_dict", "merge_adapter_folder", "adapter_scaling",
+    "load_adapter_model", "load_merged_model", "merged_state_dict", "merge_adapter_folder", "adapter_scaling",
     "saved_adapter_name", "AdaptersOffReference", "serves_adapters", "engine_lora_config", "check_engine_serves_lora",
 ]
 
@@ -145,29 +150,6 @@ class AdapterFolderWriter:
         save_adapter(folder, self.model, state_dict)
 
 
-def load_adapter_model(path: str | Path, *, trainable: bool, dtype: torch.dtype = torch.float32, **model_kwargs: Any) -> Any:
-    """The base model of the adapter folder ``path`` with its adapters loaded (a ``peft.PeftModel``).
-
-    ``trainable``: the adapters require grad (resuming training) or not (inference).
-    ``model_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` of the base.
-    """
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base_path = adapter_base_model(path)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, **model_kwargs)
-    return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
-
-
-def load_policy_model(path: str | Path, *, dtype: torch.dtype = torch.float32, **model_kwargs: Any) -> nn.Module:
-    """A plain HF causal LM from a full model folder, or from an adapter folder with its adapters merged in."""
-    if is_adapter_folder(path):
-        return load_adapter_model(path, trainable=False, dtype=dtype, **model_kwargs).merge_and_unload()
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **model_kwargs)
-
-
 @torch.no_grad()
 def merged_state_dict(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
     """HF-named weights with the adapters merged: ``W + scaling·B·A`` for each adapted layer.
@@ -192,20 +174,6 @@ def merged_state_dict(state: dict[str, Tensor], scaling: float) -> dict[str, Ten
                 delta = (b.float() @ a.float()) * scaling
                 value = (value.float() + delta.to(value.device)).to(value.dtype)
         out[name] = value
-    return out
-
-
-def merge_adapter_folder(path: str | Path, out: str | Path) -> Path:
-    """Write the adapter folder ``path`` merged into its base (or the full HF folder ``path`` as it is) as a plain HF
-    folder ``out``: config, safetensors weights, tokenizer."""
-    from transformers import AutoTokenizer
-
-    out = Path(out)
-    model = load_policy_model(path)
-    model.save_pretrained(out, safe_serialization=True)
-    has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
-    tokenizer_from = path if has_tokenizer or not is_adapter_folder(path) else adapter_base_model(path)
-    AutoTokenizer.from_pretrained(str(tokenizer_from)).save_pretrained(out)
     return out
 
 

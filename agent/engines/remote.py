@@ -19,6 +19,8 @@ to the replica with the fewest in flight, and a weight sync goes to every replic
   under one sync id, then a commit loads them (all or nothing);
   ``"collective"``: a private process group (agent/engines/collective.py) with this process
   as rank 0 and every server worker as another rank; buckets are broadcast.
+  :meth:`load_lora` sends LoRA adapters over either transport: only the adapter tensors travel, their
+  config (``lora``) rides along on the commit (http) or the receive request (collective).
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ class RemoteEngine:
         self.info = EngineInfo(
             "remote", str(model_path or h["model"]), self.max_model_len, supports_sleep=any(x["supports_sleep"] for x in self.healths),
             continuous_batching=True, extra={"urls": self.urls, "server_engines": [x["engine"] for x in self.healths], "weight_sync": self.weight_sync},
-            serves_lora=all(x.get("serves_lora", False) for x in self.healths) and self.weight_sync == "http",
+            serves_lora=all(x.get("serves_lora", False) for x in self.healths),
             max_lora_rank=min((x["max_lora_rank"] for x in self.healths if x.get("max_lora_rank") is not None), default=None),
         )  # fmt: skip
 
@@ -312,12 +314,13 @@ class RemoteEngine:
 
     def load_lora(self, adapters: dict[str, torch.Tensor], config: dict, tag: str | None = None) -> list[int]:
         """Push LoRA adapters (peft saved names; ``config`` as :func:`agent.engines.base.lora_adapter_config`) to
-        every replica, which serves its base with them: the sync is the adapters' bytes only. http only."""
+        every replica, which serves its base with them: the sync is the adapters' bytes only, over ``weight_sync``."""
         if self._inflight:
             raise RuntimeError("load_lora while requests are in flight; let the rollout finish first")
+        lora = lora_adapter_config(config)
         if self.weight_sync == "collective":
-            raise ValueError("LoRA adapters are synced over http (weight_sync=http): they are megabytes")
-        return self._load_http(adapters, tag, lora=lora_adapter_config(config))
+            return self._load_collective(adapters, tag, lora=lora)
+        return self._load_http(adapters, tag, lora=lora)
 
     def _load_http(self, state_dict: dict[str, torch.Tensor], tag: str | None, *, lora: dict | None = None) -> list[int]:
         from safetensors.torch import save
@@ -345,7 +348,7 @@ class RemoteEngine:
             raise
         return [a["weights_version"] for a in answers]
 
-    def _load_collective(self, state_dict: dict[str, torch.Tensor], tag: str | None) -> list[int]:
+    def _load_collective(self, state_dict: dict[str, torch.Tensor], tag: str | None, *, lora: dict | None = None) -> list[int]:
         from agent.engines.collective import CollectiveSender
 
         host, port, backend, timeout_s = self._collective_args
@@ -358,6 +361,8 @@ class RemoteEngine:
             sync_id = uuid.uuid4().hex
             meta = plan_buckets(state_dict, self.bucket_bytes)
             body = {"sync_id": sync_id, "buckets": meta, "tag": tag}
+            if lora is not None:
+                body["lora"] = lora
             futs = [self._pool.submit(self._request, "POST", u + "/weights/collective/receive", json=body, retry_5xx=False) for u in self.urls]
 
             sender.wait_ready(sync_id, lambda: _raise_if_done(futs, "received nothing"))

@@ -17,7 +17,8 @@ and the schema, ``/openapi.json`` and ``/docs``):
   ``"lora": {"r", "lora_alpha", "target_modules"}`` loads the staged tensors as LoRA adapters (peft names)
   over the served base (``--max-lora-rank``); ``/health`` says ``serves_lora``/``max_lora_rank``.
 * ``POST /weights/collective/init`` (only to the addresses ``--collective-allow`` names) and
-  ``/weights/collective/receive``: the collective transport (agent/engines/collective.py).
+  ``/weights/collective/receive``: the collective transport (agent/engines/collective.py); a receive with
+  ``"lora"`` (as a commit's) broadcasts only LoRA adapters and loads them as the served adapters' next version.
 * ``POST /sleep``, ``POST /wake``; ``GET /metrics`` (JSON counters, refusals by reason).
 
 One worker thread owns the engine (agent/engines/engine_loop.py). Every body is parsed strictly
@@ -230,6 +231,7 @@ class CollectiveReceiveBody(_Strict):
     sync_id: str = Field(..., pattern=SYNC_ID.pattern)
     buckets: list[BucketMeta] = Field(..., min_length=1)
     tag: str | int | None = None
+    lora: LoraBody | None = None
 
 
 def _inline(node: Any, defs: dict) -> Any:
@@ -278,6 +280,14 @@ def parse_lora(value: Any, info: Any) -> dict:
     if problem:
         raise HTTPError(422, f"cannot serve LoRA adapters: {problem} (start it with --max-lora-rank {lora['r']})", "lora_unsupported")
     return lora
+
+
+def check_sync_kind(shapes: dict[str, tuple[int, ...]], lora: dict | None) -> None:
+    """A sync of LoRA adapters comes with its ``lora`` config (of the adapters' rank), a sync of model weights without."""
+    rank = lora_rank(shapes)
+    if (lora is None) != (rank is None) or (lora is not None and rank != lora["r"]):
+        raise HTTPError(422, "a sync of LoRA adapters needs a matching 'lora' config (r = the adapters' rank), "
+                             "and a sync of model weights none", "weights_mismatch")
 
 
 def load_bucket(body: bytes, index: int) -> dict:
@@ -467,10 +477,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         tag = parse_tag(data.get("tag"))
         lora = None if data.get("lora") is None else parse_lora(data["lora"], engine.info)
         sd = staging.take(sync_id, n, n_tensors)
-        rank = lora_rank({k: tuple(v.shape) for k, v in sd.items()})
-        if (lora is None) != (rank is None) or (lora is not None and rank != lora["r"]):
-            raise HTTPError(422, "a sync of LoRA adapters needs a matching 'lora' config (r = the adapters' rank), "
-                                 "and a sync of model weights none", "weights_mismatch")
+        check_sync_kind({k: tuple(v.shape) for k, v in sd.items()}, lora)
         await run(loop_.call(lambda: engine.load_weights(sd) if lora is None else engine.load_lora(sd, lora)))
         return committed(tag)
 
@@ -512,9 +519,10 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     @app.post("/weights/collective/receive", openapi_extra=_body_doc(CollectiveReceiveBody))
     @endpoint
     async def collective_receive(request: Request):
-        """Receive one broadcast sync (``{sync_id, buckets: [{dtype, tensors: [[name, shape]]}], tag}``) and load it."""
+        """Receive one broadcast sync (``{sync_id, buckets: [{dtype, tensors: [[name, shape]]}], tag, lora}``) and load it
+        (``lora``: the buckets are LoRA adapters, served over the base from now on)."""
         engine = ready_engine()
-        d = await json_body(request, ("sync_id", "buckets", "tag"), ("sync_id", "buckets"))
+        d = await json_body(request, ("sync_id", "buckets", "tag", "lora"), ("sync_id", "buckets"))
         sync_id = check_sync_id(d["sync_id"], "'sync_id'")
         try:
             meta = check_bucket_meta(d["buckets"], MAX_BUCKETS)
@@ -524,12 +532,15 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         names = [n for b in meta for n, _ in b["tensors"]]
         if len(set(names)) != len(names):
             raise HTTPError(422, "a tensor name appears twice in 'buckets'")
-        check_against_manifest({n: tuple(s) for b in meta for n, s in b["tensors"]}, manifest, complete=True)
+        lora = None if d.get("lora") is None else parse_lora(d["lora"], engine.info)
+        shapes = {n: tuple(s) for b in meta for n, s in b["tensors"]}
+        check_against_manifest(shapes, manifest, complete=True)
+        check_sync_kind(shapes, lora)
         if meta_bytes(meta) > staging.max_bytes:
             raise HTTPError(413, f"the sync describes {meta_bytes(meta)} bytes, more than the limit of {staging.max_bytes} (--max-staged-mb)")
         timeout_s = state["collective_timeout"]
-        if hasattr(engine, "collective_receive"):
-            await run(loop_.call(lambda: engine.collective_receive(meta, sync_id, timeout_s)))
+        if hasattr(engine, "collective_receive"):  # vLLM: the workers receive
+            await run(loop_.call(lambda: engine.collective_receive(meta, sync_id, timeout_s, lora=lora)))
         else:
             receiver = state["receiver"]
             if receiver is None or receiver.pg is None:
@@ -537,7 +548,10 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
 
             def do():
                 weights = receiver.receive(meta, sync_id, engine.device)  # refuses non-finite values
-                engine.load_weights(weights)
+                if lora is None:
+                    engine.load_weights(weights)
+                else:
+                    engine.load_lora(weights, lora)
 
             await run(loop_.call(do))
         return committed(tag)

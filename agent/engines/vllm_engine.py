@@ -248,8 +248,15 @@ class VLLMEngine:
         """Serve the base with these LoRA adapters from now on (peft saved names; ``config`` as
         :func:`agent.engines.base.lora_adapter_config`): written as a peft folder and hot-loaded as a new
         ``LoRARequest`` version; the previous version is dropped. The base weights are never touched."""
-        from peft import LoraConfig
         from safetensors.torch import save_file
+
+        self._install_lora(config, lambda path: save_file(
+            {k: v.detach().to("cpu").contiguous().clone() for k, v in adapters.items()}, path))
+
+    def _install_lora(self, config: dict, write_weights) -> None:
+        """A new adapter version: its peft folder (the config, then ``write_weights(<folder>/adapter_model.safetensors)``),
+        hot-loaded by :meth:`_set_lora`; a failure leaves the served version."""
+        from peft import LoraConfig
 
         config = lora_adapter_config(config)
         problem = self.info.lora_problem(config["r"])
@@ -261,7 +268,7 @@ class VLLMEngine:
         folder = Path(tempfile.mkdtemp(prefix="emapg-lora-", dir=shm if shm.is_dir() else None))
         try:
             LoraConfig(**config, bias="none", task_type="CAUSAL_LM").save_pretrained(str(folder))
-            save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in adapters.items()}, str(folder / "adapter_model.safetensors"))
+            write_weights(str(folder / "adapter_model.safetensors"))
             self._set_lora(str(folder))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -287,8 +294,19 @@ class VLLMEngine:
         args = (host, port, world_size, rank_offset, backend, group, timeout_s)
         return self.llm.collective_rpc("emapg_collective_init", timeout=timeout_s + 30, args=args)
 
-    def collective_receive(self, meta: list, sync_id: str, timeout_s: float) -> None:
-        """Every worker receives one broadcast sync and loads it; then stale KV is dropped (as load_weights)."""
+    def collective_receive(self, meta: list, sync_id: str, timeout_s: float, *, lora: dict | None = None) -> None:
+        """Every worker receives one broadcast sync and loads it; then stale KV is dropped (as load_weights).
+
+        ``lora`` (a :func:`agent.engines.base.lora_adapter_config`): the sync is LoRA adapters. vLLM loads an
+        adapter from a folder, so the first worker writes the received tensors into the new version's folder
+        (every worker takes part in the broadcasts) and it is hot-loaded as :meth:`load_lora` does.
+        """
+        if lora is not None:
+            def receive_into(path: str) -> None:
+                self.llm.collective_rpc("emapg_collective_receive_to_file", timeout=timeout_s + 30, args=(meta, sync_id, path))
+
+            self._install_lora(lora, receive_into)
+            return
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
         counts = self.llm.collective_rpc("emapg_collective_receive", timeout=timeout_s + 30, args=(meta, sync_id))

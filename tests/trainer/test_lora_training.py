@@ -200,9 +200,6 @@ def test_a_lora_run_trains_and_checkpoints_peft_adapters(tmp_path, tiny_model_di
 def test_bad_lora_input_fails_before_any_model_or_rollout(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"model\.lora\.rank"):
         lora_cfg(tmp_path, tiny_model_dir, "model.lora.rank=0")
-    with pytest.raises(ConfigError, match=r"rollout\.weight_sync=http"):
-        lora_cfg(tmp_path, tiny_model_dir, "rollout.engine=remote", "rollout.engine_urls=[http://127.0.0.1:9]",
-                 "rollout.weight_sync=collective")
     trainer = Trainer(lora_cfg(tmp_path / "r", tiny_model_dir, "model.lora.target_modules=[qkv_proj]"))
     try:
         with pytest.raises(ConfigError, match=r"model\.lora\.target_modules \['qkv_proj'\] match no linear layer"):
