@@ -17,7 +17,11 @@ alternate, so a burst of load from elsewhere hits both):
   (:func:`trainer.stored_stats.plan_micro_batches`).
 
 Both give the same loss and gradient (``tests/trainer/test_step.py``: float64, to rounding); what
-differs is the padding the model computes (``perf/padding_frac``) and so the time. It also reports
+differs is the padding the model computes (``perf/padding_frac``) and so the time. Both run with
+``model.share_prompt`` / ``share_prompt_training`` (the defaults: each distinct prompt of a
+micro-batch runs once, in the training pass too), so what a plan's forwards really compute is ``distinct prompts × widest prompt
++ rows × widest response`` per micro-batch (``shared_computed_tokens``); the token-budget planner
+keeps a group together where that costs no extra forward. It also reports
 the planner's padding alone (no model run) at the paper's full search shape (Search-R1: 512
 trajectories, observations of up to 500 tokens, responses of up to 4096, micro-batches of 8).
 
@@ -102,11 +106,28 @@ def full_shape_padding(seed: int = 0) -> dict:
     micro, budget = 8, 8 * (260 + 4096)
     out: dict = {"rows": len(prompts), "micro_batch_size": micro, "micro_batch_tokens": budget, "real_tokens": real}
     for name, plan in (("fixed", plan_micro_batches(batch, range(len(prompts)), micro)),
-                       ("tokens", plan_micro_batches(batch, range(len(prompts)), micro, budget))):
+                       ("tokens", plan_micro_batches(batch, range(len(prompts)), micro, budget, share_prompts=True))):
         computed = sum(batch.micro(r).input_ids.numel() for r in plan)
-        out[name] = {"micro_batches": len(plan), "computed_tokens": computed, "padding_frac": 1 - real / computed}
+        out[name] = {"micro_batches": len(plan), "computed_tokens": computed, "padding_frac": 1 - real / computed,
+                     "shared_computed_tokens": shared_computed_tokens(batch, plan)}
     out["tokens_over_fixed_computed_ratio"] = out["tokens"]["computed_tokens"] / out["fixed"]["computed_tokens"]
+    out["tokens_over_fixed_shared_computed_ratio"] = (out["tokens"]["shared_computed_tokens"]
+                                                      / out["fixed"]["shared_computed_tokens"])
     return out
+
+
+def shared_computed_tokens(batch, plan) -> int:
+    """Tokens the forwards of ``plan`` compute with prompt sharing: per micro-batch, each distinct prompt
+    once at the widest prompt's width, every row's response at the widest response's width."""
+    import torch
+
+    total = 0
+    for rows in plan:
+        mb = batch.micro(rows)
+        width = mb.input_ids.shape[1] - mb.response_width
+        prompts = mb.input_ids[:, :width].masked_fill(mb.attention_mask[:, :width] == 0, -1)
+        total += torch.unique(prompts, dim=0).shape[0] * width + mb.input_ids.shape[0] * mb.response_width
+    return total
 
 
 def overrides(sizes: dict, batch_rows: int) -> list[str]:
@@ -157,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator().manual_seed(0)
         rewards = torch.randint(0, 2, (rows,), generator=g).float()
         adv = grpo_advantages(rewards, [str(i // sizes["group"]) for i in range(rows)])
+        from trainer.stored_stats import micro_batches
+
+        whole = build_token_batch(prompts, responses, masks, pad_id=trainer.pad_id)
+        shared = {name: shared_computed_tokens(whole, micro_batches(whole, range(rows), c.algorithm,
+                                                                    share_prompts=c.model.share_prompt))
+                  for name, c in plans.items()}
         times: dict[str, list[float]] = {name: [] for name in plans}
         padding: dict[str, float] = {}
         phases: dict[str, list[dict]] = {name: [] for name in plans}
@@ -192,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                             "max": max(map(len, responses))},
         "prompt_tokens": {"min": min(map(len, prompts)), "max": max_prompt},
         "results": {name: {"step_times_s": times[name], "step_time_s_median": statistics.median(times[name]),
-                           "padding_frac": padding[name], "phase_times_s": phases[name]} for name in plans},
+                           "padding_frac": padding[name], "shared_computed_tokens": shared[name],
+                           "phase_times_s": phases[name]} for name in plans},
         "tokens_over_fixed_step_time_ratio": statistics.median(per_round),
         "tokens_over_fixed_step_time_ratio_rounds": {"per_round": per_round, "min": min(per_round), "max": max(per_round)},
         "padding_frac_fixed": padding["fixed"],
@@ -204,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     full = report["full_search_shape_planner"]
     print(f"tokens_over_fixed_step_time_ratio = {report['tokens_over_fixed_step_time_ratio']:.3f} "
-          f"[rounds {min(per_round):.3f}..{max(per_round):.3f}]; padding fixed {padding['fixed']:.3f} -> tokens {padding['tokens']:.3f}")
+          f"[rounds {min(per_round):.3f}..{max(per_round):.3f}]; padding fixed {padding['fixed']:.3f} -> tokens {padding['tokens']:.3f}; "
+          f"tokens computed with prompt sharing fixed {shared['fixed']} -> tokens {shared['tokens']}")
     print(f"full search shape (planner only, 512 rows): padding fixed {full['fixed']['padding_frac']:.3f} -> "
           f"tokens {full['tokens']['padding_frac']:.3f}; computed tokens ratio {full['tokens_over_fixed_computed_ratio']:.3f}")
     print(f"wrote {out_path} ({report['wall_s']:.0f} s)")

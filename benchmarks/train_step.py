@@ -8,16 +8,18 @@ optimizer step per rollout batch over all P x G completions, token-mean (DAPO) l
 * ``ours_grpo``  -- our trainer, no KL term, no anchor (TRL's default ``beta=0``);
 * ``ours_emapg`` -- our trainer, Top-k reverse KL (k=32, tail + IW) against an EMA anchor that is
   blended *every* step (worst case; the paper blends every 10);
-* ``ours_emapg_unshared`` -- ``ours_emapg`` with ``model.share_prompt=false`` (the anchor pass runs
-  every row's prompt), to show what sharing the prompt saves;
+* ``ours_emapg_unshared`` -- ``ours_emapg`` with ``model.share_prompt=false`` (the training and
+  anchor passes run every row's prompt), to show what sharing the prompt saves;
 * ``ours_grpo_k3`` -- our trainer, the paper's GRPO baseline (ALGORITHM.md §3.2): K3 KL to a frozen
   reference, which needs the same extra (no-grad) reference forward as the EMA anchor;
 * ``trl``        -- ``trl.GRPOTrainer`` (``beta=0``) from the bench profile (requirements/bench.txt,
   installed by ``make bench``). Missing TRL is an error, not a silent None; ``--no-trl`` skips it.
 
-The extra no-grad forward of the anchor/reference is what EMA-PG costs over plain GRPO; it runs
-each group's prompt once and continues the G responses from its KV cache (``model.share_prompt``,
-on by default), so its price is one response-length pass rather than G prompt+response passes.
+Our forwards -- the differentiable training pass and the no-grad anchor/reference pass -- run each
+group's prompt once and continue the G responses from its KV cache (``model.share_prompt`` and
+``model.share_prompt_training``, on by default; gradients flow back through the shared prompt activations), so the training pass computes
+one prompt + G responses per group where TRL computes G prompt+response rows, and the extra no-grad
+forward of the anchor that EMA-PG costs over plain GRPO is one response-length pass per row.
 
 Configurations (``--config``):
 

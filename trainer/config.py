@@ -106,8 +106,15 @@ class ModelConfig:
     chunk_size: int = option(DEFAULT_CHUNK_SIZE, help="tokens per chunk when computing log-probs/top-k/entropy from the LM head")
     share_prompt: bool = option(
         True,
-        help="no-grad passes (EMA anchor / reference, recomputed old log-probs) run each distinct prompt once and "
-        "continue every group member from its KV cache; same values up to float rounding, fewer FLOPs",
+        help="no-grad passes (EMA anchor / reference, recomputed old log-probs) run each distinct prompt of a "
+        "micro-batch once and continue every group member from its KV cache; same values up to float rounding, "
+        "fewer FLOPs; token-budget micro-batches keep a group together where that costs no extra forward",
+    )
+    share_prompt_training: bool = option(
+        True,
+        help="with model.share_prompt, the differentiable training pass shares each distinct prompt too (gradients "
+        "flow back through the shared prompt activations; equal to one pass per row up to float rounding); it "
+        "runs one pass per row under model.gradient_checkpointing",
     )
     lora: LoraConfig = option(default_factory=LoraConfig, help="LoRA adapters (off by default: full fine-tuning)")
 

@@ -45,6 +45,7 @@ __all__ = [
     "compute_dtype",
     "project_logits",
     "lm_head_backward",
+    "activation_checkpointing_active",
 ]
 
 #: Tokens per chunk (also ``model.chunk_size``'s default).  1024 tokens × 151,936 (Qwen vocab) × 4 B
@@ -456,10 +457,13 @@ def causal_lm_hidden(
     ``cumsum(attention_mask) − 1`` so left padding does not shift positions.  The hidden state
     at column ``L−T−1+t`` predicts response token ``t``.
 
-    ``share_prompt=True`` (no-grad passes only; ignored while autograd records): rows whose
-    prompt columns are identical -- the members of a GRPO group -- run the prompt once and
-    continue from its KV cache (see :func:`_shared_prompt_hidden`). Same values up to float
-    rounding, (n−1)/n fewer prompt FLOPs for groups of n.
+    ``share_prompt=True``: rows whose prompt columns are identical -- the members of a GRPO
+    group -- run the prompt once and continue from its KV cache (see :func:`_shared_prompt_hidden`),
+    in no-grad passes and in the differentiable training pass alike (gradients flow back through
+    the shared prompt activations). Same values and gradients up to float rounding, (n−1)/n fewer
+    prompt FLOPs for groups of n. While autograd records through layers with activation
+    checkpointing (``model.gradient_checkpointing`` in training mode) the one-pass forward runs
+    instead: checkpointed layers drop the KV cache (its writes would be replayed in backward).
 
     Models with logit post-processing other than a linear lm_head (e.g. Gemma's final logit
     soft-capping) are rejected rather than silently computed wrong.
@@ -478,7 +482,7 @@ def causal_lm_hidden(
     body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = None
-    if share_prompt and not torch.is_grad_enabled():
+    if share_prompt and not (torch.is_grad_enabled() and activation_checkpointing_active(body)):
         hidden = _shared_prompt_hidden(body, input_ids, attention_mask, position_ids, T)
     if hidden is None:
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -493,20 +497,39 @@ def _shared_prompt_hidden(
 
     The prompt block (the first ``L − T`` columns, left-padded) is deduplicated; the unique
     prompts run with ``use_cache=True``, their KV cache is gathered back to one entry per row
-    (``Cache.reorder_cache``), and the response block runs on top of it with the full 2-D
-    attention mask, so padding and positions are exactly those of the one-pass forward. The
-    first response token is predicted by the prompt's last hidden state. Returns ``None``
-    when no two rows share a prompt (nothing to save) or the model does not return a cache.
+    (``Cache.reorder_cache``, an ``index_select``), and the response block runs on top of it with
+    the full 2-D attention mask, so padding and positions are exactly those of the one-pass
+    forward. The first response token is predicted by the prompt's last hidden state. Returns
+    ``None`` when no two rows share a prompt (nothing to save) or the model does not return a cache.
+
+    Differentiable: every op on the way (the gather of the cache and of the last prompt state,
+    the concatenation the cache does per layer) is out of place, so the response block's gradient
+    reaches the prompt activations and is summed over the group members -- the one-pass
+    gradient up to float rounding (``tests/trainer/test_shared_prompt_grad.py``, float64).
+
+    Under FSDP2 every body call is a round of all-gathers per layer, so all ranks must make the
+    same number of calls: the ranks agree (one all-reduce) to share only if each of them has a
+    repeated prompt and ``T > 1``; otherwise all run the one-pass forward.
 
     Memory: the micro-batch's KV cache is held for the whole pass (layers × rows × columns ×
     2 × kv-heads × head-dim; for Qwen2.5-3B in bf16 about 36 KiB per token, so 8 rows × 6k
-    columns ≈ 1.8 GiB), which the one-pass forward frees layer by layer.
+    columns ≈ 1.8 GiB), which a no-grad one-pass forward frees layer by layer. In the training
+    pass the cache is held with the graph until backward -- attention saves those keys and values
+    for its backward anyway, while the prompt's other activations are kept once per distinct
+    prompt instead of once per row, so a group's pass holds less than the one-pass forward.
     """
     T = num_response_tokens
     P = input_ids.shape[1] - T
     prompt = input_ids[:, :P].masked_fill(attention_mask[:, :P] == 0, -1)  # padding is not prompt content
     unique, inverse = torch.unique(prompt, dim=0, return_inverse=True)
-    if unique.shape[0] == input_ids.shape[0]:
+    share = unique.shape[0] < input_ids.shape[0]
+    if _is_sharded(body):
+        from trainer.distributed import all_reduce_max
+
+        share = share and T > 1
+        # On the inputs' device: an NCCL group reduces CUDA tensors only.
+        share = not bool(all_reduce_max(torch.tensor([0.0 if share else 1.0], device=input_ids.device)).item())
+    if not share:
         return None
     first = torch.zeros(unique.shape[0], dtype=torch.long, device=input_ids.device)
     first.scatter_reduce_(0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device), "amin", include_self=False)
@@ -526,14 +549,28 @@ def _shared_prompt_hidden(
     return torch.cat([last_prompt, rest], dim=1)
 
 
+def _is_sharded(body: nn.Module) -> bool:
+    """Whether ``body`` has FSDP2 units (whose forwards are collectives)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in body.modules())
+
+
+def activation_checkpointing_active(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` would checkpoint its activations now (and so drop the KV cache)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules())
+
+
 @contextlib.contextmanager
 def _no_activation_checkpointing(model: nn.Module):
-    """Switch transformers' per-layer activation checkpointing off for a no-grad pass.
+    """Switch transformers' per-layer activation checkpointing off for a shared-prompt pass.
 
     Checkpointed layers in training mode drop ``use_cache``/``past_key_values`` (they would
     be written twice on the backward replay), which would silently cut the response block
     off its prompt. Without autograd there is nothing to recompute, so turning it off costs
-    nothing.
+    nothing; while autograd records, :func:`causal_lm_hidden` does not share the prompt
+    through checkpointed layers at all, so the flags seen here are those of eval-mode layers
+    (which do not checkpoint).
     """
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for m in layers:

@@ -23,7 +23,8 @@ from trainer import distributed as D
 from trainer.batch import MicroBatch
 from trainer.config import LoraConfig, TrainConfig
 from trainer.lora import AdaptersOffReference, adapter_parameters, is_adapter_folder
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, causal_lm_hidden, token_stats_from_hidden
+from trainer.logprobs import (DEFAULT_CHUNK_SIZE, TokenStats, activation_checkpointing_active, causal_lm_hidden,
+                              token_stats_from_hidden)
 from trainer.topk_kl import ExactKLAnchor, exact_kl_from_hidden
 
 __all__ = ["PolicyForward", "Policy", "build_policy", "use_bf16", "linear_warmup_constant"]
@@ -91,10 +92,12 @@ class Policy:
 
     def __init__(self, model: torch.nn.Module, forward: PolicyForward, *, fsdp: bool, bf16: bool,
                  optimizer: torch.optim.Optimizer, scheduler: Any, anchor: Any, share_prompt: bool,
-                 lora: LoraConfig | None = None) -> None:
+                 share_prompt_training: bool = False, lora: LoraConfig | None = None) -> None:
         self.model, self.forward, self.fsdp, self.bf16 = model, forward, fsdp, bf16
         self.optimizer, self.scheduler, self.anchor = optimizer, scheduler, anchor
+        # model.share_prompt: the no-grad passes; model.share_prompt_training: the differentiable pass as well.
         self.share_prompt = share_prompt
+        self.share_prompt_training = share_prompt and share_prompt_training
         self.lora = lora  # None: full fine-tuning; else model is a peft model whose adapters alone train
         # The lm_head tensors and the anchor's names of them, taken now: FSDP2 registers the sharded
         # parameters between passes but the unsharded ones after a no-grad forward of the root. With
@@ -116,7 +119,9 @@ class Policy:
 
     def stats(self, mb: MicroBatch, **kwargs: Any) -> TokenStats:
         """The policy's statistics on a micro-batch (differentiable unless under ``no_grad``);
-        ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``."""
+        ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``
+        (the training pass passes :attr:`share_prompt_training`: each group's prompt runs once, see
+        :func:`trainer.logprobs.causal_lm_hidden`)."""
         with self.autocast():
             return TokenStats(*self.forward(mb.input_ids, mb.attention_mask, mb.response_width, **kwargs))
 
@@ -129,11 +134,13 @@ class Policy:
     def anchor_hidden(self, mb: MicroBatch) -> torch.Tensor:
         """The anchor's final hidden states ``(B, T, H)`` at the response positions (for the exact KL).
 
-        Without prompt sharing: the training pass runs every row's prompt, and the exact KL is only
-        exactly 0 (with a zero gradient, which Adam would otherwise blow up to lr-sized steps of
-        rounding noise) at policy = anchor if both passes round alike.
+        Prompts shared exactly when the training pass shares them (``model.share_prompt_training``, not
+        under activation checkpointing): the exact KL is only exactly 0 (with a zero gradient, which
+        Adam would otherwise blow up to lr-sized steps of rounding noise) at policy = anchor if both
+        passes round alike.
         """
-        return self._anchor_forward(mb, hidden_only=True, share_prompt=False)[0]
+        share = self.share_prompt_training and not activation_checkpointing_active(self.model)
+        return self._anchor_forward(mb, hidden_only=True, share_prompt=share)[0]
 
     def _anchor_forward(self, mb: MicroBatch, **kwargs: Any) -> tuple[torch.Tensor | None, ...]:
         """Unsharded: ``torch.func.functional_call`` runs the policy module with the anchor's
@@ -330,7 +337,7 @@ def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: b
             only=None if lora is None else [n for n, _ in adapter_parameters(model)],
         )
     return Policy(model, forward, fsdp=fsdp, bf16=bf16, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
-                  share_prompt=cfg.model.share_prompt, lora=lora)
+                  share_prompt=cfg.model.share_prompt, share_prompt_training=cfg.model.share_prompt_training, lora=lora)
 
 
 def deterministic(cfg: TrainConfig, dev: torch.device) -> None:

@@ -6,7 +6,8 @@
   kind's term, each normalised for the whole mini-batch) and its metrics.
 * :func:`policy_pass` — the differentiable forward that produces those statistics, asking the
   model for what the :class:`~trainer.stored_stats.StatsPlan` says the loss needs (q to gather
-  on, its own top-k when fused, the exact KL against the stored anchor hidden states).
+  on, its own top-k when fused, the exact KL against the stored anchor hidden states); with
+  ``model.share_prompt_training`` each distinct prompt of the micro-batch runs once.
 * :func:`ppo_update` — PPO epochs over mini-batches, gradient accumulation over micro-batches
   (:func:`~trainer.stored_stats.micro_batches`: fixed rows, or packed by a token budget), gradient clipping, and skipping an
   optimizer step whose loss or gradient is not finite on any rank.  Its metrics are named sums
@@ -91,7 +92,7 @@ def policy_pass(policy: Policy, mb: MicroBatch, plan: StatsPlan, cfg: TrainConfi
     stored: dict[str, Tensor] = dict(mb.stored)
     on_policy = "old_logp" not in stored
     kwargs = dict(entropy=cfg.algorithm.entropy_coef != 0.0 or on_policy, temperature=cfg.rollout.temperature,
-                  chunk_size=cfg.model.chunk_size)
+                  chunk_size=cfg.model.chunk_size, share_prompt=policy.share_prompt_training)
     if plan.fused_topk:
         stats = policy.stats(mb, topk=plan.fused_topk, **kwargs)
         stats.topk_indices = stats.topk_indices.detach()
@@ -154,7 +155,7 @@ def ppo_update(
     result = UpdateResult()
     for _ in range(alg.ppo_epochs):
         for start in range(0, n, mini):
-            micro = micro_batches(batch, range(start, min(start + mini, n)), alg)
+            micro = micro_batches(batch, range(start, min(start + mini, n)), alg, share_prompts=cfg.model.share_prompt)
             agg = LossAggregation.for_batch(
                 alg.loss_agg, [batch.loss_mask[r] for r in micro], num_micro_batches=len(micro),
                 all_reduce=dist.distributed, norm_length=float(cfg.rollout.max_response_tokens),

@@ -93,7 +93,7 @@ def plan_stored_stats(cfg: TrainConfig, *, on_policy: bool, fuse: bool) -> Stats
 
 
 def plan_micro_batches(batch: TokenBatch, rows: range, micro_batch_size: int, token_budget: int = 0,
-                       *, at_least: int = 1) -> list[slice | torch.Tensor]:
+                       *, at_least: int = 1, share_prompts: bool = False) -> list[slice | torch.Tensor]:
     """Split ``rows`` of ``batch`` into micro-batches (forward/backward units).
 
     ``token_budget == 0``: consecutive runs of ``micro_batch_size`` rows. ``token_budget > 0``: the rows
@@ -103,32 +103,32 @@ def plan_micro_batches(batch: TokenBatch, rows: range, micro_batch_size: int, to
     fit, and among those the cuts that compute the fewest tokens (dynamic programming over the sorted
     rows). Those micro-batches are index tensors. Rows of similar length then share a micro-batch, so
     less padding is computed; losses normalised over the whole mini-batch do not depend on the grouping.
+
+    ``share_prompts`` (``model.share_prompt``: each distinct prompt of a micro-batch runs once): with a
+    budget, a run computes ``distinct prompts × widest prompt + rows × widest response`` tokens, and
+    the cuts are searched in two orders -- by length as above, and with the rows of one prompt (a GRPO
+    group) adjacent (groups by their longest response, then each group's rows by length) -- taking the
+    better (fewest runs, then fewest such tokens): groups stay together where that does not cost an
+    extra forward (the budget itself still bounds the padded tensor). Fixed runs of consecutive rows
+    keep the group-major rollout order's groups together already.
+
     ``at_least``: split the largest micro-batches in two until there are that many (every rank of a
     sharded run must run the same number of forwards; at most ``len(rows)``).
     """
     if token_budget <= 0:
         return [slice(i, min(i + micro_batch_size, rows.stop)) for i in range(rows.start, rows.stop, micro_batch_size)]
     prompt, response = batch.prompt_lens.tolist(), batch.response_lens.tolist()
-    order = sorted(rows, key=lambda i: (-response[i], -prompt[i], i))
-    n = len(order)
-    # best[j]: (micro-batches, computed tokens) of the best cut of the first j sorted rows; cut[j]: its last run's start.
-    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        widest_prompt = 0
-        for i in range(j - 1, -1, -1):  # the run order[i:j]; its widest response is order[i]'s (sorted)
-            widest_prompt = max(widest_prompt, prompt[order[i]])
-            cost = (j - i) * (widest_prompt + max(1, response[order[i]]))
-            if cost > token_budget and j - i > 1:
-                break  # longer runs only cost more
-            candidate = (best[i][0] + 1, best[i][1] + cost)
-            if candidate < best[j]:
-                best[j], cut[j] = candidate, i
-    groups: list[list[int]] = []
-    j = n
-    while j > 0:
-        groups.insert(0, order[cut[j] : j])
-        j = cut[j]
+    by_length = sorted(rows, key=lambda i: (-response[i], -prompt[i], i))
+    if share_prompts:
+        group = _prompt_groups(batch, rows)
+        longest: dict[int, int] = {}
+        for i in rows:
+            longest[group[i]] = max(longest.get(group[i], 0), response[i])
+        by_group = sorted(rows, key=lambda i: (-longest[group[i]], -prompt[i], group[i], -response[i], i))
+        # The better of the two orders' best cuts: never more forwards, nor more shared-prompt tokens, than by length alone.
+        _, groups = min(_cut_runs(order, prompt, response, group, token_budget) for order in (by_length, by_group))
+    else:
+        _, groups = _cut_runs(by_length, prompt, response, {i: i for i in rows}, token_budget)
     while len(groups) < min(at_least, len(rows)):
         big = max(range(len(groups)), key=lambda g: len(groups[g]))
         half = len(groups[big]) // 2
@@ -136,14 +136,58 @@ def plan_micro_batches(batch: TokenBatch, rows: range, micro_batch_size: int, to
     return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
-def micro_batches(batch: TokenBatch, rows: range, alg: AlgorithmConfig) -> list[slice | torch.Tensor]:
-    """:func:`plan_micro_batches` by ``algorithm.micro_batch_size`` / ``micro_batch_tokens``, with as many
-    micro-batches on this rank as on the rank that has the most (FSDP2's forwards are collective)."""
-    planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens)
+def _cut_runs(order: list[int], prompt: list[int], response: list[int], group: dict[int, int],
+              token_budget: int) -> tuple[tuple[int, int], list[list[int]]]:
+    """The best cut of ``order`` into consecutive runs within ``token_budget`` padded tokens: ((runs, computed
+    tokens), the runs). A run computes ``distinct prompts × widest prompt + rows × widest response`` tokens
+    (``group``: row → its prompt; every row its own prompt gives the padded size). Dynamic programming:
+    best[j] is the best cut of the first j rows, cut[j] its last run's start."""
+    n = len(order)
+    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        widest_prompt = widest_response = 0
+        prompts_in_run: set[int] = set()
+        for i in range(j - 1, -1, -1):  # the run order[i:j]
+            row = order[i]
+            widest_prompt = max(widest_prompt, prompt[row])
+            widest_response = max(widest_response, max(1, response[row]))
+            prompts_in_run.add(group[row])
+            if (j - i) * (widest_prompt + widest_response) > token_budget and j - i > 1:
+                break  # longer runs only grow
+            cost = len(prompts_in_run) * widest_prompt + (j - i) * widest_response
+            candidate = (best[i][0] + 1, best[i][1] + cost)
+            if candidate < best[j]:
+                best[j], cut[j] = candidate, i
+    runs: list[list[int]] = []
+    j = n
+    while j > 0:
+        runs.insert(0, order[cut[j] : j])
+        j = cut[j]
+    return best[n], runs
+
+
+def _prompt_groups(batch: TokenBatch, rows: range) -> dict[int, int]:
+    """Row → the first row (of ``rows``) with the same prompt tokens (what prompt sharing deduplicates)."""
+    first: dict[tuple[int, ...], int] = {}
+    out = {}
+    for i in rows:
+        p = int(batch.prompt_lens[i])
+        key = tuple(batch.input_ids[i, batch.prompt_width - p : batch.prompt_width].tolist())
+        out[i] = first.setdefault(key, i)
+    return out
+
+
+def micro_batches(batch: TokenBatch, rows: range, alg: AlgorithmConfig, *, share_prompts: bool = False) -> list[slice | torch.Tensor]:
+    """:func:`plan_micro_batches` by ``algorithm.micro_batch_size`` / ``micro_batch_tokens`` (``share_prompts``:
+    ``model.share_prompt``), with as many micro-batches on this rank as on the rank that has the most
+    (FSDP2's forwards are collective)."""
+    planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens, share_prompts=share_prompts)
     if alg.micro_batch_tokens > 0:  # fixed row counts are the same on every rank already
         most = int(D.all_reduce_max(torch.tensor([len(planned)], dtype=torch.float64)).item())
         if most > len(planned):
-            planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens, at_least=most)
+            planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens, at_least=most,
+                                         share_prompts=share_prompts)
     return planned
 
 
@@ -160,7 +204,7 @@ def compute_stored_stats(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
     t0 = time.perf_counter()
     if plan.old_pass:
         old_logp, entropy = torch.zeros(n, t), torch.zeros(n, t)
-        for rows in micro_batches(batch, range(n), cfg.algorithm):
+        for rows in micro_batches(batch, range(n), cfg.algorithm, share_prompts=cfg.model.share_prompt):
             mb = batch.micro(rows, device)
             st = policy.stats(mb, topk=plan.old_topk, entropy=True, temperature=temp, chunk_size=chunk,
                               share_prompt=cfg.model.share_prompt)
@@ -176,7 +220,7 @@ def compute_stored_stats(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
         return timings
     t0 = time.perf_counter()
     if plan.anchor == "hidden":
-        _store_anchor_hidden(batch, policy, cfg.algorithm, device)
+        _store_anchor_hidden(batch, policy, cfg, device)
     else:
         _store_anchor_tokens(batch, plan, policy, cfg, device, topk_idx)
     timings["time/anchor"] = time.perf_counter() - t0
@@ -188,7 +232,7 @@ def _store_anchor_tokens(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
     n, t, k = batch.size, batch.response_width, plan.gather_topk
     ref_logp, ref_lse = torch.zeros(n, t), torch.zeros(n, t)
     ref_vals = torch.zeros(n, t, k) if k else None
-    for rows in micro_batches(batch, range(n), cfg.algorithm):
+    for rows in micro_batches(batch, range(n), cfg.algorithm, share_prompts=cfg.model.share_prompt):
         mb = batch.micro(rows, device)
         w = mb.response_width
         gather = topk_idx[rows, :w].to(device) if plan.old_topk else None
@@ -207,9 +251,9 @@ def _store_anchor_tokens(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg
         batch.stored["topk_indices"] = topk_idx
 
 
-def _store_anchor_hidden(batch: TokenBatch, policy: Policy, alg: AlgorithmConfig, device: torch.device) -> None:
+def _store_anchor_hidden(batch: TokenBatch, policy: Policy, cfg: TrainConfig, device: torch.device) -> None:
     hidden: torch.Tensor | None = None
-    for rows in micro_batches(batch, range(batch.size), alg):
+    for rows in micro_batches(batch, range(batch.size), cfg.algorithm, share_prompts=cfg.model.share_prompt):
         mb = batch.micro(rows, device)
         h = policy.anchor_hidden(mb)
         if hidden is None:  # in the dtype the forward produced (bf16 on GPU): H numbers per token

@@ -36,14 +36,17 @@ def _cfg(out, model_dir, *extra):
     ])
 
 
-def _global_batch():
-    """Deterministic trajectories: random prompts/responses, a loss mask with an observation hole."""
+def _global_batch(grouped: bool = False):
+    """Deterministic trajectories: random prompts/responses, a loss mask with an observation hole.
+    ``grouped``: the rows of groups 0-2 share their group's prompt (group 3's two rows do not)."""
     g = torch.Generator().manual_seed(0)
     prompts, responses, masks, rewards = [], [], [], []
     for i in range(N_GROUPS * GROUP):
         p = int(torch.randint(3, 9, (1,), generator=g))
         r = int(torch.randint(4, 8, (1,), generator=g))
         prompts.append(torch.randint(5, 2000, (p,), generator=g).tolist())
+        if grouped and i % GROUP and i // GROUP < N_GROUPS - 1:
+            prompts[-1] = prompts[-2]
         responses.append(torch.randint(5, 2000, (r,), generator=g).tolist())
         masks.append([1, 1, 0, 0] + [1] * (r - 4))
         rewards.append(float(i % 3 == 0))
@@ -51,11 +54,11 @@ def _global_batch():
     return prompts, responses, masks, torch.tensor(rewards), groups
 
 
-def _one_update(trainer, rows: slice):
+def _one_update(trainer, rows: slice, grouped: bool = False):
     from trainer.batch import build_token_batch
     from trainer.grpo import broadcast_advantages, grpo_advantages
 
-    prompts, responses, masks, rewards, groups = _global_batch()
+    prompts, responses, masks, rewards, groups = _global_batch(grouped)
     batch = build_token_batch(prompts[rows], responses[rows], masks[rows], pad_id=0)
     trainer.compute_stored_stats(batch)
     adv = grpo_advantages(rewards[rows], groups[rows])
@@ -136,19 +139,24 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
     assert (run / "latest").read_text().strip() == "step_2"
 
 
-def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str, extra: tuple[str, ...] = ()) -> None:
+def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str, extra: tuple[str, ...] = (),
+                  grouped: bool = False) -> None:
     rank_env(rank, world, port)
+    import trainer.logprobs as L
     from trainer import distributed as D
     from trainer.loop import Trainer
 
+    shared: list[bool] = []  # per shared-prompt attempt: did it share (False: the ranks agreed on one pass)
+    original = L._shared_prompt_hidden
+    L._shared_prompt_hidden = lambda *a: shared.append(original(*a) is not None) or original(*a)
     trainer = Trainer(_cfg(f"{out}/run", model_dir, *EXACT, *extra)).setup(with_engine=False)
     try:
         assert trainer.fsdp and D.is_sharded(trainer.model)
         half = D.shard_slice(N_GROUPS, rank, world)
-        metrics = _exact_update(trainer, slice(half.start * GROUP, half.stop * GROUP))
+        metrics = _exact_update(trainer, slice(half.start * GROUP, half.stop * GROUP), grouped)
         policy = trainer.policy.export_weights(all_ranks=True)
         if rank == 0:
-            torch.save({"policy": policy, "metrics": metrics}, f"{out}/fsdp_exact.pt")
+            torch.save({"policy": policy, "metrics": metrics, "shared": shared}, f"{out}/fsdp_exact.pt")
     finally:
         trainer.close()
     D.destroy()
@@ -158,25 +166,25 @@ def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str, ex
 EXACT = ("run.total_steps=1", "algorithm.kl.type=exact_reverse", "optim.lr=1.0", "optim.eps=1.0", "optim.weight_decay=0")
 
 
-def _exact_update(trainer, rows: slice):
+def _exact_update(trainer, rows: slice, grouped: bool = False):
     """One update against an anchor shrunk by 10%, so the exact KL and its gradient are not 0."""
     import torch as T
 
     with T.no_grad():
         for t in trainer.anchor.tensors.values():  # the same change to every shard as to the full tensors
             t.mul_(0.9)
-    return _one_update(trainer, rows)
+    return _one_update(trainer, rows, grouped)
 
 
-def _single_exact_update(tmp_path, model_dir) -> tuple[dict, dict]:
+def _single_exact_update(tmp_path, model_dir, *extra: str, grouped: bool = False) -> tuple[dict, dict]:
     """:func:`_exact_update` of the whole batch in one plain process (fixed rows): its metrics and weights."""
     from trainer.loop import Trainer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    trainer = Trainer(_cfg(tmp_path / "single", model_dir, *EXACT)).setup(with_engine=False)
+    trainer = Trainer(_cfg(tmp_path / "single", model_dir, *EXACT, *extra)).setup(with_engine=False)
     try:
-        single = _exact_update(trainer, slice(0, N_GROUPS * GROUP))
+        single = _exact_update(trainer, slice(0, N_GROUPS * GROUP), grouped)
         return single, {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
     finally:
         trainer.close()
@@ -217,5 +225,22 @@ def test_fsdp2_token_budget_micro_batches_match_single_process(tmp_path, tiny_mo
     fsdp = torch.load(tmp_path / "fsdp_exact.pt", weights_only=True)
     assert fsdp["metrics"]["actor/updates"] == single["actor/updates"] == 1
     assert fsdp["metrics"]["perf/padding_frac"] < single["perf/padding_frac"]
+    for k, v in fsdp["policy"].items():
+        torch.testing.assert_close(v, policy[k], atol=1e-6, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_fsdp2_shared_prompt_training_pass_matches_one_pass_single_process(tmp_path, tiny_model_dir):
+    """Prompt sharing in the training pass under FSDP2 (each decoder unit runs twice in one forward, its
+    gradient reduce-scattered once per use): rank 0's micro-batches are both one shared prompt, rank 1's
+    first is and its second has none, so for that micro-batch the ranks agree to run the one-pass forward.
+    The update (exact KL, the anchor's hidden states shared alike) equals one plain process's without sharing."""
+    mp.spawn(_exact_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir), (), True), nprocs=2, join=True)
+
+    single, policy = _single_exact_update(tmp_path, tiny_model_dir, "model.share_prompt=false", grouped=True)
+    fsdp = torch.load(tmp_path / "fsdp_exact.pt", weights_only=True)
+    # stored anchor pass, then the training pass: micro-batch 1 shared, micro-batch 2 agreed on one pass
+    assert fsdp["shared"] == [True, False, True, False], fsdp["shared"]
+    assert fsdp["metrics"]["actor/updates"] == single["actor/updates"] == 1
+    assert single["kl/mean"] > 1e-3 and abs(fsdp["metrics"]["kl/mean"] - single["kl/mean"]) < 1e-6
     for k, v in fsdp["policy"].items():
         torch.testing.assert_close(v, policy[k], atol=1e-6, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")

@@ -189,8 +189,9 @@ def test_shared_prompt_pass_equals_one_pass(tiny_model_dir, response_max, checkp
     assert torch.equal(one.topk_indices[real], shared.topk_indices[real])
 
 
-def test_shared_prompt_is_not_used_while_autograd_records(tiny_model_dir, monkeypatch):
-    """The KV-cache path is for no-grad passes; with grad the one-pass forward runs (and is differentiable)."""
+def test_shared_prompt_is_used_while_autograd_records(tiny_model_dir, monkeypatch):
+    """The KV-cache path also serves the differentiable training pass (its gradients:
+    tests/trainer/test_shared_prompt_grad.py) and no-grad passes alike."""
     from transformers import AutoModelForCausalLM
 
     import trainer.logprobs as L
@@ -199,12 +200,13 @@ def test_shared_prompt_is_not_used_while_autograd_records(tiny_model_dir, monkey
     ids = torch.randint(3, model.config.vocab_size, (1, 6)).repeat(4, 1)
     mask = torch.ones_like(ids)
     calls = []
-    monkeypatch.setattr(L, "_shared_prompt_hidden", lambda *a: calls.append(1))
+    original = L._shared_prompt_hidden
+    monkeypatch.setattr(L, "_shared_prompt_hidden", lambda *a: calls.append(1) or original(*a))
     st = L.causal_lm_token_stats(model, ids, mask, 2, share_prompt=True)
-    assert st.logp.requires_grad and not calls
+    assert st.logp.requires_grad and calls == [1]
     with torch.no_grad():
         L.causal_lm_token_stats(model, ids, mask, 2, share_prompt=True)
-    assert calls == [1]
+    assert calls == [1, 1]
 
 
 def test_compact_storage_bf16_int32_round_trips_as_gather_indices():

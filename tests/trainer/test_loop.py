@@ -61,7 +61,9 @@ def test_anchor_statistics_follow_the_ema_updates(tmp_path, tiny_model_dir, kl_t
 
     assert all(abs(k) < 1e-6 for k in kls(0.0))
     frozen = kls(1.0)
-    assert frozen[0] == pytest.approx(0.0, abs=1e-6) and frozen[-1] > 1e-3
+    # 1e-4: with the training pass sharing prompts like the reference pass, the KL gradient at policy =
+    # reference is exactly 0 instead of rounding noise that Adam blew up to lr-sized steps (K3: 6e-4 by step 3).
+    assert frozen[0] == pytest.approx(0.0, abs=1e-6) and frozen[-1] > 1e-4
 
 
 def test_search_run_through_real_retriever(tmp_path, tiny_model_dir, retriever_server):
@@ -227,7 +229,9 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, tiny_model_dir):
         train(math_cfg(tmp_path / name, f"model.policy={tiny_model_dir}", "run.total_steps=1", "optim.lr=1e-2", *extra))
         return load_file(str(tmp_path / name / "step_1" / "policy" / "model.safetensors"))
 
-    plain = final_weights("plain")
+    # Checkpointed layers drop the KV cache, so the training pass then runs one pass per row even with
+    # model.share_prompt_training on (the default): the same update as an unshared, uncheckpointed run.
+    plain = final_weights("plain", "model.share_prompt_training=false")
     ckpt = final_weights("ckpt", "model.gradient_checkpointing=true")
     for k in plain:
         torch.testing.assert_close(plain[k], ckpt[k], atol=1e-6, rtol=1e-5)

@@ -126,9 +126,12 @@ def _update_cfg(model_dir, *extra: str) -> TrainConfig:
     ])
 
 
-def _batch(vocab: int):
+def _batch(vocab: int, grouped: bool = False):
+    """8 rows, ragged prompts and responses; ``grouped``: rows 0-3 and 4-7 are two GRPO groups (one prompt each)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    if grouped:
+        prompts = [prompts[0]] * 4 + [prompts[1] + prompts[2]] * 4  # two prompts of different lengths
     responses = [torch.randint(5, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
     masks = [[1] * len(r) for r in responses]
     masks[0][1] = 0
@@ -138,7 +141,7 @@ def _batch(vocab: int):
     return batch
 
 
-def _run_update(model_dir, *extra, corrupt=None, float64=False):
+def _run_update(model_dir, *extra, corrupt=None, float64=False, grouped=False):
     from trainer import distributed as D
     from trainer.policy import build_policy
     from trainer.step import ppo_update
@@ -152,7 +155,7 @@ def _run_update(model_dir, *extra, corrupt=None, float64=False):
     with torch.no_grad():  # a distinct anchor, so the KL term has a gradient
         for t in policy.anchor.tensors.values():
             t.mul_(0.9)
-    batch = _batch(policy.model.config.vocab_size)
+    batch = _batch(policy.model.config.vocab_size, grouped=grouped)
     plan = plan_stored_stats(cfg, on_policy=False, fuse=False)
     compute_stored_stats(batch, plan, policy, cfg, torch.device("cpu"))
     if corrupt is not None:
@@ -209,6 +212,78 @@ def test_token_budget_micro_batches_give_the_same_update_in_float64(tiny_model_d
         for k, v in policy.model.state_dict().items():
             assert v.dtype == torch.float64
             torch.testing.assert_close(v, ref_weights[k], atol=1e-14, rtol=1e-13)
+
+
+def test_shared_prompt_updates_equal_one_pass_updates_for_every_micro_batch_plan(tiny_model_dir, monkeypatch):
+    """Two GRPO groups of 4 rows (prompts of different lengths, left-padded in one micro-batch; ragged right-padded
+    responses), float64: with ``model.share_prompt`` (and ``share_prompt_training``) the training pass (and the stored passes) run each distinct
+    prompt of a micro-batch once, and the update equals that of one-pass forwards -- one micro-batch of 8, fixed
+    micro-batches of 4 (whole groups) and 2, token-budget micro-batches (planned to keep groups together).
+    Qwen2's RMSNorm runs in the model dtype here (it computes in float32 otherwise, which would make sharing,
+    which sums a group's gradient before the norm's backward, only float32-exact)."""
+    import trainer.logprobs as L
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", lambda self, h: self.weight * (
+        h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)))
+    shared = []
+    original = L._shared_prompt_hidden
+    monkeypatch.setattr(L, "_shared_prompt_hidden", lambda *a: shared.append(original(*a) is not None) or original(*a))
+    exact = ("optim.lr=1.0", "optim.eps=1.0", "optim.weight_decay=0")
+    ref_policy, ref, _ = _run_update(tiny_model_dir, "model.share_prompt=false", "algorithm.micro_batch_size=8", *exact,
+                                     float64=True, grouped=True)
+    assert shared == []
+    ref_weights = ref_policy.model.state_dict()
+    for extra in (("algorithm.micro_batch_size=8",), ("algorithm.micro_batch_size=4",), ("algorithm.micro_batch_size=2",),
+                  ("algorithm.micro_batch_size=8", "algorithm.micro_batch_tokens=40")):
+        shared.clear()
+        policy, result, _ = _run_update(tiny_model_dir, "model.share_prompt=true", *extra, *exact, float64=True, grouped=True)
+        assert shared and all(shared), extra  # every pass found a group to share (old, anchor and training passes)
+        assert result.updates == 1 and result.grad_norms[0] == pytest.approx(ref.grad_norms[0], rel=1e-12, abs=0), extra
+        sums, want = result.sums.local(), ref.sums.local()
+        for key in ("update/tokens", "update/pg_loss", "update/kl_loss", "update/clipfrac_sum"):
+            assert sums[key] == pytest.approx(want[key], rel=1e-12, abs=1e-15), (extra, key)
+        for k, v in policy.model.state_dict().items():
+            torch.testing.assert_close(v, ref_weights[k], atol=1e-13, rtol=1e-12, msg=f"{extra} {k}")
+
+
+def test_token_budget_planner_keeps_groups_together_when_prompts_are_shared():
+    """``share_prompts``: the same budget bound, every row once, no more forwards and no more shared-prompt
+    tokens than the length-sorted plan -- and, where groups fit whole without an extra forward, fewer
+    (distinct prompt, micro-batch) pairs and fewer tokens."""
+    from trainer.stored_stats import _prompt_groups, plan_micro_batches
+
+    g = torch.Generator().manual_seed(5)
+    prompts, responses = [], []
+    for _ in range(6):  # 6 groups of 4, search-like: long shared prompts, ragged responses
+        prompt = torch.randint(5, 100, (int(torch.randint(60, 120, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(4):
+            prompts.append(prompt)
+            responses.append([9] * int(torch.randint(1, 200, (1,), generator=g)))
+    batch = build_token_batch(prompts, responses, [[1] * len(r) for r in responses], pad_id=0)
+    group = _prompt_groups(batch, range(24))
+    assert len(set(group.values())) == 6
+
+    def shared_cost(micro):  # what the shared-prompt forwards compute: distinct prompts once, every response
+        total = 0
+        for m in micro:
+            mb = batch.micro(m)
+            total += len({group[i] for i in m.tolist()}) * (mb.input_ids.shape[1] - mb.response_width)
+            total += len(m) * mb.response_width
+        return total
+
+    gains = []
+    for budget in (1200, 2400, 5000):
+        plain = plan_micro_batches(batch, range(24), 4, budget)
+        kept = plan_micro_batches(batch, range(24), 4, budget, share_prompts=True)
+        assert sorted(i for m in kept for i in m.tolist()) == list(range(24))
+        for m in kept:
+            assert len(m) * batch.micro(m).input_ids.shape[1] <= budget or len(m) == 1
+        assert len(kept) <= len(plain) and shared_cost(kept) <= shared_cost(plain)
+        pairs = [sum(len({group[i] for i in m.tolist()}) for m in micro) for micro in (plain, kept)]
+        gains.append((shared_cost(plain) - shared_cost(kept), pairs))
+    assert any(gain > 0 and pairs[1] < pairs[0] for gain, pairs in gains), gains
+    assert plan_micro_batches(batch, range(24), 4, 0, share_prompts=True) == plan_micro_batches(batch, range(24), 4)
 
 
 def test_token_budget_planner_partitions_rows_within_the_budget():
