@@ -3,8 +3,9 @@
 The paper trains its search agent on NQ train + HotpotQA train merged (ALGORITHM.md §4.6). The
 bundled copies are samples (5,000 NQ rows; 100 HotpotQA train rows + 300 rows drawn from HotpotQA
 *dev*, which is also the bundled HotpotQA evaluation set). :func:`write_training_mix` merges them and
-drops every question whose SQuAD-normalised text occurs in any bundled evaluation set of
-:data:`tasks.datasets.QA_DATASETS`, so an evaluation on those sets (any ``--limit`` sample) is held out.
+drops every question that is an evaluation question (:func:`tasks.heldout.evaluation_questions`) of a
+bundled evaluation set of :data:`tasks.datasets.QA_DATASETS`, so an evaluation on those sets (any
+``--limit`` sample) is held out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from emapg.atomic import write_text_atomic
 from tasks.datasets import QA_DATASETS, load_dataset
-from tasks.qa import normalize_answer
+from tasks.heldout import evaluation_questions, question_key
 
 TRAIN_SOURCES: tuple[str, ...] = ("nq", "hotpotqa")
 
@@ -33,11 +34,6 @@ class TrainingMix:
         return sum(self.kept.values())
 
 
-def evaluation_questions(datasets: tuple[str, ...] = QA_DATASETS) -> set[str]:
-    """Normalised question texts of the whole bundled test split of every dataset in ``datasets``."""
-    return {normalize_answer(ex.question) for name in datasets for ex in load_dataset(name, split="test")}
-
-
 def write_training_mix(path: str | Path, *, sources: tuple[str, ...] = TRAIN_SOURCES,
                        held_out: tuple[str, ...] = QA_DATASETS) -> TrainingMix:
     """Write the train splits of ``sources`` (each row keeps its ``data_source``) as jsonl at ``path``,
@@ -46,7 +42,7 @@ def write_training_mix(path: str | Path, *, sources: tuple[str, ...] = TRAIN_SOU
     rows, kept, dropped = [], {}, {}
     for source in sources:
         examples = load_dataset(source, split="train")
-        fresh = [ex for ex in examples if normalize_answer(ex.question) not in exclude]
+        fresh = [ex for ex in examples if question_key(ex.question) not in exclude]
         kept[source], dropped[source] = len(fresh), len(examples) - len(fresh)
         rows += [{"id": f"{source}/{ex.id}", "question": ex.question, "golden_answers": list(ex.answers),
                   "data_source": source} for ex in fresh]

@@ -63,19 +63,31 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_device(values: torch.Tensor) -> torch.device:
+    """Where a collective on ``values`` must run: NCCL reduces CUDA tensors only (this rank's device),
+    gloo reduces them where they are. Callers build small flags and counts on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return values.device
+
+
+def _all_reduce(values: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    """``values`` reduced over ranks with ``op``, on the input's device (a copy; the input is untouched)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    out = values.to(collective_device(values), copy=True)
+    dist.all_reduce(out, op=op)
+    return out.to(values.device)
+
+
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (returns the input unchanged when alone). Works on CPU tensors with gloo."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
+    """Sum over ranks (the input unchanged when alone); CPU inputs work under NCCL too."""
+    return _all_reduce(values, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values
+    """Maximum over ranks (the input unchanged when alone); CPU inputs work under NCCL too."""
+    return _all_reduce(values, dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

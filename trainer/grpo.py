@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainer.distributed import all_reduce_sum
 from trainer.kl import LOG_RATIO_CLAMP
 
 __all__ = [
@@ -243,8 +244,7 @@ class LossAggregation:
         seqs = sum(float((m.sum(-1) > 0).sum()) for m in masks)
         dp = 1
         if all_reduce and dist.is_available() and dist.is_initialized():
-            counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=masks[0].device)
-            dist.all_reduce(counts)
+            counts = all_reduce_sum(torch.tensor([tokens, seqs], dtype=torch.float64))
             tokens, seqs = float(counts[0]), float(counts[1])
             dp = dist.get_world_size()
         return cls(mode, tokens, seqs, norm_length, num_micro_batches, dp)

@@ -391,7 +391,7 @@ class Trainer:
                 if stop or self.step == cfg.run.total_steps or (cfg.run.save_every and self.step % cfg.run.save_every == 0):
                     self.save()
                 if stop:
-                    self._message(f"stopped by signal after step {self.step}; checkpoint saved to {self.run_dir}")
+                    self.message(f"stopped by signal after step {self.step}; checkpoint saved to {self.run_dir}")
                     break
         if self.guard is not None:
             self.guard.finish(self)
@@ -416,12 +416,13 @@ class Trainer:
         if self.stop_signal is not None:  # a second signal: stop now
             raise KeyboardInterrupt
         self.stop_signal = signum
-        self._message(f"received {signal.Signals(signum).name}: finishing step {self.step + 1}, then saving")
+        self.message(f"received {signal.Signals(signum).name}: finishing step {self.step + 1}, then saving")
 
     def _warn(self, text: str) -> None:
-        self._message(f"[warn] step {self.step + 1}: {text}")
+        self.message(f"[warn] step {self.step + 1}: {text}")
 
-    def _message(self, text: str) -> None:
+    def message(self, text: str) -> None:
+        """One line for the user: into the tracker's console/log when it runs, else a warning (main rank only)."""
         if self.tracker is not None and self.tracker.enabled:
             self.tracker.message(text)
         elif getattr(self, "dist", None) is None or self.dist.is_main:

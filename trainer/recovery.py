@@ -186,7 +186,7 @@ class GuardHook:
 
     # ------------------------------------------------------------------ records
     def _record(self, trainer: "Trainer", event: GuardEvent) -> None:
-        trainer._message(f"[guard] {event.describe()} -> {event.detail}")
+        trainer.message(f"[guard] {event.describe()} -> {event.detail}")
         if not trainer.dist.is_main:
             return
         with open(Path(trainer.run_dir) / GUARD_FILE, "a") as f:
@@ -219,4 +219,4 @@ class GuardHook:
 
     def finish(self, trainer: "Trainer") -> None:
         """The run's summary line(s), at the end of :meth:`trainer.loop.Trainer.train`."""
-        trainer._message(self.report())
+        trainer.message(self.report())

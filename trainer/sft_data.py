@@ -12,7 +12,7 @@ is one search with the question as the query, then the answer::
 A trajectory is kept only when the passages the model is shown (the observation tokens, after
 truncation) contain a gold answer (token-bounded, SQuAD-normalised: ``tasks.qa.retrieval_recall``);
 the answer written is the first gold alias that appears there. Questions whose normalised text is in
-any bundled evaluation set are dropped first (:func:`eval_questions`), so warm start never sees a
+any bundled evaluation set are dropped first (:func:`tasks.heldout.evaluation_questions`), so warm start never sees a
 test question; that covers the bundled HotpotQA "train" rows that are dev rows.
 
 **File** (``data.source=file``): jsonl rows ``{"question", "turns": [model turn, ...]}`` (the
@@ -34,23 +34,9 @@ from typing import Any
 from agent.replay import ReplayError, ReplayRetriever, ScriptedTrajectory, parse_passages, replay_trajectories
 from agent.rollout import RolloutConfig, Trajectory
 from emapg.config import ConfigError
-from tasks.datasets import REGISTRY, DatasetError, Example, load_dataset
-from tasks.qa import normalize_answer, retrieval_recall
-
-
-def question_key(question: str) -> str:
-    """What "the same question" means for the eval-overlap check: SQuAD-normalised text."""
-    return normalize_answer(question.strip().rstrip("?"))
-
-
-def eval_questions() -> dict[str, str]:
-    """Normalised question text -> the bundled evaluation set it is in (every QA test split)."""
-    found: dict[str, str] = {}
-    for name, info in REGISTRY.items():
-        if info.task == "qa" and "test" in info.files:
-            for ex in load_dataset(name, split="test"):
-                found.setdefault(question_key(ex.question), name)
-    return found
+from tasks.datasets import DatasetError, Example, load_dataset
+from tasks.heldout import evaluation_questions, question_key
+from tasks.qa import retrieval_recall
 
 
 @dataclass
@@ -100,7 +86,7 @@ def construct_trajectories(
     ``exclude``: normalised questions to leave out (default: every bundled evaluation question).
     Each kept trajectory is returned with its example; the report counts every drop.
     """
-    exclude = eval_questions() if exclude is None else exclude
+    exclude = evaluation_questions() if exclude is None else exclude
     report = ConstructionReport()
     seen: set[str] = set()
     chosen: list[tuple[str, Example]] = []

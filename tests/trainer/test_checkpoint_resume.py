@@ -173,9 +173,9 @@ def test_cli_resume_with_no_intact_checkpoint_is_one_line_naming_the_files(two_s
 
 
 def _fsdp_worker(rank: int, world: int, port: int, run: str, model_dir: str, resume: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
+    from tests.fixtures.spawn import rank_env
+
+    rank_env(rank, world, port)
     from emapg.config import load_config
     from trainer import distributed as D
     from trainer.config import TrainConfig
@@ -196,11 +196,11 @@ def test_fsdp_ranks_agree_on_skipping_a_checkpoint_with_a_damaged_rank_file(tmp_
     """2 gloo ranks: each rank's RNG file is in the manifest; damage rank 1's and both ranks resume from step_1."""
     import torch.multiprocessing as mp
 
-    from tests.trainer.test_distributed import _free_port
+    from tests.fixtures.spawn import free_port
     from trainer.checkpoint import MANIFEST, verify_checkpoint
 
     run = tmp_path / "run"
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(run), str(tiny_model_dir), False), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), str(run), str(tiny_model_dir), False), nprocs=2, join=True)
     listed = json.loads((run / "step_2" / MANIFEST).read_text())["files"]
     assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(listed)
     reference = _metrics(run)
@@ -209,7 +209,7 @@ def test_fsdp_ranks_agree_on_skipping_a_checkpoint_with_a_damaged_rank_file(tmp_
     damage(run / "step_2" / "rng_rank1.pt", "flip")
     (problem,) = verify_checkpoint(run / "step_2").problems
     assert problem.file.name == "rng_rank1.pt" and problem.kind == "checksum"
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(run), str(tiny_model_dir), True), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), str(run), str(tiny_model_dir), True), nprocs=2, join=True)
     assert verify_checkpoint(run / "step_2").intact
     assert [r["step"] for r in _metrics(run)] == [1, 2]
     assert _metrics(run) == reference

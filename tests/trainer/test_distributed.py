@@ -11,15 +11,13 @@ checkpoint with per-rank RNG files) and resumes from it.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from emapg.config import load_config
 from emapg.paths import CONFIG_DIR
+from tests.fixtures.spawn import free_port, rank_env
 
 pytestmark = pytest.mark.slow
 
@@ -71,9 +69,7 @@ def _one_update(trainer, rows: slice, grouped: bool = False):
 
 
 def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     from trainer import distributed as D
     from trainer.loop import Trainer
 
@@ -91,24 +87,24 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
         trainer.train()
     finally:
         trainer.close()
-    # ... and a resume from its checkpoint for one more.
-    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=2"), resume=f"{out}/run").setup()
+    resume_one_more_step(out, model_dir)
+    D.destroy()
+
+
+def resume_one_more_step(out: str, model_dir: str, *extra: str) -> None:
+    """Resume the run in ``out/run`` (one step trained) from its checkpoint and train one more step."""
+    from trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=2", *extra), resume=f"{out}/run").setup()
     try:
         assert trainer.step == 1
         trainer.train()
     finally:
         trainer.close()
-    D.destroy()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
 
     from trainer.loop import Trainer
 
@@ -145,9 +141,7 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
 
 def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str, extra: tuple[str, ...] = (),
                   grouped: bool = False) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     import trainer.logprobs as L
     from trainer import distributed as D
     from trainer.loop import Trainer
@@ -200,7 +194,7 @@ def _single_exact_update(tmp_path, model_dir, *extra: str, grouped: bool = False
 def test_fsdp2_exact_kl_from_hidden_states_matches_single_process(tmp_path, tiny_model_dir):
     """The exact KL under FSDP2: the anchor's hidden states from its swapped-in shards, its lm_head
     all-gathered once, the KL computed inside the sharded policy forward; equal to one process."""
-    mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+    mp.spawn(_exact_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
 
     single, policy = _single_exact_update(tmp_path, tiny_model_dir)
     from safetensors.torch import load_file
@@ -224,7 +218,7 @@ def test_fsdp2_token_budget_micro_batches_match_single_process(tmp_path, tiny_mo
     prompts, responses, masks, _, _ = _global_batch()
     halves = [build_token_batch(prompts[s], responses[s], masks[s], pad_id=0) for s in (slice(0, 4), slice(4, 8))]
     assert [len(plan_micro_batches(b, range(4), 2, 28)) for b in halves] == [3, 2]  # the case this test is about
-    mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir), ("algorithm.micro_batch_tokens=28",)),
+    mp.spawn(_exact_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir), ("algorithm.micro_batch_tokens=28",)),
              nprocs=2, join=True)
 
     single, policy = _single_exact_update(tmp_path, tiny_model_dir)
@@ -240,7 +234,7 @@ def test_fsdp2_shared_prompt_training_pass_matches_one_pass_single_process(tmp_p
     gradient reduce-scattered once per use): rank 0's micro-batches are both one shared prompt, rank 1's
     first is and its second has none, so for that micro-batch the ranks agree to run the one-pass forward.
     The update (exact KL, the anchor's hidden states shared alike) equals one plain process's without sharing."""
-    mp.spawn(_exact_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir), (), True), nprocs=2, join=True)
+    mp.spawn(_exact_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir), (), True), nprocs=2, join=True)
 
     single, policy = _single_exact_update(tmp_path, tiny_model_dir, "model.share_prompt=false", grouped=True)
     fsdp = torch.load(tmp_path / "fsdp_exact.pt", weights_only=True)

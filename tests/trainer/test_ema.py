@@ -1,13 +1,13 @@
 """EMA anchor: formula (fp32, bf16), schedule, checkpoints, swapping, TRL convention, FSDP2 shards."""
 
 import os
-import socket
 
 import pytest
 import torch
 from torch import nn
 
 from trainer.ema import EMAAnchor, from_trl_mixup_alpha, to_trl_mixup_alpha
+from tests.fixtures.spawn import free_port
 
 
 def _model(seed=0):
@@ -310,13 +310,7 @@ def _fsdp_worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_local_shards_two_gloo_processes():
     import torch.multiprocessing as mp
 
-    mp.spawn(_fsdp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port()), nprocs=2, join=True)

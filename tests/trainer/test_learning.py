@@ -23,7 +23,7 @@ import pytest
 
 from emapg.config import load_config
 from emapg.paths import CONFIG_DIR
-from tests.fixtures.trainer import evidence_probs, toy_overrides, warm_start
+from tests.fixtures.trainer import evidence_probs, toy_overrides
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import train
@@ -33,10 +33,10 @@ pytestmark = pytest.mark.slow
 STEPS = 20
 
 
-def test_mean_reward_rises_on_toy_search_task(tmp_path, tiny_model_dir, toy_task, toy_server):
+def test_mean_reward_rises_on_toy_search_task(tmp_path, toy_reading_policy, toy_task, toy_server):
     # A constant answer (or ignoring the question) scores at most 0.25 on this task.
     assert max(Counter(answer for _, answer in toy_task.facts).values()) / len(toy_task.facts) <= 0.25
-    start = warm_start(tiny_model_dir, toy_task, tmp_path / "warm_start")
+    start = toy_reading_policy  # warm_start() with its defaults, cached by content
     before = evidence_probs(start, toy_task)
     assert 0.35 <= before["cf_obs"] <= 0.7, f"the warm start should read the evidence only part of the time: {before}"
     cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", toy_overrides(

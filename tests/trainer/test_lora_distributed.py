@@ -8,13 +8,12 @@ per-rank RNG files) and resume from it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.trainer.test_distributed import GROUP, N_GROUPS, _cfg, _free_port, _one_update
+from tests.fixtures.spawn import free_port, rank_env
+from tests.trainer.test_distributed import GROUP, N_GROUPS, _cfg, _one_update, resume_one_more_step
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +21,7 @@ LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=16", "
 
 
 def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     from trainer import distributed as D
     from trainer.loop import Trainer
 
@@ -41,17 +38,12 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
         trainer.train()
     finally:
         trainer.close()
-    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=2", *LORA), resume=f"{out}/run").setup()
-    try:
-        assert trainer.step == 1
-        trainer.train()
-    finally:
-        trainer.close()
+    resume_one_more_step(out, model_dir, *LORA)
     D.destroy()
 
 
 def test_lora_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
 
     from trainer import lora as L
     from trainer.loop import Trainer

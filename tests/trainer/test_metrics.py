@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -12,12 +11,7 @@ import torch.multiprocessing as mp
 
 from trainer.batch import build_token_batch
 from trainer.metrics import MetricSums, rollout_sums, step_metrics
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.fixtures.spawn import free_port
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -41,7 +35,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_sums_are_reduced_over_ranks_in_one_collective(tmp_path):
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert got["total"] == {"a": 0.5 + 1.0 + 1.5 + 1.0, "b": 30.0}

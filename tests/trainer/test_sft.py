@@ -84,9 +84,10 @@ def test_constructed_trajectories_mask_only_model_tokens(tokenizer, client, retr
 
 
 def test_constructed_set_contains_no_eval_question(tokenizer, client):
-    from trainer.sft_data import construct_trajectories, eval_questions, question_key
+    from tasks.heldout import evaluation_questions, question_key
+    from trainer.sft_data import construct_trajectories
 
-    evals = eval_questions()
+    evals = evaluation_questions()
     nq_train = load_dataset("nq", split="train", limit=20)
     leaked = [Example(f"leak{i}", ex.question.lower() + "?", ex.answers, "nq") for i, ex in enumerate(load_dataset("nq", limit=5))]
     hotpot_train = load_dataset("hotpotqa", split="train")
