@@ -216,7 +216,7 @@ class RolloutPipeline:
                 self._cond.notify_all()
 
     def _warn_producing(self, text: str) -> None:
-        self.trainer._message(f"[warn] producer, batch {self._producing}: {text}")
+        self.trainer.message(f"[warn] producer, batch {self._producing}: {text}")
 
     def _forget_weights_before(self, version: int) -> None:
         with self._cond:
