@@ -175,14 +175,14 @@ def test_async_s1_retriever_dies_before_a_batch_and_comes_back(tmp_path, searche
     # the producer's second generation is batch 2's first (batch 1's came first)
     produced = killing_before_generation(trainer, 2, servers[0].stop)
     seen = record_weights_versions(trainer)
-    message = trainer._message
+    message = trainer.message
 
     def restart_after_the_first_rejection(text: str) -> None:
         if "rollout batch dropped" in text and restart.ident is None:
             restart.start()
         message(text)
 
-    trainer._message = restart_after_the_first_rejection
+    trainer.message = restart_after_the_first_rejection
     try:
         trainer.setup()
         history = trainer.train()
