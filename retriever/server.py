@@ -63,7 +63,7 @@ class ServeConfig(ServerOptions):
     max_batch: int = option(64, help="most queries encoded together across requests; 1 disables micro-batching")
     max_wait_ms: float = option(5.0, help="how long the first query of a batch may wait for company when traffic is "
                                           "concurrent, in ms; a lone client never waits")  # fmt: skip
-    regroup_wait_ms: float = option(5.0, help="how long the worker, back from a batch with fewer than --max-batch queries "
+    regroup_wait_ms: float = option(0.0, help="how long the worker, back from a batch with fewer than --max-batch queries "
                                               "queued, may wait for the clients it just answered, in ms, so that alternating "
                                               "groups of clients merge into one batch; 0 disables")  # fmt: skip
     max_queries_per_request: int = option(4096, help="reject requests with more queries (Search-R1 sends a whole rollout "

@@ -80,22 +80,6 @@ def _hold_a_batch_while(worker: Worker, batcher: MicroBatcher, first: list[list[
     return run()
 
 
-def test_regrouping_merges_the_clients_just_answered_with_those_queued():
-    """Two alternating groups: [a1, a2] runs while b waits; a1 and a2 come back; the next batch holds all
-    three. The bound is a minute: had the worker not waited for them, b would go alone."""
-    worker = Worker()
-
-    async def scenario(batcher):
-        held, queued = await _hold_a_batch_while(worker, batcher, [["a1"], ["a2"]], [["b"]])
-        await asyncio.gather(*held)
-        back = [asyncio.ensure_future(batcher.submit([q], 1)) for q in ("a1'", "a2'")]
-        return await asyncio.gather(*queued, *back)
-
-    out = asyncio.run(_with_batcher(worker, NEVER_S, scenario, regroup_wait_s=NEVER_S))
-    assert [o[0][0]["id"] for o in out] == ["b", "a1'", "a2'"]
-    assert worker.batches == [["a1", "a2"], ["b", "a1'", "a2'"]]
-
-
 def test_regrouping_never_delays_a_full_batch():
     """max_batch (8) queries queued while the worker is busy: they go at once (nobody comes back here,
     so a wait would last the minute's bound and time the test out)."""
