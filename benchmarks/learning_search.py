@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set (default 15, the demo's; quick 2)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--policy", default=None, help="starter policy (default emapg.demo.STARTER_POLICY)")
+    p.add_argument("--filter-groups", action="store_true",
+                   help="dynamic sampling for both algorithms (rollout.filter_groups, as in the demo); default off: the "
+                        "paper's protocol, every sampled group trained on")
     p.add_argument("--out", default=str(RESULTS / "learning_search.json"))
     p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed)")
     args = p.parse_args(argv)
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "learning_search", "mode": settings["mode"], "policy": settings["policy"], "steps": steps,
         "eval_steps": [0, *eval_steps], "seeds": list(args.seeds), "train_questions": mix.kept,
+        "filter_groups": args.filter_groups,
         "heldout": {"datasets": list(QA_SETS), "per_dataset": per_dataset, "questions": per_dataset * len(QA_SETS),
                     "data_seed": 0, "protocol": "qa_quick (greedy)"},
         "algorithms": {alg: " ".join(o for o in ov if not o.startswith("algorithm.name")) for alg, ov in ALGOS.items()},
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                              "retriever.index_dir=null", f"run.output_dir={run_dir}", f"run.seed={seed}",
                              f"run.total_steps={steps}", f"run.save_every={eval_every}", f"run.keep_last={len(eval_steps) + 1}",
                              "logging.progress=false", f"algorithm.ema.period={max(2, steps // 10)}",
+                             f"rollout.filter_groups={str(args.filter_groups).lower()}",
                              *settings["extra"], *algo_overrides]  # fmt: skip
                 t_run = time.perf_counter()
                 train(load_config(TrainConfig, settings["config"], overrides))

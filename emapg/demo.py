@@ -55,7 +55,7 @@ class DemoPreset:
     index_limit: int | None  # passages indexed (None: the whole bundled corpus)
     eval_limit: int  # held-out questions per QA dataset
     engine: str
-    train_budget_s: float | None  # training stops after the step running when this is spent (None: run.total_steps)
+    train_budget_s: float | None  # run.time_budget_s of the training stage (None: run.total_steps only)
     train_overrides: tuple[str, ...] = ()
     eval_overrides: tuple[str, ...] = ()
 
@@ -88,8 +88,10 @@ PRESETS: dict[str, DemoPreset] = {
     ),
 }
 
-#: What the report's curves show, one panel each, from every training step.
+#: What the report's curves show, one panel each, from every training step. With dynamic sampling
+#: (``rollout.filter_groups``) the reward panel is over every sampled group, not only the ones trained on.
 CURVES = ("reward/mean", "response/answered_frac", "search/per_traj", "kl/mean")
+FILTERED_CURVES = ("filter/sampled_reward_mean", "filter/informative_frac", "response/answered_frac", "search/per_traj", "kl/mean")
 
 
 def _bar(total: int, desc: str, unit: str):
@@ -133,9 +135,9 @@ class _Stages:
         return path
 
     def run(self, name: str, args: list[str], *, progress: Callable[[], int] | None = None, total: int = 0,
-            unit: str = "it", every: Callable[[subprocess.Popen, float], None] | None = None) -> None:
+            unit: str = "it") -> None:
         """``emapg ARGS`` with stdout/stderr in ``logs/<n>-<name>.log``; ``progress()`` (polled) drives a
-        bar to ``total``; ``every(proc, elapsed_s)`` is called at each poll (e.g. to stop a budgeted run)."""
+        bar to ``total``."""
         cmd = [sys.executable, "-m", "emapg.cli", *args]
         log = self.log_path(name)
         t = time.monotonic()
@@ -149,8 +151,6 @@ class _Stages:
                 if bar is not None:
                     bar.n = min(progress(), total) if total else progress()
                     bar.refresh()
-                if every is not None:
-                    every(self.current, time.monotonic() - t)
             if bar is not None:
                 bar.n = min(progress(), total) if total else progress()
                 bar.close()
@@ -184,22 +184,6 @@ def _quiet_libraries() -> None:
     except ImportError:
         return
     hf_logging.set_verbosity_error()
-
-
-def _stop_after(budget_s: float | None, metrics: Path) -> Callable[[subprocess.Popen, float], None] | None:
-    """Once ``budget_s`` is spent and at least one step is logged, SIGINT the trainer (its main process only):
-    it finishes the running step, saves a checkpoint and exits cleanly."""
-    if budget_s is None:
-        return None
-    sent = False
-
-    def check(proc: subprocess.Popen, elapsed: float) -> None:
-        nonlocal sent
-        if not sent and elapsed >= budget_s and _count_lines([metrics]) >= 1:
-            os.kill(proc.pid, signal.SIGINT)
-            sent = True
-
-    return check
 
 
 def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
@@ -250,6 +234,19 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
     }
 
 
+def _sampling_lines(steps: list[dict[str, float]]) -> list[str]:
+    """The dynamic-sampling line of the report (none when ``rollout.filter_groups`` was off)."""
+    rows = [m for m in steps if "filter/informative_frac" in m]
+    if not rows:
+        return []
+    informative = sum(m["filter/informative_frac"] for m in rows) / len(rows)
+    sampled = sum(m["filter/sampled_per_trained_group"] for m in rows) / len(rows)
+    reward = sum(m["filter/sampled_reward_mean"] for m in rows) / len(rows)
+    return [f"- dynamic sampling (`rollout.filter_groups`): {sampled:.1f} groups generated per trained group; "
+            f"{informative:.0%} of the trained groups had differing rewards (the rest carry no policy gradient); "
+            f"mean reward over every sampled trajectory {reward:.3f}"]
+
+
 def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: str, examples: str, curves: str) -> str:
     from eval.learning import learning_table, verdict
 
@@ -262,6 +259,7 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         + f", on {sum(t['questions'].values())} bundled train questions ("
         + ", ".join(f"{k} {v}" for k, v in t["questions"].items())
         + f"; {sum(t['dropped_as_eval_questions'].values())} dropped because they are evaluation questions)",
+        *_sampling_lines(t["metrics"]),
         f"- held-out evaluation: {results['heldout']['per_dataset']} questions x {len(QA_SETS)} QA test sets "
         f"= {results['heldout']['questions']} questions, the same for both policies, protocol "
         f"`{results['heldout']['protocol']['name']}` (greedy)", "",
@@ -353,11 +351,11 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             stages.banner(5, total, f"training with EMA-PG {budget} on {mix.size} bundled NQ + HotpotQA train questions")
             train_dir = out / "train"
             metrics = train_dir / "metrics.jsonl"
+            budget_override = [f"run.time_budget_s={preset.train_budget_s}"] if preset.train_budget_s else []
             stages.run("train", ["train", "--config", str(preset.train_config), f"model.policy={preset.policy}",
                                  f"data.train={mix.path}", f"retriever.urls=[{url}]", "retriever.index_dir=null",
-                                 f"run.output_dir={train_dir}", *preset.train_overrides],
-                       progress=lambda: _count_lines([metrics]), unit="step",
-                       every=_stop_after(preset.train_budget_s, metrics))  # fmt: skip
+                                 f"run.output_dir={train_dir}", *budget_override, *preset.train_overrides],
+                       progress=lambda: _count_lines([metrics]), unit="step")  # fmt: skip
             checkpoint = latest_checkpoint(train_dir)
             if checkpoint is None:
                 raise UserError(f"training finished without a checkpoint in {train_dir} (log: {stages.logs['train']})")
@@ -370,7 +368,9 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
         report = out / "report"
         compare_runs([out / "eval_base", out / "eval_trained"], report)
         compare_md = (report / "report.md").read_text()
-        curves = plot_runs([train_dir], report / "training_curves.png", metrics=list(CURVES), labels=["EMA-PG"],
+        first_step = json.loads(metrics.read_text().splitlines()[0])
+        panels = FILTERED_CURVES if "filter/sampled_reward_mean" in first_step else CURVES
+        curves = plot_runs([train_dir], report / "training_curves.png", metrics=list(panels), labels=["EMA-PG"],
                            title=f"training on bundled NQ + HotpotQA train ({preset.policy})")
         learning = compare_learning(out / "eval_base", out / "eval_trained", list(QA_SETS))
         results = _results(preset_name, preset, out, train_dir, learning, mix, stages)

@@ -10,6 +10,8 @@ DATA_DIR = REPO_ROOT / "data"
 CONFIG_DIR = REPO_ROOT / "configs"
 #: The bundled passage corpus (Search-R1 format: ``{"id", "contents": '"Title"\\ntext', "source"}``).
 BUNDLED_CORPUS = DATA_DIR / "corpus" / "wiki_mini.jsonl.gz"
+#: The bundled corpus's MiniLM passage vectors, 8-bit (retriever.vector_file; scripts/build_bundled_vectors.py).
+BUNDLED_VECTORS = DATA_DIR / "corpus" / "wiki_mini.minilm-uint8.npz"
 
 
 def cache_dir() -> Path:

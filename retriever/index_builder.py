@@ -43,6 +43,7 @@ from emapg.config import option
 from retriever.corpus import CorpusReader, DocStore, docstore_complete, file_checksum, write_docstore
 from retriever.encoder import Encoder, EncoderSpec, make_spec
 from retriever.fingerprint import model_files_sha256, index_fingerprint
+from retriever.vector_file import VectorFile, encoder_weights_sha256, read_vector_file
 
 META_FILE = "meta.json"
 INDEX_FILE = "index.faiss"
@@ -78,6 +79,9 @@ class BuildConfig:
     nprobe: int = option(16, help="IVF lists probed per query at serve time, stored in meta.json")
     seed: int = option(0, help="seed of the training sample")
     limit: int | None = option(None, help="index only the first N passages (for quick tries)")
+    vectors: str | None = option(None, help="a passage vector file (retriever.vector_file, e.g. the bundled corpus's "
+                                            "data/corpus/wiki_mini.minilm-uint8.npz) used instead of encoding; its corpus "
+                                            "checksum, encoder settings and encoder weights must match")  # fmt: skip
     overwrite: bool = option(False, help="delete an existing (finished or partial) index at --out first")
     progress: bool = option(True, help="show a progress bar (--no-progress: none)")
 
@@ -153,9 +157,9 @@ def _chunk_path(emb_dir: Path, i: int) -> Path:
     return emb_dir / f"chunk_{i:05d}.npy"
 
 
-def _settings_fingerprint(cfg: BuildConfig, spec: EncoderSpec, checksum: str) -> dict:
+def _settings_fingerprint(cfg: BuildConfig, spec: EncoderSpec, checksum: str, vectors_sha256: str | None) -> dict:
     """What the saved embeddings depend on; a resume is allowed only if this is unchanged."""
-    return {
+    fp = {
         "corpus_checksum": checksum,
         "limit": cfg.limit,
         "encoder": spec.to_dict(),
@@ -163,6 +167,24 @@ def _settings_fingerprint(cfg: BuildConfig, spec: EncoderSpec, checksum: str) ->
         "fp16": cfg.fp16,
         "bf16": cfg.bf16,
     }
+    if vectors_sha256 is not None:  # chunks decoded from a vector file never mix with encoded ones
+        fp["vectors"] = vectors_sha256
+    return fp
+
+
+def _open_vectors(cfg: BuildConfig, spec: EncoderSpec, checksum: str) -> VectorFile | None:
+    """``cfg.vectors`` read and checked against the corpus file and the encoder (rows are checked once the
+    document store is written)."""
+    if cfg.vectors is None:
+        return None
+    from emapg.models import resolve_model
+
+    vf = read_vector_file(cfg.vectors)
+    bad = vf.mismatches(corpus_checksum=checksum, rows=0, encoder=spec.to_dict(),
+                        weights_sha256=encoder_weights_sha256(resolve_model(spec.name)))
+    if bad:
+        raise ValueError(f"--vectors {cfg.vectors} was not made for this corpus and encoder ({', '.join(bad)} differ)")
+    return vf
 
 
 def _load_progress(emb_dir: Path) -> dict | None:
@@ -184,6 +206,9 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     )
     model_dim = _encoder_dim(spec)
     _validate_factory(cfg.index_type, model_dim, cfg.metric)  # fail before touching --out
+    checksum = file_checksum(corpus)
+    vectors = _open_vectors(cfg, spec, checksum)
+    vectors_sha256 = file_checksum(vectors.path) if vectors is not None else None
     if out.exists() and cfg.overwrite:
         shutil.rmtree(out)
     if (out / META_FILE).is_file():
@@ -192,8 +217,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     emb_dir = out / EMB_DIR
     emb_dir.mkdir(exist_ok=True)
 
-    checksum = file_checksum(corpus)
-    fingerprint = _settings_fingerprint(cfg, spec, checksum)
+    fingerprint = _settings_fingerprint(cfg, spec, checksum, vectors_sha256)
     progress = _load_progress(emb_dir)
     if progress is not None and progress["settings"] != fingerprint and not progress["done"] and not docstore_complete(out):
         progress = None  # nothing encoded yet (e.g. the corpus was rejected, then fixed): nothing to lose by starting over
@@ -223,6 +247,8 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
         raise ValueError(f"corpus {corpus} has no passages" + (f" ({empty_skipped} empty ones skipped)" if empty_skipped else ""))
     store = DocStore(out)
     _check_ivf_size(cfg, model_dim, rows)
+    if vectors is not None and rows > vectors.rows:
+        raise ValueError(f"--vectors {cfg.vectors} holds {vectors.rows} rows, the corpus has {rows} passages")
 
     # 2. Encode chunk by chunk; every finished chunk is a resume point.
     n_chunks = (rows + cfg.chunk_size - 1) // cfg.chunk_size
@@ -233,7 +259,16 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     encoder = None
     t_enc = time.perf_counter()
     encoded_rows = 0
-    if todo:
+    if todo and vectors is not None:
+        log(f"decoding {rows} passage vectors from {vectors.path} (no encoding)")
+        progress["dtype"] = f"uint8 vectors from {vectors.meta['source_dtype']}"
+        for i in todo:
+            lo, hi = i * cfg.chunk_size, min(rows, (i + 1) * cfg.chunk_size)
+            save_npy_atomic(_chunk_path(emb_dir, i), vectors.vectors(lo, hi))
+            progress["done"] = sorted(done | {i})
+            done.add(i)
+            write_text_atomic(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
+    elif todo:
         encoder = Encoder(spec, device=cfg.device, fp16=cfg.fp16, bf16=cfg.bf16)
         progress["dtype"] = encoder.dtype  # the fingerprint's dtype when a later rerun encodes nothing
         bar = _progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress)
@@ -280,6 +315,8 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
         "corpus": {"path": str(corpus.resolve()), "checksum": checksum, "rows": rows, "limit": cfg.limit,
                    "empty_skipped": empty_skipped},
         "bm25": bool(cfg.bm25),
+        "vectors": {"file": str(vectors.path.resolve()), "checksum": vectors_sha256, "source_dtype": vectors.meta["source_dtype"]}
+        if vectors is not None else None,
         "chunk_size": cfg.chunk_size,
         "train": {"sample": cfg.train_sample, "seed": cfg.seed} if trained else None,
         "build": {

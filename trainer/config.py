@@ -12,6 +12,8 @@ Coefficient convention: ``ema.decay`` is η, the weight on the *old* anchor
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,6 +32,10 @@ class RunConfig:
     total_steps: int = option(10, help="number of training steps (one rollout batch each)")
     save_every: int = option(50, help="write a checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)")
     keep_last: int = option(3, help="keep the last N checkpoints (0: keep all)")
+    time_budget_s: float = option(
+        0.0, help="stop at a step boundary when one more step would end past this many seconds after the training loop "
+        "started (judged by the mean step time so far; the first step always runs), with a checkpoint as on SIGINT; "
+        "0: no budget, run.total_steps only")
     device: Literal["auto", "cpu", "cuda"] = option("auto", help="training device; auto picks cuda when available")
     precision: Literal["auto", "bf16", "fp32"] = option(
         "auto", help="compute precision: bf16 autocast over fp32 master weights on GPU, fp32 on CPU (auto)"
@@ -45,6 +51,8 @@ class RunConfig:
     def validate(self) -> None:
         if self.total_steps < 1:
             raise ConfigError(f"run.total_steps must be >= 1, got {self.total_steps}")
+        if not (self.time_budget_s >= 0 and math.isfinite(self.time_budget_s)):
+            raise ConfigError(f"run.time_budget_s must be a finite number >= 0, got {self.time_budget_s}")
         if self.save_every < 0 or self.keep_last < 0:
             raise ConfigError("run.save_every and run.keep_last must be >= 0")
         if self.max_consecutive_nonfinite < 1:
@@ -166,6 +174,13 @@ class TrainRolloutConfig(AgentRolloutConfig):
     collective_host: str = option("127.0.0.1", help="collective: this trainer's address as the servers reach it (rank 0 hosts the group's TCPStore)")
     collective_port: int = option(0, help="collective: TCPStore port on the trainer (0: a free port)")
     collective_backend: Literal["auto", "gloo", "nccl"] = option("auto", help="collective: nccl (GPUs on both sides), gloo (CPU tensors, any network); auto: nccl when training on CUDA")
+    filter_groups: bool = option(
+        False, help="dynamic sampling (DAPO): train only on groups whose rewards differ, generating up to "
+        "rollout.filter_max_rounds more batches of data.prompts_per_step prompts per step to fill the batch with them "
+        "(trainer.group_filter; synchronous training only)")
+    filter_max_rounds: int = option(
+        3, help="rollout.filter_groups: extra prompt batches generated per step at most; a batch still short of informative "
+        "groups is topped up with uninformative ones (same size every step)")
     max_staleness: int = option(
         0, help="0: synchronous (generate, then train). s >= 1: a producer thread generates the next batches on the remote "
         "servers while the trainer updates; batch k is generated with the weights after step max(k0, k-1-s), k0 the step the run started at (trainer.pipeline)",
@@ -192,6 +207,12 @@ class TrainRolloutConfig(AgentRolloutConfig):
             raise ConfigError("rollout.weight_sync_bucket_mb must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.filter_max_rounds < 0:
+            raise ConfigError(f"rollout.filter_max_rounds must be >= 0, got {self.filter_max_rounds}")
+        if self.filter_groups and self.max_staleness:
+            raise ConfigError("rollout.filter_groups works with synchronous training only (rollout.max_staleness=0)")
+        if self.filter_groups and self.n_samples < 2:
+            raise ConfigError("rollout.filter_groups needs rollout.n_samples >= 2 (a group of one never has differing rewards)")
         if self.max_staleness and self.engine != "remote":
             raise ConfigError("rollout.max_staleness >= 1 needs rollout.engine=remote (generation servers the producer "
                               "keeps busy while the trainer updates)")

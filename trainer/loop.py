@@ -32,7 +32,7 @@ import random
 import signal
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,6 +74,7 @@ class Rollouts:
     rewards: torch.Tensor  # (N,)
     reward_counts: dict[str, float]
     stats: Any  # agent.rollout.RolloutStats
+    sampling: dict[str, float] = field(default_factory=dict)  # rollout.filter_groups: the filter/* sums (trainer.group_filter)
 
 
 #: A step hook sees the trainer and the step's metrics after they are logged; it may raise
@@ -136,6 +137,12 @@ def open_run_retriever(cfg: TrainConfig, dist: D.DistInfo) -> Any:
     return open_retriever(urls=r.urls, index_dir=r.index_dir, topk=cfg.rollout.topk, timeout=r.timeout, retries=r.retries,
                           api_key_env=r.api_key_env, launch=dist.is_main, share_url=D.broadcast_object, check=False,
                           wait_s=r.wait)
+
+
+def budget_spent(budget_s: float, elapsed_s: float, steps: int) -> bool:
+    """Whether one more step, as long as the mean of the ``steps`` taken in ``elapsed_s``, would end past
+    ``budget_s`` (0: no budget; nothing is judged before the first step)."""
+    return budget_s > 0 and steps > 0 and elapsed_s + elapsed_s / steps > budget_s
 
 
 @contextlib.contextmanager
@@ -266,6 +273,25 @@ class Trainer:
         with self.engine_session.generating(tag=f"step-{self.step}") as engine:
             return self.produce(engine, prompts, step_seed(self.cfg.run.seed, self.step + 1, self.dist.rank))
 
+    def fill_informative(self, ro: Rollouts) -> Rollouts:
+        """``rollout.filter_groups``: ``ro`` with its groups of equal rewards replaced by informative groups of
+        up to ``rollout.filter_max_rounds`` more prompt batches (:mod:`trainer.group_filter`), re-scored."""
+        from trainer.group_filter import fill_informative
+        from trainer.rollouts import score
+
+        cfg = self.cfg
+        base_seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)
+
+        def more(round_: int) -> Rollouts:
+            prompts = [SampledPrompt(p.example, f"{p.group_id}.{round_}") for p in self.sample_prompts()]
+            with self.engine_session.generating(tag=f"step-{self.step}-fill{round_}") as engine:
+                return self.produce(engine, prompts, (base_seed + 7_919 * round_) % (2**31 - 1))
+
+        out, sums = fill_informative(ro, more, want=len(ro.prompts), group_size=cfg.rollout.n_samples,
+                                     max_rounds=cfg.rollout.filter_max_rounds)
+        _, counts = score(out.trajectories, out.prompts, cfg, self.tokenizer)  # the counts of the rows kept
+        return replace(out, reward_counts=counts, sampling=sums)
+
     def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> Rollouts:
         """Generate on ``engine`` with ``seed`` (retried on failure: weights and prompts unchanged) and score.
         The synchronous step calls it in :meth:`rollout`; the pipeline's producer thread (:mod:`trainer.pipeline`) too."""
@@ -333,6 +359,8 @@ class Trainer:
         if result.updates > 0 and self.engine_session is not None:
             self.engine_session.weights_changed()
         sums = rollout_sums(ro.rewards, cfg.rollout.n_samples, ro.trajectories, ro.stats, ro.reward_counts, batch)
+        for name, value in ro.sampling.items():
+            sums.add(name, value)
         sums.merge(result.sums)
         if "rollout/entropy_sum" not in sums:  # π_old's pass measured it
             sums.add("rollout/entropy_sum", float((batch.stored["entropy"] * batch.loss_mask).sum()))
@@ -353,6 +381,8 @@ class Trainer:
         ro = self.rollout(prompts)
         while self.search_guard is not None and not self.search_guard.accept(ro.trajectories):
             ro = self.rollout(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
+        if self.cfg.rollout.filter_groups:
+            ro = self.fill_informative(ro)
         t_rollout = time.perf_counter() - t_step
         metrics, totals = self.learn(ro)
         if self.search_guard is not None:
@@ -379,19 +409,25 @@ class Trainer:
             pipeline = RolloutPipeline.start(self)
             self._on_close(pipeline.close)
             step_fn = pipeline.train_step
+        t_loop, steps_here = time.perf_counter(), 0
         with stop_on_signals(self._on_signal):
             while self.step < cfg.run.total_steps:
                 metrics = step_fn()
+                steps_here += 1
                 history.append(metrics)
                 self.tracker.log(self.step, metrics)
                 self.tracker.log_samples(self.step, self.last_samples)
                 for hook in self.step_hooks:
                     hook(self, metrics)
-                stop = D.all_reduce_max(torch.tensor([float(self.stop_signal is not None)])).item() > 0
+                out_of_time = budget_spent(cfg.run.time_budget_s, time.perf_counter() - t_loop, steps_here)
+                flags = D.all_reduce_max(torch.tensor([float(self.stop_signal is not None), float(out_of_time)]))
+                by_signal, by_budget = bool(flags[0] > 0), bool(flags[1] > 0)  # rank 0's clock decides for all
+                stop = (by_signal or by_budget) and self.step < cfg.run.total_steps
                 if stop or self.step == cfg.run.total_steps or (cfg.run.save_every and self.step % cfg.run.save_every == 0):
                     self.save()
                 if stop:
-                    self.message(f"stopped by signal after step {self.step}; checkpoint saved to {self.run_dir}")
+                    why = "by signal" if by_signal else f"by the time budget (run.time_budget_s={cfg.run.time_budget_s:g})"
+                    self.message(f"stopped {why} after step {self.step}; checkpoint saved to {self.run_dir}")
                     break
         if self.guard is not None:
             self.guard.finish(self)

@@ -121,7 +121,19 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "search/failures": s["rollout/search_failures"],
         "search/turns_per_traj": s["rollout/turns"] / n,
         **{name: value for name, value in s.items() if name.startswith("reward/")},
+        **filter_metrics(s),
     }
+
+
+def filter_metrics(s: Mapping[str, float]) -> dict[str, float]:
+    """``rollout.filter_groups`` (:mod:`trainer.group_filter`): the mean reward over every trajectory generated in
+    the step, the share of trained groups that are informative, and groups generated per trained group."""
+    if "filter/sampled_trajectories" not in s:
+        return {}
+    groups = max(s["rollout/groups"], 1.0)
+    return {"filter/sampled_reward_mean": s["filter/sampled_reward_sum"] / max(s["filter/sampled_trajectories"], 1.0),
+            "filter/informative_frac": s["filter/informative_groups"] / groups,
+            "filter/sampled_per_trained_group": s["filter/sampled_groups"] / groups}
 
 
 def update_metrics(s: Mapping[str, float], *, world_size: int, grad_norms: list[float], updates: int, skipped: int,

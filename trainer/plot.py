@@ -23,6 +23,8 @@ from emapg.errors import UserError
 DEFAULT_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
 TITLES = {
     "reward/mean": "mean reward",
+    "filter/sampled_reward_mean": "mean reward (every sampled group)",
+    "filter/informative_frac": "trained groups whose rewards differ",
     "kl/mean": "KL(policy || anchor) estimate (can be < 0)",
     "response/length_mean": "response length (tokens)",
     "response/answered_frac": "format rate (ended with an answer)",

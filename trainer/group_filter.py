@@ -1,0 +1,98 @@
+"""Dynamic sampling: train only on groups whose rewards differ (``rollout.filter_groups``).
+
+A group whose ``n_samples`` rewards are all equal has GRPO advantage 0 for every token: its policy
+gradient is exactly zero, yet the step still pays its anchor and training passes. When the policy
+solves few training questions (the CPU demo's starter: ~6% of NQ/HotpotQA train questions, so most
+groups of 4 are all-zero) most steps then learn nothing. DAPO (Yu et al., 2025, "dynamic sampling")
+keeps sampling until the batch is full of informative groups; this is that rule with a bound:
+
+* the step's batch is generated as usual; its informative groups are kept;
+* up to ``rollout.filter_max_rounds`` more batches of ``data.prompts_per_step`` prompts are drawn from
+  the sampler and generated with the same weights (another seed) until ``prompts_per_step``
+  informative groups are kept; extras beyond that are dropped (the last round is not re-drawn);
+* if the rounds run out first, the batch is topped up with the earliest uninformative groups, so every
+  step (and every rank) trains on the same number of rows. Those rows carry only the KL term.
+
+Departure from DAPO: DAPO has no round bound (it samples until full); a bound keeps a step's cost
+predictable. The KL term of the dropped groups is not trained on (DAPO has no KL).
+
+The pure selection is :func:`fill_informative`; :meth:`trainer.loop.Trainer.train_step` supplies the
+rollout batches. ``filter/*`` metrics say what was sampled: ``filter/sampled_reward_mean`` is the mean
+reward over everything generated in the step (``reward/mean`` is over the trained batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.loop import Rollouts
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``rewards`` ``(G * group_size,)`` group-major -> bool ``(G,)``: the group's rewards are not all equal."""
+    grouped = rewards.view(-1, group_size)
+    return grouped.max(dim=1).values != grouped.min(dim=1).values
+
+
+def select_groups(ro: "Rollouts", groups: list[int], group_size: int) -> "Rollouts":
+    """The rollout batch made of ``ro``'s groups ``groups`` (in that order)."""
+    rows = [g * group_size + j for g in groups for j in range(group_size)]
+    return replace(ro, prompts=[ro.prompts[g] for g in groups], trajectories=[ro.trajectories[r] for r in rows],
+                   group_ids=[ro.group_ids[r] for r in rows], rewards=ro.rewards[rows] if rows else ro.rewards[:0])
+
+
+def concat_rollouts(parts: list["Rollouts"]) -> "Rollouts":
+    """One batch of ``parts``' rows in order, with their rollout stats (wall times, calls) summed and their
+    reward counts summed."""
+    first = parts[0]
+    counts: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.reward_counts.items():
+            counts[k] = counts.get(k, 0.0) + v
+    stats = replace(first.stats)
+    for p in parts[1:]:
+        for f in ("wall_s", "generation_s", "retrieval_wait_s", "engine_calls", "retrieval_calls"):
+            setattr(stats, f, getattr(stats, f) + getattr(p.stats, f))
+    return replace(first, prompts=[x for p in parts for x in p.prompts], trajectories=[x for p in parts for x in p.trajectories],
+                   group_ids=[x for p in parts for x in p.group_ids], rewards=torch.cat([p.rewards for p in parts]),
+                   reward_counts=counts, stats=stats)
+
+
+def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, want: int, group_size: int,
+                     max_rounds: int) -> tuple["Rollouts", dict[str, float]]:
+    """Keep ``want`` groups whose rewards differ: ``first``'s, then those of ``more(1)``, ``more(2)``, ...
+    (at most ``max_rounds`` calls); short of ``want``, top up with the earliest uninformative groups.
+
+    Returns the batch -- ``want`` groups in sampling order, informative ones first, then the top-up; its
+    ``stats`` are those of every batch generated (the step's generation work); its ``reward_counts`` are
+    NOT recounted for the kept rows (the caller re-scores them) -- and the ``filter/*`` sums: sampled
+    groups and trajectories, the reward sum over them, informative groups kept, extra rounds generated."""
+    batches = [first]
+    kept: list[tuple[int, int]] = []  # (batch, group)
+    spare: list[tuple[int, int]] = []
+    rounds = 0
+    while True:
+        b = len(batches) - 1
+        for g, ok in enumerate(informative_groups(batches[b].rewards, group_size).tolist()):
+            (kept if ok else spare).append((b, g))
+        if len(kept) >= want or rounds >= max_rounds:
+            break
+        rounds += 1
+        batches.append(more(rounds))
+    chosen = kept[:want] + spare[: max(0, want - len(kept))]
+    rows = concat_rollouts([select_groups(batches[b], [g], group_size) for b, g in chosen])
+    out = replace(rows, stats=concat_rollouts(batches).stats, reward_counts={})
+    sampled = sum(len(x.rewards) for x in batches)
+    sums = {
+        "filter/sampled_groups": float(sampled // group_size),
+        "filter/sampled_trajectories": float(sampled),
+        "filter/sampled_reward_sum": float(sum(float(x.rewards.sum()) for x in batches)),
+        "filter/informative_groups": float(min(len(kept), want)),
+        "filter/rounds": float(rounds),
+    }
+    return out, sums
