@@ -73,7 +73,8 @@ PRESETS: dict[str, DemoPreset] = {
         eval_limit=15,
         engine="vllm",
         train_budget_s=150.0,
-        eval_overrides=("--protocol", "qa_quick"),  # greedy, 2 searches, 64 tokens per turn (as in training)
+        # greedy, 2 searches, 64 tokens per turn (as in training); all 105 questions in one vLLM batch
+        eval_overrides=("--protocol", "qa_quick", "--batch-across-datasets", "--batch-size", "105"),
     ),
     # CI-sized: a 1.7M-parameter random model, a 2k-passage index; checks the plumbing, not learning.
     "tiny": DemoPreset(
@@ -299,7 +300,7 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")  # GiB: room for the 105 evaluation questions at once (~70k tokens)
     env.setdefault("PYTHONUNBUFFERED", "1")
     stages = _Stages(env, log_dir)
     total = 7

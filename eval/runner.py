@@ -69,6 +69,10 @@ class EvalConfig:
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
     engine: Literal["vllm", "hf"] = option("vllm", help="generation engine; falls back to hf (transformers) when vLLM is missing")
     batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
+    batch_across_datasets: bool = option(
+        False, help="form the rollout batches over all datasets in order instead of within each: fewer, fuller batches "
+        "when the datasets are smaller than --batch-size (vLLM generates a batch together); seeds are then per batch of "
+        "the whole run, so sampled (not greedy) results differ from per-dataset batching")
     retriever_url: str | None = option(None, help="qa: URL of a running retrieval server (emapg serve)")
     index: str | None = option(None, help="qa: index folder to serve for this run when no retriever URL is given (default: the bundled Wikipedia index, built on first use)")
     retriever_api_key: str | None = option(None, help="qa: API key of the retrieval server, if it needs one (the CLI reads EMAPG_RETRIEVER_API_KEY)")
@@ -278,6 +282,8 @@ def _fingerprint(cfg: EvalConfig, engine_kind: str) -> dict[str, Any]:
         "batch_size": cfg.batch_size,
         "rollout_mode": cfg.rollout_mode,
         "replay": cfg.replay,
+        # batches over all datasets depend on the dataset list's order (absent: per-dataset batches)
+        **({"batch_across_datasets": list(cfg.datasets)} if cfg.batch_across_datasets else {}),
     }
 
 
@@ -285,7 +291,8 @@ def _check_resume(out_dir: Path, fingerprint: dict[str, Any]) -> None:
     path = out_dir / RUN_FILE
     if path.exists():
         old = json.loads(path.read_text()).get("fingerprint", {})
-        diffs = [k for k in fingerprint if old.get(k) != fingerprint[k]]
+        # keys on either side: a setting recorded only when used (batch_across_datasets) must match too
+        diffs = [k for k in [*fingerprint, *(k for k in old if k not in fingerprint)] if old.get(k) != fingerprint.get(k)]
         if "protocol" in diffs:
             p_old, p_new = old.get("protocol") or {}, fingerprint["protocol"]
             diffs.remove("protocol")
@@ -424,8 +431,11 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         else:
             engine_kind = cfg.engine
         t_ready = time.perf_counter()
-        for ds in datasets:
-            _run_dataset(cfg, ds, examples[ds], done_ids[ds], engine, retriever, pool, out_dir, on_batch)
+        if cfg.batch_across_datasets:
+            _run_across(cfg, datasets, examples, done_ids, engine, retriever, pool, out_dir, on_batch)
+        else:
+            for ds in datasets:
+                _run_dataset(cfg, ds, examples[ds], done_ids[ds], engine, retriever, pool, out_dir, on_batch)
         t_end = time.perf_counter()
     finally:
         if pool is not None:
@@ -576,31 +586,66 @@ def _open_retriever(cfg: EvalConfig):
                           api_key=cfg.retriever_api_key, timeout=cfg.retriever_timeout, retries=cfg.retriever_retries)
 
 
-def _run_dataset(cfg, ds, examples, done_ids, engine, retriever, pool, out_dir, on_batch) -> None:
+def _run_batch(cfg, batch: list[tuple[str, Any]], seed: int, tag: str, engine, retriever, pool, out_dir) -> dict[str, int]:
+    """Roll out, score and append one batch of (dataset, example) pairs; returns items written per dataset."""
     from agent.rollout import run_rollouts
     from eval.replay import RETRIEVALS_FILE, append_retrievals
 
     p = cfg.protocol
+    rcfg = _rollout_config(p, cfg.rollout_mode, seed)
+    trajs = run_rollouts(engine, [ex for _, ex in batch], retriever, rcfg, batch_tag=tag)
+    if retriever is not None:  # the searches before the items: an item never lacks its retrievals
+        append_retrievals(out_dir / RETRIEVALS_FILE, retriever.finish_batch())
+    per_item = [trajs[i * p.n : (i + 1) * p.n] for i in range(len(batch))]
+    written: dict[str, int] = {}
+    for ds in dict.fromkeys(d for d, _ in batch):
+        idx = [i for i, (d, _) in enumerate(batch) if d == ds]
+        exs, ts = [batch[i][1] for i in idx], [per_item[i] for i in idx]
+        if p.suite == "qa":
+            records = [score_qa(ex, t, engine.tokenizer) for ex, t in zip(exs, ts)]
+        else:
+            records = score_math_batch(exs, ts, engine.tokenizer, p, pool)
+        _append_items(out_dir / ITEMS_DIR / f"{ds}.jsonl", records)
+        written[ds] = len(records)
+    return written
+
+
+def _run_across(cfg, datasets, examples, done_ids, engine, retriever, pool, out_dir, on_batch) -> None:
+    """``batch_across_datasets``: batches of ``batch_size`` over every dataset's questions in order (fixed by
+    position, so a resumed run forms the same batches and seeds), finished items left out."""
+    flat = [(ds, ex) for ds in datasets for ex in examples[ds]]
+    done = {ds: sum(ex.id in done_ids[ds] for ex in examples[ds]) for ds in datasets}
+    bar = _progress(len(flat), sum(done.values()), "all datasets", cfg.progress)
+    try:
+        for b in range(0, len(flat), cfg.batch_size):
+            batch = [(ds, ex) for ds, ex in flat[b : b + cfg.batch_size] if ex.id not in done_ids[ds]]
+            if not batch:
+                continue
+            index = b // cfg.batch_size
+            written = _run_batch(cfg, batch, _batch_seed(cfg.protocol.seed, "+".join(datasets), index), f"all-{index}",
+                                 engine, retriever, pool, out_dir)
+            for ds, n in written.items():
+                done[ds] += n
+                if on_batch is not None:
+                    on_batch(ds, done[ds])
+            bar.update(len(batch))
+    finally:
+        bar.close()
+
+
+def _run_dataset(cfg, ds, examples, done_ids, engine, retriever, pool, out_dir, on_batch) -> None:
+    """Batches of ``batch_size`` within one dataset (the default), finished items left out."""
     n_done = sum(ex.id in done_ids for ex in examples)
     if n_done == len(examples):
         return
-    path = out_dir / ITEMS_DIR / f"{ds}.jsonl"
     bar = _progress(len(examples), n_done, ds, cfg.progress)
     try:
         for b in range(0, len(examples), cfg.batch_size):
-            batch = [ex for ex in examples[b : b + cfg.batch_size] if ex.id not in done_ids]
+            batch = [(ds, ex) for ex in examples[b : b + cfg.batch_size] if ex.id not in done_ids]
             if not batch:
                 continue
-            rcfg = _rollout_config(p, cfg.rollout_mode, _batch_seed(p.seed, ds, b // cfg.batch_size))
-            trajs = run_rollouts(engine, batch, retriever, rcfg, batch_tag=f"{ds}-{b // cfg.batch_size}")
-            if retriever is not None:  # the searches before the items: an item never lacks its retrievals
-                append_retrievals(out_dir / RETRIEVALS_FILE, retriever.finish_batch())
-            per_item = [trajs[i * p.n : (i + 1) * p.n] for i in range(len(batch))]
-            if p.suite == "qa":
-                records = [score_qa(ex, ts, engine.tokenizer) for ex, ts in zip(batch, per_item)]
-            else:
-                records = score_math_batch(batch, per_item, engine.tokenizer, p, pool)
-            _append_items(path, records)
+            index = b // cfg.batch_size
+            _run_batch(cfg, batch, _batch_seed(cfg.protocol.seed, ds, index), f"{ds}-{index}", engine, retriever, pool, out_dir)
             n_done += len(batch)
             bar.update(len(batch))
             if on_batch is not None:
