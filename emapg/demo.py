@@ -72,7 +72,7 @@ PRESETS: dict[str, DemoPreset] = {
         index_limit=None,
         eval_limit=15,
         engine="vllm",
-        train_budget_s=150.0,
+        train_budget_s=330.0,
         # greedy, 2 searches, 64 tokens per turn (as in training); all 105 questions in one vLLM batch
         eval_overrides=("--protocol", "qa_quick", "--batch-across-datasets", "--batch-size", "105"),
     ),
