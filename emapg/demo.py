@@ -63,9 +63,9 @@ class DemoPreset:
 PresetName = Literal["default", "tiny"]
 
 PRESETS: dict[str, DemoPreset] = {
-    # Measured on 2 cores (2026-12-01): index ~7.6 min (cached afterwards), each evaluation of the 7 x 15
-    # questions ~5 min (vLLM start-up included), training stage ~7 min (the budget is checked between steps
-    # of ~2 min, plus start-up and the checkpoint), report < 1 min: ~20 min with the index cached.
+    # Measured on 2 cores (2026-12-01), empty model/index cache: models 1.0 min, index from the shipped vectors
+    # 0.1 min, each evaluation of the 7 x 15 questions 3.0 min (vLLM start-up 48 s included), training stage
+    # 5.4 min (start-up, 2 steps of 120-136 s within the 330-s loop budget, checkpoint): 12.8 min in all.
     "default": DemoPreset(
         policy=STARTER_POLICY,
         train_config=CONFIG_DIR / "demo_search_smollm2.yaml",
@@ -398,8 +398,8 @@ class DemoConfig:
 
     preset: PresetName = option(
         "default", help="default: the starter SmolLM2-135M search policy on the whole bundled corpus, evaluated on "
-        "105 held-out questions before and after a 2.5-min EMA-PG budget (~2 steps on 2 cores; ~20 min with the index "
-        "cached, ~28 min on a fresh 2-core machine); tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
+        "105 held-out questions before and after a 5.5-min EMA-PG budget (2 steps on 2 cores; 12.8 min on a fresh "
+        "2-core machine once the venv exists); tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
     out: str | None = option(None, help="run folder (default runs/demo-<preset>-<timestamp>)")
 
 
