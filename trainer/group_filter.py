@@ -64,9 +64,11 @@ def concat_rollouts(parts: list["Rollouts"]) -> "Rollouts":
 
 
 def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, want: int, group_size: int,
-                     max_rounds: int) -> tuple["Rollouts", dict[str, float]]:
+                     max_rounds: int, agree: Callable[[bool], bool] = bool) -> tuple["Rollouts", dict[str, float]]:
     """Keep ``want`` groups whose rewards differ: ``first``'s, then those of ``more(1)``, ``more(2)``, ...
     (at most ``max_rounds`` calls); short of ``want``, top up with the earliest uninformative groups.
+    ``agree(full)`` turns this rank's "full" into the data-parallel ranks' common answer (all full), so every
+    rank generates the same number of rounds and their prompt samplers stay in step.
 
     Returns the batch -- ``want`` groups in sampling order, informative ones first, then the top-up; its
     ``stats`` are those of every batch generated (the step's generation work); its ``reward_counts`` are
@@ -80,7 +82,7 @@ def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, wa
         b = len(batches) - 1
         for g, ok in enumerate(informative_groups(batches[b].rewards, group_size).tolist()):
             (kept if ok else spare).append((b, g))
-        if len(kept) >= want or rounds >= max_rounds:
+        if agree(len(kept) >= want) or rounds >= max_rounds:
             break
         rounds += 1
         batches.append(more(rounds))

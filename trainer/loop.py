@@ -287,8 +287,11 @@ class Trainer:
             with self.engine_session.generating(tag=f"step-{self.step}-fill{round_}") as engine:
                 return self.produce(engine, prompts, (base_seed + 7_919 * round_) % (2**31 - 1))
 
+        def all_full(full: bool) -> bool:  # one answer for all ranks: they draw from one prompt sampler
+            return D.all_reduce_max(torch.tensor([0.0 if full else 1.0])).item() == 0
+
         out, sums = fill_informative(ro, more, want=len(ro.prompts), group_size=cfg.rollout.n_samples,
-                                     max_rounds=cfg.rollout.filter_max_rounds)
+                                     max_rounds=cfg.rollout.filter_max_rounds, agree=all_full)
         _, counts = score(out.trajectories, out.prompts, cfg, self.tokenizer)  # the counts of the rows kept
         return replace(out, reward_counts=counts, sampling=sums)
 

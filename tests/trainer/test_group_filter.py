@@ -73,6 +73,17 @@ def test_fill_tops_up_with_the_earliest_uninformative_groups_when_rounds_run_out
     assert labels(out1) == labels(full) and torch.equal(out1.rewards, full.rewards) and sums1["filter/rounds"] == 0.0
 
 
+def test_ranks_agree_on_the_rounds():
+    """A rank that is full keeps generating while another rank is not (agree says 'not all full'); its extra
+    groups are dropped, so every rank trains `want` groups and draws as many prompt batches."""
+    first = batch("a", [[0, 1, 0], [1, 0, 0]])  # already full here
+    answers = iter([False, True])  # the other rank: full only after one more round
+    out, sums = fill_informative(first, lambda r: batch("b", [[0, 0, 1], [0, 0, 0]]), want=2, group_size=N, max_rounds=3,
+                                 agree=lambda full: full and next(answers))
+    assert sums["filter/rounds"] == 1.0 and sums["filter/sampled_groups"] == 4.0
+    assert [p.group_id for p in out.prompts] == ["a0", "a1"]
+
+
 FAST = ["logging.progress=false", "data.prompts_per_step=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
         "rollout.max_tokens_per_turn=16", "rollout.max_response_tokens=16", "run.save_every=0"]
 
