@@ -424,7 +424,7 @@ class Trainer:
                     hook(self, metrics)
                 out_of_time = budget_spent(cfg.run.time_budget_s, time.perf_counter() - t_loop, steps_here)
                 flags = D.all_reduce_max(torch.tensor([float(self.stop_signal is not None), float(out_of_time)]))
-                by_signal, by_budget = bool(flags[0] > 0), bool(flags[1] > 0)  # rank 0's clock decides for all
+                by_signal, by_budget = bool(flags[0] > 0), bool(flags[1] > 0)  # one rank out of time stops them all
                 stop = (by_signal or by_budget) and self.step < cfg.run.total_steps
                 if stop or self.step == cfg.run.total_steps or (cfg.run.save_every and self.step % cfg.run.save_every == 0):
                     self.save()
