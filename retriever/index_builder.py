@@ -259,33 +259,35 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     encoder = None
     t_enc = time.perf_counter()
     encoded_rows = 0
-    if todo and vectors is not None:
-        log(f"decoding {rows} passage vectors from {vectors.path} (no encoding)")
-        progress["dtype"] = f"uint8 vectors from {vectors.meta['source_dtype']}"
-        for i in todo:
-            lo, hi = i * cfg.chunk_size, min(rows, (i + 1) * cfg.chunk_size)
-            save_npy_atomic(_chunk_path(emb_dir, i), vectors.vectors(lo, hi))
-            progress["done"] = sorted(done | {i})
-            done.add(i)
-            write_text_atomic(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
-    elif todo:
-        encoder = Encoder(spec, device=cfg.device, fp16=cfg.fp16, bf16=cfg.bf16)
-        progress["dtype"] = encoder.dtype  # the fingerprint's dtype when a later rerun encodes nothing
-        bar = _progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress)
+    if todo:
+        # the chunk's vectors: decoded from the vector file, or encoded here
+        if vectors is not None:
+            log(f"decoding {rows} passage vectors from {vectors.path} (no encoding)")
+            progress["dtype"] = f"uint8 vectors from {vectors.meta['source_dtype']}"
+            embed = vectors.vectors
+        else:
+            encoder = Encoder(spec, device=cfg.device, fp16=cfg.fp16, bf16=cfg.bf16)
+            progress["dtype"] = encoder.dtype  # the fingerprint's dtype when a later rerun encodes nothing
+
+            def embed(lo: int, hi: int) -> np.ndarray:
+                return encoder.encode_passages(store.contents(np.arange(lo, hi)), batch_size=cfg.batch_size)
+
+        bar = _progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress,
+                            desc="encoding" if encoder is not None else "decoding")
         try:
             for i in todo:
                 lo, hi = i * cfg.chunk_size, min(rows, (i + 1) * cfg.chunk_size)
-                texts = store.contents(np.arange(lo, hi))
-                emb = encoder.encode_passages(texts, batch_size=cfg.batch_size)
-                save_npy_atomic(_chunk_path(emb_dir, i), emb.astype(np.float32))
+                save_npy_atomic(_chunk_path(emb_dir, i), embed(lo, hi).astype(np.float32))
                 progress["done"] = sorted(done | {i})
                 done.add(i)
                 write_text_atomic(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
-                encoded_rows += hi - lo
+                if encoder is not None:
+                    encoded_rows += hi - lo
                 bar.update(hi - lo)
         finally:
             bar.close()
-            encoder.close()
+            if encoder is not None:
+                encoder.close()
     enc_seconds = time.perf_counter() - t_enc
     dim = int(np.load(_chunk_path(emb_dir, 0), mmap_mode="r").shape[1])
 
@@ -354,12 +356,12 @@ def ensure_index(cfg: BuildConfig, log=print) -> Path:
     return out
 
 
-def _progress_bar(total: int, initial: int, enabled: bool):
+def _progress_bar(total: int, initial: int, enabled: bool, desc: str = "encoding"):
     from tqdm import tqdm
 
     # In a log file (docker logs, CI) a bar redrawn ten times a second is noise: redraw every 30 s.
     interval = 0.1 if sys.stderr.isatty() else 30.0
-    return tqdm(total=total, initial=initial, unit="passages", unit_scale=True, desc="encoding", disable=not enabled, smoothing=0.1, mininterval=interval)
+    return tqdm(total=total, initial=initial, unit="passages", unit_scale=True, desc=desc, disable=not enabled, smoothing=0.1, mininterval=interval)
 
 
 def _iter_chunks(emb_dir: Path, n_chunks: int):

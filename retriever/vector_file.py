@@ -134,29 +134,28 @@ def write_vector_file(path: str | Path, vectors: np.ndarray, meta: dict[str, Any
     return path
 
 
-def read_vector_meta(path: str | Path) -> dict[str, Any]:
-    """Only the ``meta`` record of a vector file (the codes are not read)."""
+def _load(path: str | Path, *arrays: str) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """A vector file's checked ``meta`` record and the named arrays (a readable ``ValueError`` otherwise)."""
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(z["meta"].tobytes().decode())
+            loaded = [z[name] for name in arrays]
     except (OSError, KeyError, ValueError, EOFError) as e:
         raise ValueError(f"{path} is not a readable vector file ({type(e).__name__}: {e})") from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown vector file format {meta.get('format')!r} (expected {FORMAT})")
-    return meta
+    return meta, loaded
+
+
+def read_vector_meta(path: str | Path) -> dict[str, Any]:
+    """Only the ``meta`` record of a vector file (the codes are not read)."""
+    return _load(path)[0]
 
 
 def read_vector_file(path: str | Path) -> VectorFile:
     """Read and check a vector file (a readable ``ValueError`` for anything else)."""
     path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(z["meta"].tobytes().decode())
-            codes, vmin, vdiff = z["codes"], z["vmin"], z["vdiff"]
-    except (OSError, KeyError, ValueError, EOFError) as e:
-        raise ValueError(f"{path} is not a readable vector file ({type(e).__name__}: {e})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown vector file format {meta.get('format')!r} (expected {FORMAT})")
+    meta, (codes, vmin, vdiff) = _load(path, "codes", "vmin", "vdiff")
     if codes.dtype != np.uint8 or codes.ndim != 2 or vmin.shape != (codes.shape[1],) or vdiff.shape != vmin.shape:
         raise ValueError(f"{path}: inconsistent arrays (codes {codes.dtype} {codes.shape}, vmin {vmin.shape}, vdiff {vdiff.shape})")
     if meta.get("rows") != codes.shape[0] or meta.get("dim") != codes.shape[1]:

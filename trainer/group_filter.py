@@ -24,8 +24,8 @@ reward over everything generated in the step (``reward/mean`` is over the traine
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,13 +54,18 @@ def concat_rollouts(parts: list["Rollouts"]) -> "Rollouts":
     for p in parts:
         for k, v in p.reward_counts.items():
             counts[k] = counts.get(k, 0.0) + v
-    stats = replace(first.stats)
-    for p in parts[1:]:
-        for f in ("wall_s", "generation_s", "retrieval_wait_s", "engine_calls", "retrieval_calls"):
-            setattr(stats, f, getattr(stats, f) + getattr(p.stats, f))
     return replace(first, prompts=[x for p in parts for x in p.prompts], trajectories=[x for p in parts for x in p.trajectories],
                    group_ids=[x for p in parts for x in p.group_ids], rewards=torch.cat([p.rewards for p in parts]),
-                   reward_counts=counts, stats=stats)
+                   reward_counts=counts, stats=summed_stats(parts))
+
+
+def summed_stats(parts: list["Rollouts"]) -> Any:
+    """The parts' ``agent.rollout.RolloutStats`` summed field by field (wall times and call counts)."""
+    stats = replace(parts[0].stats)
+    for p in parts[1:]:
+        for f in fields(stats):
+            setattr(stats, f.name, getattr(stats, f.name) + getattr(p.stats, f.name))
+    return stats
 
 
 def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, want: int, group_size: int,
@@ -88,7 +93,7 @@ def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, wa
         batches.append(more(rounds))
     chosen = kept[:want] + spare[: max(0, want - len(kept))]
     rows = concat_rollouts([select_groups(batches[b], [g], group_size) for b, g in chosen])
-    out = replace(rows, stats=concat_rollouts(batches).stats, reward_counts={})
+    out = replace(rows, stats=summed_stats(batches), reward_counts={})
     sampled = sum(len(x.rewards) for x in batches)
     sums = {
         "filter/sampled_groups": float(sampled // group_size),
