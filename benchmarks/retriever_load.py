@@ -65,7 +65,6 @@ QUESTIONS = REPO / "data" / "qa" / "nq" / "test.jsonl.gz"
 OUT = REPO / "benchmarks" / "results" / "retriever_load.json"
 TOPK = 3
 MAX_WAIT_MS = 5.0
-REGROUP_WAIT_MS = 5.0  # the setting the committed results were measured with (the server default is 0: no measured gain)
 CEILING_CLIENTS = 32  # single-query clients in the ceiling comparison
 CEILING_BATCH = 32  # queries per request of the batch-of-32 ceiling
 TARGET_CEILING_RATIO = 0.9  # single-query q/s at 32 clients >= 90% of the batch-of-32 q/s
@@ -212,7 +211,7 @@ def server_counters(url: str) -> dict[str, float]:
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         m = re.match(r"^(retriever_(?:batch_size_sum|batch_size_count|batch_seconds_sum|queries_total|query_cache_hits_total|queue_wait_seconds_sum"
                      r"|queue_wait_seconds_count|gather_wait_seconds_total|delivery_lag_seconds_sum|delivery_lag_seconds_count"
-                     r"|request_latency_seconds_sum|request_latency_seconds_count))(?:\{.*\})? (\S+)$", line)
+                     r"|request_latency_seconds_sum|request_latency_seconds_count|gather_timeouts_total))(?:\{.*\})? (\S+)$", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         m = re.match(r'^retriever_stage_seconds_total\{stage="(\w+)"\} (\S+)$', line)
@@ -221,19 +220,29 @@ def server_counters(url: str) -> dict[str, float]:
     return out
 
 
-def _server_stats(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+def server_settings(url: str) -> dict:
+    """The serving settings a server reports in GET /health (batch workers, max batch, waits)."""
+    import httpx
+
+    info = httpx.get(url + "/health", timeout=30).json()["index"]
+    return {k: info[k] for k in ("batch_workers", "max_batch", "max_wait_ms", "regroup_wait_ms", "encoder_parallel_forwards")}
+
+
+def _server_stats(before: dict[str, float], after: dict[str, float], seconds: float, workers: int = 1) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     batches, queries = d.get("retriever_batch_size_count", 0.0), d.get("retriever_batch_size_sum", 0.0)
     stats = {
         "batches": int(batches),
         "mean_batch_size": round(queries / batches, 2) if batches else None,
-        # the worker thread's busy fraction (encode + search + lookup) over the window
-        "worker_busy_fraction": round(d.get("retriever_batch_seconds_sum", 0.0) / seconds, 3),
+        # the batch workers' busy fraction (encode + search + lookup) over the window, per worker
+        "worker_busy_fraction": round(d.get("retriever_batch_seconds_sum", 0.0) / (seconds * workers), 3),
     }
     if batches:  # where a request's time goes: waiting for the batch ahead, the worker's stages, handing results out
         ms = lambda key: round(1000 * d.get(key, 0.0) / batches, 2)  # noqa: E731
         stats["per_batch_ms"] = {"encode": ms("stage_encode"), "search": ms("stage_search"), "lookup": ms("stage_lookup"),
                                  "gather_wait": ms("retriever_gather_wait_seconds_total")}  # fmt: skip
+        # batches that started when the wait for company hit its bound: clients still on their way missed them
+        stats["gather_timeout_fraction"] = round(d.get("retriever_gather_timeouts_total", 0.0) / batches, 3)
     if d.get("retriever_queue_wait_seconds_count"):
         stats["mean_queue_wait_ms"] = round(1000 * d["retriever_queue_wait_seconds_sum"] / d["retriever_queue_wait_seconds_count"], 2)
     if d.get("retriever_request_latency_seconds_count"):  # inside the server's handler, vs the client's p50/p99
@@ -253,6 +262,7 @@ async def _level(url: str, body: BodyFn, concurrency: int, warmup_s: float, dura
     except asyncio.TimeoutError:
         pass
     await asyncio.sleep(warmup_s)
+    workers = (await asyncio.to_thread(server_settings, url))["batch_workers"]
     before = await asyncio.to_thread(server_counters, url)
     w.start = time.perf_counter()
     await asyncio.sleep(duration_s)
@@ -268,7 +278,7 @@ async def _level(url: str, body: BodyFn, concurrency: int, warmup_s: float, dura
         "p50_ms": round(float(np.percentile(arr, 50)), 1) if len(arr) else None,
         "p99_ms": round(float(np.percentile(arr, 99)), 1) if len(arr) else None,
         "errors": len(w.errors),
-        **_server_stats(before, after, w.end - w.start),
+        **_server_stats(before, after, w.end - w.start, workers),
     }
 
 
@@ -286,7 +296,7 @@ def start_servers(index_dir: Path, specs: dict[str, dict], threads: int, stack) 
     servers = {
         name: RetrieverServer(
             index_dir, max_batch=spec["max_batch"], max_wait_ms=MAX_WAIT_MS, omp_num_threads=threads, device="cpu",
-            extra_args=["--query-cache-size", str(spec["query_cache_size"]), "--regroup-wait-ms", str(REGROUP_WAIT_MS),
+            extra_args=["--query-cache-size", str(spec["query_cache_size"]),
                         *(["--bf16"] if spec["bf16"] else [])],
         )
         for name, spec in specs.items()
@@ -421,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default="1,8,32,64", help="comma-separated concurrency levels of the engine comparison (default 1,8,32,64)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds per level (default: quick 3, full 10)")
     p.add_argument("--warmup", type=float, default=None, help="unmeasured seconds before each level (default: quick 1, full 2)")
-    p.add_argument("--rounds", type=int, default=None, help="repeats of the ceiling comparison (default: quick 3, full 5)")
+    p.add_argument("--rounds", type=int, default=None, help="repeats of the ceiling comparison (default 5)")
     p.add_argument("--group", type=int, default=5, help="identical questions per group in the GRPO-repeat row (default 5, Search-R1's rollouts per prompt)")
     p.add_argument("--dtypes", default=None, help="encoder dtypes of the ceiling comparison, e.g. fp32,bf16 (default: quick fp32; full fp32, plus bf16 where the CPU has bf16 instructions)")
     p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of every server and of the in-process encoder (default 1: the load generator needs the other core)")
@@ -434,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     n_passages = args.passages if args.passages is not None else (128 if args.quick else None)
     duration = args.duration if args.duration is not None else (3.0 if args.quick else 10.0)
     warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
-    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
+    rounds = args.rounds if args.rounds is not None else 5
     levels = [int(x) for x in args.levels.split(",")]
     if args.dtypes is not None:
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -465,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with ExitStack() as stack:
         servers = start_servers(index_dir, specs, args.server_threads, stack)
+        settings = server_settings(servers["batched"].url)
+        print(f"server settings (defaults): {settings}", flush=True)
         print(f"engine comparison (query cache off, one question per request, {duration:g} s per level):", flush=True)
         modes = engine_comparison(servers, levels, qs, warmup, duration)
         for dt in dtypes:
@@ -508,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             "connections": "one keep-alive HTTP/1.1 connection per client (LeanHTTPClient), closed loop",
             "load_generator": "same machine and cores as the servers (asyncio, one process)",
             "server_encode_threads": "auto (--encode-threads 0: CPU cores / OMP threads)",
-            "server_regroup_wait_ms": REGROUP_WAIT_MS,
+            "server_settings": settings,  # GET /health of the batched server: batch workers, waits
             "duration_s_per_level": duration,
             "warmup_s_per_level": warmup,
             "ceiling_rounds": rounds,

@@ -351,3 +351,33 @@ def install_error_handlers(app: FastAPI, count: Count) -> None:
 
     app.add_exception_handler(StarletteHTTPException, http_exception)
     app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def serve_directly(app: FastAPI, method: str, path: str, handler: Callable[[Request], Awaitable[Response]]) -> None:
+    """Answer ``method path`` with ``handler`` (a :func:`guarded` handler of a route already on ``app``)
+    straight from the ASGI entry point, past Starlette's router and FastAPI's dependency solving.
+
+    For the hot route of a server: those layers cost about half of a small request's Python time
+    (profiled: 0.3 of 0.6 ms per /retrieve on the event loop), time the loop does not spend parsing
+    the next request. The route stays declared on ``app`` for OpenAPI, other methods on the path
+    still get 405 from the router, and :func:`guarded` gives the same answers and counts either way.
+    """
+    from starlette.requests import Request as StarletteRequest
+
+    route = next((r for r in app.routes if getattr(r, "path", None) == path and method in getattr(r, "methods", ())), None)
+    if route is None:
+        raise ValueError(f"serve_directly: {app.title} has no {method} {path} route")
+
+    class DirectRoute:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and scope["path"] == path and scope["method"] == method:
+                scope["route"] = route
+                response = await handler(StarletteRequest(scope, receive, send))
+                await response(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+
+    app.add_middleware(DirectRoute)

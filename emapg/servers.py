@@ -128,7 +128,8 @@ def run_uvicorn(create_app: Callable[..., Any], cfg: ServerOptions, *, log: logg
             server.should_exit = True
 
     app = create_app(cfg, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096,
+                            proxy_headers=False)  # no X-Forwarded-For rewriting: ~5% of a small request's time
     server = uvicorn.Server(config)
     if not is_loopback(cfg.host) and not key:
         log.warning("serving %s without an API key (--insecure): anyone who can reach this port can %s", cfg.host, exposes)

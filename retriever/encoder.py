@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -204,6 +205,7 @@ class Encoder:
         # forward passes in flight at once: one per GPU replica, or ``threads`` on the one CPU model
         self.parallel = len(self.devices) if len(self.devices) > 1 else (1 if on_gpu else threads)
         self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="encoder") if self.parallel > 1 else None
+        self._tokenizer_lock = threading.Lock()
         self.row_tokens = row_tokens
         self._packed_forwards: list[Forward] = [eager_forward(m) for m in self.models]
         # Packing texts into rows needs a model that honours 4D masks and position ids (BERT-family
@@ -211,22 +213,28 @@ class Encoder:
         self.packed = pack and self._packing_is_exact()
         self.traced = self.packed and not on_gpu and self._trace()
 
-    def encode_queries(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        return self.encode([self.spec.query_prefix + t for t in texts], batch_size=batch_size)
+    def encode_queries(self, texts: list[str], batch_size: int = 64, parts: int | None = None) -> np.ndarray:
+        return self.encode([self.spec.query_prefix + t for t in texts], batch_size=batch_size, parts=parts)
 
     def encode_passages(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         return self.encode([self.spec.passage_prefix + t for t in texts], batch_size=batch_size)
 
-    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        """``texts`` (N,) -> float32 array (N, dim), rows in input order; ``batch_size`` texts per forward pass."""
+    def encode(self, texts: list[str], batch_size: int = 64, parts: int | None = None) -> np.ndarray:
+        """``texts`` (N,) -> float32 array (N, dim), rows in input order; ``batch_size`` texts per forward pass.
+
+        On CPU with ``threads`` > 1 every forward batch is split into ``parts`` (default: ``threads``)
+        run at once; thread-safe: concurrent calls share the ``threads`` forwards in flight.
+        """
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        enc = self.tokenizer(texts, truncation=True, max_length=self.spec.max_length, padding=False)
+        with self._tokenizer_lock:  # a fast tokenizer is not reentrant (it resets its truncation per call)
+            enc = self.tokenizer(texts, truncation=True, max_length=self.spec.max_length, padding=False)
         ids = enc["input_ids"]
         order = np.argsort([-len(x) for x in ids], kind="stable")  # longest first: OOM shows early
         batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        if len(self.models) < self.parallel:  # CPU threads: every forward batch in parts, interleaved so their lengths match
-            batches = [part for b in batches for part in (b[j :: self.parallel] for j in range(self.parallel)) if len(part)]
+        split = self.parallel if parts is None else max(1, min(parts, self.parallel))
+        if len(self.models) < self.parallel and split > 1:  # CPU threads: every forward batch in parts, interleaved so their lengths match
+            batches = [part for b in batches for part in (b[j :: split] for j in range(split)) if len(part)]
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         forward = self._forward_packed if self.packed else self._forward_padded
 

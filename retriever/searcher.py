@@ -1,14 +1,15 @@
 """Load an index directory and answer batches of queries (encoder + FAISS [+ BM25] + doc store).
 
-Not thread-safe on purpose: the server gives a ``Searcher`` to exactly one worker thread,
-because FAISS GPU indexes are not thread-safe even for searches (faiss wiki,
-"Threads and asynchronous calls") and one batched call is faster than many small ones.
+Thread-safe for CPU indexes, which FAISS searches concurrently (the server runs one worker per
+core). A GPU index is not thread-safe even for searches (faiss wiki, "Threads and asynchronous
+calls"): :attr:`Searcher.concurrent_batches` is 1 there and the server runs one worker.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -113,6 +114,7 @@ class Searcher:
         self.cache_hits = 0
         # seconds spent per stage of :meth:`retrieve` ("encode", "search", "lookup"), served in /metrics
         self.stage_seconds: collections.Counter[str] = collections.Counter(encode=0.0, search=0.0, lookup=0.0)
+        self._lock = threading.Lock()  # guards the query cache, cache_hits, stage_seconds and BM25
         self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
         self.index_device = "cpu"
         self._gpu_resources = None
@@ -124,6 +126,8 @@ class Searcher:
                 log.warning("FAISS index %s stays on the CPU: %s", self.meta["index_type"], str(e).strip().splitlines()[-1])
                 self.index_device = "cpu"
         self.index = index
+        # batches that may run at once: one per CPU forward thread; a GPU index takes one caller at a time
+        self.concurrent_batches = self.encoder.parallel if self.index_device == "cpu" and not on_gpu else 1
         self.rrf_k = rrf_k
         self.bm25 = None
         if hybrid_bm25:
@@ -162,37 +166,42 @@ class Searcher:
         self.index_device = f"{n} GPUs ({'replicated' if replicate else 'sharded'})"
         return faiss.index_cpu_to_all_gpus(index, co=co, ngpu=n)
 
-    def search(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
-        """queries (B,) -> (indices (B, k), scores (B, k)); -1 marks a missing hit."""
+    def search(self, queries: list[str], topk: int, parts: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """queries (B,) -> (indices (B, k), scores (B, k)); -1 marks a missing hit. ``parts``: see :meth:`Encoder.encode`."""
         k = min(topk, len(self.store))
         t0 = time.perf_counter()
-        q = self._encode(queries)
+        q = self._encode(queries, parts)
         t1 = time.perf_counter()
         if self.bm25 is None:
             scores, idx = self.index.search(q, k)
             idx = idx.astype(np.int64)
         else:
-            idx, scores = self._hybrid(queries, q, k)
-        self.stage_seconds["encode"] += t1 - t0
-        self.stage_seconds["search"] += time.perf_counter() - t1
+            with self._lock:
+                idx, scores = self._hybrid(queries, q, k)
+        t2 = time.perf_counter()
+        with self._lock:
+            self.stage_seconds["encode"] += t1 - t0
+            self.stage_seconds["search"] += t2 - t1
         return idx, scores
 
-    def _encode(self, queries: list[str]) -> np.ndarray:
+    def _encode(self, queries: list[str], parts: int | None = None) -> np.ndarray:
         """queries (B,) -> (B, dim), encoding each distinct uncached query once."""
         if not self.query_cache_size:
-            return self.encoder.encode_queries(queries, batch_size=self.encode_batch_size)
+            return self.encoder.encode_queries(queries, batch_size=self.encode_batch_size, parts=parts)
         cache = self._query_cache
-        todo = list(dict.fromkeys(q for q in queries if q not in cache))
-        self.cache_hits += len(queries) - len(todo)
+        with self._lock:
+            found = {q: cache[q] for q in dict.fromkeys(queries) if q in cache}
+            todo = [q for q in dict.fromkeys(queries) if q not in found]
+            self.cache_hits += len(queries) - len(todo)  # repeats inside the batch are encoded once, too
         if todo:
-            for text, vec in zip(todo, self.encoder.encode_queries(todo, batch_size=self.encode_batch_size)):
-                cache[text] = vec
-        out = np.stack([cache[q] for q in queries])
-        for text in queries:
-            cache.move_to_end(text)
-        while len(cache) > self.query_cache_size:
-            cache.popitem(last=False)
-        return out
+            found.update(zip(todo, self.encoder.encode_queries(todo, batch_size=self.encode_batch_size, parts=parts)))
+        with self._lock:
+            for text in queries:
+                cache[text] = found[text]
+                cache.move_to_end(text)
+            while len(cache) > self.query_cache_size:
+                cache.popitem(last=False)
+        return np.stack([found[q] for q in queries])
 
     def _hybrid(self, queries: list[str], q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import bm25s
@@ -208,9 +217,14 @@ class Searcher:
             idx[b, : len(i)], scores[b, : len(s)] = i, s
         return idx, scores
 
-    def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]:
-        """queries (B,) -> per query a list of ``{"id", "contents", "score"}``, best first."""
-        idx, scores = self.search(queries, topk)
+    def retrieve(self, queries: list[str], topk: int, encoder_share: float = 1.0) -> list[list[dict]]:
+        """queries (B,) -> per query a list of ``{"id", "contents", "score"}``, best first.
+
+        ``encoder_share``: the fraction of the CPU encoder's threads this batch's forward is split
+        over (at least one; concurrent callers share the threads).
+        """
+        parts = max(1, round(encoder_share * self.encoder.parallel))
+        idx, scores = self.search(queries, topk, parts)
         t0 = time.perf_counter()
         valid = idx >= 0
         docs = iter(self.store.lookup(idx[valid]))  # one vectorised gather for the whole batch
@@ -223,7 +237,9 @@ class Searcher:
                     d["score"] = float(scores[b, j])
                     hits.append(d)
             out.append(hits)
-        self.stage_seconds["lookup"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        with self._lock:
+            self.stage_seconds["lookup"] += t1 - t0
         return out
 
     def info(self) -> dict:
@@ -242,6 +258,7 @@ class Searcher:
             "encoder_packed_rows": self.encoder.packed,
             "encoder_traced": self.encoder.traced,
             "encoder_parallel_forwards": self.encoder.parallel,
+            "concurrent_batches": self.concurrent_batches,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,
         }

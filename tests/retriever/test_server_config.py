@@ -99,7 +99,7 @@ def test_a_failing_request_does_not_fail_its_batch_mates():
     """Real batcher and worker thread; the process function fails on one query, as a bad input would."""
     calls: list[list[str]] = []
 
-    def process(queries: list[str], topk: int) -> list[list[dict]]:
+    def process(queries: list[str], topk: int, encoder_share: float) -> list[list[dict]]:
         calls.append(list(queries))
         if "boom" in queries:
             raise RuntimeError("encoder blew up")
@@ -128,7 +128,7 @@ def test_a_failing_request_does_not_fail_its_batch_mates():
 def test_micro_batches_respect_max_batch_and_never_split_a_request():
     sizes: list[int] = []
 
-    def process(queries, topk):
+    def process(queries, topk, encoder_share):
         sizes.append(len(queries))
         return [[{"id": q, "contents": q, "score": 0.0}] for q in queries]
 
