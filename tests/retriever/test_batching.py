@@ -38,9 +38,9 @@ class Worker:
         return [[{"id": q, "contents": q, "score": 0.0}] for q in queries]
 
 
-async def _with_batcher(worker: Worker, max_wait_s: float, scenario, regroup_wait_s: float = 0.0):
-    executor = ThreadPoolExecutor(1)
-    batcher = MicroBatcher(worker, executor, max_batch=8, max_wait_s=max_wait_s, metrics=Metrics(), regroup_wait_s=regroup_wait_s)
+async def _with_batcher(process, max_wait_s: float, scenario, regroup_wait_s: float = 0.0, workers: int = 1):
+    executor = ThreadPoolExecutor(workers)
+    batcher = MicroBatcher(process, executor, max_batch=8, max_wait_s=max_wait_s, metrics=Metrics(), regroup_wait_s=regroup_wait_s, workers=workers)
     batcher.start()
     try:
         return await asyncio.wait_for(scenario(batcher), DONE_S)
@@ -181,17 +181,6 @@ class Workers:
             self.release[q].set()
 
 
-async def _with_workers(process, scenario, workers: int = 2, max_batch: int = 8, regroup_wait_s: float = 0.0):
-    executor = ThreadPoolExecutor(workers)
-    batcher = MicroBatcher(process, executor, max_batch=max_batch, max_wait_s=0.0, metrics=Metrics(), regroup_wait_s=regroup_wait_s, workers=workers)
-    batcher.start()
-    try:
-        return await asyncio.wait_for(scenario(batcher), DONE_S)
-    finally:
-        await batcher.stop()
-        executor.shutdown()
-
-
 def _submit_together(batcher: MicroBatcher, requests: list[list[str]]) -> list[asyncio.Future]:
     """Requests parsed in one event-loop iteration (published to the workers at once)."""
     return [asyncio.ensure_future(batcher.submit(r, 1)) for r in requests]
@@ -208,7 +197,7 @@ def test_two_workers_split_what_arrives_together_into_fair_shares():
         work.free("q0", "q2")
         return await asyncio.gather(*futures)
 
-    out = asyncio.run(_with_workers(work, scenario))
+    out = asyncio.run(_with_batcher(work, 0.0, scenario, workers=2))
     assert [o[0][0]["id"] for o in out] == ["q0", "q1", "q2", "q3"]
     assert sorted(b for b, _ in work.batches) == [["q0", "q1"], ["q2", "q3"]]
     assert all(share == 0.5 for _, share in work.batches)  # the other half was queued: one encoder thread each
@@ -227,7 +216,7 @@ def test_a_free_worker_takes_queued_requests_while_the_other_runs_a_batch():
         work.free("a")
         return answered, await held
 
-    answered, held = asyncio.run(_with_workers(work, scenario))
+    answered, held = asyncio.run(_with_batcher(work, 0.0, scenario, workers=2))
     assert [o[0][0]["id"] for o in answered] == ["b", "c"] and held[0][0]["id"] == "a"
     # b and c: at most the share of the 3 queries in flight over 2 workers each (2), whole requests
     assert [b for b, _ in work.batches] == [["a"], ["b", "c"]]
@@ -242,7 +231,7 @@ def test_a_lone_big_request_gets_the_whole_encoder():
         await asyncio.sleep(0.2)  # both workers idle
         return await batcher.submit([f"r{i}" for i in range(16)], 1)
 
-    out = asyncio.run(_with_workers(work, scenario))
+    out = asyncio.run(_with_batcher(work, 0.0, scenario, workers=2))
     assert len(out) == 16 and work.batches == [([f"r{i}" for i in range(16)], 1.0)]
 
 
@@ -265,7 +254,7 @@ def test_regrouping_with_two_workers_fills_a_workers_share():
         work.free("b")
         return a, out, await first[1]
 
-    a, (c, a2), b = asyncio.run(_with_workers(work, scenario, regroup_wait_s=NEVER_S))
+    a, (c, a2), b = asyncio.run(_with_batcher(work, 0.0, scenario, regroup_wait_s=NEVER_S, workers=2))
     assert (a[0][0]["id"], c[0][0]["id"], a2[0][0]["id"], b[0][0]["id"]) == ("a", "c", "a2", "b")
     assert sorted(bb for bb, _ in work.batches) == [["a"], ["b"], ["c", "a2"]]
 
