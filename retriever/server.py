@@ -278,9 +278,8 @@ class MicroBatcher:
     is busy answering the batch just finished, and the worker then waits for the GIL), 6% of the
     worker's time.
 
-    With several workers (one per CPU core, each forward on one core) a worker takes at most its
-    share of the queries in flight, ``ceil((queued + running) / workers)``, whole requests, at least
-    one. Closed-loop clients then settle into staggered groups: one group's answers travel and its
+    With several workers (one per CPU core, each forward on one core) a worker waits for and takes
+    at most its fair share of the queries in flight (:meth:`_share`), whole requests, at least one. Closed-loop clients then settle into staggered groups: one group's answers travel and its
     next requests are parsed while the other group's batch is encoded, so no core waits for HTTP.
     With one worker whose batches are split over both cores instead, every core idled while all the
     clients' round trips ran (10-13% of the worker's time at 32 clients, measured). A batch that
@@ -375,13 +374,12 @@ class MicroBatcher:
                 jobs = self._take_batch(share if self.workers > 1 else self.max_batch)
                 n_queries = sum(len(job.queries) for job in jobs)
                 self.running_queries += n_queries
-                me.running = True
+                me.running = bool(jobs)
                 # the encoder's share this batch may use: its own, plus that of idle workers when nothing else is queued
                 encoder_share = (1 if self.pending else 1 + self.idle_workers) / self.workers
                 if self.pending:
                     self.cond.notify()  # more than this worker's share is queued: wake another
             if not jobs:
-                me.running = False
                 continue
             t_run = time.monotonic()
             self.metrics.taken([t_take - job.submitted for job in jobs], t_take - t_wait, timed_out)
