@@ -611,6 +611,9 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         # (no collection first: after a load it finds ~20 unreachable objects and would block the loop).
         gc.freeze()
         workers = min(cfg.batch_workers or state.searcher.concurrent_batches, state.searcher.concurrent_batches)
+        if cfg.batch_workers > workers:
+            log.warning("--batch-workers %d: %d batch workers (one per encoder thread%s)", cfg.batch_workers, workers,
+                        "" if state.searcher.encoder.devices[0] == "cpu" else "; one with a GPU")  # fmt: skip
         state.batcher = MicroBatcher(state.searcher.retrieve, state.executor, cfg.max_batch, cfg.max_wait_ms / 1000, metrics,
                                      cfg.regroup_wait_ms / 1000, workers=workers)  # fmt: skip
         state.batcher.start()
@@ -619,8 +622,8 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # the loader, then the batch workers (threads start as needed; at most one worker per core)
-        state.executor = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="retriever-worker")
+        # the loader, then the batch workers, at most one per encoder thread (threads start as needed)
+        state.executor = ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, cfg.encode_threads), thread_name_prefix="retriever-worker")
         loader = asyncio.get_running_loop().create_task(load_in_worker())
         try:
             yield

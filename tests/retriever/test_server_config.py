@@ -204,3 +204,28 @@ def test_query_cache_skips_the_encoder_and_changes_nothing(retriever_index):
     for got, want in ((first, plain.retrieve(batch, 3)), (again, plain.retrieve(questions[:3], 3))):
         assert [[h["id"] for h in hh] for hh in got] == [[h["id"] for h in hh] for hh in want]
         np.testing.assert_allclose([[h["score"] for h in hh] for hh in got], [[h["score"] for h in hh] for hh in want], atol=1e-5)
+
+
+def test_every_batch_worker_runs_with_more_encoder_threads_than_cores(retriever_index):
+    """--encode-threads above the core count: one batch worker per encoder thread, every one running
+    (a pool sized by cores alone would leave some queued forever while the share rule counts them)."""
+    import os
+
+    from fastapi.testclient import TestClient
+
+    from retriever.server import ServeConfig, create_app
+
+    threads = (os.cpu_count() or 1) + 1
+    app = create_app(ServeConfig(index=str(retriever_index.index_dir), device="cpu", encode_threads=threads, query_cache_size=0))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/health").json()["index"]["batch_workers"] == threads
+        batcher = app.state.retriever.batcher
+        while len(batcher.states) < threads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(batcher.states) == threads and not any(f.done() for f in batcher.running)
+        questions = [q["question"] for q in retriever_index.questions[:4]]
+        r = client.post("/retrieve", json={"queries": questions, "topk": 2})
+        assert r.status_code == 200 and [len(hits) for hits in r.json()["result"]] == [2] * 4
