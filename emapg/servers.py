@@ -5,7 +5,8 @@
   serve a non-loopback address without a key; :func:`run_uvicorn`: the in-process side of both.
   What a request handler does with its input is in :mod:`emapg.server_input`.
 * :class:`ServerProcess`: start one of them as a subprocess, wait for ``/health``, stop it
-  (``retriever.launch.RetrieverServer``, ``agent.engines.launch.EngineServer``).
+  (``retriever.launch.RetrieverServer``, ``agent.engines.launch.EngineServer``); a server it started
+  shuts down by itself when the starting process dies without stopping it (:func:`watch_launcher`).
 * :func:`response_error`: how their clients quote a failed response.
 """
 
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,6 +130,7 @@ def run_uvicorn(create_app: Callable[..., Any], cfg: ServerOptions, *, log: logg
             server.should_exit = True
 
     app = create_app(cfg, on_fatal=on_fatal)
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096,
                             proxy_headers=False)  # no X-Forwarded-For rewriting: ~5% of a small request's time
     server = uvicorn.Server(config)
@@ -136,10 +139,38 @@ def run_uvicorn(create_app: Callable[..., Any], cfg: ServerOptions, *, log: logg
     if cfg.api_key:
         log.warning("the API key is on the command line, where every local user can read it; use --api-key-file or $%s", cfg.api_key_env)
     log.info("%s", banner)
+    if launcher:
+        watch_launcher(int(launcher), lambda: setattr(server, "should_exit", True), log)
     server.run()
     if not server.started and exit_code["code"] == 0:
         return 1
     return exit_code["code"]
+
+
+# Set by ServerProcess to its own pid: the server then exits when that process is gone.
+LAUNCHER_PID_ENV = "EMAPG_LAUNCHER_PID"
+LAUNCHER_POLL_S = 0.5
+
+
+def watch_launcher(pid: int, shut_down: Callable[[], None], log: logging.Logger, poll_s: float = LAUNCHER_POLL_S) -> threading.Thread:
+    """Call ``shut_down`` once this process's parent is no longer ``pid`` (it exited and this process was
+    re-parented), checking every ``poll_s`` seconds from a daemon thread.
+
+    A launcher killed by SIGKILL, the OOM killer or an unhandled SIGTERM runs no cleanup, and its
+    servers, in their own process groups, would keep their ports, memory and (with vLLM) the GPU
+    until someone finds them. ``prctl(PR_SET_PDEATHSIG)`` is not used: it fires when the *thread*
+    that forked exits, and servers are often started from pool threads that end long before the launcher.
+    """
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(poll_s)
+        log.warning("the process that started this server (pid %d) has exited; shutting down", pid)
+        shut_down()
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class ServerStartError(RuntimeError):
@@ -172,7 +203,8 @@ def emapg_command() -> list[str]:
 class ServerProcess:
     """Context manager around an ``emapg <subcommand> ... --port N`` subprocess.
 
-    The process runs in its own process group (so stopping it also stops anything it spawned);
+    The process runs in its own process group (so stopping it also stops anything it spawned) and
+    exits by itself if this process dies without stopping it (:func:`watch_launcher`);
     its output goes to ``log_path`` (default: a temp file, kept for post-mortems), whose tail is
     quoted in every error. ``port=None`` picks a free port, and picks another one if the server
     reports "address already in use" (a free port can be taken between probing and binding).
@@ -228,8 +260,9 @@ class ServerProcess:
 
     def _start_once(self) -> None:
         cmd = [*emapg_command(), *self.subcommand, *self.args, "--port", str(self.port)]
+        env = {**self.env, LAUNCHER_PID_ENV: str(os.getpid())}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, cwd=str(REPO_ROOT))
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(REPO_ROOT))
         deadline = time.monotonic() + self.startup_timeout
         headers = {"X-API-Key": self.api_key} if self.api_key else {}
         with httpx.Client(timeout=2.0, headers=headers) as http:
