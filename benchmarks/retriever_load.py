@@ -216,13 +216,21 @@ def server_counters(url: str) -> dict[str, float]:
     """The /metrics counters this benchmark reads (summed over labels)."""
     import httpx
 
+    return parse_counters(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def parse_counters(metrics: str) -> dict[str, float]:
+    """The counters this benchmark reads from a /metrics text (summed over labels)."""
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in metrics.splitlines():
         m = re.match(r"^(retriever_(?:batch_size_sum|batch_size_count|batch_seconds_sum|queries_total|query_cache_hits_total|queue_wait_seconds_sum"
                      r"|queue_wait_seconds_count|gather_wait_seconds_total|delivery_lag_seconds_sum|delivery_lag_seconds_count"
                      r"|request_latency_seconds_sum|request_latency_seconds_count|gather_timeouts_total))(?:\{.*\})? (\S+)$", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        m = re.match(r'^retriever_(batch_seconds|request_latency_seconds)_bucket\{le="(0\.1|0\.15)"\} (\S+)$', line)
+        if m:  # batches / requests that took at most 100 or 150 ms
+            out[f"{m.group(1)}_le_{m.group(2)}"] = float(m.group(3))
         m = re.match(r'^retriever_stage_seconds_total\{stage="(\w+)"\} (\S+)$', line)
         if m:
             out[f"stage_{m.group(1)}"] = float(m.group(2))
@@ -252,10 +260,15 @@ def _server_stats(before: dict[str, float], after: dict[str, float], seconds: fl
                                  "gather_wait": ms("retriever_gather_wait_seconds_total")}  # fmt: skip
         # batches that started when the wait for company hit its bound: clients still on their way missed them
         stats["gather_timeout_fraction"] = round(d.get("retriever_gather_timeouts_total", 0.0) / batches, 3)
+        # the batches' own time (encode + search + lookup) above 100 / 150 ms: a request's latency is at
+        # least its batch's, so these set a floor under the latency tail that no scheduling removes
+        stats["batches_over_ms"] = {ms_: round(1 - d.get(f"batch_seconds_le_{le}", batches) / batches, 3) for ms_, le in (("100", "0.1"), ("150", "0.15"))}
     if d.get("retriever_queue_wait_seconds_count"):
         stats["mean_queue_wait_ms"] = round(1000 * d["retriever_queue_wait_seconds_sum"] / d["retriever_queue_wait_seconds_count"], 2)
     if d.get("retriever_request_latency_seconds_count"):  # inside the server's handler, vs the client's p50/p99
-        stats["mean_server_latency_ms"] = round(1000 * d["retriever_request_latency_seconds_sum"] / d["retriever_request_latency_seconds_count"], 2)
+        n = d["retriever_request_latency_seconds_count"]
+        stats["mean_server_latency_ms"] = round(1000 * d["retriever_request_latency_seconds_sum"] / n, 2)
+        stats["server_requests_over_150ms"] = round(1 - d.get("request_latency_seconds_le_0.15", n) / n, 4)
     if d.get("retriever_delivery_lag_seconds_count"):
         stats["mean_delivery_lag_ms"] = round(1000 * d["retriever_delivery_lag_seconds_sum"] / d["retriever_delivery_lag_seconds_count"], 2)
     if "retriever_query_cache_hits_total" in d and queries:  # of the queries the worker answered, how many skipped the encoder
@@ -369,7 +382,8 @@ def ceiling(server: RetrieverServer, index_dir: Path, bf16: bool, qs: list[str],
         per_round.append(row)
         one = row["single_c32"]
         print(f"  round {r + 1}: single c=32 {one['qps']} q/s (p50 {one['p50_ms']} / p99 {one['p99_ms']} ms, mean batch "
-              f"{one['mean_batch_size']}, queue wait {one.get('mean_queue_wait_ms')} ms, per batch {one.get('per_batch_ms')}), batch-of-32 {row['batch32_c1']['qps']} q/s, encoder alone "
+              f"{one['mean_batch_size']}, queue wait {one.get('mean_queue_wait_ms')} ms, per batch {one.get('per_batch_ms')}, "
+              f"batches over 100/150 ms {one.get('batches_over_ms')}), batch-of-32 {row['batch32_c1']['qps']} q/s, encoder alone "
               f"{row['encoder_batch32_qps']} q/s -> single/batch32 {row['single_over_batch32']}, single/encoder {row['single_over_encoder']}", flush=True)  # fmt: skip
     return {
         "rounds": per_round,
@@ -379,6 +393,8 @@ def ceiling(server: RetrieverServer, index_dir: Path, bf16: bool, qs: list[str],
         "encoder_batch32_qps": spread([r["encoder_batch32_qps"] for r in per_round]),
         "single_over_batch32": spread([r["single_over_batch32"] for r in per_round]),
         "single_over_encoder": spread([r["single_over_encoder"] for r in per_round]),
+        # of the single-query batches, those whose own encode + search + lookup took over 150 ms
+        "single_c32_batches_over_150ms": spread([r["single_c32"].get("batches_over_ms", {}).get("150", 0.0) for r in per_round]),
     }
 
 
@@ -582,7 +598,9 @@ def main(argv: list[str] | None = None) -> int:
               f"single/batch-of-32 {r['median']} [{r['min']}-{r['max']}] (target >= {TARGET_CEILING_RATIO}: "
               f"{'met' if r['median'] >= TARGET_CEILING_RATIO else 'missed'}); p99 {p99['median']} ms [{p99['min']}-{p99['max']}] "
               f"(target <= {TARGET_P99_MS:g} ms: {'met' if p99['median'] <= TARGET_P99_MS else 'missed'}); "
-              f"single/encoder alone {c['single_over_encoder']['median']}")  # fmt: skip
+              f"single/encoder alone {c['single_over_encoder']['median']} [{c['single_over_encoder']['min']}-{c['single_over_encoder']['max']}]; "
+              f"encoder alone {c['encoder_batch32_qps']['min']}-{c['encoder_batch32_qps']['max']} q/s over rounds; "
+              f"batches over 150 ms {c['single_c32_batches_over_150ms']['median']}")  # fmt: skip
     print(f"GRPO groups of {args.group}: cache on {grpo['cache_on']['qps']} q/s (hit fraction {grpo['cache_on'].get('query_cache_hit_fraction')}), "
           f"cache off {grpo['cache_off']['qps']} q/s  -> {out}  ({result['wall_s']} s)")  # fmt: skip
     return 0

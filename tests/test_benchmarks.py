@@ -343,6 +343,26 @@ def test_retriever_load_benchmark_writes_its_ratios(tmp_path):
     assert "single/batch-of-32" in proc.stdout
 
 
+def test_retriever_load_reads_the_batch_and_request_tails_from_real_metrics():
+    """The tail fields come from a real /metrics text: of 4 batches taking 0.09, 0.12, 0.14 and 0.2 s,
+    3 took over 100 ms and 1 over 150 ms; of 5 requests, 2 over 150 ms (counted between two scrapes)."""
+    from retriever.server import Metrics
+
+    rl = _load_script("retriever_load", ROOT / "benchmarks" / "retriever_load.py")
+    m = Metrics()
+    m.batch(16, 0.3)  # before the window: not counted
+    before = rl.parse_counters(m.render())
+    for seconds in (0.09, 0.12, 0.14, 0.2):
+        m.batch(16, seconds)
+    for seconds in (0.05, 0.1, 0.149, 0.151, 0.4):
+        m.count("/retrieve", 200, None, seconds)
+    stats = rl._server_stats(before, rl.parse_counters(m.render()), seconds=1.0, workers=2)
+    assert stats["batches"] == 4 and stats["mean_batch_size"] == 16.0
+    assert stats["batches_over_ms"] == {"100": 0.75, "150": 0.25}
+    assert stats["server_requests_over_150ms"] == 0.4
+    assert stats["worker_busy_fraction"] == round((0.09 + 0.12 + 0.14 + 0.2) / 2, 3)
+
+
 def test_micro_batches_benchmark_quick(tmp_path):
     """``benchmarks/micro_batches.py --quick``: both plans run side by side on search-shaped rows; the
     token-budget plan computes no more than fixed rows -- neither padded tokens nor the tokens the
