@@ -9,6 +9,10 @@ from agent.engines.vllm_engine import cpu_omp_bind_default
 
 @pytest.fixture
 def env(monkeypatch):
+    # The function writes os.environ itself: give it a copy, or the value it sets here would outlive the
+    # test (monkeypatch restores only what it changed) and bind later vLLM engines in this worker to
+    # the fake cores below (libgomp: "Thread creation failed" on a 2-core machine).
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     return monkeypatch
