@@ -66,21 +66,21 @@ def test_api_key_from_the_environment(retriever_index, monkeypatch):
 def test_bundled_index_is_built_once_and_reused_only_when_its_settings_match(tmp_path, monkeypatch):
     monkeypatch.setenv("EMAPG_CACHE", str(tmp_path))
     logs: list[str] = []
-    path = ensure_bundled_index(64, dtype="float32", log=logs.append)
-    assert path == tmp_path / "indexes" / "wiki_mini-minilm-flat-first64" == bundled_index(64).path
+    path = ensure_bundled_index(16, dtype="float32", log=logs.append)
+    assert path == tmp_path / "indexes" / "wiki_mini-minilm-flat-first16" == bundled_index(16).path
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["rows"] == 64 and meta["build"]["dtype"] == "float32" and meta["index_type"] == "Flat"
+    assert meta["rows"] == 16 and meta["build"]["dtype"] == "float32" and meta["index_type"] == "Flat"
     assert any("building the bundled Wikipedia index" in m for m in logs)
 
     logs.clear()
-    assert ensure_bundled_index(64, dtype="float32", log=logs.append) == path  # reused: nothing built
+    assert ensure_bundled_index(16, dtype="float32", log=logs.append) == path  # reused: nothing built
     assert logs == [f"reusing the bundled index {path} (its settings match)"]
     assert json.loads((path / "meta.json").read_text()) == meta
 
     # another encoding dtype is another index: rebuilt, not served
-    want = bundled_index(64, dtype="bfloat16")
+    want = bundled_index(16, dtype="bfloat16")
     assert index_mismatches(path, want.build_config(), want.dtype) == ["dtype"]
-    ensure_bundled_index(64, dtype="bfloat16", log=logs.append)
+    ensure_bundled_index(16, dtype="bfloat16", log=logs.append)
     assert any("other settings (dtype)" in m for m in logs)
     assert json.loads((path / "meta.json").read_text())["build"]["dtype"] == "bfloat16"
 
@@ -89,6 +89,6 @@ def test_bundled_index_is_built_once_and_reused_only_when_its_settings_match(tmp
     meta["corpus"]["checksum"] = "0" * len(meta["corpus"]["checksum"])
     (path / "meta.json").write_text(json.dumps(meta))
     logs.clear()
-    ensure_bundled_index(64, dtype="bfloat16", log=logs.append)
+    ensure_bundled_index(16, dtype="bfloat16", log=logs.append)
     assert any("corpus checksum" in m for m in logs)
     assert json.loads((path / "meta.json").read_text())["corpus"]["checksum"] != "0" * len(meta["corpus"]["checksum"])
