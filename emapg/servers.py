@@ -129,8 +129,8 @@ def run_uvicorn(create_app: Callable[..., Any], cfg: ServerOptions, *, log: logg
         if server is not None:
             server.should_exit = True
 
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)  # before the app starts anything: its children are not watched
     app = create_app(cfg, on_fatal=on_fatal)
-    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096,
                             proxy_headers=False)  # no X-Forwarded-For rewriting: ~5% of a small request's time
     server = uvicorn.Server(config)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from emapg.servers import watch_launcher
+from emapg.servers import LAUNCHER_POLL_S, watch_launcher
 
 LAUNCHER = """
 import sys, time
@@ -46,7 +46,7 @@ def test_a_server_exits_by_itself_when_its_launcher_is_killed(retriever_index, t
     server_pid = None
     try:
         port, server_pid = map(int, launcher.stdout.readline().split())
-        time.sleep(2 * 0.5)  # a few of the watcher's polls: the pool thread that started it has ended
+        time.sleep(2 * LAUNCHER_POLL_S)  # two of the watcher's polls: the pool thread that started it has ended
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
