@@ -51,6 +51,8 @@ from typing import Any, Callable, Literal
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from emapg.process_group import stop_process_group  # noqa: E402  (needs the repo on sys.path)
+
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "error", "timeout", "skipped", "not_run")
@@ -141,20 +143,6 @@ def tail(text: str, n: int = TAIL_CHARS) -> str:
     return text[-n:]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the section and everything it started (vLLM's engine core, pytest's servers...); never blocks for long."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 2 * KILL_GRACE_S)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_section_process(argv: list[str], result_file: Path, log_file: Path, timeout_s: float, env: dict[str, str]) -> dict:
     """Run one section command; return its record (status, seconds, metrics, checks, error...).
 
@@ -174,7 +162,8 @@ def run_section_process(argv: list[str], result_file: Path, log_file: Path, time
             timed_out = True
             rc = None
         finally:
-            _kill_group(proc)  # also reaps anything a finished section left behind
+            # the whole group (vLLM's engine core, pytest's servers...), also what a finished section left behind
+            stop_process_group(proc, signal.SIGTERM, KILL_GRACE_S, 2 * KILL_GRACE_S)
     record["seconds"] = round(time.perf_counter() - t0, 2)
     record["log_tail"] = tail(log_file.read_text(errors="replace"))
     outcome = None

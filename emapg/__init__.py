@@ -4,7 +4,7 @@ This package is two floors of the building:
 
 * the **core**, which every package may import and which imports none of them: ``emapg.config``
   (typed configs, argparse generation), ``emapg.errors`` (``UserError``, ``ConfigError``),
-  ``emapg.paths``, ``emapg.atomic`` (atomic writes), ``emapg.servers`` (what the HTTP servers and their
+  ``emapg.paths``, ``emapg.atomic`` (atomic writes), ``emapg.process_group`` (stopping a child and all it started), ``emapg.servers`` (what the HTTP servers and their
   launchers share), ``emapg.models`` (model resolution), ``emapg.workers`` (the killable worker pool);
 * the **application**, the ``emapg`` command: :data:`APP_MODULES` here, plus every package's ``cli``
   module (``retriever.cli``, ``trainer.cli``, ``eval.cli``, ``agent.engines.cli``). Application

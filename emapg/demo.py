@@ -40,6 +40,7 @@ from typing import Any, Callable, Literal
 from emapg.config import add_config_arguments, config_from_args, option
 from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR, REPO_ROOT
+from emapg.process_group import stop_process_group
 
 #: The policy the default demo starts from: the warm-started (SFT) SmolLM2-135M-Instruct search agent.
 STARTER_POLICY = "smollm2-135m-search-starter"  # emapg.models.STARTER: data/starter/, built by scripts/build_starter.py
@@ -164,16 +165,8 @@ class _Stages:
 
     def kill(self) -> None:
         proc, self.current = self.current, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGINT)  # let it save/clean up first
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        if proc is not None:
+            stop_process_group(proc, signal.SIGINT, grace_s=20)  # SIGINT lets the stage save and clean up first
 
 
 def _quiet_libraries() -> None:

@@ -33,6 +33,7 @@ import httpx
 
 from emapg.config import ConfigError, option
 from emapg.paths import REPO_ROOT
+from emapg.process_group import stop_process_group
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -282,18 +283,16 @@ class ServerProcess:
                 time.sleep(0.2)
 
     def stop(self, timeout: float | None = None) -> None:
-        """SIGTERM the process group, SIGKILL it if it lingers (after ``timeout``, default ``stop_timeout``)."""
+        """SIGTERM the process group, SIGKILL it if any of it lingers (after ``timeout``, default ``stop_timeout``).
+
+        Returns once the whole group has exited (an engine's worker processes too), so the port and
+        the memory are free when it does.
+        """
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(self.stop_timeout if timeout is None else timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        if not stop_process_group(proc, signal.SIGTERM, self.stop_timeout if timeout is None else timeout):
+            logging.getLogger(__name__).warning("%s (pid %d): part of its process group outlived SIGKILL", self.what, proc.pid)
 
     def log_tail(self) -> str:
         return log_tail(self.log_path)

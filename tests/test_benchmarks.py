@@ -188,7 +188,9 @@ elif behaviour == "crash":
     print("about to crash", flush=True)
     os._exit(3)
 elif behaviour == "hang":
-    child = subprocess.Popen(["sleep", "60"])
+    # a grandchild that takes a moment to exit on SIGTERM: the runner must wait for it, not only for its parent
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), exit(0))); time.sleep(60)"])
     open(result + ".pid", "w").write(str(child.pid))
     time.sleep(60)
 """
