@@ -26,7 +26,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+if __name__ == "__main__":  # regenerating: the same kernels as the tests (tests/conftest.py)
+    import os
+
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+import torch  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "trainer_golden.json"
 
@@ -118,6 +123,10 @@ def _close(a: float, b: float, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool
 
 def _check(name: str, got: dict) -> None:
     golden = json.loads(GOLDEN.read_text())[name]
+    kernels = torch.backends.cpu.get_cpu_capability()
+    assert kernels in ("AVX2", "DEFAULT"), (
+        f"torch runs its {kernels} CPU kernels; the golden runs were recorded with AVX2 ones "
+        "(tests/conftest.py sets ATEN_CPU_CAPABILITY=avx2 before torch is imported)")
     assert len(got["steps"]) == len(golden["steps"]) == 3
     for step, (g, want) in enumerate(zip(got["steps"], golden["steps"]), start=1):
         missing = set(want) - set(g)
