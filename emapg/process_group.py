@@ -32,15 +32,15 @@ def live_group_members(pgid: int) -> list[int]:
     return members
 
 
-def wait_group_gone(proc: subprocess.Popen, timeout_s: float | None) -> bool:
+def wait_group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
     """Wait until ``proc`` is reaped and no other member of its group runs; False at the timeout."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return False
     while live_group_members(proc.pid):
-        if deadline is not None and time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_S)
     return True
