@@ -43,6 +43,14 @@ Task = Literal["qa", "math"]
 QA_DATASETS: tuple[str, ...] = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 MATH_DATASETS: tuple[str, ...] = ("aime2024", "amc", "math500", "minerva", "olympiadbench")
 
+#: The fixed held-out split of every QA set of :data:`QA_DATASETS`: question ids, recorded in the repository
+#: (``data/qa/heldout.json``, written by ``scripts/build_qa_pool.py``). It is the seeded sample
+#: ``load_dataset(name, limit=HELDOUT_PER_DATASET, seed=HELDOUT_SEED)`` of the test split, so every
+#: ``--limit n --data-seed 0`` evaluation with ``n <= 100`` is a subset of it. No training, warm-start or
+#: selection data may contain these questions (``tasks.heldout``; the training pool is disjoint from it).
+HELDOUT_FILE = DATA_DIR / "qa" / "heldout.json"
+HELDOUT_PER_DATASET = 100
+HELDOUT_SEED = 0
 
 
 class DatasetError(UserError, ValueError):
@@ -93,6 +101,9 @@ REGISTRY: dict[str, DatasetInfo] = {
         _info("bamboogle", "qa", test=("qa/bamboogle/test.jsonl.gz", "test, full")),
         _info("nq_gold", "qa", test=("qa/nq_gold/test.jsonl.gz",
                                      "NQ-open test questions with an annotated gold passage")),
+        _info("qa_pool", "qa", train=("qa/pool/train.jsonl.gz",
+                                      "the answerable training pool: bundled QA questions outside every held-out split whose "
+                                      "answer is in the top-3 passages of the bundled index (data/qa/pool/record.json)")),
         _info("aime2024", "math", test=("math/aime2024.jsonl.gz", "AIME 2024 I+II")),
         _info("amc", "math", test=("math/amc.jsonl.gz",
                                    "AMC 2022-23 (DeepScaleR); not the paper's LiveMathBench AMC")),
@@ -103,6 +114,22 @@ REGISTRY: dict[str, DatasetInfo] = {
         _info("aime2025", "math"),  # no bundled file: pass path= or an hf: name
     )
 }
+
+for _name in QA_DATASETS:  # the held-out split: a recorded subset of the test file (HELDOUT_FILE)
+    REGISTRY[_name].files["heldout"] = REGISTRY[_name].files["test"]
+    REGISTRY[_name].upstream_split["heldout"] = (f"{HELDOUT_PER_DATASET}-question held-out sample of: "
+                                                 f"{REGISTRY[_name].upstream_split['test']}")
+
+
+def heldout_ids(name: str) -> list[str]:
+    """The recorded held-out question ids of QA set ``name`` (:data:`HELDOUT_FILE`)."""
+    if not HELDOUT_FILE.is_file():
+        raise DatasetError(f"the held-out split record {HELDOUT_FILE} is missing; run scripts/build_qa_pool.py")
+    record = json.loads(HELDOUT_FILE.read_text())
+    if name not in record.get("ids", {}):
+        raise DatasetError(f"dataset {name!r} has no held-out split (held-out sets: {', '.join(record.get('ids', {}))})")
+    return list(record["ids"][name])
+
 
 _ANSWER_KEYS = ("golden_answers", "answers", "answer")
 _CONSUMED_KEYS = {"id", "_id", "question", "problem", "golden_answers", "answers", "answer", "answer_aliases",
@@ -124,8 +151,9 @@ def load_dataset(
             ``path``, any label (used as ``data_source`` when rows do not carry one). When the
             file mixes several ``data_source`` values and ``name`` is one of them, only those
             rows are kept, so a Search-R1 7-dataset test parquet can be loaded per dataset.
-        split: which bundled split (``"test"`` or ``"train"``), or the split of an ``hf:``
-            name without ``@split``; ignored with ``path``.
+        split: which bundled split (``"test"``, ``"train"``, or ``"heldout"``: the recorded held-out
+            subset of a QA test split, :data:`HELDOUT_FILE`), or the split of an ``hf:`` name without
+            ``@split``; ignored with ``path``.
         path: a user file (``.jsonl``, ``.json``, optionally gzipped, or ``.parquet``) used
             instead of the bundled one.
         limit: keep this many examples, chosen by a seeded hash of the id: the same subset on
@@ -159,6 +187,11 @@ def load_dataset(
         records = _read_file(file)
         meta = {"split": split, "upstream_split": info.upstream_split[split]}
     records = _select_source(records, label)
+    if path is None and split == "heldout" and info is not None:
+        wanted = set(heldout_ids(name))
+        records = [(n, row) for n, row in records if str(row.get("id", "")) in wanted]
+        if len(records) != len(wanted):
+            raise DatasetError(f"{HELDOUT_FILE}: {len(wanted) - len(records)} held-out ids of {name!r} are not in {origin}")
     task = task_of(label)  # a registered label fixes the task; otherwise it is read off each row
     examples = [_to_example(n, row, label, task, meta, origin) for n, row in records]
     _make_ids_unique(examples, origin)

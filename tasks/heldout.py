@@ -1,16 +1,24 @@
-"""What "an evaluation question" means, for every path that must keep them out of training data.
+"""What "a held-out question" means, for every path that must keep them out of training data.
 
-Warm-start trajectories (:mod:`trainer.sft_data`) and the RL training mix
-(:mod:`provision.training_mix`) both drop a training question when its key -- SQuAD-normalised
-text -- equals the key of a question in a bundled evaluation (test) split. One rule, here, so the
-two can never disagree about what is held out.
+A question's identity is its key, the SQuAD-normalised text (:func:`question_key`). Two sets of keys:
+
+* :func:`heldout_questions` -- the fixed held-out split of every bundled QA set
+  (:data:`tasks.datasets.HELDOUT_FILE`). Warm-start trajectories (:mod:`trainer.sft_data`) and the
+  answerable training pool (``qa_pool``, ``scripts/build_qa_pool.py``) drop every question whose key is
+  one of these, so the demo's and the benchmarks' evaluations (subsets of the held-out split) are
+  untouched by training;
+* :func:`evaluation_questions` -- every question of the bundled test splits (the stricter rule of the
+  NQ + HotpotQA train mix, :mod:`provision.training_mix`).
+
+One rule, here, so no two paths disagree about what is held out. A trained checkpoint additionally
+records the questions it trained on (:mod:`tasks.contamination`), so ``emapg eval`` can refuse them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tasks.datasets import REGISTRY, load_dataset
+from tasks.datasets import QA_DATASETS, REGISTRY, load_dataset
 from tasks.qa import normalize_answer
 
 
@@ -31,5 +39,14 @@ def evaluation_questions(datasets: Iterable[str] | None = None) -> dict[str, str
     found: dict[str, str] = {}
     for name in qa_eval_sets() if datasets is None else datasets:
         for ex in load_dataset(name, split="test"):
+            found.setdefault(question_key(ex.question), name)
+    return found
+
+
+def heldout_questions(datasets: Iterable[str] = QA_DATASETS) -> dict[str, str]:
+    """Question key -> the QA set whose recorded held-out split contains it."""
+    found: dict[str, str] = {}
+    for name in datasets:
+        for ex in load_dataset(name, split="heldout"):
             found.setdefault(question_key(ex.question), name)
     return found

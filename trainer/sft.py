@@ -180,7 +180,7 @@ def run_sft(cfg: SFTConfig, *, progress=None) -> SFTResult:
     from transformers import AutoTokenizer
 
     from emapg.models import resolve_model
-    from tasks.heldout import evaluation_questions
+    from tasks.heldout import heldout_questions
     from trainer.sft_data import (
         construct_trajectories,
         file_trajectories,
@@ -202,7 +202,7 @@ def run_sft(cfg: SFTConfig, *, progress=None) -> SFTResult:
             retriever = stack.enter_context(open_retriever(
                 urls=r.urls, index_dir=r.index_dir, topk=cfg.rollout.topk, timeout=r.timeout, retries=r.retries,
                 api_key_env=r.api_key_env))
-        exclude = evaluation_questions() if (d.source == "construct" or d.exclude_eval_questions) else None
+        exclude = heldout_questions() if (d.source == "construct" or d.exclude_eval_questions) else None
         if d.source == "construct":
             examples = training_examples(d.datasets, limit=d.limit, seed=cfg.run.seed)
             pairs, report = construct_trajectories(examples, tokenizer, retriever, cfg.rollout, max_model_len=context,

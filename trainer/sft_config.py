@@ -65,7 +65,7 @@ class SFTDataConfig:
     max_trajectories: int | None = option(None, help="use at most this many trajectories after filtering (None: all)")
     heldout_fraction: float = option(0.1, help="fraction of the trajectories held out to measure the SFT loss")
     exclude_eval_questions: bool = option(
-        True, help="drop questions whose normalised text is in any bundled evaluation set (always on for constructed data)"
+        True, help="drop questions whose normalised text is in the held-out split of a bundled QA set (data/qa/heldout.json; always on for constructed data)"
     )
 
     def validate(self) -> None:

@@ -12,8 +12,8 @@ is one search with the question as the query, then the answer::
 A trajectory is kept only when the passages the model is shown (the observation tokens, after
 truncation) contain a gold answer (token-bounded, SQuAD-normalised: ``tasks.qa.retrieval_recall``);
 the answer written is the first gold alias that appears there. Questions whose normalised text is in
-any bundled evaluation set are dropped first (:func:`tasks.heldout.evaluation_questions`), so warm start never sees a
-test question; that covers the bundled HotpotQA "train" rows that are dev rows.
+the held-out split of a bundled QA set are dropped first (:func:`tasks.heldout.heldout_questions`), so warm
+start never sees a question the held-out evaluations use.
 
 **File** (``data.source=file``): jsonl rows ``{"question", "turns": [model turn, ...]}`` (the
 observations come from the configured retriever) or ``{"question", "response": "<search> q
@@ -35,7 +35,7 @@ from agent.replay import ReplayError, ReplayRetriever, ScriptedTrajectory, parse
 from agent.rollout import RolloutConfig, Trajectory
 from emapg.config import ConfigError
 from tasks.datasets import DatasetError, Example, load_dataset
-from tasks.heldout import evaluation_questions, question_key
+from tasks.heldout import heldout_questions, question_key
 from tasks.qa import retrieval_recall
 
 
@@ -83,10 +83,10 @@ def construct_trajectories(
 ) -> tuple[list[tuple[Trajectory, Example]], ConstructionReport]:
     """Trajectories for the training ``examples`` (per dataset) whose passages contain the answer.
 
-    ``exclude``: normalised questions to leave out (default: every bundled evaluation question).
+    ``exclude``: normalised questions to leave out (default: every question of a held-out split).
     Each kept trajectory is returned with its example; the report counts every drop.
     """
-    exclude = evaluation_questions() if exclude is None else exclude
+    exclude = heldout_questions() if exclude is None else exclude
     report = ConstructionReport()
     seen: set[str] = set()
     chosen: list[tuple[str, Example]] = []

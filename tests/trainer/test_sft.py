@@ -84,14 +84,15 @@ def test_constructed_trajectories_mask_only_model_tokens(tokenizer, client, retr
 
 
 def test_constructed_set_contains_no_eval_question(tokenizer, client):
-    from tasks.heldout import evaluation_questions, question_key
+    from tasks.heldout import heldout_questions, question_key
     from trainer.sft_data import construct_trajectories
 
-    evals = evaluation_questions()
+    evals = heldout_questions()
     nq_train = load_dataset("nq", split="train", limit=20)
     leaked = [Example(f"leak{i}", ex.question.lower() + "?", ex.answers, "nq") for i, ex in enumerate(load_dataset("nq", limit=5))]
     hotpot_train = load_dataset("hotpotqa", split="train")
-    flagged = {question_key(ex.question) for ex in load_dataset("hotpotqa") if ex.meta.get("in_bundled_train")}
+    # the HotpotQA "train" rows drawn from dev that fall in the held-out split
+    flagged = {question_key(ex.question) for ex in load_dataset("hotpotqa", split="heldout") if ex.meta.get("in_bundled_train")}
     assert flagged and all(k in evals for k in flagged)
     pairs, report = construct_trajectories({"nq": nq_train + leaked, "hotpotqa": hotpot_train}, tokenizer, client,
                                            ROLLOUT, max_model_len=1400)
