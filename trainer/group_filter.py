@@ -78,15 +78,19 @@ def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, wa
     Returns the batch -- ``want`` groups in sampling order, informative ones first, then the top-up; its
     ``stats`` are those of every batch generated (the step's generation work); its ``reward_counts`` are
     NOT recounted for the kept rows (the caller re-scores them) -- and the ``filter/*`` sums: sampled
-    groups and trajectories, the reward sum over them, informative groups kept, extra rounds generated."""
+    groups and trajectories, the reward sum over them, informative groups kept, informative groups among
+    all sampled and among the first round's, extra rounds generated."""
     batches = [first]
     kept: list[tuple[int, int]] = []  # (batch, group)
     spare: list[tuple[int, int]] = []
+    first_informative = 0
     rounds = 0
     while True:
         b = len(batches) - 1
         for g, ok in enumerate(informative_groups(batches[b].rewards, group_size).tolist()):
             (kept if ok else spare).append((b, g))
+        if b == 0:
+            first_informative = len(kept)
         if agree(len(kept) >= want) or rounds >= max_rounds:
             break
         rounds += 1
@@ -100,6 +104,8 @@ def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, wa
         "filter/sampled_trajectories": float(sampled),
         "filter/sampled_reward_sum": float(sum(float(x.rewards.sum()) for x in batches)),
         "filter/informative_groups": float(min(len(kept), want)),
+        "filter/sampled_informative_groups": float(len(kept)),
+        "filter/first_round_informative_groups": float(first_informative),
         "filter/rounds": float(rounds),
     }
     return out, sums

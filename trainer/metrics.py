@@ -127,12 +127,16 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
 
 def filter_metrics(s: Mapping[str, float]) -> dict[str, float]:
     """``rollout.filter_groups`` (:mod:`trainer.group_filter`): the mean reward over every trajectory generated in
-    the step, the share of trained groups that are informative, and groups generated per trained group."""
+    the step, the share of trained groups that are informative, the share of informative groups in the first
+    prompt batch and among all sampled ones, and groups generated per trained group."""
     if "filter/sampled_trajectories" not in s:
         return {}
     groups = max(s["rollout/groups"], 1.0)
     return {"filter/sampled_reward_mean": s["filter/sampled_reward_sum"] / max(s["filter/sampled_trajectories"], 1.0),
             "filter/informative_frac": s["filter/informative_groups"] / groups,
+            # informative groups among the first prompt batch (what the step would train on without filtering)
+            "filter/first_round_informative_frac": s["filter/first_round_informative_groups"] / groups,
+            "filter/sampled_informative_frac": s["filter/sampled_informative_groups"] / max(s["filter/sampled_groups"], 1.0),
             "filter/sampled_per_trained_group": s["filter/sampled_groups"] / groups}
 
 

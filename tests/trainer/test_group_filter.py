@@ -57,7 +57,9 @@ def test_fill_keeps_informative_groups_in_sampling_order_and_stops_when_full():
     assert out.reward_counts == {}  # recounted by the caller for the rows kept
     assert sums == {"filter/sampled_groups": 12.0, "filter/sampled_trajectories": 36.0,
                     "filter/sampled_reward_sum": float(first.rewards.sum() + extra[1].rewards.sum() + extra[2].rewards.sum()),
-                    "filter/informative_groups": 4.0, "filter/rounds": 2.0}
+                    "filter/informative_groups": 4.0, "filter/rounds": 2.0,
+                    "filter/sampled_informative_groups": 5.0,  # a1, b0, b2, c0, c1 (c1 generated, not needed)
+                    "filter/first_round_informative_groups": 1.0}
 
 
 def test_fill_tops_up_with_the_earliest_uninformative_groups_when_rounds_run_out():
