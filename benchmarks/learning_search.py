@@ -1,35 +1,33 @@
 """GRPO vs EMA-PG on real questions: same starter, same seeds, same steps; held-out EM on all seven QA sets.
 
-Both algorithms start from the starter search policy (``emapg.demo.STARTER_POLICY``: SmolLM2-135M-Instruct
-warm-started as a search agent) and train on the bundled NQ + HotpotQA train questions
-(:mod:`provision.training_mix`: every evaluation question removed) through the real retriever over
-the bundled Wikipedia index, with the production trainer (:func:`trainer.loop.train`):
+Both algorithms start from the starter search policy (``emapg.models.STARTER``: SmolLM2-135M-Instruct
+warm-started as a search agent on the training pool) and train on the **answerable training pool**
+(``qa_pool``, ``data/qa/pool/``: bundled QA questions outside every held-out split whose answer is in the
+top-3 passages of the bundled index; ``scripts/build_qa_pool.py``) through the real retriever over the
+bundled Wikipedia index, with the production trainer (:func:`trainer.loop.train`):
 
 * ``grpo``  -- the paper's baseline as a fair ablation (ALGORITHM.md §3.2): K3 KL (beta 0.001) to the
   frozen starter (eta = 1), no importance weight;
 * ``emapg`` -- Top-k reverse KL (k = 32, tail + IW, beta 0.001) to an EMA anchor (eta = 0.9, ALGORITHM.md
   §1; the period is scaled down with the number of steps: P = max(2, steps // 10)).
 
-Everything else is the demo's training config (``configs/demo_search_smollm2.yaml``). Every
-``--eval-every`` steps a checkpoint is evaluated (:func:`eval.runner.run_eval`, greedy ``qa_quick``) on the
-same held-out questions (``--per-dataset`` per set, seeded sample of the test splits); the starter is
-evaluated once (greedy: the same for every run). Outputs:
+Everything else is the demo's training config (``configs/demo_search_smollm2.yaml``). The starter and the
+checkpoints at the middle and the end are evaluated (:func:`eval.runner.run_eval`, greedy ``qa_quick``) on
+the same **held-out** questions: ``--per-dataset`` per QA set, the seeded sample at data seed 0, which is a
+subset of the recorded held-out split (``data/qa/heldout.json``; checked) that no training, warm-start or
+selection touched. Outputs:
 
 * ``benchmarks/results/learning_search.json`` -- per algorithm ``heldout_em_start``, ``heldout_em_end``
-  (pooled percent over all held-out questions, mean over seeds), ``seeds``, per-seed curves (held-out EM
-  and train reward per step), per-dataset final EM; the pooled EMA-PG − GRPO difference at the end with its
-  paired bootstrap interval (per question, EM averaged over seeds); the mode and wall time;
-* ``benchmarks/results/learning_search.png`` -- held-out pooled EM and train reward vs step, both
-  algorithms, each seed.
+  (pooled percent over all held-out questions, mean over seeds), ``end_minus_start_ci`` ([low, high], pp,
+  paired bootstrap over questions with EM averaged over seeds), ``seeds``, per-seed curves (held-out EM,
+  train reward and informative-group fraction per step), per-dataset EM at the end; the pooled EMA-PG − GRPO
+  difference with its interval; ``heldout_questions``; informative groups trained per minute of training;
+  the mode and wall time;
+* ``benchmarks/results/learning_search.png`` -- held-out pooled EM, train reward and informative-group
+  fraction vs step, both algorithms, each seed.
 
-    python benchmarks/learning_search.py            # default: 2 seeds x 8 steps, eval at start and end, 15 q/set (67.5 min on 2 cores)
+    python benchmarks/learning_search.py            # default: 2 seeds x 10 steps, 50 q/set (350), eval at 0/5/10
     python benchmarks/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 q/set
-
-The default is sized to 2 cores: measured 2026-12-01, a step of 16 trajectories takes 82-116 s, an
-evaluation of the 105 questions ~3.5 min (vLLM start-up included), the whole default run 67.5 min.
-Result of that run (benchmarks/results/learning_search.json): GRPO and EMA-PG both 11.4 -> 12.4 pooled EM,
-difference +0.0 pp [-1.4, +1.4]; 30 of each run's 32 groups had all-zero rewards (no gradient), which
-``--filter-groups`` (dynamic sampling, as in the demo) addresses.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-QA_SETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+TRAIN_SET = "qa_pool"  # the answerable training pool (data/qa/pool/)
 
 ALGOS = {
     "grpo": ["algorithm.name=grpo", "algorithm.kl.type=k3", "algorithm.kl.importance_weight=false", "algorithm.ema.decay=1.0"],
@@ -57,15 +55,21 @@ ALGOS = {
 }
 
 
+def qa_sets() -> tuple[str, ...]:
+    from tasks.datasets import QA_DATASETS
+
+    return QA_DATASETS
+
+
 def mode_settings(args: argparse.Namespace) -> dict[str, Any]:
     """What runs: the starter, its training config, the index, the evaluation protocol."""
-    from emapg.demo import STARTER_POLICY
+    from emapg.models import STARTER
     from emapg.paths import CONFIG_DIR
 
     if args.quick:
         return {"mode": "quick", "policy": "tiny-qwen2", "config": CONFIG_DIR / "search_tiny_cpu.yaml", "index_limit": 2000,
                 "engine": "hf", "protocol": {"max_tokens": 24, "max_turns": 2}, "extra": ["logging.tensorboard=false"]}
-    return {"mode": "default" if not args.reduced else "reduced", "policy": args.policy or STARTER_POLICY,
+    return {"mode": "default" if not args.reduced else "reduced", "policy": args.policy or STARTER,
             "config": CONFIG_DIR / "demo_search_smollm2.yaml", "index_limit": None, "engine": "vllm", "protocol": {}, "extra": []}
 
 
@@ -74,16 +78,28 @@ def evaluate(model: str, out: Path, url: str, settings: dict[str, Any], per_data
     from eval.runner import EvalConfig, run_eval
 
     cfg = EvalConfig(model=model, out=str(out), protocol=get_protocol("qa_quick", **settings["protocol"]),
-                     datasets=list(QA_SETS), limit=per_dataset, data_seed=0, engine=settings["engine"], retriever_url=url,
-                     progress=False, name=out.name)
+                     datasets=list(qa_sets()), limit=per_dataset, data_seed=0, engine=settings["engine"], retriever_url=url,
+                     progress=False, name=out.name, batch_across_datasets=True, batch_size=per_dataset * len(qa_sets()))
     run_eval(cfg)
+    check_heldout(out)
     return out
+
+
+def check_heldout(eval_dir: Path) -> None:
+    """Every question an evaluation scored is in the recorded held-out split (data/qa/heldout.json)."""
+    from eval.learning import paired_items
+    from tasks.datasets import heldout_ids
+
+    for ds, p in paired_items(eval_dir, eval_dir, list(qa_sets())).items():
+        outside = set(p.ids) - set(heldout_ids(ds))
+        if outside:
+            raise RuntimeError(f"{eval_dir}: {len(outside)} evaluated {ds} questions are not held out, e.g. {sorted(outside)[:3]}")
 
 
 def pooled_em(start_dir: Path, run_dir: Path) -> float:
     from eval.learning import compare_learning
 
-    return compare_learning(start_dir, run_dir, list(QA_SETS), resamples=1)["pooled"]["trained"]
+    return compare_learning(start_dir, run_dir, list(qa_sets()), resamples=1)["pooled"]["trained"]
 
 
 def per_question_em(eval_dirs: list[Path]) -> dict[str, float]:
@@ -92,10 +108,24 @@ def per_question_em(eval_dirs: list[Path]) -> dict[str, float]:
 
     sums: dict[str, float] = {}
     for d in eval_dirs:
-        for ds, p in paired_items(d, d, list(QA_SETS)).items():
+        for ds, p in paired_items(d, d, list(qa_sets())).items():
             for qid, em in zip(p.ids, p.base):
                 sums[f"{ds}/{qid}"] = sums.get(f"{ds}/{qid}", 0.0) + em / len(eval_dirs)
     return sums
+
+
+def informative_fraction(row: dict[str, float]) -> float:
+    """The share of a step's first prompt batch whose groups have differing rewards (a policy gradient):
+    with dynamic sampling the first round's share, else one minus the zero-variance share of the batch."""
+    if "filter/first_round_informative_frac" in row:
+        return float(row["filter/first_round_informative_frac"])
+    return 1.0 - float(row["reward/zero_variance_groups"])
+
+
+def trained_informative_groups(row: dict[str, float], groups_per_step: int) -> float:
+    """Informative groups the step trained on (after dynamic sampling when on)."""
+    frac = row.get("filter/informative_frac", 1.0 - float(row["reward/zero_variance_groups"]))
+    return float(frac) * groups_per_step
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
@@ -104,23 +134,29 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_em, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_em, ax_r, ax_i) = plt.subplots(1, 3, figsize=(15, 4))
     colors = {"grpo": "tab:blue", "emapg": "tab:red"}
     for alg, runs in report["runs"].items():
         for i, (seed, run) in enumerate(runs.items()):
             style = ["-", "--", ":", "-."][i % 4]
-            ax_em.plot(run["eval_steps"], run["heldout_em"], style, marker="o", color=colors[alg], label=f"{alg} seed {seed}")
-            ax_r.plot(run["train_steps"], run["train_reward"], style, color=colors[alg], label=f"{alg} seed {seed}",
-                      marker="o" if len(run["train_steps"]) <= 30 else None, markersize=3)
+            label = f"{alg} seed {seed}"
+            ax_em.plot(run["eval_steps"], run["heldout_em"], style, marker="o", color=colors[alg], label=label)
+            marker = "o" if len(run["train_steps"]) <= 30 else None
+            ax_r.plot(run["train_steps"], run["train_reward"], style, color=colors[alg], label=label, marker=marker, markersize=3)
+            if run.get("informative_frac"):
+                ax_i.plot(run["train_steps"], run["informative_frac"], style, color=colors[alg], label=label, marker=marker,
+                          markersize=3)
     ax_em.set_title(f"held-out EM, pooled over {report['heldout']['questions']} questions (7 QA sets)")
     ax_em.set_ylabel("EM (%)")
-    ax_r.set_title("train reward (EM of the sampled group), every step")
-    for ax in (ax_em, ax_r):
+    ax_r.set_title("train reward (mean EM of the sampled trajectories)")
+    ax_i.set_title("groups with differing rewards (first prompt batch)")
+    ax_i.set_ylim(-0.02, 1.02)
+    for ax in (ax_em, ax_r, ax_i):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"GRPO (K3, frozen reference) vs EMA-PG (Top-k reverse KL, EMA anchor) from {report['policy']}",
-                 fontsize=10)
+    fig.suptitle(f"GRPO (K3, frozen reference) vs EMA-PG (Top-k reverse KL, EMA anchor) from {report['policy']}, "
+                 f"trained on {report.get('train_set', TRAIN_SET)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -131,25 +167,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 on a 2k-passage index, 2 steps, 2 questions per set")
     p.add_argument("--reduced", action="store_true", help="the default models with fewer steps/questions (give --steps etc.)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 8; quick 2)")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluate every this many steps (default: only at the end; quick 2)")
-    p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set (default 15, the demo's; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 10; quick 2)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every this many steps (default: steps // 2, i.e. the "
+                   "middle and the end; quick 1)")
+    p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set (<= 100, the held-out split's "
+                   "size; default 50, i.e. 350 questions; quick 2)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--policy", default=None, help="starter policy (default emapg.demo.STARTER_POLICY)")
-    p.add_argument("--filter-groups", action="store_true",
-                   help="dynamic sampling for both algorithms (rollout.filter_groups, as in the demo); default off: the "
-                        "paper's protocol, every sampled group trained on")
+    p.add_argument("--policy", default=None, help="starter policy (default emapg.models.STARTER)")
+    p.add_argument("--no-filter-groups", dest="filter_groups", action="store_false",
+                   help="turn dynamic sampling (rollout.filter_groups, the demo config's setting) off for both algorithms")
+    p.add_argument("--override", action="append", default=[], help="a dotted training override for both algorithms (repeatable)")
     p.add_argument("--out", default=str(RESULTS / "learning_search.json"))
     p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed)")
     args = p.parse_args(argv)
-    steps = args.steps or (2 if args.quick else 8)
-    eval_every = args.eval_every or (2 if args.quick else steps)
-    per_dataset = args.per_dataset or (2 if args.quick else 15)
+    steps = args.steps or (2 if args.quick else 10)
+    eval_every = args.eval_every or (1 if args.quick else max(1, steps // 2))
+    per_dataset = args.per_dataset or (2 if args.quick else 50)
     if len(args.seeds) < 2 and not args.quick:
         p.error("give at least 2 seeds")
+    if not 1 <= per_dataset <= 100:
+        p.error("--per-dataset must be in [1, 100]: the held-out split holds 100 questions per QA set")
     # OMP_NUM_THREADS is left to the caller (torch then uses every core for the training passes); forcing 1
     # would halve the training speed of the default mode on 2 cores.
-    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
         os.environ.setdefault(k, v)
 
     from emapg.config import load_config
@@ -157,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from eval.significance import paired_bootstrap
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
-    from provision.training_mix import write_training_mix
+    from tasks.datasets import load_dataset
     from trainer.checkpoint import step_dir_name
     from trainer.config import TrainConfig
     from trainer.loop import train
@@ -167,15 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     settings = mode_settings(args)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="learning-search-"))
     work.mkdir(parents=True, exist_ok=True)
-    mix = write_training_mix(work / "train_questions.jsonl")
+    pool_sources: dict[str, int] = {}
+    for ex in load_dataset(TRAIN_SET, split="train"):
+        pool_sources[ex.meta.get("origin", ex.data_source)] = pool_sources.get(ex.meta.get("origin", ex.data_source), 0) + 1
     index_dir = ensure_bundled_index(settings["index_limit"])
     eval_steps = sorted({s for s in range(eval_every, steps + 1, eval_every)} | {steps})
+    base_cfg = load_config(TrainConfig, settings["config"], [])
+    groups_per_step = base_cfg.data.prompts_per_step
     report: dict[str, Any] = {
         "benchmark": "learning_search", "mode": settings["mode"], "policy": settings["policy"], "steps": steps,
-        "eval_steps": [0, *eval_steps], "seeds": list(args.seeds), "train_questions": mix.kept,
-        "filter_groups": args.filter_groups,
-        "heldout": {"datasets": list(QA_SETS), "per_dataset": per_dataset, "questions": per_dataset * len(QA_SETS),
-                    "data_seed": 0, "protocol": "qa_quick (greedy)"},
+        "eval_steps": [0, *eval_steps], "seeds": list(args.seeds), "train_set": TRAIN_SET, "train_questions": pool_sources,
+        "filter_groups": args.filter_groups, "overrides": args.override,
+        "rollout": {"group_size": base_cfg.rollout.n_samples, "prompts_per_step": groups_per_step,
+                    "temperature": base_cfg.rollout.temperature},
+        "heldout": {"datasets": list(qa_sets()), "per_dataset": per_dataset, "questions": per_dataset * len(qa_sets()),
+                    "data_seed": 0, "split": "subset of data/qa/heldout.json", "protocol": "qa_quick (greedy)"},
+        "heldout_questions": per_dataset * len(qa_sets()),
         "algorithms": {alg: " ".join(o for o in ov if not o.startswith("algorithm.name")) for alg, ov in ALGOS.items()},
         "runs": {alg: {} for alg in ALGOS},
     }
@@ -188,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             for alg, algo_overrides in ALGOS.items():
                 run_dir = work / f"{alg}-seed{seed}"
-                overrides = [f"model.policy={settings['policy']}", f"data.train={mix.path}", f"retriever.urls=[{url}]",
-                             "retriever.index_dir=null", f"run.output_dir={run_dir}", f"run.seed={seed}",
-                             f"run.total_steps={steps}", f"run.save_every={eval_every}", f"run.keep_last={len(eval_steps) + 1}",
-                             "logging.progress=false", f"algorithm.ema.period={max(2, steps // 10)}",
+                overrides = [f"model.policy={settings['policy']}", f"data.train={TRAIN_SET}", "data.split=train",
+                             f"retriever.urls=[{url}]", "retriever.index_dir=null", f"run.output_dir={run_dir}",
+                             f"run.seed={seed}", f"run.total_steps={steps}", f"run.save_every={eval_every}",
+                             f"run.keep_last={len(eval_steps) + 1}", "logging.progress=false",
+                             f"algorithm.ema.period={max(2, steps // 10)}",
                              f"rollout.filter_groups={str(args.filter_groups).lower()}",
-                             *settings["extra"], *algo_overrides]  # fmt: skip
+                             *settings["extra"], *args.override, *algo_overrides]  # fmt: skip
                 t_run = time.perf_counter()
                 train(load_config(TrainConfig, settings["config"], overrides))
                 t_train = time.perf_counter() - t_run
@@ -206,27 +254,22 @@ def main(argv: list[str] | None = None) -> int:
                 metrics = read_metrics(run_dir)
                 final_dir = run_dir / f"eval_step{eval_steps[-1]}"
                 final_dirs[alg].append(final_dir)
-                per_ds = compare_learning(start_dir, final_dir, list(QA_SETS), resamples=1)["datasets"]
+                per_ds = compare_learning(start_dir, final_dir, list(qa_sets()), resamples=1)["datasets"]
+                informative_trained = sum(trained_informative_groups(r, groups_per_step) for r in metrics)
                 report["runs"][alg][str(seed)] = {
                     "eval_steps": [0, *eval_steps], "heldout_em": ems,
                     "train_steps": [int(r["step"]) for r in metrics], "train_reward": [float(r["reward/mean"]) for r in metrics],
+                    "sampled_reward": [float(r.get("filter/sampled_reward_mean", r["reward/mean"])) for r in metrics],
+                    "informative_frac": [informative_fraction(r) for r in metrics],
                     "format_rate": [float(r.get("response/answered_frac", float("nan"))) for r in metrics],
+                    "step_s": [float(r.get("time/step", float("nan"))) for r in metrics],
                     "per_dataset_end": {ds: b["trained"] for ds, b in per_ds.items()},
+                    "informative_groups_trained": informative_trained,
+                    "informative_groups_per_train_min": informative_trained / (t_train / 60),
                     "train_s": round(t_train, 1), "run_s": round(time.perf_counter() - t_run, 1),
                 }
                 print(f"[learning_search] {alg} seed {seed}: held-out pooled EM {' -> '.join(f'{e:.1f}' for e in ems)} "
-                      f"(train {t_train / 60:.1f} min)", flush=True)
-
-    for alg in ALGOS:
-        runs = report["runs"][alg].values()
-        report[alg] = {
-            "heldout_em_start": em_start,
-            "heldout_em_end": statistics.mean(r["heldout_em"][-1] for r in runs),
-            "heldout_em_end_per_seed": [r["heldout_em"][-1] for r in runs],
-            "seeds": list(args.seeds),
-            "per_dataset_end": {ds: statistics.mean(r["per_dataset_end"][ds] for r in runs) for ds in QA_SETS},
-            "train_reward_last": statistics.mean(r["train_reward"][-1] for r in runs),
-        }
+                      f"(train {t_train / 60:.1f} min, {informative_trained:.0f} informative groups trained)", flush=True)
 
     def difference(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
         keys = sorted(a)
@@ -235,11 +278,28 @@ def main(argv: list[str] | None = None) -> int:
                 "method": "paired bootstrap over held-out questions (per question: EM averaged over seeds), percentile interval"}
 
     start_q = per_question_em([start_dir])
-    end_q = {alg: per_question_em(final_dirs[alg]) for alg in ALGOS}
     for alg in ALGOS:
-        report[alg]["end_minus_start"] = difference(start_q, end_q[alg])
-    report["emapg_minus_grpo_end"] = difference(end_q["grpo"], end_q["emapg"])
-    start_per_ds = compare_learning(start_dir, start_dir, list(QA_SETS), resamples=1)["datasets"]
+        runs = list(report["runs"][alg].values())
+        end_q = per_question_em(final_dirs[alg])
+        d = difference(start_q, end_q)
+        mid = len(eval_steps) // 2 - 1 if len(eval_steps) > 1 else 0
+        report[alg] = {
+            "heldout_em_start": em_start,
+            "heldout_em_middle": statistics.mean(r["heldout_em"][1 + mid] for r in runs),
+            "heldout_em_end": statistics.mean(r["heldout_em"][-1] for r in runs),
+            "heldout_em_end_per_seed": [r["heldout_em"][-1] for r in runs],
+            "end_minus_start": d,
+            "end_minus_start_ci": [d["low"], d["high"]],
+            "seeds": list(args.seeds),
+            "per_dataset_end": {ds: statistics.mean(r["per_dataset_end"][ds] for r in runs) for ds in qa_sets()},
+            "train_reward_first": statistics.mean(r["train_reward"][0] for r in runs),
+            "train_reward_last": statistics.mean(r["train_reward"][-1] for r in runs),
+            "informative_frac_first_step": statistics.mean(r["informative_frac"][0] for r in runs),
+            "informative_frac_mean": statistics.mean(statistics.mean(r["informative_frac"]) for r in runs),
+            "informative_groups_per_train_min": statistics.mean(r["informative_groups_per_train_min"] for r in runs),
+        }
+    report["emapg_minus_grpo_end"] = difference(per_question_em(final_dirs["grpo"]), per_question_em(final_dirs["emapg"]))
+    start_per_ds = compare_learning(start_dir, start_dir, list(qa_sets()), resamples=1)["datasets"]
     report["start_per_dataset"] = {ds: b["base"] for ds, b in start_per_ds.items()}
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
@@ -252,9 +312,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nheld-out EM per dataset at step {steps} (mean over seeds {args.seeds}; start = the starter):")
     print(f"{'dataset':<18}{'start':>8}{'grpo':>8}{'emapg':>8}")
-    for ds in QA_SETS:
+    for ds in qa_sets():
         print(f"{ds:<18}{report['start_per_dataset'][ds]:>8.1f}{report['grpo']['per_dataset_end'][ds]:>8.1f}{report['emapg']['per_dataset_end'][ds]:>8.1f}")
     print(f"{'pooled':<18}{em_start:>8.1f}{report['grpo']['heldout_em_end']:>8.1f}{report['emapg']['heldout_em_end']:>8.1f}")
+    for alg in ALGOS:
+        d = report[alg]["end_minus_start"]
+        print(f"{alg} end - start: {d['mean']:+.1f} pp (95% CI [{d['low']:+.1f}, {d['high']:+.1f}], n={d['n']})")
     d = report["emapg_minus_grpo_end"]
     print(f"EMA-PG - GRPO at step {steps}: {d['mean']:+.1f} pp (95% CI [{d['low']:+.1f}, {d['high']:+.1f}], n={d['n']}); "
           f"mode {settings['mode']}, wall {report['wall_s'] / 60:.1f} min")

@@ -1,13 +1,14 @@
 """``emapg demo``: does training make the search agent better? The whole product on bundled data, on a CPU.
 
-1. prepare the offline models: the starter search policy (:data:`STARTER_POLICY`) and the encoder (MiniLM);
+1. prepare the offline models: the starter search policy (:data:`STARTER`) and the encoder (MiniLM);
 2. build a FAISS index of the bundled Wikipedia corpus (:func:`provision.indexes.ensure_bundled_index`:
    cached, reused only when its settings match, a killed build resumes);
 3. start the retrieval server on a free local port (:func:`provision.retrievers.open_retriever`);
-4. evaluate the starter on held-out questions of all seven QA sets (the same seeded sample per set
-   in both evaluations; no training question is among them);
-5. train it with EMA-PG on bundled NQ + HotpotQA train questions (:mod:`provision.training_mix`:
-   every evaluation question removed) for as many steps as the preset's time budget allows;
+4. evaluate the starter on held-out questions of all seven QA sets (the same seeded sample per set in
+   both evaluations, a subset of the recorded held-out split ``data/qa/heldout.json``; no training,
+   warm-start or selection question is among them);
+5. train it with EMA-PG on the answerable training pool (``qa_pool``: bundled QA questions outside every
+   held-out split whose answer the bundled index retrieves; ``data/qa/pool/``) for the preset's steps;
 6. evaluate the trained policy on the same questions;
 7. write the report: starter vs trained per dataset and pooled over all questions, with the paired
    bootstrap interval of the difference (:mod:`eval.learning`), the reward / format-rate /
@@ -37,14 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from emapg.config import add_config_arguments, config_from_args, option
+from emapg.config import add_config_arguments, config_from_args, load_config, option
 from emapg.errors import UserError
+from emapg.models import STARTER
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 from emapg.process_group import stop_process_group
+from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
 
-#: The policy the default demo starts from: the warm-started (SFT) SmolLM2-135M-Instruct search agent.
-STARTER_POLICY = "smollm2-135m-search-starter"  # emapg.models.STARTER: data/starter/, built by scripts/build_starter.py
-QA_SETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+#: The training questions: the answerable pool (data/qa/pool/, scripts/build_qa_pool.py).
+TRAIN_SET = "qa_pool"
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class DemoPreset:
     index_limit: int | None  # passages indexed (None: the whole bundled corpus)
     eval_limit: int  # held-out questions per QA dataset
     engine: str
-    train_budget_s: float | None  # run.time_budget_s of the training stage (None: run.total_steps only)
+    train_steps: int  # optimizer steps of the training stage (run.total_steps)
     train_overrides: tuple[str, ...] = ()
     eval_overrides: tuple[str, ...] = ()
 
@@ -68,12 +70,12 @@ PRESETS: dict[str, DemoPreset] = {
     # 0.1 min, each evaluation of the 7 x 15 questions 3.0 min (vLLM start-up 48 s included), training stage
     # 5.4 min (start-up, 2 steps of 120-136 s within the 330-s loop budget, checkpoint): 12.8 min in all.
     "default": DemoPreset(
-        policy=STARTER_POLICY,
+        policy=STARTER,
         train_config=CONFIG_DIR / "demo_search_smollm2.yaml",
         index_limit=None,
         eval_limit=15,
         engine="vllm",
-        train_budget_s=330.0,
+        train_steps=8,
         # greedy, 2 searches, 64 tokens per turn (as in training); all 105 questions in one vLLM batch
         eval_overrides=("--protocol", "qa_quick", "--batch-across-datasets", "--batch-size", "105"),
     ),
@@ -84,8 +86,8 @@ PRESETS: dict[str, DemoPreset] = {
         index_limit=2000,
         eval_limit=2,
         engine="hf",
-        train_budget_s=None,
-        train_overrides=("run.total_steps=2", "logging.progress=false", "logging.tensorboard=false"),
+        train_steps=2,
+        train_overrides=("logging.progress=false", "logging.tensorboard=false"),
         eval_overrides=("--max-tokens", "32", "--max-turns", "2"),
     ),
 }
@@ -198,7 +200,7 @@ def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
 
 
 def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, learning: dict[str, Any],
-             mix: Any, stages: _Stages) -> dict[str, Any]:
+             pool: dict[str, int], stages: _Stages) -> dict[str, Any]:
     """results.json of the report. Contract: ``base.pooled_em`` and ``trained.pooled_em`` (percent, over
     all held-out questions)."""
     from trainer.tracking import read_metrics
@@ -215,14 +217,14 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
                     "average": runs["trained"]["average"], "format_rate": pooled["format_rate"]["trained"]},
         "difference": {"pooled_em": pooled["difference"],
                        "datasets": {ds: b["difference"] for ds, b in learning["datasets"].items()}},
-        "heldout": {"datasets": list(QA_SETS), "per_dataset": preset.eval_limit, "data_seed": 0, "questions": pooled["n"],
+        "heldout": {"datasets": list(QA_DATASETS), "per_dataset": preset.eval_limit, "data_seed": 0, "questions": pooled["n"],
                     "protocol": runs["base"]["protocol"]},
         "learning": learning,
         "datasets": {name: {label: runs[label]["datasets"][name] for label in runs} for name in runs["base"]["datasets"]},
         "average": {label: runs[label]["average"] for label in runs},
         "models": {label: runs[label]["model"] for label in runs},
-        "training": {"steps": len(steps), "budget_s": preset.train_budget_s, "wall_s": stages.seconds.get("train"),
-                     "questions": mix.kept, "dropped_as_eval_questions": mix.dropped, "metrics": steps},
+        "training": {"steps": len(steps), "wall_s": stages.seconds.get("train"), "train_set": TRAIN_SET,
+                     "questions": pool, "metrics": steps, **_training_summary(steps, stages.seconds.get("train"), _groups_per_step(preset))},
         "stage_seconds": stages.seconds,
         "logs": stages.logs,
     }
@@ -241,6 +243,63 @@ def _sampling_lines(steps: list[dict[str, float]]) -> list[str]:
             f"mean reward over every sampled trajectory {reward:.3f}"]
 
 
+def _pool_sources() -> dict[str, int]:
+    """Questions of the training pool per origin (``nq/test``, ``nq/train``, ...)."""
+    from tasks.datasets import load_dataset
+
+    counts: dict[str, int] = {}
+    for ex in load_dataset(TRAIN_SET, split="train"):
+        origin = str(ex.meta.get("origin", ex.data_source))
+        counts[origin] = counts.get(origin, 0) + 1
+    return counts
+
+
+def _training_summary(steps: list[dict[str, float]], wall_s: float | None, groups_per_step: int) -> dict[str, float]:
+    """What moved during training: the sampled reward of the first and last steps (and of the first and second
+    halves), the share of informative groups, and informative groups trained per minute of the stage."""
+    if not steps:
+        return {}
+
+    def reward(m: dict[str, float]) -> float:
+        return float(m.get("filter/sampled_reward_mean", m["reward/mean"]))
+
+    def informative_trained(m: dict[str, float]) -> float:
+        return float(m.get("filter/informative_frac", 1.0 - m["reward/zero_variance_groups"]))
+
+    half = max(1, len(steps) // 2)
+    first, second = steps[:half], steps[half:] or steps[-1:]
+    out = {
+        "reward_first_step": reward(steps[0]), "reward_last_step": reward(steps[-1]),
+        "reward_first_half": sum(map(reward, first)) / len(first), "reward_second_half": sum(map(reward, second)) / len(second),
+        "informative_frac_first_step": float(steps[0].get("filter/first_round_informative_frac",
+                                                          1.0 - steps[0]["reward/zero_variance_groups"])),
+        "informative_frac_trained_mean": sum(map(informative_trained, steps)) / len(steps),
+    }
+    if wall_s:
+        out["informative_groups_per_min"] = sum(informative_trained(m) * groups_per_step for m in steps) / (wall_s / 60)
+    return out
+
+
+def _groups_per_step(preset: DemoPreset) -> int:
+    from trainer.config import TrainConfig
+
+    return load_config(TrainConfig, preset.train_config, list(preset.train_overrides)).data.prompts_per_step
+
+
+def _movement_lines(t: dict[str, Any]) -> list[str]:
+    if "reward_first_step" not in t:
+        return []
+    lines = [f"- training reward (mean EM of every sampled trajectory): step 1 {t['reward_first_step']:.3f}, last step "
+             f"{t['reward_last_step']:.3f}; first half of the steps {t['reward_first_half']:.3f}, second half "
+             f"{t['reward_second_half']:.3f}",
+             f"- groups with differing rewards (a policy gradient) in step 1's first prompt batch: "
+             f"{t['informative_frac_first_step']:.0%}; among the groups trained on, over all steps: "
+             f"{t['informative_frac_trained_mean']:.0%}"]
+    if "informative_groups_per_min" in t:
+        lines.append(f"- informative groups trained per minute of the training stage: {t['informative_groups_per_min']:.2f}")
+    return lines
+
+
 def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: str, examples: str, curves: str) -> str:
     from eval.learning import learning_table, verdict
 
@@ -249,12 +308,13 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         "# emapg demo: does EMA-PG training make the search agent better?", "",
         f"- starter policy: `{results['models']['base']}`; trained: `{results['models']['trained']}`",
         f"- training: EMA-PG (EMA anchor + Top-k reverse KL), {t['steps']} steps"
-        + (f" in {t['wall_s'] / 60:.1f} min (budget {t['budget_s'] / 60:.1f} min)" if t["budget_s"] and t["wall_s"] else "")
-        + f", on {sum(t['questions'].values())} bundled train questions ("
-        + ", ".join(f"{k} {v}" for k, v in t["questions"].items())
-        + f"; {sum(t['dropped_as_eval_questions'].values())} dropped because they are evaluation questions)",
+        + (f" in {t['wall_s'] / 60:.1f} min" if t["wall_s"] else "")
+        + f", on the answerable training pool `{t['train_set']}` ({sum(t['questions'].values())} questions outside every "
+        "held-out split whose answer the bundled index retrieves for the question itself: "
+        + ", ".join(f"{k} {v}" for k, v in t["questions"].items()) + ")",
         *_sampling_lines(t["metrics"]),
-        f"- held-out evaluation: {results['heldout']['per_dataset']} questions x {len(QA_SETS)} QA test sets "
+        *_movement_lines(t),
+        f"- held-out evaluation: {results['heldout']['per_dataset']} questions x {len(QA_DATASETS)} QA test sets "
         f"= {results['heldout']['questions']} questions, the same for both policies, protocol "
         f"`{results['heldout']['protocol']['name']}` (greedy)", "",
         "## Starter vs trained (exact match)", "",
@@ -281,7 +341,6 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
     from eval.report import compare_runs
     from provision.indexes import bundled_index, ensure_bundled_index
     from provision.retrievers import open_retriever
-    from provision.training_mix import write_training_mix
     from trainer.checkpoint import latest_checkpoint
     from trainer.plot import plot_runs
 
@@ -322,7 +381,10 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             index_dir = ensure_bundled_index(preset.index_limit, log=say)
         stages.seconds["index"] = time.monotonic() - t
 
-        mix = write_training_mix(out / "train_questions.jsonl")
+        if preset.eval_limit > HELDOUT_PER_DATASET:
+            raise UserError(f"preset {preset_name!r}: eval_limit {preset.eval_limit} exceeds the held-out split "
+                            f"({HELDOUT_PER_DATASET} questions per QA set)")
+        pool = _pool_sources()
         stages.banner(3, total, "starting the retrieval server")
         with open_retriever(index_dir=index_dir, log_path=log_dir / "retriever.log") as retriever:
             stages.logs["retriever"] = str(log_dir / "retriever.log")
@@ -330,26 +392,26 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             print(f"retriever ready at {url} (log: {log_dir / 'retriever.log'})", flush=True)
             eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--data-seed", "0", "--retriever-url", url,
                            "--engine", preset.engine, "--no-progress", *preset.eval_overrides]  # fmt: skip
-            n_questions = preset.eval_limit * len(QA_SETS)
+            n_questions = preset.eval_limit * len(QA_DATASETS)
 
             def evaluate(label: str, model: str, name: str) -> None:
-                items = [out / f"eval_{label}" / "items" / f"{ds}.jsonl" for ds in QA_SETS]
+                items = [out / f"eval_{label}" / "items" / f"{ds}.jsonl" for ds in QA_DATASETS]
                 stages.run(f"eval_{label}", ["eval", "--model", model, "--out", str(out / f"eval_{label}"), "--name", name,
                                              *eval_common], progress=lambda: _count_lines(items), total=n_questions, unit="q")
 
             stages.banner(4, total, f"evaluating the starter policy on {preset.eval_limit} held-out questions x "
-                                    f"{len(QA_SETS)} QA datasets")
+                                    f"{len(QA_DATASETS)} QA datasets")
             evaluate("base", preset.policy, "starter")
 
-            budget = f"for {preset.train_budget_s / 60:.1f} min" if preset.train_budget_s else "briefly"
-            stages.banner(5, total, f"training with EMA-PG {budget} on {mix.size} bundled NQ + HotpotQA train questions")
+            stages.banner(5, total, f"training with EMA-PG for {preset.train_steps} steps on the answerable training pool "
+                                    f"({sum(pool.values())} questions, none held out)")
             train_dir = out / "train"
             metrics = train_dir / "metrics.jsonl"
-            budget_override = [f"run.time_budget_s={preset.train_budget_s}"] if preset.train_budget_s else []
             stages.run("train", ["train", "--config", str(preset.train_config), f"model.policy={preset.policy}",
-                                 f"data.train={mix.path}", f"retriever.urls=[{url}]", "retriever.index_dir=null",
-                                 f"run.output_dir={train_dir}", *budget_override, *preset.train_overrides],
-                       progress=lambda: _count_lines([metrics]), unit="step")  # fmt: skip
+                                 f"data.train={TRAIN_SET}", "data.split=train", f"retriever.urls=[{url}]",
+                                 "retriever.index_dir=null", f"run.output_dir={train_dir}",
+                                 f"run.total_steps={preset.train_steps}", *preset.train_overrides],
+                       progress=lambda: _count_lines([metrics]), total=preset.train_steps, unit="step")  # fmt: skip
             checkpoint = latest_checkpoint(train_dir)
             if checkpoint is None:
                 raise UserError(f"training finished without a checkpoint in {train_dir} (log: {stages.logs['train']})")
@@ -366,8 +428,8 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
         panels = FILTERED_CURVES if "filter/sampled_reward_mean" in first_step else CURVES
         curves = plot_runs([train_dir], report / "training_curves.png", metrics=list(panels), labels=["EMA-PG"],
                            title=f"training on bundled NQ + HotpotQA train ({preset.policy})")
-        learning = compare_learning(out / "eval_base", out / "eval_trained", list(QA_SETS))
-        results = _results(preset_name, preset, out, train_dir, learning, mix, stages)
+        learning = compare_learning(out / "eval_base", out / "eval_trained", list(QA_DATASETS))
+        results = _results(preset_name, preset, out, train_dir, learning, pool, stages)
         (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         md = _report_md(results, learning, compare_md, _example_trajectories(out / "eval_trained"), curves.name)
         (report / "report.md").write_text(md)
