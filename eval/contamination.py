@@ -9,7 +9,8 @@ matches every loaded question against it (same identity as the record: SQuAD-nor
 * questions found in the record: refused (a :class:`emapg.errors.UserError`, exit 2) naming how many of each
   dataset, a few of them and the flag; nothing is written;
 * with ``--score-trained-apart``: they are evaluated, but kept out of the per-dataset metrics and the average
-  and reported apart (``results.json`` ``trained_on``, a section of ``report.md``).
+  and reported apart (``results.json`` ``trained_on``, a section of ``report.md``); ``contamination.excluded_ids``
+  names them, so a paired before/after comparison (:mod:`eval.learning`) leaves them out too.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class ContaminationCheck:
                 "trained_questions_file": str(self.record_file) if self.record_file is not None else None,
                 "trained_questions_count": self.record.count if self.record is not None else None,
                 "trained_questions_digest": self.record.digest if self.record is not None else None,
-                "excluded": self.excluded}
+                "excluded": self.excluded,
+                "excluded_ids": {ds: sorted(ids) for ds, ids in self.trained_ids.items() if ids}}
 
     def split(self, dataset: str, records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """A dataset's item records as (not trained on, trained on)."""

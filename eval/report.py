@@ -323,7 +323,9 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     for label, r in zip(_unique_labels(runs), runs):
         p = r["protocol"]
         lines.append(f"- **{label}**: `{r['model']}`, protocol `{p['name']}` (n={p['n']}, T={p['temperature']}), "
-                     f"{'grader `' + r['grader'] + '`, ' if suite == 'math' else ''}{r['timestamp']}")
+                     f"{'grader `' + r['grader'] + '`, ' if suite == 'math' else ''}{r['timestamp']}"
+                     + (f"; {sum(r['contamination']['excluded'].values())} question(s) it was trained on left out"
+                        if (r.get("contamination") or {}).get("excluded") else ""))
     lines += ["", comparison_table(runs, metric, reference), ""]
     if reference:
         lines += [f"Columns marked *paper* are the published numbers of the EMA-PG paper (arXiv 2602.04417) for "
@@ -331,10 +333,6 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     lines.append(f"![{metric}]({bars.name})")
     if passk is not None:
         lines += ["", f"![pass@k]({passk.name})"]
-    if results.get("trained_on"):
-        lines += ["", "## Questions the model was trained on (scored apart)", "",
-                  "Not unseen questions: these scores say how well it reproduces its training data, not how it "
-                  "generalises, and are in no average above.", "", results_table(results, part="trained_on")]
     lines += ["", *_provenance_section(labels[0], diffs)]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     data = {

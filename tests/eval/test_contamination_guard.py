@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from emapg.cli import main as emapg_main
+from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR
 from eval.contamination import check_contamination
+from eval.learning import compare_learning
 from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions, read_trained_questions
 from tasks.datasets import load_dataset
 
@@ -65,7 +67,8 @@ def test_the_checkpoint_records_every_trainable_and_inherited_question(trained_r
     assert state["provenance"]["trained_questions"] == {"count": record.count, "digest": record.digest}
 
 
-def test_eval_refuses_a_trained_question_scores_it_apart_on_request_and_runs_on_unseen_ones(trained_run, tmp_path, capsys):
+def test_eval_refuses_a_trained_question_scores_it_apart_on_request_and_runs_on_unseen_ones(trained_run, tmp_path, capsys,
+                                                                                             tiny_model_dir):
     trained = _train_problems()[:2]
     unseen = load_dataset("math500", limit=2, seed=0)
     # one trained problem as written, one re-cased and re-spaced: the identity is the normalised text
@@ -83,14 +86,25 @@ def test_eval_refuses_a_trained_question_scores_it_apart_on_request_and_runs_on_
     assert "scored apart" in capsys.readouterr().out
     results = json.loads((apart / "results.json").read_text())
     record = read_trained_questions(trained_run / "step_1" / "policy")
+    items = [json.loads(x) for x in (apart / "items" / "mix.jsonl").read_text().splitlines()]
     assert results["contamination"] == {"checked": True, "excluded": {"mix": 2}, "trained_questions_count": record.count,
                                         "trained_questions_digest": record.digest,
+                                        "excluded_ids": {"mix": sorted(r["id"] for r in items[:2])},
                                         "trained_questions_file": str(trained_run / "step_1" / "policy" / TRAINED_QUESTIONS)}
     assert results["datasets"]["mix"]["n_items"] == 2 and results["trained_on"]["mix"]["n_items"] == 2
     assert results["average"]["pass@1"] == results["datasets"]["mix"]["pass@1"]  # the average is over unseen ones
     assert len((apart / "items" / "mix.jsonl").read_text().splitlines()) == 4
     report = (apart / "report.md").read_text()
     assert "2 question(s) here were trained on" in report and "## Questions the model was trained on (scored apart)" in report
+
+    # next to the initial model on the same questions: a paired comparison leaves the trained-on ones out, and
+    # `eval compare` refuses to set the two runs' metrics side by side (they cover different questions)
+    base = tmp_path / "base"
+    assert _eval(tiny_model_dir, mixed, base) == 0
+    assert compare_learning(base, apart, ["mix"], metric="accuracy")["pooled"]["n"] == 2
+    capsys.readouterr()
+    assert emapg_main(["eval", "compare", str(base), str(apart), "--out", str(tmp_path / "cmp"), "--no-paper"]) == 2
+    assert "trained_on_excluded" in capsys.readouterr().err
 
     clean = _write_set(tmp_path / "unseen.jsonl", [(ex.question, ex.answers[0]) for ex in unseen])
     assert _eval(trained_run, clean, tmp_path / "unseen") == 0
@@ -108,7 +122,11 @@ def test_models_without_a_record_are_unchecked_and_a_damaged_record_is_refused(t
     examples = {"math500": load_dataset("math500", limit=2, seed=0)}
     assert check_contamination(str(tiny_model_dir), examples, score_apart=False, model_label="x").summary() == \
         {"checked": False, "trained_questions_file": None, "trained_questions_count": None,
-         "trained_questions_digest": None, "excluded": {}}
+         "trained_questions_digest": None, "excluded": {}, "excluded_ids": {}}
+    everything = TrainedQuestions.from_questions({"x": [ex.question for ex in examples["math500"]]})
+    everything.write(tmp_path)
+    with pytest.raises(UserError, match="nothing unseen is left to score"):
+        check_contamination(str(tmp_path), examples, score_apart=True, model_label="x")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / TRAINED_QUESTIONS).write_text('{"version": 1}')
     data = _write_set(tmp_path / "q.jsonl", [(ex.question, ex.answers[0]) for ex in examples["math500"]])
