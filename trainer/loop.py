@@ -41,6 +41,7 @@ import torch
 
 from emapg.config import ConfigError, to_dict
 from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOptions, build_engine
+from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions
 from trainer import distributed as D
 from trainer.batch import TokenBatch, build_token_batch
 from trainer.behavior import behavior_logp_rows
@@ -183,7 +184,7 @@ class Trainer:
         self.last_samples: list[dict[str, Any]] = []
         self.guard = None  # trainer.recovery.GuardHook when guard.enabled
         self.provenance: dict[str, Any] = {}  # index fingerprints and protocol card, saved in every checkpoint
-        self.trained_questions: Any = None  # tasks.contamination.TrainedQuestions, set by setup()
+        self.trained_questions: TrainedQuestions | None = None  # set by setup(): eval's contamination record
         self.engine_session: EngineSession | None = None
         self.engine = self.retriever = self.tracker = None
         self.search_guard: SearchOutageGuard | None = None
@@ -457,8 +458,6 @@ class Trainer:
     def _record_files(self) -> dict[str, str]:
         """Files saved with every checkpoint: the trained-questions record in ``policy/`` (what ``emapg eval
         --model`` loads) and in the checkpoint folder."""
-        from tasks.contamination import TRAINED_QUESTIONS
-
         text = self.trained_questions.to_json()
         return {TRAINED_QUESTIONS: text, f"policy/{TRAINED_QUESTIONS}": text}
 
