@@ -86,6 +86,9 @@ def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
 
 #: A peft LoRA adapter folder holds this (and ``adapter_model.safetensors``); its base is named inside.
 ADAPTER_CONFIG = "adapter_config.json"
+#: Files that travel with the weights when an adapter is merged: the trained-questions record of
+#: ``emapg eval``'s contamination guard (``tasks.contamination.TRAINED_QUESTIONS``; the core cannot import tasks).
+RECORD_FILES = ("trained_questions.json",)
 
 
 def is_adapter_folder(path: str | Path) -> bool:
@@ -153,7 +156,8 @@ def merged_adapter_folder(adapter_dir: str | Path, *, option: str | None = None)
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():
         raise UnknownModelError(f"{option + ': ' if option else ''}{adapter_dir} is not a peft adapter folder (no {weights.name})")
-    digest = hashlib.sha256((adapter_dir / ADAPTER_CONFIG).read_bytes() + weights.read_bytes()).hexdigest()[:12]
+    records = b"".join((adapter_dir / name).read_bytes() for name in RECORD_FILES if (adapter_dir / name).is_file())
+    digest = hashlib.sha256((adapter_dir / ADAPTER_CONFIG).read_bytes() + weights.read_bytes() + records).hexdigest()[:12]
     adapter_base_model(adapter_dir)  # an unknown base is a UserError before the build starts
     target = cache_dir() / "models" / f"merged-{adapter_dir.name}-{digest}"
     return _atomic_build(target, lambda tmp: merge_adapter_folder(adapter_dir, tmp))
@@ -185,7 +189,8 @@ def load_merged_model(path: str | Path, *, dtype: Any = None, **model_kwargs: An
 
 def merge_adapter_folder(path: str | Path, out: str | Path) -> Path:
     """Write the adapter folder ``path`` merged into its base (or the full HF folder ``path`` as it is) as a plain
-    HF folder ``out``: config, float32 safetensors weights, tokenizer (the adapter folder's own, else its base's)."""
+    HF folder ``out``: config, float32 safetensors weights, tokenizer (the adapter folder's own, else its base's),
+    and the folder's :data:`RECORD_FILES` (the trained-questions record), copied as they are."""
     from transformers import AutoTokenizer
 
     out = Path(out)
@@ -193,6 +198,9 @@ def merge_adapter_folder(path: str | Path, out: str | Path) -> Path:
     has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
     tokenizer_from = path if has_tokenizer or not is_adapter_folder(path) else adapter_base_model(path)
     AutoTokenizer.from_pretrained(str(tokenizer_from)).save_pretrained(out)
+    for name in RECORD_FILES:
+        if (Path(path) / name).is_file():
+            shutil.copyfile(Path(path) / name, out / name)
     return out
 
 

@@ -108,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
     except ConfigError as e:
         raise UserError(str(e)) from None
-    from eval.report import results_table
+    from eval.report import contamination_line, results_table
     from eval.runner import run_eval
 
     results = run_eval(cfg)
     print(results_table(results))
+    print(contamination_line(results).replace("**", ""))
+    if results.get("trained_on"):
+        print("\nscored apart (trained on; in no average above):\n" + results_table(results, part="trained_on"))
     print(f"\nresults: {os.path.join(cfg.out, 'results.json')}  report: {os.path.join(cfg.out, 'report.md')}")
     return 0
 

@@ -9,6 +9,7 @@ unlike the unweighted per-dataset ``average`` of ``results.json``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,15 +43,26 @@ def _answered(record: dict[str, Any]) -> float:
     return float(samples[0].get("stop_reason") == "answer")
 
 
+def _trained_on(run_dir: Path, dataset: str) -> set[str]:
+    """Ids of the questions a run scored apart as trained on (``results.json`` ``contamination``, eval.contamination)."""
+    path = Path(run_dir) / "results.json"
+    if not path.is_file():
+        return set()
+    return set(((json.loads(path.read_text()).get("contamination") or {}).get("excluded_ids") or {}).get(dataset, []))
+
+
 def paired_items(base_dir: str | Path, trained_dir: str | Path, datasets: list[str], metric: str = "em") -> dict[str, PairedItems]:
-    """Per dataset, the questions both runs scored; they must be the same questions."""
+    """Per dataset, the questions both runs scored; they must be the same questions. Questions either run scored
+    apart as trained on (``--score-trained-apart``) are left out of both."""
     out = {}
     for ds in datasets:
         a, b = _items(Path(base_dir), ds), _items(Path(trained_dir), ds)
         if set(a) != set(b):
             raise ValueError(f"{ds}: the two runs scored different questions ({len(set(a) ^ set(b))} not in both); "
                              "evaluate both on the same --limit and --data-seed")
-        ids = sorted(a)
+        ids = sorted(set(a) - _trained_on(Path(base_dir), ds) - _trained_on(Path(trained_dir), ds))
+        if not ids:
+            raise ValueError(f"{ds}: every question was trained on by one of the runs; nothing unseen to compare")
         out[ds] = PairedItems(ids, [float(a[i]["scores"][metric]) for i in ids], [float(b[i]["scores"][metric]) for i in ids],
                               [_answered(a[i]) for i in ids], [_answered(b[i]) for i in ids])
     return out

@@ -13,6 +13,7 @@ the ones a comparison is usually about (the model, package versions), which are 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,11 @@ def run_differences(reference: Mapping[str, Any], other: Mapping[str, Any]) -> R
     def comparable(r: Mapping[str, Any]) -> dict[str, Any]:
         card = dict(r.get("protocol_card") or {})
         view = {"fingerprint": r.get("fingerprint"), **{k: v for k, v in card.items() if k not in INFORMATIONAL}}
+        excluded = (r.get("contamination") or {}).get("excluded_ids")
+        if excluded:  # questions scored apart as trained on (eval.contamination): the metrics cover other questions
+            view["trained_on_excluded"] = {ds: f"{len(ids)} question(s) left out (ids sha256 "
+                                               f"{hashlib.sha256(chr(10).join(ids).encode()).hexdigest()[:12]})"
+                                           for ds, ids in excluded.items()}
         if not card:
             view["settings"] = {k: v for k, v in (r.get("protocol") or {}).items() if k != "name"}
         return view

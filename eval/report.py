@@ -30,6 +30,7 @@ __all__ = [
     "COUNT_METRICS",
     "load_run",
     "results_table",
+    "contamination_line",
     "comparison_table",
     "plot_bars",
     "plot_passk",
@@ -90,14 +91,17 @@ def _label(metric: str) -> str:
     return metric if metric in COUNT_METRICS else f"{metric} (%)"
 
 
-def results_table(results: dict[str, Any]) -> str:
-    """One run: datasets × all metrics, plus the unweighted average row."""
+def results_table(results: dict[str, Any], *, part: str = "datasets") -> str:
+    """One run: datasets × all metrics, plus the unweighted average row; ``part="trained_on"``: the questions
+    the model was trained on, scored apart (:mod:`eval.contamination`), without an average."""
     metrics = list(results["metric_names"])
     head = "| dataset | n | " + " | ".join(_label(m) for m in metrics) + " |"
     sep = "|---|---:|" + "---:|" * len(metrics)
     rows = [head, sep]
-    for ds, vals in results["datasets"].items():
+    for ds, vals in results[part].items():
         rows.append(f"| {ds} | {vals['n_items']} | " + " | ".join(_fmt(m, vals.get(m)) for m in metrics) + " |")
+    if part != "datasets":
+        return "\n".join(rows)
     avg = results["average"]
     n_total = sum(v["n_items"] for v in results["datasets"].values())
     rows.append(f"| **average** | {n_total} | " + " | ".join(f"**{_fmt(m, avg.get(m))}**" for m in metrics) + " |")
@@ -230,7 +234,24 @@ def _header(results: dict[str, Any]) -> list[str]:
     if results.get("retriever"):
         lines.append(f"- retriever: {results['retriever']}")
     lines.append(f"- written: {results['timestamp']}; average = unweighted mean over datasets")
+    lines.append(f"- {contamination_line(results)}")
     return lines
+
+
+def contamination_line(results: dict[str, Any]) -> str:
+    """What the contamination guard (:mod:`eval.contamination`) found, in one line."""
+    c = results.get("contamination")
+    if not c:
+        return "contamination check: not recorded (results written before the guard existed)"
+    if not c["checked"]:
+        return ("contamination check: none possible -- the model's folder has no trained_questions.json (a model not "
+                "trained by emapg, or trained before it recorded its questions)")
+    record = f"{c['trained_questions_count']} trained-on questions, digest `{c['trained_questions_digest'][:12]}`"
+    if not c["excluded"]:
+        return f"contamination check: no question here is one the model was trained on ({record})"
+    per_ds = ", ".join(f"{ds}: {n}" for ds, n in c["excluded"].items())
+    return (f"**contamination: {sum(c['excluded'].values())} question(s) here were trained on ({per_ds}; {record}); "
+            "they are scored apart below and left out of the table and the average**")
 
 
 def write_run_report(results: dict[str, Any], out_dir: str | Path, notes: str | None = None) -> Path:
@@ -243,6 +264,10 @@ def write_run_report(results: dict[str, Any], out_dir: str | Path, notes: str | 
     passk = plot_passk([results], out_dir / "pass_at_k.png")
     if passk is not None:
         lines += ["", f"![pass@k]({passk.name})"]
+    if results.get("trained_on"):
+        lines += ["", "## Questions the model was trained on (scored apart)", "",
+                  "Not unseen questions: these scores say how well it reproduces its training data, not how it "
+                  "generalises, and are in no average above.", "", results_table(results, part="trained_on")]
     if notes:
         lines += ["", notes]
     path = out_dir / "report.md"
@@ -298,7 +323,9 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     for label, r in zip(_unique_labels(runs), runs):
         p = r["protocol"]
         lines.append(f"- **{label}**: `{r['model']}`, protocol `{p['name']}` (n={p['n']}, T={p['temperature']}), "
-                     f"{'grader `' + r['grader'] + '`, ' if suite == 'math' else ''}{r['timestamp']}")
+                     f"{'grader `' + r['grader'] + '`, ' if suite == 'math' else ''}{r['timestamp']}"
+                     + (f"; {sum(r['contamination']['excluded'].values())} question(s) it was trained on left out"
+                        if (r.get("contamination") or {}).get("excluded") else ""))
     lines += ["", comparison_table(runs, metric, reference), ""]
     if reference:
         lines += [f"Columns marked *paper* are the published numbers of the EMA-PG paper (arXiv 2602.04417) for "

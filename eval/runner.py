@@ -13,7 +13,8 @@ Layout of ``out_dir``::
     items/<dataset>.jsonl  one line per question: prompt, full trajectory text, prediction,
                            golds, scores, searches, turns (all samples when n > 1)
     results.json           per-dataset metrics, unweighted average, model, protocol, grader, time,
-                           index ``fingerprint`` and ``protocol_card`` (eval.provenance)
+                           index ``fingerprint`` and ``protocol_card`` (eval.provenance), ``contamination``
+                           (eval.contamination) and, with ``--score-trained-apart``, ``trained_on``
     report.md, *.png       the table and plots (eval.report)
 
 Resume: questions are processed in fixed batches (batch b of a dataset is always the same
@@ -39,6 +40,7 @@ from typing import Any, Literal
 
 from emapg.errors import UserError
 from emapg.config import ConfigError, option, to_dict
+from eval.contamination import check_contamination
 from eval.protocols import EvalProtocol
 from eval.provenance import eval_protocol_card
 
@@ -83,6 +85,10 @@ class EvalConfig:
                                 "--retriever-url or --index is also given, which then answers it live")
     rollout_mode: Literal["batched", "async"] = option("batched", help="rollout driver (see agent.rollout)")
     grader_workers: int = option(2, help="math: grading worker processes")
+    score_trained_apart: bool = option(
+        False, help="when the model's folder lists questions it was trained on (trained_questions.json, written by emapg "
+        "train and emapg sft) and some are in this run: evaluate them but keep them out of the per-dataset metrics and "
+        "averages, reported apart (results.json `trained_on`, report.md), instead of refusing to run")
     progress: bool = option(True, help="show a progress bar (only on a terminal)")
 
     def __post_init__(self) -> None:
@@ -282,6 +288,7 @@ def _fingerprint(cfg: EvalConfig, engine_kind: str) -> dict[str, Any]:
         "batch_size": cfg.batch_size,
         "rollout_mode": cfg.rollout_mode,
         "replay": cfg.replay,
+        **({"score_trained_apart": True} if cfg.score_trained_apart else {}),  # absent when off: older runs resume
         # batches over all datasets depend on the dataset list's order (absent: per-dataset batches)
         **({"batch_across_datasets": list(cfg.datasets)} if cfg.batch_across_datasets else {}),
     }
@@ -392,6 +399,10 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     for ds, exs in examples.items():
         if not exs:
             raise UserError(f"dataset {ds!r} has no questions")
+    # The contamination guard (eval.contamination): before anything is written, refuse questions the model trained on.
+    model_path = _model_path(cfg)
+    contamination = check_contamination(model_path, examples, score_apart=cfg.score_trained_apart,
+                                        model_label=repr(cfg.model))
 
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -446,7 +457,9 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
             engine.close()
 
     records = {ds: _ordered(read_items(out_dir / ITEMS_DIR / f"{ds}.jsonl"), examples[ds]) for ds in datasets}
-    per_ds = {ds: aggregate(suite, recs, p.n) for ds, recs in records.items()}
+    parts = {ds: contamination.split(ds, recs) for ds, recs in records.items()}  # (unseen, trained on)
+    per_ds = {ds: aggregate(suite, unseen, p.n) for ds, (unseen, _) in parts.items() if unseen}
+    trained_on = {ds: aggregate(suite, seen, p.n) for ds, (_, seen) in parts.items() if seen}
     names = metric_names(suite, p.n)
     results = {
         "name": cfg.name or out_dir.resolve().name,
@@ -459,7 +472,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         # provenance (eval.provenance): the index that answered the searches and the protocol card
         "fingerprint": index_fp,
         "retriever_fingerprints": index_fps,
-        "protocol_card": eval_protocol_card(cfg, examples, _model_path(cfg)),
+        "protocol_card": eval_protocol_card(cfg, examples, model_path),
         "limit": cfg.limit,
         "data_seed": cfg.data_seed,
         "timestamp": _now(),
@@ -469,6 +482,9 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         # unweighted mean over datasets (the paper's "average"); totals are summed
         "average": {m: sum(v[m] for v in per_ds.values()) / (1 if m in QA_TOTALS + MATH_TOTALS else len(per_ds))
                     for m in names},
+        # questions the model was trained on (eval.contamination): none scored here, or scored apart below
+        "contamination": contamination.summary(),
+        **({"trained_on": trained_on} if trained_on else {}),
         # this invocation only (a resumed run times the questions it ran)
         "timing": {
             "setup_s": t_ready - t_start,

@@ -97,7 +97,7 @@ def main() -> int:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
+    for name in ("adapter_model.safetensors", "adapter_config.json", "trained_questions.json"):  # + eval's contamination record
         shutil.copyfile(work / "adapter" / name, tmp / name)
         os.chmod(tmp / name, 0o644)
     adapter_cfg = json.loads((tmp / "adapter_config.json").read_text())
@@ -112,6 +112,7 @@ def main() -> int:
         "index": {"dir": index.name, "meta": json.loads((index / "meta.json").read_text()).get("corpus")},
         "data": sft_record["data"],
         "trajectories": sft_record["trajectories"],
+        "trained_questions": sft_record["trained_questions"],
         "heldout_loss_before": sft_record["heldout_loss_before"],
         "heldout_loss_after": sft_record["heldout_loss_after"],
         "heldout_curve": sft_record["heldout_curve"],

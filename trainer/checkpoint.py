@@ -9,6 +9,7 @@ Layout of ``<run_dir>/step_<N>/``::
     rng_rank<R>.pt       python / numpy / torch (and CUDA) RNG states of each rank
     trainer_state.json   step, data-loader position, consecutive-NaN counter, anything the loop needs
     config.yaml          the resolved config of the run
+    trained_questions.json  hashes of the questions the run trains on (tasks.contamination), also in policy/
     manifest.json        written last: the size and sha256 of every other file (see below)
 
 A checkpoint is written into a hidden temp folder next to its final place; every file
@@ -63,6 +64,7 @@ import re
 import shutil
 import struct
 import zipfile
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -512,6 +514,7 @@ def save_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     barrier: Any = None,
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``<run_dir>/step_<step>`` atomically and point ``latest`` at it.
 
@@ -519,7 +522,8 @@ def save_checkpoint(
     FSDP; ``model`` supplies ``save_pretrained``'s config. Every rank calls this; rank 0
     writes the shared files into the temp folder, each rank writes its own RNG file,
     and after a barrier rank 0 fsyncs and hashes every file (all ranks'), writes the
-    manifest last and renames the folder into place.
+    manifest last and renames the folder into place. ``files``: more text files rank 0 writes
+    (path relative to the checkpoint folder -> content), covered by the manifest like the rest.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -546,6 +550,9 @@ def save_checkpoint(
         state = dict(trainer_state, step=step, world_size=world_size, checkpoint_format=CHECKPOINT_FORMAT)
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
         dump_yaml(config, tmp / "config.yaml")
+        for rel, text in (files or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text, encoding="utf-8")
     sync()
     if rank == 0:
         _fsync_tree(tmp)

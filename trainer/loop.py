@@ -41,6 +41,7 @@ import torch
 
 from emapg.config import ConfigError, to_dict
 from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOptions, build_engine
+from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions
 from trainer import distributed as D
 from trainer.batch import TokenBatch, build_token_batch
 from trainer.behavior import behavior_logp_rows
@@ -183,6 +184,7 @@ class Trainer:
         self.last_samples: list[dict[str, Any]] = []
         self.guard = None  # trainer.recovery.GuardHook when guard.enabled
         self.provenance: dict[str, Any] = {}  # index fingerprints and protocol card, saved in every checkpoint
+        self.trained_questions: TrainedQuestions | None = None  # set by setup(): eval's contamination record
         self.engine_session: EngineSession | None = None
         self.engine = self.retriever = self.tracker = None
         self.search_guard: SearchOutageGuard | None = None
@@ -212,6 +214,11 @@ class Trainer:
         from emapg.models import resolve_model
 
         self.model_path = str(ckpt_path / "policy") if ckpt_path else resolve_model(cfg.model.policy)
+        from trainer.provenance import trained_questions
+
+        # What the run can train on (+ what the initial policy was trained on): saved beside every checkpoint's
+        # weights for `emapg eval`'s contamination guard. Before the model loads: a damaged record fails fast.
+        self.trained_questions = trained_questions(cfg, examples, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.policy = build_policy(cfg, self.dist, self.model_path, bf16=bf16)
         self.model, self.anchor, self.fsdp = self.policy.model, self.policy.anchor, self.policy.fsdp
@@ -225,7 +232,8 @@ class Trainer:
         if self.dist.is_main:
             from trainer.provenance import train_provenance
 
-            self.provenance = train_provenance(cfg, self.retriever, examples, self.model_path)
+            self.provenance = {**train_provenance(cfg, self.retriever, examples, self.model_path),
+                               "trained_questions": self.trained_questions.summary()}
         if with_engine:
             spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
             engine = build_engine(spec)
@@ -444,7 +452,14 @@ class Trainer:
                            "anchor": self.policy.anchor_schedule(), "provenance": self._provenance_now(),
                            **({"guard": self.guard.state_dict()} if self.guard is not None else {})},
             config=cfg, keep_last=cfg.run.keep_last, rank=self.dist.rank, world_size=self.dist.world_size, barrier=D.barrier,
+            files=self._record_files(),
         )
+
+    def _record_files(self) -> dict[str, str]:
+        """Files saved with every checkpoint: the trained-questions record in ``policy/`` (what ``emapg eval
+        --model`` loads) and in the checkpoint folder."""
+        text = self.trained_questions.to_json()
+        return {TRAINED_QUESTIONS: text, f"policy/{TRAINED_QUESTIONS}": text}
 
     def _provenance_now(self) -> dict[str, Any]:
         from trainer.provenance import refreshed

@@ -4,7 +4,8 @@
 read from ``GET /health`` at every save, so a server swapped to another index mid-run shows); and the
 protocol card (:func:`provision.provenance.protocol_card`): the rollout settings (sampling, max turns,
 top-k, budgets), the template's hash, the training data's file hash and the hash of its examples,
-the initial policy's hash and package versions.
+the initial policy's hash and package versions; ``trained_questions`` ({count, digest}): the questions the
+run can train on (:func:`trained_questions`, written in full as ``trained_questions.json`` beside the weights).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 
 from emapg.config import to_dict
 from provision.provenance import dataset_card, model_card, protocol_card
+from tasks.contamination import TrainedQuestions, read_trained_questions
 
-__all__ = ["train_provenance", "refreshed"]
+__all__ = ["train_provenance", "refreshed", "trained_questions"]
 
 
 def train_provenance(cfg: Any, retriever: Any, examples: list[Any], model_path: str) -> dict[str, Any]:
@@ -29,6 +31,17 @@ def train_provenance(cfg: Any, retriever: Any, examples: list[Any], model_path: 
     card = protocol_card({**agent_fields, "seed": cfg.run.seed}, template=r.template_name,
                          datasets={cfg.data.train: data}, model=model_card(cfg.model.policy, model_path))
     return refreshed({"protocol_card": card}, retriever)
+
+
+def trained_questions(cfg: Any, examples: list[Any], model_path: str) -> TrainedQuestions:
+    """Every question (math: problem) the run of ``cfg`` can sample -- all of ``examples``, its training set --
+    united with the record of the initial policy at ``model_path`` when that folder has one (an RL run from an
+    SFT'd policy inherits its warm-start questions; a resumed run its own)."""
+    train = Path(cfg.data.train).expanduser()
+    source = train.name if train.is_file() else f"{cfg.data.train} ({cfg.data.split})"
+    mine = TrainedQuestions.from_questions({source: (ex.question for ex in examples)})
+    initial = Path(model_path)
+    return mine.union(read_trained_questions(initial) if initial.is_dir() else None)
 
 
 def refreshed(provenance: dict[str, Any], retriever: Any) -> dict[str, Any]:

@@ -12,7 +12,10 @@ log-probs come from the same fused lm_head pass (``trainer.logprobs.causal_lm_to
 Output (``run.output_dir``): ``policy/`` -- a full HF folder (config, safetensors, tokenizer) that
 transformers and vLLM load and ``emapg train`` accepts as ``model.policy`` (the folder, or the run
 folder, which resolves to it); with LoRA also ``adapter/`` in peft format; ``sft_record.json``
-(data counts, settings, the loss curve); ``trajectories.jsonl`` (what was trained on).
+(data counts, settings, the loss curve, ``trained_questions``: count and digest); ``trajectories.jsonl``
+(what was trained on). ``policy/`` and ``adapter/`` carry ``trained_questions.json``
+(:mod:`tasks.contamination`): the questions of every trajectory (the held-out-loss ones too, to be safe)
+and those the initial policy's own record lists, so ``emapg eval`` of the result refuses to score them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from agent.rollout import Trajectory
 from emapg.atomic import write_folder_atomic, write_text_atomic
 from emapg.config import to_dict
+from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions, read_trained_questions
 from trainer.batch import build_token_batch
 from trainer.logprobs import causal_lm_token_stats
 from trainer.sft_config import SFTConfig
@@ -79,8 +83,14 @@ def _device(cfg: SFTConfig) -> torch.device:
 
 
 def fine_tune(cfg: SFTConfig, model_path: str, train: list[Trajectory], heldout: list[Trajectory], *,
-              record: dict[str, Any] | None = None, progress=None) -> SFTResult:
-    """Fine-tune ``model_path`` on ``train``; measure the held-out loss; write ``cfg.output_path``."""
+              record: dict[str, Any] | None = None, trained: TrainedQuestions | None = None, progress=None) -> SFTResult:
+    """Fine-tune ``model_path`` on ``train``; measure the held-out loss; write ``cfg.output_path``.
+
+    ``trained``: the record of the trajectories' questions by source (default: all of them as one source
+    ``"sft"``); the initial policy's own record, if its folder has one, is added.
+    """
+    trained = trained or TrainedQuestions.from_questions({"sft": [t.question for t in [*train, *heldout]]})
+    trained = trained.union(read_trained_questions(model_path) if Path(model_path).is_dir() else None)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
@@ -136,23 +146,29 @@ def fine_tune(cfg: SFTConfig, model_path: str, train: list[Trajectory], heldout:
         result.heldout_curve.append((step, result.heldout_loss_after))
     result.seconds = time.perf_counter() - start
     log.info("held-out SFT loss after: %.4f", result.heldout_loss_after)
-    save_policy(model, tokenizer, cfg, result, record or {})
+    save_policy(model, tokenizer, cfg, result, record or {}, trained)
     return result
 
 
-def save_policy(model: torch.nn.Module, tokenizer, cfg: SFTConfig, result: SFTResult, record: dict[str, Any]) -> None:
-    """Write ``policy/`` (full HF folder; with LoRA also ``adapter/``) and ``sft_record.json`` atomically."""
+def save_policy(model: torch.nn.Module, tokenizer, cfg: SFTConfig, result: SFTResult, record: dict[str, Any],
+                trained: TrainedQuestions) -> None:
+    """Write ``policy/`` (full HF folder; with LoRA also ``adapter/``), each with ``trained_questions.json``,
+    and ``sft_record.json`` atomically."""
     out = cfg.output_path
     out.mkdir(parents=True, exist_ok=True)
+    record_text = trained.to_json()
     if cfg.model.lora.enabled:
         from trainer.lora import save_adapter
 
-        write_folder_atomic(out / "adapter", lambda tmp: save_adapter(tmp, model))
+        write_folder_atomic(out / "adapter", lambda tmp: (save_adapter(tmp, model),
+                                                          (tmp / TRAINED_QUESTIONS).write_text(record_text)))
         model = model.merge_and_unload()
     write_folder_atomic(out / "policy", lambda tmp: (model.save_pretrained(tmp, safe_serialization=True),
-                                                     tokenizer.save_pretrained(tmp)))
+                                                     tokenizer.save_pretrained(tmp),
+                                                     (tmp / TRAINED_QUESTIONS).write_text(record_text)))
     full = {
         **record,
+        "trained_questions": trained.summary(),
         "config": to_dict(cfg),
         "heldout_loss_before": result.heldout_loss_before,
         "heldout_loss_after": result.heldout_loss_after,
@@ -185,6 +201,7 @@ def run_sft(cfg: SFTConfig, *, progress=None) -> SFTResult:
         construct_trajectories,
         file_trajectories,
         split_heldout,
+        trained_questions,
         trajectory_record,
         training_examples,
     )
@@ -227,5 +244,6 @@ def run_sft(cfg: SFTConfig, *, progress=None) -> SFTResult:
               "trajectories": {"train": len(train_pairs), "heldout": len(held_pairs),
                                "model_tokens": sum(t.num_model_tokens for t, _ in pairs),
                                "tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t, _ in pairs)}}
+    trained = trained_questions(train_pairs, held_pairs, file_source=Path(d.path).name if d.path else "file")
     return fine_tune(cfg, model_path, [t for t, _ in train_pairs], [t for t, _ in held_pairs], record=record,
-                     progress=progress)
+                     trained=trained, progress=progress)

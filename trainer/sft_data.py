@@ -34,6 +34,7 @@ from typing import Any
 from agent.replay import ReplayError, ReplayRetriever, ScriptedTrajectory, parse_passages, replay_trajectories
 from agent.rollout import RolloutConfig, Trajectory
 from emapg.config import ConfigError
+from tasks.contamination import TrainedQuestions
 from tasks.datasets import DatasetError, Example, load_dataset
 from tasks.heldout import heldout_questions, question_key
 from tasks.qa import retrieval_recall
@@ -261,3 +262,14 @@ def trajectory_record(t: Trajectory, example: Example | None = None) -> dict[str
         rec["golden_answers"] = example.answers
         rec["data_source"] = example.data_source
     return rec
+
+
+def trained_questions(train: list[tuple[Trajectory, Example | None]], heldout: list[tuple[Trajectory, Example | None]],
+                      *, file_source: str) -> TrainedQuestions:
+    """The contamination record of an SFT run's (trajectory, example) pairs, by source: the example's dataset
+    (constructed data) or ``file_source`` (a trajectories file); the held-out-loss part is listed too, apart."""
+    by_source: dict[str, list[str]] = {}
+    for part, pairs in (("", train), (" (held-out loss only)", heldout)):
+        for t, ex in pairs:
+            by_source.setdefault(f"{ex.data_source if ex is not None else file_source}{part}", []).append(t.question)
+    return TrainedQuestions.from_questions(by_source)

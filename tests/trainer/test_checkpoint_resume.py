@@ -153,6 +153,8 @@ def test_resume_skips_a_damaged_latest_checkpoint_and_reproduces_the_run(two_ste
     assert verify_checkpoint(new).intact
     assert _tensors_equal(ref / "policy" / "model.safetensors", new / "policy" / "model.safetensors")
     assert _tensors_equal(ref / "anchor.safetensors", new / "anchor.safetensors")
+    # the trained-questions record (eval's contamination guard) of a resumed run is the uninterrupted run's
+    assert (new / "policy" / "trained_questions.json").read_text() == (ref / "policy" / "trained_questions.json").read_text()
     a, b = (torch.load(d / "optimizer.pt", weights_only=True) for d in (ref, new))
     assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in ("exp_avg", "exp_avg_sq"))
 

@@ -94,6 +94,8 @@ def test_export_writes_the_merged_model_and_eval_reads_the_run(lora_run, tmp_pat
     out = tmp_path / "merged"
     assert emapg_main(["export", str(lora_run), "--out", str(out)]) == 0
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
+    # the merged export carries the run's trained-questions record (emapg eval's contamination guard)
+    assert (out / "trained_questions.json").read_text() == (lora_run / "step_3" / "policy" / "trained_questions.json").read_text()
     assert emapg_main(["export", str(lora_run), "--out", str(out)]) == 2  # never overwrites
     assert "exists" in capsys.readouterr().err
     x = torch.tensor([[3, 17, 40, 41, 9, 11, 12]])

@@ -181,6 +181,14 @@ def test_sft_reduces_heldout_loss_and_saves_loadable_policies(tmp_path, retrieve
         assert (out / "adapter" / "adapter_config.json").is_file() == lora
         lines = (out / "trajectories.jsonl").read_text().splitlines()
         assert len(lines) == 24 and sum(json.loads(x)["heldout"] for x in lines) == 6
+        # the contamination record (tasks.contamination): every trajectory's question, beside each saved policy
+        from tasks.contamination import read_trained_questions
+
+        trained = read_trained_questions(out / "policy")
+        assert trained.count == 24 and all(trained.contains(q["question"]) for q in retriever_index.questions[:24])
+        assert {s["source"]: s["questions"] for s in trained.sources} == {"trajs.jsonl": 18, "trajs.jsonl (held-out loss only)": 6}
+        assert record["trained_questions"] == trained.summary()
+        assert not lora or read_trained_questions(out / "adapter") == trained
 
 
 
