@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "vllm_cpu.json"))
     args = p.parse_args(argv)
 
-    from emapg.demo import STARTER_POLICY
+    from emapg.models import STARTER as STARTER_POLICY
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
 

@@ -45,7 +45,13 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     diff = results["difference"]["pooled_em"]
     assert diff["n"] == 2 * len(QA) and diff["low"] <= diff["mean"] <= diff["high"]
     assert diff["mean"] == pytest.approx(results["trained"]["pooled_em"] - results["base"]["pooled_em"])
-    assert results["training"]["questions"]["hotpotqa"] == 100  # the dev-drawn rows are evaluation questions
+    # trained on the answerable pool, evaluated on a subset of the held-out split (disjoint by construction)
+    assert results["training"]["train_set"] == "qa_pool" and results["training"]["questions"]["nq/test"] > 2000
+    from tasks.datasets import heldout_ids
+    for name in QA:
+        items = [json.loads(line) for line in (out / "eval_base" / "items" / f"{name}.jsonl").read_text().splitlines()]
+        assert {r["id"] for r in items} <= set(heldout_ids(name))
+    assert "reward_first_step" in results["training"] and "informative groups trained per minute" in (report / "report.md").read_text()
     curves = [m["reward/mean"] for m in results["training"]["metrics"]]
     assert len(curves) == 2 and all("response/answered_frac" in m for m in results["training"]["metrics"])
     # every stage's own output went to a log file named in the report, not to the console
