@@ -11,10 +11,12 @@ connections would lock out real clients rather than the other way round.
 as uvicorn's ``auto`` picks, else h11) extended with:
 
 * **a header deadline**: a request's headers must be complete ``header_timeout`` seconds after the
-  connection opened, or after the first byte of the request on a kept-alive connection; otherwise
-  the client gets ``408`` (JSON, ``Connection: close``) and the connection is closed. Between
-  requests uvicorn's keep-alive timeout applies as before; once the headers are complete the body
-  has its own deadline (``--body-timeout``, :func:`emapg.server_input.read_body`).
+  connection opened, or after the previous answer on a kept-alive connection; otherwise the
+  connection is closed, with a ``408`` (JSON, ``Connection: close``) when part of a request came.
+  Bytes trickling in do not extend it. It also bounds how long a kept-alive connection waits for its
+  next request (uvicorn's keep-alive timeout is 60 s here; httpx clients let go of an idle
+  connection after 5 s). Once the headers are complete the body has its own deadline
+  (``--body-timeout``, :func:`emapg.server_input.read_body`), and the handler all the time it needs.
 * **a bound on the headers' size**: more than :data:`MAX_HEAD_BYTES` bytes without the end of the
   headers get ``431`` and the connection is closed (h11 has the same bound built in, and answers 400).
 * **a cap on idle connections**: when a new connection would make more than ``max_idle``
@@ -93,27 +95,26 @@ class _Guard:
         super().connection_lost(exc)  # type: ignore[misc]
 
     def data_received(self, data: bytes) -> None:
-        awaiting_head = self._idle()
-        if awaiting_head and self._head_timer is None:  # the first byte of a request on a kept-alive connection
-            self._arm()
         cycle = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not cycle:  # a request's headers are complete: it is the body's deadline now
             self._disarm()
-        elif awaiting_head and self._head_timer is not None:
+        elif self._head_timer is not None:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, "Request Header Fields Too Large",
                              f"the request headers exceed {MAX_HEAD_BYTES} bytes; the connection is closed")
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()  # type: ignore[misc]
+        super().on_response_complete()  # type: ignore[misc]  (h11 may start a pipelined request in it)
         self._idle_since = time.monotonic()
+        if self._idle() and not self.transport.is_closing():
+            self._arm()
 
     # ------------------------------------------------------------------ the header deadline
 
     def _idle(self) -> bool:
-        """No request in progress: its headers are still to come (or the connection is kept alive)."""
+        """No request in progress: the next one's headers are still to come."""
         return self.cycle is None or self.cycle.response_complete
 
     def _arm(self) -> None:
@@ -128,10 +129,14 @@ class _Guard:
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self._idle():
+        if not self._idle() or self.transport.is_closing():
+            return
+        if self._head_bytes:  # part of a request came: say why it goes unanswered
             log.debug("closing a connection whose request headers did not arrive within %g s", self.header_timeout)
             self._refuse(408, "Request Timeout",
                          f"the request headers did not arrive within {self.header_timeout:g} s; the connection is closed")
+        else:  # nothing came (a fresh or kept-alive connection): close it, as any idle connection may be
+            self.transport.close()
 
     def _refuse(self, status: int, phrase: str, detail: str) -> None:
         self._disarm()

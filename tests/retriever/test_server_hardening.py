@@ -158,7 +158,7 @@ def test_key_sources_and_refusals_before_binding(retriever_index, tmp_path, caps
         (["--api-key-file", str(tmp_path / "missing")], "cannot read it"),
         (["--api-key-file", str(tmp_path / "empty")], "must hold the key on one line"),
         (["--api-key-file", str(tmp_path / "missing"), "--api-key", "k"], "give the API key once"),
-        (["--body-timeout", "0"], "--body-timeout must be a positive number"),
+        (["--body-timeout", "0"], "--body-timeout: expected a finite number > 0, got 0.0"),
     ]
     for args, message in cases:
         assert emapg_main(["serve", "--index", index, "--port", port, *args]) == 2, args
