@@ -324,10 +324,11 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = "(required)"
-        note = _range_note(bounds_of(f))
-        if note and get_origin(_argparse_kind(tp)[0]) in (list, tuple):
+        note, (inner, nullable) = _range_note(bounds_of(f)), _argparse_kind(tp)
+        if note and get_origin(inner) in (list, tuple):
             note = f" (each{note})"
-        rows.append((key, _type_name(tp) + note, repr(default), f.metadata.get("help", "")))
+        type_text = f"{_type_name(inner)}{note} | None" if note and nullable else _type_name(tp) + note
+        rows.append((key, type_text, repr(default), f.metadata.get("help", "")))
     return rows
 
 

@@ -74,8 +74,8 @@ class ServerOptions:
     body_timeout: float = option(60.0, gt=0, help="seconds a client may take to send a request body; then it gets 408 "
                                                   "and the connection is closed")  # fmt: skip
     header_timeout: float = option(10.0, gt=0, help="seconds a connection may take to send a request's headers, counted "
-                                                    "from its opening or, kept alive, from the previous answer; then it gets "
-                                                    "408 and is closed (slow or idle clients)")  # fmt: skip
+                                                    "from its opening or, kept alive, from the previous answer; then it is "
+                                                    "closed, with a 408 if part of a request came (slow or idle clients)")  # fmt: skip
     max_idle_connections: int = option(256, ge=1, help="most open connections without a request in progress (awaiting or "
                                                        "reading headers, or kept alive); one more closes the longest idle one")  # fmt: skip
     max_body_bytes: int = option(4 << 20, help="reject request bodies larger than this many bytes")
