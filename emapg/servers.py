@@ -52,7 +52,8 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(kw_only=True)
 class ServerOptions:
-    """Options every server command shares: where to bind, the API key, header and body bounds, idle connections, logging.
+    """Options every server command shares: where to bind, the API key, header and body bounds, idle
+    connections, logging.
 
     The API key comes from ``--api-key-file`` or the environment variable ``--api-key-env`` names
     (the ways to use); ``--api-key KEY`` still works but puts the key in the process list, where

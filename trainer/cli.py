@@ -93,9 +93,8 @@ def sft_main(argv: list[str]) -> int:
     args = sft_parser().parse_args(argv)
     _check_overrides(args.overrides)
     from emapg.models import resolve_model
-    from trainer.sft_config import SFTConfig
-
     from trainer.model_limits import check_model_limits
+    from trainer.sft_config import SFTConfig
 
     cfg = load_config(SFTConfig, args.config, args.overrides)
     check_model_limits(cfg, resolve_model(cfg.model.policy, option="model.policy"))
