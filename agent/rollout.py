@@ -99,8 +99,8 @@ class RolloutConfig:
         None, help="prompt + response must fit this many tokens (default: the engine's max_model_len)"
     )
     topk: int = option(3, help="passages retrieved per search")
-    temperature: float = option(1.0, help="sampling temperature (0 = greedy)")
-    top_p: float = option(0.95, help="nucleus sampling threshold (Search-R1 passes 0.95 to vLLM)")
+    temperature: float = option(1.0, ge=0, help="sampling temperature (0 = greedy)")
+    top_p: float = option(0.95, gt=0, le=1, help="nucleus sampling threshold (Search-R1 passes 0.95 to vLLM)")
     top_k: int = option(-1, help="top-k sampling (-1 = off)")
     seed: int | None = option(0, help="base seed; each trajectory/turn gets its own derived seed (None: random)")
     n_samples: int = option(1, help="samples per prompt (GRPO group size); samples of one prompt share a group_id")
@@ -122,8 +122,6 @@ class RolloutConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_turns <= 64:
             raise ConfigError(f"max_turns must be in [0, 64], got {self.max_turns}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError("top_k must be -1 or >= 1")
         if self.retrieval_workers < 1:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -31,11 +33,64 @@ class ConfigError(ValueError):
     """A configuration problem, with the dotted path of the offending field."""
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, default_factory: Any = dataclasses.MISSING) -> Any:
-    """Declare a config field with a help text (shown in ``--help`` and the README reference)."""
+@dataclass(frozen=True)
+class Bounds:
+    """The range of a number option (of each number of a list option), checked by :func:`from_dict`.
+
+    ``ge``/``gt``/``le``/``lt``: inclusive / exclusive lower and upper bounds (None: none). A float is
+    finite unless ``inf`` says what infinity means for the option (then ``inf`` is allowed where
+    the bounds allow it); NaN is never a setting.
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    inf: str | None = None
+
+    def describe(self) -> str:
+        """``> 0``, ``[0, 1]``, ``[0, 1)``, ``>= 1``, ... ('' when unbounded)."""
+        low = (f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else None)
+        high = (f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else None)
+        if low and high:
+            return f"{low}, {high}"
+        if low:
+            return f"{'>=' if self.ge is not None else '>'} {low[1:]}"
+        if high:
+            return f"{'<=' if self.le is not None else '<'} {high[:-1]}"
+        return ""
+
+    def allows(self, value: int | float) -> bool:
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and self.inf is None)):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def expectation(self, integer: bool) -> str:
+        """What a valid setting is, for an error message: ``a finite number > 0``, ``an integer in [0, 64]``."""
+        what = "an integer" if integer else "a number" if self.inf is not None else "a finite number"
+        rng = self.describe()
+        rng = f" in {rng}" if rng.startswith(("[", "(")) else f" {rng}" if rng else ""
+        return what + rng + (f" (inf: {self.inf})" if self.inf is not None and not integer else "")
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, default_factory: Any = dataclasses.MISSING,
+           ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+           inf: str | None = None) -> Any:
+    """Declare a config field with a help text (shown in ``--help`` and the README reference).
+
+    For a number (or list of numbers) field, ``ge``/``gt``/``le``/``lt`` declare its range and ``inf``
+    what infinity means, when the option accepts it (a float is otherwise finite): see :class:`Bounds`.
+    The range is checked once, for every schema, when a config is built (:func:`from_dict`), and shown
+    in ``--help`` and the reference.
+    """
     if not help:
         raise TypeError("every config option needs a help text")
-    kwargs: dict[str, Any] = {"metadata": {"help": help}}
+    kwargs: dict[str, Any] = {"metadata": {"help": help, "bounds": Bounds(ge, gt, le, lt, inf)}}
     if default_factory is not dataclasses.MISSING:
         kwargs["default_factory"] = default_factory
     elif isinstance(default, (list, dict, set)):
@@ -150,6 +205,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         if f.name in data:
             where = f"{prefix}.{f.name}" if prefix else f.name
             kwargs[f.name] = _coerce(data[f.name], hints[f.name], where)
+            _check_range(kwargs[f.name], bounds_of(f), where)
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field without default
@@ -161,6 +217,21 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         except ConfigError as e:
             raise ConfigError(f"{prefix + ': ' if prefix else ''}{e}") from None
     return obj
+
+
+def bounds_of(f: dataclasses.Field) -> Bounds:
+    """The declared range of a config field (unbounded when it declares none)."""
+    return f.metadata.get("bounds") or Bounds()
+
+
+def _check_range(value: Any, bounds: Bounds, where: str) -> None:
+    """The one range check of every number option (and of each number of a list option): NaN never
+    passes, infinity only where the option says what it means, then the declared bounds."""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_range(v, bounds, f"{where}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and not bounds.allows(value):
+        raise ConfigError(f"{where}: expected {bounds.expectation(isinstance(value, int))}, got {value!r}")
 
 
 def to_dict(obj: Any) -> Any:
@@ -253,8 +324,19 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = "(required)"
-        rows.append((key, _type_name(tp), repr(default), f.metadata.get("help", "")))
+        note, (inner, nullable) = _range_note(bounds_of(f)), _argparse_kind(tp)
+        if note and get_origin(inner) in (list, tuple):
+            note = f" (each{note})"
+        type_text = f"{_type_name(inner)}{note} | None" if note and nullable else _type_name(tp) + note
+        rows.append((key, type_text, repr(default), f.metadata.get("help", "")))
     return rows
+
+
+def _range_note(bounds: Bounds) -> str:
+    """`` > 0``, `` in [0, 1]``, `` (inf: no limit)``: the declared range after a type name ('' when none)."""
+    rng = bounds.describe()
+    note = (f" in {rng}" if rng.startswith(("[", "(")) else f" {rng}") if rng else ""
+    return note + (f" (inf: {bounds.inf})" if bounds.inf else "")
 
 
 def markdown_reference(cls: type, title: str) -> str:
@@ -312,9 +394,11 @@ def add_config_arguments(parser: Any, cls: type, *, exclude: tuple[str, ...] = (
             continue
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
         help_ = f.metadata.get("help", "")
+        notes = [_range_note(bounds_of(f)).strip().removeprefix("in ")] if _range_note(bounds_of(f)) else []
         if not required and not dotted.startswith(hide_defaults or ("\0",)):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            help_ += f" (default: {default!r})" if default not in (None, "", [], {}) else ""
+            notes += [f"default: {default!r}"] if default not in (None, "", [], {}) else []
+        help_ += f" ({'; '.join(notes)})" if notes else ""
         kwargs: dict[str, Any] = {"help": help_.replace("%", "%%"), "dest": dotted, "default": argparse.SUPPRESS,
                                   "metavar": f.name.upper()}
         origin = get_origin(tp)
@@ -374,7 +458,13 @@ def config_from_args(cls: type[T], args: Any, *, extra: dict[str, Any] | None = 
             node = node.setdefault(part, {})
         node[leaf] = value
     names = {f.name for f in dataclasses.fields(cls)}
-    return from_dict(cls, {k: v for k, v in data.items() if k in names})
+    try:
+        return from_dict(cls, {k: v for k, v in data.items() if k in names})
+    except ConfigError as e:  # name a command-line option by its flag, as the user typed it
+        key, sep, rest = str(e).partition(": ")
+        if sep and rest.startswith("expected ") and key.split("[")[0] in vars(args):
+            raise ConfigError(f"{_flag(key.split('[')[0])}{key[len(key.split('[')[0]):]}: {rest}") from None
+        raise
 
 
 def _leaf_hints(cls: type, prefix: str = "") -> dict[str, Any]:

@@ -3,8 +3,9 @@
 One strict path from bytes to checked values, shared by ``retriever/server.py`` and
 ``agent/engines/server.py``:
 
-* :func:`read_body`: the body, bounded in size (413) and in time (408, then the connection closes);
-  a client that goes away mid-body is one log line, not a traceback.
+* :func:`read_body`: the body, bounded in size (413) and in time (408; both close the connection),
+  sent as is (a ``Content-Encoding`` other than ``identity`` is 415: nothing is decompressed); a
+  client that goes away mid-body is one log line, not a traceback.
 * :func:`parse_json`: UTF-8 JSON and nothing looser than the RFC: no ``NaN``/``Infinity``, no
   duplicate keys, no integer literal longer than :data:`MAX_INT_DIGITS` digits (Python's own
   limit of 4,300 digits would otherwise raise deep in the parser), no float that overflows,
@@ -14,7 +15,12 @@ One strict path from bytes to checked values, shared by ``retriever/server.py`` 
   strings valid Unicode scalar values (a lone surrogate such as ``"\\ud800"`` is rejected here
   instead of failing in a tokenizer or in the JSON encoder of the answer).
 * :func:`guarded`: wraps a handler so that *every* outcome is a JSON answer counted by reason, and
-  no exception reaches uvicorn (which would close the kept-alive connection of a pooled client).
+  no exception reaches uvicorn (which would close the kept-alive connection of a pooled client);
+  an HTTP/1.1 request without ``Host`` is refused (400, as RFC 9112 requires; h11 does it itself,
+  httptools does not).
+
+What a connection may cost before its request arrives (header deadline, idle connections) is
+bounded below the app, in :mod:`emapg.connection_guard`.
 
 Every refusal is an :class:`HTTPError` carrying a status, a message that says what to fix, and a
 ``reason`` label for ``/metrics``.
@@ -44,7 +50,8 @@ MAX_MESSAGE_CHARS = 1000
 # The reason label of a refusal when the handler gives none.
 DEFAULT_REASONS = {
     400: "invalid_json", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-    408: "body_timeout", 409: "conflict", 413: "too_large", 422: "invalid_field", 499: "client_disconnected",
+    408: "body_timeout", 409: "conflict", 413: "too_large", 415: "content_encoding", 422: "invalid_field",
+    499: "client_disconnected",
     500: "internal", 503: "not_ready",
 }  # fmt: skip
 
@@ -88,24 +95,30 @@ def api_key_ok(request: Request, api_key: str | None) -> bool:
 async def read_body(request: Request, limit: int, *, timeout_s: float, hint: str = "") -> bytes:
     """The request body, bounded in size and in time.
 
-    413 (message ending in ``hint``) once it exceeds ``limit`` bytes: the declared Content-Length is
-    checked first and the stream is counted, so an oversized body is never held whole. 408 when the
-    whole body has not arrived within ``timeout_s`` seconds (a client that declares more than it
-    sends would otherwise hold the connection and its buffers forever); that answer closes the
-    connection. :class:`ClientGone` when the client disconnects mid-body.
+    415 for a ``Content-Encoding`` other than ``identity`` (the servers decompress nothing: a
+    small compressed body can inflate a thousandfold past the size bound). 413 (message ending in
+    ``hint``) once it exceeds ``limit`` bytes: the declared Content-Length is checked first and the
+    stream is counted, so an oversized body is never held whole. 408 when the whole body has not
+    arrived within ``timeout_s`` seconds (a client that declares more than it sends would otherwise
+    hold the connection and its buffers forever). The 415, 413 and 408 answers close the connection:
+    the rest of the body is not read. :class:`ClientGone` when the client disconnects mid-body.
     """
     from starlette.requests import ClientDisconnect
 
+    encodings = [e.strip().lower() for v in request.headers.getlist("content-encoding") for e in v.split(",") if e.strip()]
+    if any(e != "identity" for e in encodings):
+        named = ", ".join(show(e) for e in encodings[:3])
+        raise HTTPError(415, f"Content-Encoding {named} is not supported: send the body uncompressed (identity)", close=True)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
-        raise HTTPError(413, f"body of {declared[:30]} bytes exceeds the limit of {limit} bytes{hint}")
+        raise HTTPError(413, f"body of {declared[:30]} bytes exceeds the limit of {limit} bytes{hint}", close=True)
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise HTTPError(413, f"body exceeds the limit of {limit} bytes{hint}")
+                    raise HTTPError(413, f"body exceeds the limit of {limit} bytes{hint}", close=True)
                 chunks.append(chunk)
     except TimeoutError:
         expected = f" of {declared}" if declared else ""
@@ -287,6 +300,12 @@ def error_response(e: HTTPError) -> Response:
     return json_response({"detail": message}, e.status, headers={"connection": "close"} if e.close else None)
 
 
+def check_host(request: Request) -> None:
+    """HTTP/1.1 requires a ``Host`` header (RFC 9112 section 3.2: answered 400); h11 enforces it, httptools does not."""
+    if request.scope.get("http_version") == "1.1" and "host" not in request.headers:
+        raise HTTPError(400, "an HTTP/1.1 request needs a Host header", "missing_host", close=True)
+
+
 UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
 
 
@@ -313,6 +332,7 @@ def guarded(api_key: str | None, count: Count, log: logging.Logger, *, open_: bo
             route = route_of(request)
             reason: str | None = None
             try:
+                check_host(request)
                 if not open_ and not api_key_ok(request, api_key):
                     raise HTTPError(401, UNAUTHORIZED)
                 result = await fn(request, **kwargs)
@@ -340,7 +360,11 @@ def install_error_handlers(app: FastAPI, count: Count) -> None:
 
     async def http_exception(request: Request, exc: StarletteHTTPException):
         e = HTTPError(exc.status_code, str(exc.detail))
-        count(route_of(request), exc.status_code, e.reason, 0.0)
+        try:
+            check_host(request)
+        except HTTPError as missing:
+            e = missing
+        count(route_of(request), e.status, e.reason, 0.0)
         return error_response(e)
 
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -1,8 +1,9 @@
 """What the project's HTTP servers (the retriever, the generation engine) share, outside a request.
 
 * :class:`ServerOptions`: the options both ``emapg serve`` and ``emapg engine serve`` take (bind
-  address, API key from a file or the environment, body bounds, log level), with the refusal to
-  serve a non-loopback address without a key; :func:`run_uvicorn`: the in-process side of both.
+  address, API key from a file or the environment, header and body bounds, idle connections, log
+  level), with the refusal to serve a non-loopback address without a key; :func:`run_uvicorn`: the
+  in-process side of both (its connections guarded by :mod:`emapg.connection_guard`).
   What a request handler does with its input is in :mod:`emapg.server_input`.
 * :class:`ServerProcess`: start one of them as a subprocess, wait for ``/health``, stop it
   (``retriever.launch.RetrieverServer``, ``agent.engines.launch.EngineServer``); a server it started
@@ -15,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-import math
 import os
 import signal
 import socket
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx
 
 from emapg.config import ConfigError, option
+from emapg.connection_guard import MAX_HEAD_BYTES, guarded_protocol
 from emapg.paths import REPO_ROOT
 from emapg.process_group import stop_process_group
 
@@ -51,7 +52,8 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(kw_only=True)
 class ServerOptions:
-    """Options every server command shares: where to bind, the API key, body bounds, logging.
+    """Options every server command shares: where to bind, the API key, header and body bounds, idle
+    connections, logging.
 
     The API key comes from ``--api-key-file`` or the environment variable ``--api-key-env`` names
     (the ways to use); ``--api-key KEY`` still works but puts the key in the process list, where
@@ -70,16 +72,19 @@ class ServerOptions:
                                             "(ps), use --api-key-file or the environment variable")  # fmt: skip
     insecure: bool = option(False, help="serve a non-loopback address without an API key (anyone who can reach the port "
                                         "can use every endpoint)")  # fmt: skip
-    body_timeout: float = option(60.0, help="seconds a client may take to send a request body; then it gets 408 and the "
-                                            "connection is closed")  # fmt: skip
+    body_timeout: float = option(60.0, gt=0, help="seconds a client may take to send a request body; then it gets 408 "
+                                                  "and the connection is closed")  # fmt: skip
+    header_timeout: float = option(10.0, gt=0, help="seconds a connection may take to send a request's headers, counted "
+                                                    "from its opening or, kept alive, from the previous answer; then it is "
+                                                    "closed, with a 408 if part of a request came (slow or idle clients)")  # fmt: skip
+    max_idle_connections: int = option(256, ge=1, help="most open connections without a request in progress (awaiting or "
+                                                       "reading headers, or kept alive); one more closes the longest idle one")  # fmt: skip
     max_body_bytes: int = option(4 << 20, help="reject request bodies larger than this many bytes")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", help="log level")
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
-        if not (math.isfinite(self.body_timeout) and self.body_timeout > 0):
-            raise ConfigError(f"--body-timeout must be a positive number of seconds, got {self.body_timeout}")
         if self.max_body_bytes < 1:
             raise ConfigError("--max-body-bytes must be at least 1")
         if self.api_key_file and self.api_key:
@@ -133,7 +138,9 @@ def run_uvicorn(create_app: Callable[..., Any], cfg: ServerOptions, *, log: logg
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)  # before the app starts anything: its children are not watched
     app = create_app(cfg, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=60, backlog=4096,
-                            proxy_headers=False)  # no X-Forwarded-For rewriting: ~5% of a small request's time
+                            proxy_headers=False,  # no X-Forwarded-For rewriting: ~5% of a small request's time
+                            http=guarded_protocol(cfg.header_timeout, cfg.max_idle_connections),  # slowloris
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     server = uvicorn.Server(config)
     if not is_loopback(cfg.host) and not key:
         log.warning("serving %s without an API key (--insecure): anyone who can reach this port can %s", cfg.host, exposes)

@@ -38,8 +38,8 @@ class EvalProtocol:
     name: str = option("qa_greedy", help="protocol label written into the results (a preset name or your own)")
     suite: Suite = option("qa", help="'qa' (multi-turn search agent, exact match) or 'math' (single turn, boxed answer)")
     n: int = option(1, help="samples per question; pass@1 is their mean accuracy, pass@k uses all n")
-    temperature: float = option(0.0, help="sampling temperature; 0 is greedy")
-    top_p: float = option(1.0, help="nucleus sampling mass")
+    temperature: float = option(0.0, ge=0, help="sampling temperature; 0 is greedy")
+    top_p: float = option(1.0, gt=0, le=1, help="nucleus sampling mass")
     top_k: int = option(-1, help="top-k sampling (-1: off)")
     max_tokens: int = option(500, help="generation budget: per turn for qa, per response for math")
     max_turns: int = option(4, help="qa: maximum retrievals; one final answer-only turn follows (Search-R1)")
@@ -53,23 +53,17 @@ class EvalProtocol:
     template: str = option("search_r1", help="prompt template name (agent.prompts) or path to a template file")
     grader: Grader = option(
         DEFAULT_GRADER, help="math: the paper-like MATH string check OR math-verify, or math-verify alone")
-    grade_timeout: float = option(5.0, help="math: seconds per item before grading counts as a timeout (incorrect)")
+    grade_timeout: float = option(5.0, gt=0, help="math: seconds per item before grading counts as a timeout (incorrect)")
 
     def validate(self) -> None:
         if self.n < 1:
             raise ConfigError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         for name in ("max_tokens", "max_turns", "retrieval_topk", "max_obs_tokens", "max_response_tokens",
                      "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.grade_timeout <= 0:
-            raise ConfigError(f"grade_timeout must be > 0, got {self.grade_timeout}")
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(f"n={self.n} samples at temperature 0 would all be identical; set temperature > 0")
 

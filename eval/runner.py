@@ -78,7 +78,7 @@ class EvalConfig:
     retriever_url: str | None = option(None, help="qa: URL of a running retrieval server (emapg serve)")
     index: str | None = option(None, help="qa: index folder to serve for this run when no retriever URL is given (default: the bundled Wikipedia index, built on first use)")
     retriever_api_key: str | None = option(None, help="qa: API key of the retrieval server, if it needs one (the CLI reads EMAPG_RETRIEVER_API_KEY)")
-    retriever_timeout: float = option(30.0, help="qa: seconds per retrieval request")
+    retriever_timeout: float = option(30.0, gt=0, help="qa: seconds per retrieval request")
     retriever_retries: int = option(5, help="qa: retries per retrieval request before the search counts as failed")
     replay: str | None = option(None, help="qa: answer searches from the retrievals recorded in this earlier eval run's folder "
                                 "(its retrievals.jsonl) instead of a server; a query it did not record is an error, unless "
@@ -102,8 +102,8 @@ class EvalConfig:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.grader_workers < 1:
             raise ConfigError(f"grader_workers must be >= 1, got {self.grader_workers}")
-        if self.retriever_timeout <= 0 or self.retriever_retries < 0:
-            raise ConfigError("retriever_timeout must be > 0 and retriever_retries >= 0")
+        if self.retriever_retries < 0:
+            raise ConfigError("retriever_retries must be >= 0")
 
 
 # --------------------------------------------------------------------------- per-item files

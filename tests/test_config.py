@@ -186,3 +186,54 @@ def test_argparse_flags_renames_key_values_repeats_and_the_command_reference(cap
     assert "| `RUNS`… | run folders (required) |" in table
     assert "| `--topk` `RETRIEVAL_TOPK` | passages per search |" in table  # the preset's default is not shown
     assert "| `--kinds` | kinds; one of: a, b |" in table and "| `--path` `KEY=VALUE` | name -> file |" in table
+
+
+@dataclass
+class Ranged:
+    rate: float = option(0.1, help="a rate", gt=0)
+    prob: float = option(0.5, help="a probability", ge=0, le=1)
+    betas: list[float] = option([0.9, 0.99], help="each in [0, 1)", ge=0, lt=1)
+    budget: float | None = option(None, help="seconds; inf: no budget", ge=0, inf="no budget")
+    free: float = option(0.0, help="any finite number")
+    workers: int = option(2, help="worker count", ge=1, le=64)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rate=nan", "rate: expected a finite number > 0, got nan"),
+    ("rate=.inf", "rate: expected a finite number > 0, got inf"),
+    ("rate=0", "rate: expected a finite number > 0, got 0.0"),
+    ("prob=1.5", "prob: expected a finite number in [0, 1], got 1.5"),
+    ("prob=-inf", "prob: expected a finite number in [0, 1], got -inf"),
+    ("betas=[0.9, 1]", "betas[1]: expected a finite number in [0, 1), got 1.0"),
+    ("budget=nan", "budget: expected a number >= 0 (inf: no budget), got nan"),
+    ("budget=-inf", "budget: expected a number >= 0 (inf: no budget), got -inf"),
+    ("free=nan", "free: expected a finite number, got nan"),
+    ("free=1e400", "free: expected a finite number, got inf"),
+    ("workers=0", "workers: expected an integer in [1, 64], got 0"),
+])
+def test_declared_ranges_are_checked_in_one_place(override, message):
+    """The checks written `x <= 0` let NaN through (issue 31); the declared range does not."""
+    with pytest.raises(ConfigError) as e:
+        load_config(Ranged, None, [override])
+    assert str(e.value) == message
+
+
+def test_declared_ranges_accept_their_bounds_and_the_infinity_they_give_a_meaning():
+    cfg = load_config(Ranged, None, ["prob=0", "betas=[0, 0.5]", "budget=inf", "free=-3", "workers=64"])
+    assert (cfg.prob, cfg.betas, cfg.budget, cfg.free, cfg.workers) == (0.0, [0.0, 0.5], float("inf"), -3.0, 64)
+    types = {key: tp for key, tp, _, _ in describe(Ranged)}
+    assert types == {"rate": "float > 0", "prob": "float in [0, 1]", "betas": "list (each in [0, 1))",
+                     "budget": "float >= 0 (inf: no budget) | None", "free": "float", "workers": "int in [1, 64]"}
+
+
+def test_a_flag_out_of_range_is_named_as_typed(capsys):
+    import argparse
+
+    from emapg.config import add_config_arguments, config_from_args
+
+    p = argparse.ArgumentParser(prog="x")
+    add_config_arguments(p, Ranged)
+    with pytest.raises(ConfigError, match=r"^--prob: expected a finite number in \[0, 1\], got nan$"):
+        config_from_args(Ranged, p.parse_args(["--prob", "nan"]))
+    p.print_help()
+    assert "(> 0; default: 0.1)" in capsys.readouterr().out

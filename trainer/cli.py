@@ -56,8 +56,10 @@ def main(argv: list[str]) -> int:
     load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)  # fail fast on bad data
     if args.resume is None:  # (a resumed run loads its checkpoint's policy folder instead)
         from emapg.models import resolve_model
+        from trainer.model_limits import check_model_limits
 
-        resolve_model(cfg.model.policy, option="model.policy")  # a model that does not exist: one line, exit 2
+        # a model that does not exist, or settings it cannot honour (kl.topk, token budgets): one line, exit 2
+        check_model_limits(cfg, resolve_model(cfg.model.policy, option="model.policy"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from transformers.utils import logging as hf_logging
 
@@ -91,10 +93,11 @@ def sft_main(argv: list[str]) -> int:
     args = sft_parser().parse_args(argv)
     _check_overrides(args.overrides)
     from emapg.models import resolve_model
+    from trainer.model_limits import check_model_limits
     from trainer.sft_config import SFTConfig
 
     cfg = load_config(SFTConfig, args.config, args.overrides)
-    resolve_model(cfg.model.policy, option="model.policy")
+    check_model_limits(cfg, resolve_model(cfg.model.policy, option="model.policy"))
     if cfg.data.source == "file":
         from trainer.sft_data import read_trajectory_file
 

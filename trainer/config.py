@@ -12,8 +12,6 @@ Coefficient convention: ``ema.decay`` is η, the weight on the *old* anchor
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,7 +31,7 @@ class RunConfig:
     save_every: int = option(50, help="write a checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)")
     keep_last: int = option(3, help="keep the last N checkpoints (0: keep all)")
     time_budget_s: float = option(
-        0.0, help="stop at a step boundary when one more step would end past this many seconds after the training loop "
+        0.0, ge=0, help="stop at a step boundary when one more step would end past this many seconds after the training loop "
         "started (judged by the mean step time so far; the first step always runs), with a checkpoint as on SIGINT; "
         "0: no budget, run.total_steps only")
     device: Literal["auto", "cpu", "cuda"] = option("auto", help="training device; auto picks cuda when available")
@@ -51,8 +49,6 @@ class RunConfig:
     def validate(self) -> None:
         if self.total_steps < 1:
             raise ConfigError(f"run.total_steps must be >= 1, got {self.total_steps}")
-        if not (self.time_budget_s >= 0 and math.isfinite(self.time_budget_s)):
-            raise ConfigError(f"run.time_budget_s must be a finite number >= 0, got {self.time_budget_s}")
         if self.save_every < 0 or self.keep_last < 0:
             raise ConfigError("run.save_every and run.keep_last must be >= 0")
         if self.max_consecutive_nonfinite < 1:
@@ -74,8 +70,8 @@ class LoraConfig:
 
     enabled: bool = option(False, help="train LoRA adapters instead of every weight (the base stays frozen)")
     rank: int = option(16, help="LoRA rank r (the inner dimension of B·A)")
-    alpha: float = option(32.0, help="LoRA alpha: the update is scaled by alpha / rank")
-    dropout: float = option(0.0, help="dropout on the adapters' input during training (0 keeps training passes deterministic)")
+    alpha: float = option(32.0, gt=0, help="LoRA alpha: the update is scaled by alpha / rank")
+    dropout: float = option(0.0, ge=0, lt=1, help="dropout on the adapters' input during training (0 keeps training passes deterministic)")
     target_modules: list[str] = option(
         list(LORA_DEFAULT_TARGETS), help="module names (suffixes, e.g. q_proj) to adapt, or ['all-linear']"
     )
@@ -91,10 +87,6 @@ class LoraConfig:
     def validate(self) -> None:
         if self.rank <= 0:
             raise ConfigError(f"model.lora.rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ConfigError(f"model.lora.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules or any(not t for t in self.target_modules):
             raise ConfigError("model.lora.target_modules must name at least one module (e.g. q_proj)")
 
@@ -160,13 +152,13 @@ class TrainRolloutConfig(AgentRolloutConfig):
     engine: Literal["hf", "vllm", "remote"] = option(
         "hf", help="generation engine: vllm (colocated with the trainer), hf (transformers), or remote (`emapg engine serve` servers at engine_urls)"
     )
-    vllm_gpu_memory_utilization: float = option(0.4, help="fraction of GPU memory vLLM may take when colocated")
+    vllm_gpu_memory_utilization: float = option(0.4, gt=0, le=1, help="fraction of GPU memory vLLM may take when colocated")
     vllm_sleep: bool = option(True, help="put the colocated vLLM engine to sleep during training (frees weights and KV cache)")
     vllm_tensor_parallel_size: int = option(1, help="vLLM tensor parallel size")
     engine_urls: list[str] = option([], help="remote: base URLs of running generation servers (several = data-parallel replicas of the same model)")
     engine_api_key_env: str | None = option(None, help="remote: name of an environment variable holding the generation servers' API key")
-    engine_timeout: float = option(600.0, help="remote: seconds per HTTP request to a generation server (a whole generation included)")
-    engine_wait: float = option(600.0, help="remote: seconds to wait at start-up for the servers' /health (they may still be loading)")
+    engine_timeout: float = option(600.0, gt=0, help="remote: seconds per HTTP request to a generation server (a whole generation included)")
+    engine_wait: float = option(600.0, ge=0, help="remote: seconds to wait at start-up for the servers' /health (they may still be loading)")
     weight_sync: Literal["http", "collective"] = option(
         "http", help="remote: how new weights reach the servers: http (safetensors buckets, works everywhere) or collective (a gloo/NCCL broadcast group)"
     )
@@ -190,8 +182,6 @@ class TrainRolloutConfig(AgentRolloutConfig):
         super().validate()
         if self.temperature <= 0:
             raise ConfigError("rollout.temperature must be > 0 for training (sampling); greedy decoding is for eval")
-        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
-            raise ConfigError("rollout.vllm_gpu_memory_utilization must be in (0, 1]")
         if self.vllm_tensor_parallel_size < 1:
             raise ConfigError("rollout.vllm_tensor_parallel_size must be >= 1")
         if self.engine == "remote" and not self.engine_urls:
@@ -201,8 +191,6 @@ class TrainRolloutConfig(AgentRolloutConfig):
         for url in self.engine_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"rollout.engine_urls: {url!r} is not an http(s) URL")
-        if self.engine_timeout <= 0 or self.engine_wait < 0:
-            raise ConfigError("rollout.engine_timeout must be > 0 and rollout.engine_wait >= 0")
         if self.weight_sync_bucket_mb < 1:
             raise ConfigError("rollout.weight_sync_bucket_mb must be >= 1")
         if self.max_staleness < 0:
@@ -224,15 +212,15 @@ class TrainRolloutConfig(AgentRolloutConfig):
 class RetrieverConfig:
     urls: list[str] = option([], help="base URLs of running retriever servers (several = replicas, load-balanced)")
     index_dir: str | None = option(None, help="launch a retriever server on this index for the run (when urls is empty)")
-    timeout: float = option(30.0, help="seconds per retrieval request")
+    timeout: float = option(30.0, gt=0, help="seconds per retrieval request")
     retries: int = option(3, help="retries per retrieval request before the search counts as failed")
     api_key_env: str | None = option(None, help="name of an environment variable holding the retriever API key")
     wait: float = option(
-        60.0, help="seconds to wait at start-up for every server of retriever.urls to answer /health and accept the API key "
+        60.0, ge=0, help="seconds to wait at start-up for every server of retriever.urls to answer /health and accept the API key "
         "(a one-query search); also how long training pauses for retrievers that went away mid-run"
     )
     max_failure_rate: float = option(
-        0.5, help="a rollout batch whose fraction of failed searches exceeds this is not trained on: it is rolled out again"
+        0.5, ge=0, le=1, help="a rollout batch whose fraction of failed searches exceeds this is not trained on: it is rolled out again"
     )
     failure_patience: int = option(
         2, help="after this many consecutive rejected rollout batches training pauses, waiting up to retriever.wait for the "
@@ -245,10 +233,6 @@ class RetrieverConfig:
                 raise ConfigError(f"retriever.urls: {url!r} is not an http(s) URL")
         if self.index_dir and not Path(self.index_dir).expanduser().exists():
             raise ConfigError(f"retriever.index_dir: {self.index_dir} does not exist")
-        if self.wait < 0:
-            raise ConfigError(f"retriever.wait must be >= 0 seconds, got {self.wait}")
-        if not 0.0 <= self.max_failure_rate <= 1.0:
-            raise ConfigError(f"retriever.max_failure_rate must be in [0, 1], got {self.max_failure_rate}")
         if self.failure_patience < 1:
             raise ConfigError(f"retriever.failure_patience must be >= 1, got {self.failure_patience}")
 
@@ -261,11 +245,11 @@ class KLConfig:
         help="estimator: topk_reverse/topk_forward (Top-k KL), exact_reverse/exact_forward (full vocabulary), "
         "or a sampled estimator of trainer.kl (k1, k2, k3 = low_var_kl, k3_ratio, k4 = reverse_reinforce, k5, '+' variants)",
     )
-    coef: float = option(0.001, help="beta, the KL loss coefficient")
+    coef: float = option(0.001, ge=0, help="beta, the KL loss coefficient")
     topk: int = option(32, help="k for Top-k KL (topk_reverse/topk_forward); 0 is the sampled K4 (reverse) / K5 (forward) estimator")
     tail_sampling: bool = option(True, help="add the sampled tail term to Top-k KL (false: truncated KL)")
     importance_weight: bool = option(True, help="multiply the sampled (tail) part by s = pi_theta/pi_old")
-    iw_clip: list[float] | None = option(None, help="optional [low, high] clip of the importance weight")
+    iw_clip: list[float] | None = option(None, ge=0, help="optional [low, high] clip of the importance weight")
     tail_grad: Literal["paper", "exact"] = option(
         "paper", help="Top-k gradient: 'paper' reproduces the release (bias +-grad pi(q)); 'exact' is unbiased"
     )
@@ -283,8 +267,6 @@ class KLConfig:
             raise ConfigError(
                 f"kl.type: {self.type!r} is not one of {', '.join(types)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
             ) from None
-        if self.coef < 0:
-            raise ConfigError("kl.coef must be >= 0")
         kind.validate(self)
         if self.iw_clip is not None and (len(self.iw_clip) != 2 or not 0 <= self.iw_clip[0] <= self.iw_clip[1]):
             raise ConfigError(f"kl.iw_clip must be [low, high] with 0 <= low <= high, got {self.iw_clip}")
@@ -293,15 +275,13 @@ class KLConfig:
 @dataclass
 class EMAConfig:
     decay: float = option(
-        1.0, help="eta: anchor <- eta*anchor + (1-eta)*policy every `period` steps; 1.0 keeps a frozen reference (GRPO)"
+        1.0, ge=0, le=1, help="eta: anchor <- eta*anchor + (1-eta)*policy every `period` steps; 1.0 keeps a frozen reference (GRPO)"
     )
     period: int = option(10, help="P: update the anchor after steps P, 2P, 3P, ...")
     dtype: Literal["fp32", "bf16"] = option("fp32", help="anchor dtype: fp32 (exact blend) or bf16 (as the paper's release)")
     offload: bool = option(False, help="keep the anchor on CPU between uses (GPU runs)")
 
     def validate(self) -> None:
-        if not 0.0 <= self.decay <= 1.0:
-            raise ConfigError(f"ema.decay must be in [0, 1], got {self.decay}")
         if self.period < 1:
             raise ConfigError("ema.period must be >= 1")
 
@@ -309,16 +289,16 @@ class EMAConfig:
 @dataclass
 class AlgorithmConfig:
     name: Literal["emapg", "grpo"] = option("emapg", help="label for logs and plots (the behaviour is set by kl/ema fields)")
-    clip_low: float = option(0.2, help="PPO clip epsilon below 1")
-    clip_high: float = option(0.28, help="PPO clip epsilon above 1 (clip-higher)")
-    dual_clip: float | None = option(None, help="dual-clip constant c for negative advantages (math: 3.0); null disables")
+    clip_low: float = option(0.2, ge=0, help="PPO clip epsilon below 1")
+    clip_high: float = option(0.28, ge=0, help="PPO clip epsilon above 1 (clip-higher)")
+    dual_clip: float | None = option(None, gt=1, help="dual-clip constant c for negative advantages (math: 3.0); null disables")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "microbatch-token-mean"] = option(
         "token-mean", help="loss aggregation, normalised over the whole rollout mini-batch (microbatch-token-mean: Search-R1 legacy)"
     )
     adv_std: Literal["unbiased", "biased", "none"] = option(
         "unbiased", help="group std used to normalise advantages (none = Dr.GRPO, mean-centred only)"
     )
-    adv_eps: float = option(1e-6, help="epsilon added to the group std")
+    adv_eps: float = option(1e-6, gt=0, help="epsilon added to the group std (> 0: a group of equal rewards has std 0)")
     entropy_coef: float = option(0.0, help="entropy bonus coefficient")
     mini_batch_size: int = option(
         256, help="trajectories per optimizer step over all processes; the rollout batch gives batch/mini_batch_size PPO updates"
@@ -339,24 +319,18 @@ class AlgorithmConfig:
     behavior_level: Literal["token", "sequence", "geometric"] = option(
         "token", help="behaviour ratio rho per token, per sequence (product over its tokens) or geometric (exp of the mean log ratio)"
     )
-    behavior_cap: float = option(2.0, help="tis: cap C of the truncated importance weight min(rho, C)")
-    behavior_band: list[float] = option([0.5, 2.0], help="mis: [low, high]; tokens (or sequences) with rho outside are dropped")
+    behavior_cap: float = option(2.0, ge=1, help="tis: cap C of the truncated importance weight min(rho, C) (a cap below 1 down-weights every token)")
+    behavior_band: list[float] = option([0.5, 2.0], ge=0, help="mis: [low, high]; tokens (or sequences) with rho outside are dropped")
     kl: KLConfig = option(default_factory=KLConfig, help="KL loss term")
     ema: EMAConfig = option(default_factory=EMAConfig, help="EMA anchor")
 
     def validate(self) -> None:
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError("algorithm.dual_clip must be > 1 when set")
         if self.mini_batch_size < 1 or self.micro_batch_size < 1 or self.ppo_epochs < 1:
             raise ConfigError("algorithm.mini_batch_size, micro_batch_size and ppo_epochs must be >= 1")
         if self.micro_batch_size > self.mini_batch_size:
             raise ConfigError("algorithm.micro_batch_size must be <= algorithm.mini_batch_size")
         if self.mini_batch_size % self.micro_batch_size:
             raise ConfigError("algorithm.mini_batch_size must be a multiple of algorithm.micro_batch_size")
-        if self.behavior_cap < 1:
-            raise ConfigError(f"algorithm.behavior_cap must be >= 1 (a cap below 1 down-weights every token), got {self.behavior_cap}")
         band = self.behavior_band
         if len(band) != 2 or not 0 <= band[0] <= 1 <= band[1]:
             raise ConfigError(f"algorithm.behavior_band must be [low, high] with 0 <= low <= 1 <= high, got {band}")
@@ -369,35 +343,29 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = option(1e-6, help="AdamW learning rate")
-    betas: list[float] = option([0.9, 0.999], help="AdamW betas")
-    eps: float = option(1e-8, help="AdamW epsilon")
-    weight_decay: float = option(0.01, help="AdamW weight decay")
-    grad_clip: float = option(1.0, help="clip the global gradient norm to this value (0: off)")
-    warmup_ratio: float = option(0.0, help="linear warm-up over int(warmup_ratio * run.total_steps) steps, then constant")
+    lr: float = option(1e-6, gt=0, help="AdamW learning rate")
+    betas: list[float] = option([0.9, 0.999], ge=0, lt=1, help="AdamW betas")
+    eps: float = option(1e-8, gt=0, help="AdamW epsilon")
+    weight_decay: float = option(0.01, ge=0, help="AdamW weight decay")
+    grad_clip: float = option(1.0, ge=0, help="clip the global gradient norm to this value (0: off)")
+    warmup_ratio: float = option(0.0, ge=0, lt=1, help="linear warm-up over int(warmup_ratio * run.total_steps) steps, then constant")
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError("optim.lr must be > 0")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        if len(self.betas) != 2:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ConfigError("optim.warmup_ratio must be in [0, 1)")
 
 
 @dataclass
 class RewardConfig:
-    math_timeout: float = option(10.0, help="seconds allowed to grade one math answer (in a worker process)")
+    math_timeout: float = option(10.0, gt=0, help="seconds allowed to grade one math answer (in a worker process)")
     math_workers: int = option(2, help="worker processes for math grading")
     math_grader: Literal["math_verify", "mathd_or_math_verify"] = option(
         "mathd_or_math_verify", help="math equivalence check (the paper: MATH-style string normalisation OR a symbolic check)"
     )
 
     def validate(self) -> None:
-        if self.math_timeout <= 0 or self.math_workers < 1:
-            raise ConfigError("reward.math_timeout must be > 0 and reward.math_workers >= 1")
+        if self.math_workers < 1:
+            raise ConfigError("reward.math_workers must be >= 1")
 
 
 @dataclass

@@ -77,55 +77,49 @@ class DetectorConfig:
 
     enabled: bool = option(True, help="watch this failure (when guard.enabled)")
     action: Action = option("warn", help=_ACTION_HELP)
-    ratio: float | None = option(None, help=_RATIO_HELP)
-    delta: float = option(0.0, help=_DELTA_HELP)
+    ratio: float | None = option(None, ge=0, help=_RATIO_HELP)
+    delta: float = option(0.0, ge=0, help=_DELTA_HELP)
     limit: float | None = option(None, help=_LIMIT_HELP)
-
-    def validate(self) -> None:
-        if self.ratio is not None and self.ratio < 0:
-            raise ConfigError("guard detector ratio must be >= 0")
-        if self.delta < 0:
-            raise ConfigError("guard detector delta must be >= 0")
 
 
 @dataclass
 class EntropyCollapseConfig(DetectorConfig):
-    ratio: float | None = option(0.25, help=_RATIO_HELP)
+    ratio: float | None = option(0.25, ge=0, help=_RATIO_HELP)
 
 
 @dataclass
 class EntropyExplosionConfig(DetectorConfig):
-    ratio: float | None = option(4.0, help=_RATIO_HELP)
-    delta: float = option(0.5, help=_DELTA_HELP)
+    ratio: float | None = option(4.0, ge=0, help=_RATIO_HELP)
+    delta: float = option(0.5, ge=0, help=_DELTA_HELP)
 
 
 @dataclass
 class KLSpikeConfig(DetectorConfig):
-    ratio: float | None = option(10.0, help=_RATIO_HELP)
-    delta: float = option(0.05, help=_DELTA_HELP)
+    ratio: float | None = option(10.0, ge=0, help=_RATIO_HELP)
+    delta: float = option(0.05, ge=0, help=_DELTA_HELP)
 
 
 @dataclass
 class LengthBlowupConfig(DetectorConfig):
-    ratio: float | None = option(2.0, help=_RATIO_HELP)
-    delta: float = option(16.0, help=_DELTA_HELP)
+    ratio: float | None = option(2.0, ge=0, help=_RATIO_HELP)
+    delta: float = option(16.0, ge=0, help=_DELTA_HELP)
 
 
 @dataclass
 class FormatErrorsConfig(DetectorConfig):
-    ratio: float | None = option(1.0, help=_RATIO_HELP)
-    delta: float = option(0.3, help=_DELTA_HELP)
+    ratio: float | None = option(1.0, ge=0, help=_RATIO_HELP)
+    delta: float = option(0.3, ge=0, help=_DELTA_HELP)
 
 
 @dataclass
 class RewardDropConfig(DetectorConfig):
-    ratio: float | None = option(1.0, help=_RATIO_HELP)
-    delta: float = option(0.3, help=_DELTA_HELP)
+    ratio: float | None = option(1.0, ge=0, help=_RATIO_HELP)
+    delta: float = option(0.3, ge=0, help=_DELTA_HELP)
 
 
 @dataclass
 class GradNormSpikeConfig(DetectorConfig):
-    ratio: float | None = option(10.0, help=_RATIO_HELP)
+    ratio: float | None = option(10.0, ge=0, help=_RATIO_HELP)
 
 
 @dataclass
@@ -141,7 +135,7 @@ class GuardConfig:
     enabled: bool = option(False, help="watch every step's metrics for a collapse and act on it")
     window: int = option(10, help="baseline = mean over the last N steps that passed the guard")
     min_history: int = option(3, help="relative tests start once this many passing steps are in the window")
-    lr_factor: float = option(0.5, help="lower_lr multiplies the learning rate (and its schedule's base) by this")
+    lr_factor: float = option(0.5, gt=0, lt=1, help="lower_lr multiplies the learning rate (and its schedule's base) by this")
     max_recoveries: int = option(3, help="after this many lower_lr/rollback/reset_to_anchor actions, the next trip stops the run")
     entropy_collapse: EntropyCollapseConfig = option(
         default_factory=EntropyCollapseConfig, help="actor/entropy below ratio*baseline - delta or below limit (the policy turned deterministic)")
@@ -162,8 +156,6 @@ class GuardConfig:
     def validate(self) -> None:
         if self.window < 1 or not 1 <= self.min_history <= self.window:
             raise ConfigError("guard.window must be >= 1 and guard.min_history in [1, guard.window]")
-        if not 0.0 < self.lr_factor < 1.0:
-            raise ConfigError("guard.lr_factor must be in (0, 1)")
         if self.max_recoveries < 0:
             raise ConfigError("guard.max_recoveries must be >= 0")
 

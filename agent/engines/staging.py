@@ -128,14 +128,17 @@ class WeightStaging:
         self.nbytes = 0
 
     def _reset(self, sync_id: str | None) -> None:
-        if self.sync_id is not None and self.sync_id != sync_id and self.buckets:
-            log.warning("discarding %d staged buckets of unfinished sync %s", len(self.buckets), self.sync_id)
+        """Start staging ``sync_id`` (None: nothing), dropping what is staged; silent: the callers that
+        end a sync (committed, refused, aborted by its client) say so in their answer."""
         self.sync_id, self.buckets, self.nbytes = sync_id, {}, 0
 
     def stage(self, sync_id: str, index: int, tensors: dict[str, torch.Tensor]) -> dict:
         """Stage bucket ``index`` (already checked by ``wire.check_weights``); HTTPError when it does not fit."""
         check_against_manifest({k: tuple(v.shape) for k, v in tensors.items()}, self.manifest, complete=False)
         if self.sync_id != sync_id:
+            if self.buckets:  # the only way a sync is abandoned: nobody committed or aborted it
+                log.warning("discarding %d staged buckets of unfinished sync %s (sync %s started)", len(self.buckets),
+                            self.sync_id, sync_id)
             self._reset(sync_id)
         others = {n for i, b in self.buckets.items() if i != index for n in b}
         dup = sorted(others & set(tensors))

@@ -31,7 +31,7 @@ from agent.engines.server import allowed_address
 from agent.engines.wire import params_to_json
 from emapg.cli import main as emapg_main
 from emapg.server_input import HTTPError
-from tests.fixtures.http_checks import local_port, raw_exchange, strict_json
+from tests.fixtures.http_checks import hold_open, local_port, raw_exchange, strict_json
 
 KEY = "hardening-key"
 H = {"X-API-Key": KEY}
@@ -42,7 +42,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 def server(untied_tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("engine-hardening") / "server.log"
     with EngineServer(untied_tiny_dir, engine="hf", api_key=KEY, max_model_len=256, log_path=log,
-                      extra_args=["--body-timeout", "3", "--max-staged-mb", "6"]) as s:  # fmt: skip
+                      extra_args=["--body-timeout", "3", "--max-staged-mb", "6", "--header-timeout", "2"]) as s:  # fmt: skip
         yield s
 
 
@@ -275,6 +275,75 @@ def test_stalled_and_abandoned_bodies(server, remote):
     assert log.count("client disconnected") == 2 and "Traceback" not in log, log[-3000:]
 
 
+def test_headers_that_never_finish_get_408_and_the_connection_closes(server, remote):
+    """The retriever's slowloris (tests/retriever/test_server_hardening.py) against the same server stack here."""
+    head = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    answers: list = [None] * 8
+
+    def stall(i: int) -> None:
+        sent, trickle = (head, b"X-Slow: " + b"a" * 200) if i % 2 else (b"", b"")
+        answers[i] = hold_open(server.url, sent, trickle=trickle, every_s=0.1, wait_s=30)
+
+    threads = [threading.Thread(target=stall, args=(i,)) for i in range(len(answers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, a in enumerate(answers):
+        assert a.closed and 1.8 <= a.seconds < 20, (i, a)
+        assert (a.status == 408 and "did not arrive within 2 s" in strict_json(a.body)["detail"]) if i % 2 else a.status is None, a
+    assert _post(server.url, "/generate", {"prompts": [[5, 6]], "params": params_to_json(GREEDY)}).status_code == 200
+
+
+GOOD_GENERATE = json.dumps({"prompts": [[5, 6]], "params": params_to_json(GREEDY)}).encode()
+
+
+@pytest.mark.parametrize("headers,host,status,message,reason", [
+    ({"Content-Encoding": "gzip"}, True, 415, 'Content-Encoding "gzip" is not supported', "content_encoding"),
+    ({"Content-Encoding": "deflate"}, True, 415, 'Content-Encoding "deflate" is not supported', "content_encoding"),
+    ({}, False, 400, "an HTTP/1.1 request needs a Host header", "missing_host"),
+], ids=["gzip", "deflate", "no-host"])
+def test_protocol_refusals_are_counted_and_close_the_connection(server, remote, headers, host, status, message, reason):
+    """Before (the retriever's finding, the same stack): gzip answered "not UTF-8", a request without Host was served."""
+    before = _metrics(server)["errors"].get(reason, 0)
+    a = raw_exchange(server.url, "/generate", GOOD_GENERATE, headers={**H, **headers}, host=host, wait_s=30)
+    assert a.status == status and message in strict_json(a.body)["detail"], a
+    assert b"connection: close" in a.head.lower() and a.closed, a
+    assert _metrics(server)["errors"][reason] == before + 1
+
+
+def test_a_declared_oversize_body_gets_413_and_the_connection_closes_at_once(server, remote):
+    a = raw_exchange(server.url, "/generate", b'{"prompts": [[5', declared_length=10**10, headers=H, wait_s=30)
+    assert a.status == 413 and "exceeds the limit" in strict_json(a.body)["detail"], a
+    assert b"connection: close" in a.head.lower() and a.closed and a.seconds < 20, a
+
+
+def _abandon_warnings(server) -> int:
+    return server.log_path.read_text(errors="replace").count("staged buckets of unfinished sync")
+
+
+def test_the_abandoned_sync_warning_is_logged_only_for_an_abandoned_sync(server, remote, bf16_weights):
+    """Before: every successful http sync logged "discarding N staged buckets of unfinished sync" (the staging
+    reset ran on commit, while the committed buckets were still held): one false warning per training step."""
+    before = _abandon_warnings(server)
+    version = _version(server)
+    for _ in range(3):  # 1 MiB buckets: several per sync
+        remote.load_weights(bf16_weights)
+    assert _version(server) == version + 3
+    assert _abandon_warnings(server) == before  # 0 for successful syncs
+    name = next(iter(bf16_weights))
+    bucket = save({name: bf16_weights[name].contiguous()})
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    assert _post(server.url, f"/weights/{first}/bucket/0", bucket).status_code == 200
+    assert _post(server.url, f"/weights/{second}/bucket/0", bucket).status_code == 200  # `first` is abandoned
+    assert httpx.delete(f"{server.url}/weights/{second}", headers=H).json() == {"discarded": True}  # aborted: no warning
+    deadline = time.monotonic() + 10
+    while _abandon_warnings(server) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _abandon_warnings(server) == before + 1
+    assert f"unfinished sync {first}" in server.log_path.read_text(errors="replace")
+
+
 def test_refusals_before_binding_and_flag_names(capsys, monkeypatch):
     from agent.engines.cli import serve_parser
     from agent.engines.server import EngineServeConfig
@@ -288,11 +357,13 @@ def test_refusals_before_binding_and_flag_names(capsys, monkeypatch):
     argv = ["--model", "m", "--engine", "hf", "--host", "0.0.0.0", "--port", "8000", "--api-key-env", "K", "--max-model-len", "6144",
             "--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "2", "--sleep-mode", "--dtype", "bfloat16", "--device", "cpu",
             "--seed", "3", "--max-wait-ms", "1", "--max-prompts-per-request", "9", "--max-body-bytes", "99", "--max-bucket-mb", "8",
-            "--log-level", "warning", "--insecure", "--collective-allow", "10.0.0.0/8", "trainer"]  # fmt: skip
+            "--log-level", "warning", "--insecure", "--collective-allow", "10.0.0.0/8", "trainer", "--header-timeout", "4",
+            "--max-idle-connections", "9"]  # fmt: skip
     got = config_from_args(EngineServeConfig, serve_parser().parse_args(argv))
     assert got == EngineServeConfig(model="m", engine="hf", host="0.0.0.0", port=8000, api_key_env="K", max_model_len=6144,
                                     gpu_memory_utilization=0.85, tensor_parallel_size=2, sleep_mode=True, dtype="bfloat16",
                                     device="cpu", seed=3, max_wait_ms=1.0, max_prompts_per_request=9, max_body_bytes=99,
-                                    max_bucket_mb=8, log_level="warning", insecure=True, collective_allow=["10.0.0.0/8", "trainer"])  # fmt: skip
+                                    max_bucket_mb=8, log_level="warning", insecure=True, collective_allow=["10.0.0.0/8", "trainer"],
+                                    header_timeout=4.0, max_idle_connections=9)  # fmt: skip
     assert got.max_bucket_bytes == 8 << 20 and got.engine_options()["seed"] == 3
     assert config_from_args(EngineServeConfig, serve_parser().parse_args(["--model", "m", "--collective-allow"])).collective_allow == []

@@ -40,7 +40,7 @@ def test_serve_refuses_bad_setups_before_binding(retriever_index, tmp_path, caps
         (["--index", str(retriever_index.index_dir), "--topk", "200"], "exceeds --max-topk"),
         (["--index", str(retriever_index.index_dir), "--max-batch", "0"], "--max-batch must be at least 1"),
         (["--index", str(retriever_index.index_dir), "--encode-threads", "-1"], "--encode-threads must be >= 0"),
-        (["--index", str(retriever_index.index_dir), "--regroup-wait-ms", "-1"], "--regroup-wait-ms must be >= 0"),
+        (["--index", str(retriever_index.index_dir), "--regroup-wait-ms", "-1"], "--regroup-wait-ms: expected a finite number >= 0, got -1.0"),
     ]
     for args, message in cases:
         assert emapg_main(["serve", *args, "--port", port]) == 2

@@ -7,6 +7,7 @@ Real ``emapg serve`` processes over the real MiniLM + FAISS test index, real soc
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import pytest
 from emapg.cli import main as emapg_main
 from emapg.config import config_from_args
 from retriever.launch import RetrieverServer, free_port
-from tests.fixtures.http_checks import local_port, metric, raw_exchange, strict_json
+from tests.fixtures.http_checks import hold_open, local_port, metric, raw_exchange, strict_json
 
 GOOD = {"queries": ["who got the first nobel prize in physics"], "topk": 2}
 
@@ -88,12 +89,13 @@ def test_answers_are_strict_json_with_unicode_intact(retriever_server):
 
 @pytest.fixture(scope="module")
 def keyed_server(retriever_index, tmp_path_factory):
-    """A server whose key comes from a file, with a 2 s body timeout."""
+    """A server whose key comes from a file, with a 2 s body timeout and a 2 s header timeout."""
     folder = tmp_path_factory.mktemp("keyed")
     key_file = folder / "key"
     key_file.write_text("file-key-42\n")
     key_file.chmod(0o600)
-    server = RetrieverServer(retriever_index.index_dir, extra_args=["--api-key-file", str(key_file), "--body-timeout", "2"],
+    server = RetrieverServer(retriever_index.index_dir, extra_args=["--api-key-file", str(key_file), "--body-timeout", "2",
+                                                                    "--header-timeout", "2"],
                              log_path=folder / "server.log", env={k: v for k, v in os.environ.items() if k != "EMAPG_RETRIEVER_API_KEY"})
     with server:
         yield server
@@ -132,6 +134,60 @@ def test_a_body_shorter_than_its_content_length_gets_408_and_the_connection_clos
     assert httpx.post(keyed_server.url + "/retrieve", json=GOOD, headers=KEY_HEADERS, timeout=60).status_code == 200
 
 
+def test_headers_that_never_finish_get_408_and_the_connection_closes(keyed_server):
+    """Before: a connection that sent half its headers was still open after 230 s; 32 of them were held for 80 s.
+    Now each is closed 2 s (--header-timeout) after it opened, however slowly its bytes trickle in."""
+    head = b"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nX-API-Key: file-key-42\r\n"
+    answers: list = [None] * 20
+
+    def stall(i: int) -> None:
+        sent, trickle = (head, b"X-Slow: " + b"a" * 200) if i % 2 else (b"", b"")  # half of them never send a byte
+        answers[i] = hold_open(keyed_server.url, sent, trickle=trickle, every_s=0.1, wait_s=30)
+
+    threads = [threading.Thread(target=stall, args=(i,)) for i in range(len(answers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, a in enumerate(answers):
+        assert a.closed and 1.8 <= a.seconds < 20, (i, a)
+        if i % 2:
+            assert a.status == 408 and "did not arrive within 2 s" in strict_json(a.body)["detail"], a
+        else:
+            assert a.status is None and a.head == b"", a
+    assert httpx.post(keyed_server.url + "/retrieve", json=GOOD, headers=KEY_HEADERS, timeout=60).status_code == 200
+
+
+# (extra headers, body, status, message, /metrics reason, whether Host is sent)
+PROTOCOL = [
+    ({"Content-Encoding": "gzip"}, gzip.compress(json.dumps(GOOD).encode()), 415,
+     'Content-Encoding "gzip" is not supported: send the body uncompressed', "content_encoding", True),
+    ({"Content-Encoding": "br"}, json.dumps(GOOD).encode(), 415, 'Content-Encoding "br" is not supported', "content_encoding", True),
+    ({"Content-Encoding": "identity, gzip"}, json.dumps(GOOD).encode(), 415, '"gzip" is not supported', "content_encoding", True),
+    ({}, json.dumps(GOOD).encode(), 400, "an HTTP/1.1 request needs a Host header", "missing_host", False),
+]
+
+
+@pytest.mark.parametrize("headers,body,status,message,reason,host", PROTOCOL, ids=[p[4] + str(i) for i, p in enumerate(PROTOCOL)])
+def test_protocol_refusals_are_counted_and_close_the_connection(retriever_server, headers, body, status, message, reason, host):
+    """Before: a gzip body was answered "not UTF-8", a br label was ignored, a request without Host was served."""
+    before = httpx.get(retriever_server.url + "/metrics").text
+    a = raw_exchange(retriever_server.url, "/retrieve", body, headers=headers, host=host, wait_s=30)
+    assert a.status == status and message in strict_json(a.body)["detail"], a
+    assert b"connection: close" in a.head.lower() and a.closed, a
+    after = httpx.get(retriever_server.url + "/metrics").text
+    assert metric(after, "retriever_errors_total", kind=reason) == metric(before, "retriever_errors_total", kind=reason) + 1
+    ok = raw_exchange(retriever_server.url, "/retrieve", json.dumps(GOOD).encode(), headers={"Content-Encoding": "identity"})
+    assert ok.status == 200 and not ok.closed
+
+
+def test_a_declared_oversize_body_gets_413_and_the_connection_closes_at_once(retriever_server):
+    """Before: the 413 left the connection open until the body timeout (60 s), waiting for a body nobody reads."""
+    a = raw_exchange(retriever_server.url, "/retrieve", b'{"queries": ["x"', declared_length=10**9, wait_s=30)
+    assert a.status == 413 and "exceeds the limit of 4194304 bytes" in strict_json(a.body)["detail"], a
+    assert b"connection: close" in a.head.lower() and a.closed and a.seconds < 20, a
+
+
 def test_a_client_that_disconnects_mid_body_is_one_log_line(keyed_server):
     """Before: a 53-line traceback per disconnect."""
     for _ in range(3):
@@ -158,7 +214,7 @@ def test_key_sources_and_refusals_before_binding(retriever_index, tmp_path, caps
         (["--api-key-file", str(tmp_path / "missing")], "cannot read it"),
         (["--api-key-file", str(tmp_path / "empty")], "must hold the key on one line"),
         (["--api-key-file", str(tmp_path / "missing"), "--api-key", "k"], "give the API key once"),
-        (["--body-timeout", "0"], "--body-timeout must be a positive number"),
+        (["--body-timeout", "0"], "--body-timeout: expected a finite number > 0, got 0.0"),
     ]
     for args, message in cases:
         assert emapg_main(["serve", "--index", index, "--port", port, *args]) == 2, args
@@ -179,12 +235,13 @@ def test_every_documented_flag_keeps_its_name(tmp_path):
             "--max-wait-ms", "2", "--regroup-wait-ms", "3", "--api-key", "k", "--max-queries-per-request", "5", "--max-query-chars", "6",
             "--max-body-bytes", "99", "--device", "cuda", "--fp16", "--gpu-shards", "0", "--gpu-replicate", "--hybrid-bm25",
             "--rrf-k", "10", "--nprobe", "4", "--encode-batch-size", "8", "--encode-threads", "2", "--query-cache-size", "0", "--encoder", "minilm",
-            "--log-level", "debug", "--insecure", "--body-timeout", "3.5"]  # fmt: skip
+            "--log-level", "debug", "--insecure", "--body-timeout", "3.5", "--header-timeout", "4.5", "--max-idle-connections", "7"]  # fmt: skip
     got = config_from_args(ServeConfig, serve_parser().parse_args(argv))
     assert got == ServeConfig(index="i", host="0.0.0.0", port=9, topk=2, max_topk=7, max_batch=256, max_wait_ms=2.0, regroup_wait_ms=3.0, api_key="k",
                               max_queries_per_request=5, max_query_chars=6, max_body_bytes=99, device="cuda", fp16=True,
                               gpu_shards=0, gpu_replicate=True, hybrid_bm25=True, rrf_k=10, nprobe=4, encode_batch_size=8,
-                              encode_threads=2, query_cache_size=0, encoder="minilm", log_level="debug", insecure=True, body_timeout=3.5)  # fmt: skip
+                              encode_threads=2, query_cache_size=0, encoder="minilm", log_level="debug", insecure=True, body_timeout=3.5,
+                              header_timeout=4.5, max_idle_connections=7)  # fmt: skip
     assert config_from_args(ServeConfig, serve_parser().parse_args(["--index", "i", "--bf16", "--no-fp16"])).fp16 is False
     build = ["build", "--corpus", "c.jsonl", "--out", "o", "--encoder", "e5", "--pooling", "cls", "--query-prefix", "query: ",
              "--passage-prefix", "passage: ", "--max-length", "32", "--index-type", "IVF4,Flat", "--metric", "l2", "--bm25",

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from emapg.config import ConfigError
+from emapg.config import ConfigError, from_dict
 from trainer.batch import MicroBatch
 from trainer.behavior import (behavior_log_ratio, behavior_logp_rows, behavior_weights, kl_old_logp,
                               masked_is, mismatch_stats, truncated_is)
@@ -269,5 +269,5 @@ def test_behavior_rows_and_config_checks():
     assert rows.tolist() == [[-0.5, -1.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 0.0, 0.0]]
     with pytest.raises(ConfigError, match="behavior_band"):
         AlgorithmConfig(behavior_band=[1.2, 2.0]).validate()
-    with pytest.raises(ConfigError, match="behavior_cap"):
-        AlgorithmConfig(behavior_cap=0.5).validate()
+    with pytest.raises(ConfigError, match="behavior_cap: expected a finite number >= 1, got 0.5"):  # the declared range
+        from_dict(AlgorithmConfig, {"behavior_cap": 0.5})

@@ -38,5 +38,5 @@ def test_a_budgeted_run_stops_after_the_first_step_that_leaves_no_room(tmp_path,
 
 
 def test_bad_budget_is_a_config_error():
-    with pytest.raises(ConfigError, match="run.time_budget_s must be a finite number >= 0"):
+    with pytest.raises(ConfigError, match=r"run\.time_budget_s: expected a finite number >= 0, got -1"):
         load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", ["model.policy=tiny-qwen2", "run.time_budget_s=-1"])
