@@ -124,6 +124,9 @@ def main() -> int:
         "format_check": check,
         "adapter_bytes": (tmp / "adapter_model.safetensors").stat().st_size,
     }
+    # what it used: the ids of the trained (and held-out-loss) trajectories' questions, all from the training pool
+    record["question_ids"] = sorted(json.loads(line)["id"] for line in (work / "trajectories.jsonl").read_text().splitlines()
+                                    if line.strip())
     (tmp / "record.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

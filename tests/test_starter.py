@@ -23,6 +23,21 @@ def test_shipped_starter_is_a_small_peft_adapter_with_its_record():
     record = json.loads((STARTER_ADAPTER / "record.json").read_text())
     assert record["data"]["total_kept"] >= record["trajectories"]["train"] + record["trajectories"]["heldout"]
     assert record["heldout_loss_after"] < record["heldout_loss_before"]
+    # built from the answerable training pool: what it used is listed, and none of it is held out
+    from tasks.contamination import read_trained_questions
+    from tasks.datasets import QA_DATASETS, heldout_ids, load_dataset
+    from tasks.heldout import heldout_questions, question_key
+
+    assert record["data"]["questions"] == {"qa_pool": 400} and record["data"]["eval_overlap"] == {"qa_pool": 0}
+    used = set(record["question_ids"])
+    assert len(used) == record["trajectories"]["train"] + record["trajectories"]["heldout"]
+    assert not used & {i for name in QA_DATASETS for i in heldout_ids(name)}
+    pool = {ex.id: ex for ex in load_dataset("qa_pool", split="train")}
+    assert used <= set(pool) and not {question_key(pool[i].question) for i in used} & set(heldout_questions())
+    trained = read_trained_questions(STARTER_ADAPTER)
+    assert trained.count == len(used) and record["trained_questions"]["digest"] == trained.digest
+    # the build's greedy format check ran on held-out questions (the seeded sample inside data/qa/heldout.json)
+    assert record["format_check"]["format_rate"] >= 0.9 and record["format_check"]["questions"] == 21
 
 
 def test_starter_answers_in_the_answer_format(retriever_server, retriever_index):
