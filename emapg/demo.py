@@ -66,9 +66,8 @@ class DemoPreset:
 PresetName = Literal["default", "tiny"]
 
 PRESETS: dict[str, DemoPreset] = {
-    # Measured on 2 cores (2026-12-01), empty model/index cache: models 1.0 min, index from the shipped vectors
-    # 0.1 min, each evaluation of the 7 x 15 questions 3.0 min (vLLM start-up 48 s included), training stage
-    # 5.4 min (start-up, 2 steps of 120-136 s within the 330-s loop budget, checkpoint): 12.8 min in all.
+    # 7 x 15 held-out questions (a subset of data/qa/heldout.json), 8 EMA-PG steps on the answerable pool;
+    # measured times: README "What the demo shows".
     "default": DemoPreset(
         policy=STARTER,
         train_config=CONFIG_DIR / "demo_search_smollm2.yaml",
@@ -453,8 +452,8 @@ class DemoConfig:
 
     preset: PresetName = option(
         "default", help="default: the starter SmolLM2-135M search policy on the whole bundled corpus, evaluated on "
-        "105 held-out questions before and after a 5.5-min EMA-PG budget (2 steps on 2 cores; 12.8 min on a fresh "
-        "2-core machine once the venv exists); tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
+        "105 held-out questions (15 per QA set, inside data/qa/heldout.json) before and after 8 EMA-PG steps on the "
+        "answerable training pool (qa_pool); tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
     out: str | None = option(None, help="run folder (default runs/demo-<preset>-<timestamp>)")
 
 
