@@ -17,7 +17,8 @@ import numpy as np
 
 from retriever.corpus import DocStore
 from retriever.encoder import Encoder, EncoderSpec
-from retriever.index_builder import BM25_DIR, INDEX_FILE, read_meta
+from retriever.index_builder import BM25_DIR, EMB_DIR, INDEX_FILE, read_meta
+from retriever.ondisk import DiskVectors, RerankIndex, read_index
 
 log = logging.getLogger("retriever.searcher")
 
@@ -94,6 +95,7 @@ class Searcher:
         encode_batch_size: int = 64,
         query_cache_size: int = 0,
         encode_threads: int = 1,
+        mmap: bool = False,
     ):
         import faiss
 
@@ -103,7 +105,7 @@ class Searcher:
         if len(self.store) != self.meta["rows"]:
             raise ValueError(f"{index_dir}: document store has {len(self.store)} rows, meta.json says {self.meta['rows']}")
         try:  # the index before the encoder: a broken file fails in milliseconds, not after a model load
-            index = faiss.read_index(str(self.index_dir / INDEX_FILE))
+            index = read_index(self.index_dir, INDEX_FILE, mmap=mmap)
         except RuntimeError as e:
             raise ValueError(f"{self.index_dir / INDEX_FILE} is not a readable FAISS index ({str(e).strip().splitlines()[-1]}); rebuild it") from None
         if index.ntotal != self.meta["rows"]:
@@ -125,6 +127,10 @@ class Searcher:
         self.stage_seconds: collections.Counter[str] = collections.Counter(encode=0.0, search=0.0, lookup=0.0)
         self._lock = threading.Lock()  # guards the query cache, cache_hits, stage_seconds and BM25
         self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
+        if self.meta.get("rerank_depth"):  # exact re-rank from the embeddings on disk: the index stays on the CPU
+            index = RerankIndex(index, DiskVectors(self.index_dir / EMB_DIR, self.meta["chunk_size"], self.meta["rows"]),
+                                self.meta["rerank_depth"], self.meta["metric"])  # fmt: skip
+            gpu_shards = 0
         faiss.cvar.distance_compute_blas_threshold = (SCAN_AT_MOST_QUERIES + 1) * index.d  # process-wide; a server holds one index
         self.index_device = "cpu"
         self._gpu_resources = None
@@ -271,4 +277,6 @@ class Searcher:
             "concurrent_batches": self.concurrent_batches,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,
+            "shard": m.get("shard"),  # emapg index shard: which rows of which index (the router checks)
+            "rerank_depth": m.get("rerank_depth"),
         }

@@ -91,6 +91,9 @@ class ServeConfig(ServerOptions):
                                         "1 one at a time, each split over the encoder threads")  # fmt: skip
     query_cache_size: int = option(4096, help="LRU of query embeddings: repeated queries (GRPO groups) skip the encoder; 0 disables")
     encoder: str | None = option(None, help="assert the index was built with this encoder; refuse to start otherwise")
+    mmap: bool = option(False, help="memory-map the index's codes instead of reading them into RAM (FAISS IO_FLAG_MMAP_IFC): "
+                                    "server processes on one machine share one copy in the page cache; on-disk IVF "
+                                    "indexes (built with --ondisk) are always mapped")  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
@@ -594,6 +597,7 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
             encode_batch_size=cfg.encode_batch_size,
             query_cache_size=cfg.query_cache_size,
             encode_threads=cfg.encode_threads or default_encode_threads(),
+            mmap=cfg.mmap,
         )
 
     async def load_in_worker():
