@@ -141,7 +141,8 @@ def default_rungs(rows: int, dim: int) -> list[Rung]:
         Rung(f"IVF{nlist},PQ{m}", nprobe=nprobe),
         Rung(f"OPQ{m},IVF{nlist},PQ{m}", nprobe=nprobe),
         Rung("HNSW32,SQ8", ef=64),
-        Rung(f"IVF{nlist},PQ{m}", nprobe=nprobe, rerank=100),
+        # the first stage must find the true neighbours among its candidates: it probes 4x the lists
+        Rung(f"IVF{nlist},PQ{m}", nprobe=min(nlist, 4 * nprobe), rerank=100),
     ]
 
 

@@ -19,16 +19,17 @@ import numpy as np
 class LeanHTTPClient:
     """One keep-alive HTTP/1.1 connection that POSTs JSON and reads a ``Content-Length`` answer."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
+        self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         host_port = url.split("://", 1)[1].rstrip("/")
         self.host, port = host_port.rsplit(":", 1)
         self.port = int(port)
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def post(self, path: str, payload: dict) -> tuple[int, bytes]:
-        body = json.dumps(payload).encode()
-        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    async def post(self, path: str, payload: dict | bytes) -> tuple[int, bytes]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n{self.extra}\r\n"
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         self.writer.write(head.encode() + body)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import os
@@ -105,6 +106,28 @@ class Replica:
     url: str
     up: bool = False
     health: dict | None = None  # the last 200 /health body
+    idle: list = field(default_factory=list)  # kept-alive connections (LeanHTTPClient) not in use
+
+    async def post(self, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        """POST /retrieve on a kept-alive connection of this replica's pool. A bare asyncio HTTP/1.1 client:
+        httpx's async client cost the router ~15x its throughput at 32 clients on 2 cores (measured:
+        10 q/s against 155 for one shard alone), its per-request CPU competing with the shards'."""
+        from retriever.loadgen import LeanHTTPClient
+
+        reused = bool(self.idle)
+        conn = self.idle.pop() if reused else LeanHTTPClient(self.url, headers)
+        try:
+            status, data = await conn.post("/retrieve", body)
+        except (OSError, asyncio.IncompleteReadError):
+            await conn.close()
+            if reused:  # the server closed an idle kept-alive connection: not a failure of the replica
+                return await self.post(body, headers)
+            raise
+        except BaseException:  # an error or a cancellation (deadline) mid-answer: the connection's state is unknown
+            await conn.close()
+            raise
+        self.idle.append(conn)
+        return status, data
 
 
 @dataclass
@@ -162,6 +185,10 @@ class Router:
     async def close(self) -> None:
         if self.http is not None:
             await self.http.aclose()
+        for s in self.shards:
+            for r in s.replicas:
+                for conn in r.idle:
+                    await conn.close()
 
     # -- health
 
@@ -222,21 +249,21 @@ class Router:
             t0 = time.perf_counter()
             outcome = "ok"
             try:
-                resp = await asyncio.wait_for(self.http.post(r.url + "/retrieve", json=body), timeout=left)
-                if resp.status_code == 200:
-                    hits = resp.json()["result"]
+                status, data = await asyncio.wait_for(r.post(body, self.headers), timeout=left)
+                if status == 200:
+                    hits = json.loads(data)["result"]
                     shard.latency.observe(time.perf_counter() - t0)
                     return [[{"id": h["document"]["id"], "contents": h["document"]["contents"], "score": float(h["score"])} for h in q]
                             for q in hits]  # fmt: skip
-                outcome = f"http_{resp.status_code}"
-                if 400 <= resp.status_code < 500 and resp.status_code != 429:  # the request, not the replica
-                    raise ShardFailure(outcome, resp.status_code, _message(resp))
+                outcome = f"http_{status}"
+                if 400 <= status < 500 and status != 429:  # the request, not the replica
+                    raise ShardFailure(outcome, status, _message(data))
                 r.up = False
-                last = ShardFailure(f"replica {r.url}: HTTP {resp.status_code}")
+                last = ShardFailure(f"replica {r.url}: HTTP {status}")
             except asyncio.TimeoutError:
                 outcome = "deadline"
                 last = ShardFailure(f"deadline {self.cfg.deadline_ms:g} ms")
-            except (httpx.HTTPError, OSError, KeyError, ValueError, TypeError) as e:
+            except (OSError, asyncio.IncompleteReadError, KeyError, ValueError, TypeError) as e:
                 outcome = "error"
                 r.up = False  # until the next health check says otherwise
                 last = ShardFailure(f"replica {r.url}: {type(e).__name__}")
@@ -247,7 +274,7 @@ class Router:
 
     async def retrieve(self, queries: list[str], topk: int) -> tuple[list[list[dict]], dict | None]:
         deadline = time.monotonic() + self.cfg.deadline_ms / 1000
-        body = {"queries": queries, "topk": topk, "return_scores": True}
+        body = json.dumps({"queries": queries, "topk": topk, "return_scores": True}).encode()
         answers = await asyncio.gather(*(self._ask_shard(s, body, deadline) for s in self.shards), return_exceptions=True)
         per_shard, reasons, refusals = [], {}, []
         for s, a in zip(self.shards, answers):
@@ -298,11 +325,11 @@ def _labelled(lines: list[str], label: str) -> list[str]:
     return out
 
 
-def _message(resp: httpx.Response) -> str:
+def _message(data: bytes) -> str:
     try:
-        return str(resp.json().get("detail") or resp.text)[:300]
-    except ValueError:
-        return resp.text[:300]
+        return str(json.loads(data).get("detail") or data.decode(errors="replace"))[:300]
+    except (ValueError, AttributeError):
+        return data.decode(errors="replace")[:300]
 
 
 def create_app(cfg: RouterConfig, on_fatal=None) -> FastAPI:

@@ -36,7 +36,7 @@ def test_rung_specs_round_trip_and_reject_typos():
     with pytest.raises(ValueError, match="nprobe=N"):
         parse_rung("IVF512,PQ48;nprob=16")
     names = [r.name for r in default_rungs(43_159, 384)]
-    assert names[0] == "Flat" and "IVF512,PQ48;nprobe=16;rerank=100" in names and "HNSW32,SQ8;ef=64" in names
+    assert names[0] == "Flat" and "IVF512,PQ48;nprobe=64;rerank=100" in names and "HNSW32,SQ8;ef=64" in names
 
 
 def test_recommend_picks_the_cheapest_rung_over_the_floor():
