@@ -4,7 +4,10 @@ The router speaks the retrieval server's API (Search-R1's ``POST /retrieve``, ``
 ``GET /metrics``), so training and evaluation take its URL like any retriever's. Per request it
 
 1. checks the body exactly as ``emapg serve`` does (4xx with a message);
-2. sends the request to one replica of every shard at once (``--shard`` once per shard, in shard
+2. encodes the queries once (``--encode``, the default: the encoder the shards' ``/health`` fingerprint
+   names, its weight files checked against it, micro-batched across requests as ``emapg serve`` does)
+   and sends the vectors to one replica of every shard at once (``POST /search`` of ``emapg serve``;
+   ``--no-encode`` forwards the text to their ``/retrieve`` instead, and every shard encodes every query) (``--shard`` once per shard, in shard
    order; replicas of a shard comma-separated, taken round-robin among the healthy ones), asking for
    ``topk`` hits with scores; a replica that fails (connection error, 5xx, 429) is marked down and the
    next healthy replica of that shard is tried, all within ``--deadline-ms``;
@@ -76,6 +79,13 @@ class RouterConfig(ServerOptions):
     max_queries_per_request: int = option(4096, help="reject requests with more queries")
     max_query_chars: int = option(2000, help="reject queries longer than this many characters")
     max_connections: int = option(64, help="open connections per replica")
+    encode: bool = option(True, help="encode each query once, here, and send the vectors to the shards' /search (the encoder the "
+                                     "shards' /health names, its weight files checked against their fingerprint); "
+                                     "--no-encode forwards the text to every shard's /retrieve, so every shard encodes every query")  # fmt: skip
+    encode_threads: int = option(0, help="--encode: CPU forward passes at once (0: CPU cores / OMP_NUM_THREADS), as `emapg serve`")
+    max_batch: int = option(64, help="--encode: most queries encoded together across requests")
+    max_wait_ms: float = option(5.0, help="--encode: how long the first query of a batch may wait for company under concurrent traffic, in ms")
+    regroup_wait_ms: float = option(5.0, help="--encode: as `emapg serve --regroup-wait-ms`")
 
     def validate(self) -> None:
         super().validate()
@@ -108,7 +118,7 @@ class Replica:
     health: dict | None = None  # the last 200 /health body
     idle: list = field(default_factory=list)  # kept-alive connections (LeanHTTPClient) not in use
 
-    async def post(self, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    async def post(self, body: bytes, headers: dict[str, str], path: str = "/retrieve") -> tuple[int, bytes]:
         """POST /retrieve on a kept-alive connection of this replica's pool. A bare asyncio HTTP/1.1 client:
         httpx's async client cost the router ~15x its throughput at 32 clients on 2 cores (measured:
         10 q/s against 155 for one shard alone), its per-request CPU competing with the shards'."""
@@ -117,11 +127,11 @@ class Replica:
         reused = bool(self.idle)
         conn = self.idle.pop() if reused else LeanHTTPClient(self.url, headers)
         try:
-            status, data = await conn.post("/retrieve", body)
+            status, data = await conn.post(path, body)
         except (OSError, asyncio.IncompleteReadError):
             await conn.close()
             if reused:  # the server closed an idle kept-alive connection: not a failure of the replica
-                return await self.post(body, headers)
+                return await self.post(body, headers, path)
             raise
         except BaseException:  # an error or a cancellation (deadline) mid-answer: the connection's state is unknown
             await conn.close()
@@ -176,6 +186,48 @@ class Router:
         key = os.environ.get(cfg.shard_api_key_env) or None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http: httpx.AsyncClient | None = None
+        self.batcher = None  # --encode: a MicroBatcher over the query encoder, once loaded
+        self.encoder = None
+        self.ready = asyncio.Event()  # shards checked (and, with --encode, the encoder loaded)
+        self.error: str | None = None
+
+    async def load_encoder(self, executor) -> None:
+        """--encode: wait for a healthy shard, load the encoder its fingerprint names, check its weights, start batching."""
+        from retriever.encoder import Encoder, EncoderSpec
+        from retriever.fingerprint import model_files_sha256
+        from retriever.server import MicroBatcher, default_encode_threads
+
+        while True:
+            await self.checked.wait()
+            fp = next((r.health.get("fingerprint") for s in self.shards for r in s.replicas if r.up and r.health), None)
+            if fp:
+                break
+            await asyncio.sleep(self.cfg.health_interval_s)
+        spec = EncoderSpec.from_dict({**fp, "name": fp["encoder"], "normalize": fp["normalize"]})
+
+        def load():
+            from emapg.models import resolve_model
+
+            mine = model_files_sha256(resolve_model(spec.name))
+            if mine != fp["encoder_sha256"]:
+                raise ValueError(f"the encoder {spec.name!r} here has other weight files ({mine}) than the shards' ({fp['encoder_sha256']})")
+            return Encoder(spec, device="cpu", threads=self.cfg.encode_threads or default_encode_threads())
+
+        try:
+            self.encoder = await asyncio.get_running_loop().run_in_executor(executor, load)
+        except Exception as e:  # noqa: BLE001 - reported through /health
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("loading the query encoder failed: %s", self.error)
+            return
+
+        def encode(queries: list[str], topk: int, share: float) -> list[list]:
+            parts = max(1, round(share * self.encoder.parallel))
+            return [[v] for v in self.encoder.encode_queries(queries, batch_size=64, parts=parts)]  # [v]: one "hit" per query
+
+        self.batcher = MicroBatcher(encode, executor, self.cfg.max_batch, self.cfg.max_wait_ms / 1000, self.metrics,
+                                    self.cfg.regroup_wait_ms / 1000, workers=self.encoder.parallel)  # fmt: skip
+        self.batcher.start()
+        self.ready.set()
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.cfg.max_connections * sum(len(s.replicas) for s in self.shards),
@@ -203,6 +255,8 @@ class Router:
 
         await asyncio.gather(*(one(r) for s in self.shards for r in s.replicas))
         self.checked.set()
+        if not self.cfg.encode:
+            self.ready.set()
 
     async def health_loop(self) -> None:
         while True:
@@ -224,8 +278,11 @@ class Router:
         }  # fmt: skip
         if down:
             body["missing_shards"] = down
-        if not self.checked.is_set():
+        if self.error:
+            return 503, {"status": "failed", "error": self.error}
+        if not self.ready.is_set():
             return 503, {"status": "loading"}
+        body["encoder"] = "router" if self.batcher is not None else "shards"
         return (503 if len(down) == len(self.shards) else 200), body
 
     @staticmethod
@@ -237,7 +294,7 @@ class Router:
 
     # -- retrieval
 
-    async def _ask_shard(self, shard: Shard, body: dict, deadline: float) -> list[list[dict]]:
+    async def _ask_shard(self, shard: Shard, body: bytes, deadline: float, path: str) -> list[list[dict]]:
         order = shard.order()
         if not order:
             raise ShardFailure("no healthy replica")
@@ -249,7 +306,7 @@ class Router:
             t0 = time.perf_counter()
             outcome = "ok"
             try:
-                status, data = await asyncio.wait_for(r.post(body, self.headers), timeout=left)
+                status, data = await asyncio.wait_for(r.post(body, self.headers, path), timeout=left)
                 if status == 200:
                     hits = json.loads(data)["result"]
                     shard.latency.observe(time.perf_counter() - t0)
@@ -274,8 +331,18 @@ class Router:
 
     async def retrieve(self, queries: list[str], topk: int) -> tuple[list[list[dict]], dict | None]:
         deadline = time.monotonic() + self.cfg.deadline_ms / 1000
-        body = json.dumps({"queries": queries, "topk": topk, "return_scores": True}).encode()
-        answers = await asyncio.gather(*(self._ask_shard(s, body, deadline) for s in self.shards), return_exceptions=True)
+        if self.batcher is not None:  # encode once here; the shards search the vectors
+            import base64
+
+            import numpy as np
+
+            q = np.stack([v[0] for v in await self.batcher.submit(queries, topk)]).astype("<f4")
+            body = json.dumps({"vectors_b64": base64.b64encode(q.tobytes()).decode(), "dim": q.shape[1], "topk": topk}).encode()
+            path = "/search"
+        else:
+            body = json.dumps({"queries": queries, "topk": topk, "return_scores": True}).encode()
+            path = "/retrieve"
+        answers = await asyncio.gather(*(self._ask_shard(s, body, deadline, path) for s in self.shards), return_exceptions=True)
         per_shard, reasons, refusals = [], {}, []
         for s, a in zip(self.shards, answers):
             if isinstance(a, BaseException):
@@ -339,12 +406,23 @@ def create_app(cfg: RouterConfig, on_fatal=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        from concurrent.futures import ThreadPoolExecutor
+
         await router.start()
-        task = asyncio.get_running_loop().create_task(router.health_loop())
+        executor = ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, cfg.encode_threads), thread_name_prefix="router-encoder")
+        tasks = [asyncio.get_running_loop().create_task(router.health_loop())]
+        if cfg.encode:
+            tasks.append(asyncio.get_running_loop().create_task(router.load_encoder(executor)))
         try:
             yield
         finally:
-            task.cancel()
+            for t in tasks:
+                t.cancel()
+            if router.batcher is not None:
+                await router.batcher.stop()
+            if router.encoder is not None:
+                router.encoder.close()
+            executor.shutdown(wait=False, cancel_futures=True)
             await router.close()
 
     app = FastAPI(title="ema-pg retriever router", version="1", lifespan=lifespan,
@@ -360,15 +438,18 @@ def create_app(cfg: RouterConfig, on_fatal=None) -> FastAPI:
         """Top-k passages for each query, merged over the shards (Search-R1 request/response format)."""
         body = await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout, hint="; send fewer or shorter queries")
         queries, topk, return_scores = parse_retrieve_body(body, cfg)
-        if not router.checked.is_set():
-            raise HTTPError(503, "the router is checking its shards; retry when GET /health returns 200")
+        if router.error:
+            raise HTTPError(503, f"the router failed to start: {router.error}")
+        if not router.ready.is_set():
+            raise HTTPError(503, "the router is checking its shards (and loading the query encoder); retry when GET /health returns 200")
         hits, partial = await router.retrieve(queries, topk)
         payload = format_result(hits, return_scores)
         headers = None
         if partial is not None:
             payload["partial"] = partial
             headers = {"X-Emapg-Partial": "missing=" + ",".join(map(str, partial["missing_shards"]))}
-        metrics.batch(len(queries), 0.0)
+        if router.batcher is None:
+            metrics.batch(len(queries), 0.0)
         return json_response(payload, headers=headers)
 
     serve_directly(app, "POST", "/retrieve", retrieve)
@@ -393,5 +474,6 @@ def serve(cfg: RouterConfig) -> int:
     from emapg.servers import run_uvicorn
 
     cfg.validate()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check is noise
     banner = f"routing http://{cfg.host}:{cfg.port}/retrieve over {len(cfg.shard)} shards (deadline {cfg.deadline_ms:g} ms)"
     return run_uvicorn(create_app, cfg, log=log, exposes="query the index", banner=banner)

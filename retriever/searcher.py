@@ -126,6 +126,7 @@ class Searcher:
         # seconds spent per stage of :meth:`retrieve` ("encode", "search", "lookup"), served in /metrics
         self.stage_seconds: collections.Counter[str] = collections.Counter(encode=0.0, search=0.0, lookup=0.0)
         self._lock = threading.Lock()  # guards the query cache, cache_hits, stage_seconds and BM25
+        self._gpu_lock = threading.Lock()  # search_vectors on a GPU index
         self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
         if self.meta.get("rerank_depth"):  # exact re-rank from the embeddings on disk: the index stays on the CPU
             index = RerankIndex(index, DiskVectors(self.index_dir / EMB_DIR, self.meta["chunk_size"], self.meta["rows"]),
@@ -241,6 +242,23 @@ class Searcher:
         """
         parts = max(1, round(encoder_share * self.encoder.parallel))
         idx, scores = self.search(queries, topk, parts)
+        return self._hits(idx, scores)
+
+    def search_vectors(self, q: np.ndarray, topk: int) -> list[list[dict]]:
+        """Encoded queries ``[B, dim]`` (e.g. from :mod:`retriever.router`) -> hits as :meth:`retrieve` returns them.
+        No encoder, no BM25: the dense index only."""
+        k = min(topk, len(self.store))
+        t0 = time.perf_counter()
+        if self.index_device == "cpu":
+            scores, idx = self.index.search(np.ascontiguousarray(q, dtype=np.float32), k)
+        else:  # a GPU index takes one caller at a time
+            with self._gpu_lock:
+                scores, idx = self.index.search(np.ascontiguousarray(q, dtype=np.float32), k)
+        with self._lock:
+            self.stage_seconds["search"] += time.perf_counter() - t0
+        return self._hits(idx.astype(np.int64), scores)
+
+    def _hits(self, idx: np.ndarray, scores: np.ndarray) -> list[list[dict]]:
         t0 = time.perf_counter()
         valid = idx >= 0
         docs = iter(self.store.lookup(idx[valid]))  # one vectorised gather for the whole batch

@@ -39,9 +39,10 @@ def _post(url: str, queries: list[str], topk: int) -> httpx.Response:
     return httpx.post(url + "/retrieve", json={"queries": queries, "topk": topk, "return_scores": True}, timeout=60)
 
 
-def test_sharded_flat_equals_one_flat_index(retriever_index, retriever_server, shard_servers):
+@pytest.mark.parametrize("encode", [True, False], ids=["router-encodes", "shards-encode"])
+def test_sharded_flat_equals_one_flat_index(retriever_index, retriever_server, shard_servers, encode):
     questions = [q["question"] for q in retriever_index.questions[:40]]
-    with RouterServer([[s.url] for s in shard_servers]) as router:
+    with RouterServer([[s.url] for s in shard_servers], extra_args=[] if encode else ["--no-encode"]) as router:
         health = httpx.get(router.url + "/health").json()
         assert health["status"] == "ok" and [s["shard"]["index"] for s in health["shards"]] == [0, 1]
         assert health["source_fingerprint"] is not None
@@ -86,13 +87,14 @@ def test_a_shard_down_or_slow_gives_a_flagged_partial_answer_never_a_5xx(retriev
             assert httpx.get(router.url + "/health").json()["status"] == "degraded"
         finally:
             os.kill(slow, signal.SIGCONT)
-        deadline = time.monotonic() + 20
+        deadline, partials = time.monotonic() + 20, 2
         while "partial" in _post(router.url, q, 5).json():  # back in rotation after a passing health check
+            partials += 1
             assert time.monotonic() < deadline
             time.sleep(0.3)
         assert _post(router.url, q, 5).json()["result"][0] == full
         metrics = httpx.get(router.url + "/metrics").text
-        assert "router_partial_responses_total 2" in metrics
+        assert f"router_partial_responses_total {partials}\n" in metrics
 
 
 def test_every_shard_down_is_a_retryable_503_with_the_reason(retriever_index):
@@ -104,3 +106,19 @@ def test_every_shard_down_is_a_retryable_503_with_the_reason(retriever_index):
     with pytest.raises(Exception):  # /health is 503 while no shard is up: the launcher refuses
         router.start()
     router.stop()
+
+
+def test_shard_search_endpoint_checks_its_vectors(shard_servers):
+    import base64
+
+    import numpy as np
+
+    url = shard_servers[0].url + "/search"
+    good = base64.b64encode(np.ones((2, 384), dtype="<f4").tobytes()).decode()
+    r = httpx.post(url, json={"vectors_b64": good, "dim": 384, "topk": 2}, timeout=30)
+    assert r.status_code == 200 and [len(q) for q in r.json()["result"]] == [2, 2]
+    for body, needle in (({"vectors_b64": good, "dim": 768}, "384-d"), ({"vectors_b64": "!!", "dim": 384}, "base64"),
+                         ({"vectors_b64": good[:-8], "dim": 384}, "whole number"), ({"dim": 384}, "missing"),
+                         ({"vectors_b64": base64.b64encode(np.full(384, np.nan, "<f4").tobytes()).decode(), "dim": 384}, "NaN")):  # fmt: skip
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 422 and needle in r.text, (body.keys(), r.text)
