@@ -34,10 +34,9 @@ import math
 import multiprocessing
 import os
 import re
-import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -278,7 +277,12 @@ def build_rung(rung: Rung, rung_dir: Path, vectors: DiskVectors, metric: str, *,
     proc = ctx.Process(target=_build_rung_child, args=(str(rung_dir), str(vectors.emb_dir), vectors.chunk_size, vectors.rows, rung.factory,
                                                        metric, rung.ef, train_sample, seed, max_build_ram_mb, threads))  # fmt: skip
     proc.start()
-    proc.join()
+    try:
+        proc.join()
+    finally:  # interrupted: the build must not outlive the ladder
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
     if proc.exitcode != 0 or not done.is_file():
         raise RuntimeError(f"building rung {rung.name} failed (exit code {proc.exitcode}); see the messages above")
     return json.loads(done.read_text())
@@ -458,7 +462,6 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
 
     store = DocStore(source)
     results: list[dict] = []
-    flat_served = None
     bar = tqdm(rungs, desc="ladder", unit="rung", disable=not cfg.progress)
     for rung in bar:
         bar.set_postfix_str(rung.name)
@@ -491,8 +494,7 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
     for rec in results:
         rec["target"] = extrapolate(rec["layout"], rec["index_bytes"], rows, dim, cfg.target_rows, target_dim, bool(rec["rerank"]))
         rec["answer_recall_vs_flat"] = round(rec["answer_recall_at_3"] / flat["answer_recall_at_3"], 4) if flat["answer_recall_at_3"] else None
-        flat_served = flat.get("qps_c32")
-        rec["qps_c32_vs_flat"] = round(rec["qps_c32"] / flat_served, 3) if rec.get("qps_c32") and flat_served else None
+        rec["qps_c32_vs_flat"] = round(rec["qps_c32"] / flat["qps_c32"], 3) if rec.get("qps_c32") and flat.get("qps_c32") else None
     best = recommend(results, cfg.recall_floor)
     report = {
         "source": {"index": str(source.resolve()), "rows": rows, "dim": dim, "metric": metric, "emb_dtype": str(vectors.dtype),
