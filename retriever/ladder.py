@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from emapg.atomic import write_text_atomic
-from emapg.config import option
+from emapg.config import ConfigError, option
 from emapg.paths import DATA_DIR
 
 from retriever.ondisk import DiskVectors, RerankIndex, build_ondisk, current_rss_bytes, new_index, peak_rss_bytes, read_index, sample_ids
@@ -83,11 +83,14 @@ class LadderConfig:
 
     def validate(self) -> None:
         if not 0 < self.recall_floor <= 1:
-            raise ValueError("--recall-floor must be in (0, 1]")
+            raise ConfigError("--recall-floor must be in (0, 1]")
         if self.n_questions < 1 or self.target_rows < 1 or self.threads < 1 or self.concurrency < 1:
-            raise ValueError("--n-questions, --target-rows, --threads and --concurrency must be positive")
+            raise ConfigError("--n-questions, --target-rows, --threads and --concurrency must be positive")
         for r in self.rungs:
-            parse_rung(r)
+            try:
+                parse_rung(r)
+            except ValueError as e:
+                raise ConfigError(f"--rungs: {e}") from None
 
 
 # ----------------------------------------------------------------------------- rungs

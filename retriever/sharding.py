@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from emapg.atomic import save_npy_atomic, write_text_atomic
-from emapg.config import option
+from emapg.config import ConfigError, option
 
 from retriever.corpus import DocStore, Passage, write_docstore
 from retriever.fingerprint import index_fingerprint
@@ -45,7 +45,7 @@ class ShardConfig:
 
     def validate(self) -> None:
         if self.shards < 1 or self.align < 1:
-            raise ValueError("--shards and --align must be at least 1")
+            raise ConfigError("--shards and --align must be at least 1")
 
 
 def shard_ranges(rows: int, shards: int, align: int = 1) -> list[tuple[int, int]]:

@@ -88,3 +88,22 @@ def test_exact_topk_and_rerank_match_brute_force(tmp_path):
     d2, i2 = RerankIndex(coarse, vectors, 3000, "ip").search(q, 10)
     assert (i2 == brute).all()
     np.testing.assert_allclose(d2, d, rtol=1e-5)
+
+
+def test_index_help_lists_the_ladder_and_shard_commands(capsys):
+    from emapg.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["index", "--help"])
+    out = capsys.readouterr().out
+    assert "ladder" in out and "shard" in out
+    with pytest.raises(SystemExit):
+        main(["index", "ladder", "--help"])
+    out = capsys.readouterr().out
+    assert "--target-rows" in out and "--dim" in out and "--recall-floor" in out
+
+
+def test_ladder_refuses_a_bad_rung_naming_the_option(tmp_path):
+    from emapg.cli import main
+
+    assert main(["index", "ladder", "--index", str(tmp_path), "--out", str(tmp_path / "l"), "--rungs", "IVF8,PQ4;nprob=2"]) == 2
