@@ -70,8 +70,10 @@ class DiskVectors:
         self.rows = rows
         n_chunks = (rows + chunk_size - 1) // chunk_size
         self.chunks = [np.load(chunk_path(self.emb_dir, i), mmap_mode="r") for i in range(n_chunks)]
-        if sum(len(c) for c in self.chunks) != rows:
-            raise ValueError(f"{emb_dir}: chunk files hold {sum(len(c) for c in self.chunks)} rows, expected {rows}")
+        held = sum(len(c) for c in self.chunks)
+        if held < rows or held - len(self.chunks[-1]) >= rows:
+            raise ValueError(f"{emb_dir}: chunk files hold {held} rows, expected {rows}")
+        self.chunks[-1] = self.chunks[-1][: rows - (held - len(self.chunks[-1]))]  # the first ``rows`` rows only
         self.dim = int(self.chunks[0].shape[1])
         self.dtype = self.chunks[0].dtype
 
