@@ -21,6 +21,7 @@ __all__ = ["COMMANDS", "UserError", "main"]  # UserError stays importable from h
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "index": ("retriever.cli", "index_main", "build or inspect a FAISS/BM25 index of a passage corpus"),
     "serve": ("retriever.cli", "serve_main", "serve an index over HTTP (Search-R1 compatible /retrieve)"),
+    "router": ("retriever.cli", "router_main", "one /retrieve over a sharded index: fan-out, exact merge, deadlines, health gating"),
     "engine": ("agent.engines.cli", "main", "serve a vLLM or transformers generation engine over HTTP for remote rollouts"),
     "train": ("trainer.cli", "main", "train a policy with EMA-PG or GRPO from a YAML config"),
     "sft": ("trainer.cli", "sft_main", "warm-start a search agent: fine-tune on trajectories, observations masked out of the loss"),

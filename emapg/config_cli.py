@@ -46,6 +46,7 @@ COMMAND_PARSERS: dict[str, tuple[str, str]] = {
     "config": ("emapg.config_cli", "parser"),
     "serve": ("retriever.cli", "serve_parser"),
     "index": ("retriever.cli", "index_parser"),
+    "router": ("retriever.cli", "router_parser"),
     "engine serve": ("agent.engines.cli", "serve_parser"),
 }
 

