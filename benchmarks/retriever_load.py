@@ -130,42 +130,10 @@ def grpo_groups(qs: list[str], group: int) -> BodyFn:
     return lambda c, i: {"queries": [qs[(next(slots) // group) % len(qs)]], "topk": TOPK, "return_scores": True}
 
 
-class LeanHTTPClient:
-    """One keep-alive HTTP/1.1 connection that POSTs JSON and reads a ``Content-Length`` answer.
-
-    The load generator shares the 2 cores with the server: httpx spends ~1 ms of CPU per request in
-    Python (h11, headers, its pool), CPU the server under test then lacks. Every row of this benchmark
-    uses this client, so the comparisons stay like for like. Reconnects when the server closes.
-    """
-
-    def __init__(self, url: str):
-        host_port = url.split("://", 1)[1].rstrip("/")
-        self.host, port = host_port.rsplit(":", 1)
-        self.port = int(port)
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, payload: dict) -> tuple[int, bytes]:
-        body = json.dumps(payload).encode()
-        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.writer.write(head.encode() + body)
-        try:
-            status_line, *headers = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            fields = dict(h.lower().split(": ", 1) for h in headers if ": " in h)
-            data = await self.reader.readexactly(int(fields["content-length"]))
-        except (asyncio.IncompleteReadError, ConnectionError, KeyError):
-            await self.close()
-            raise
-        if fields.get("connection") == "close":
-            await self.close()
-        return int(status_line.split(" ", 2)[1]), data
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.reader = self.writer = None
+# The load generator shares the 2 cores with the server: httpx spends ~1 ms of CPU per request in Python (h11,
+# headers, its pool), CPU the server under test then lacks. Every row of this benchmark uses this bare asyncio
+# client (one keep-alive connection, reconnecting when the server closes), so the comparisons stay like for like.
+from retriever.loadgen import LeanHTTPClient  # noqa: E402
 
 
 class _Window:
