@@ -48,6 +48,9 @@ BUNDLED_ROWS = {
     ("minerva", "test"): 272,
     ("olympiadbench", "test"): 675,
     ("math", "train"): 7470,
+    # the recorded held-out split (data/qa/heldout.json) and the answerable training pool (data/qa/pool/)
+    **{(name, "heldout"): 100 for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")},
+    ("qa_pool", "train"): 7216,
 }
 CORPUS_SOURCES = {"vital": 10033, "hotpot": 11732, "r1traj": 9808, "2wiki": 6117, "nqgold": 2588,
                   "musique": 1881, "wiki18s": 1000}
@@ -68,10 +71,13 @@ def test_bundled_set_loads_with_exact_rows(name, split):
     assert len({ex.id for ex in examples}) == len(examples)
     for ex in examples:
         assert isinstance(ex, Example)
-        assert ex.id.split("-")[0] in (name, f"{name}_train")
+        # the pool's rows keep the id and data source of the QA set they come from
+        origin = ex.id.split("-")[0] if name == "qa_pool" else name
+        assert origin in QA_DATASETS or name != "qa_pool"
+        assert ex.id.split("-")[0] in (origin, f"{origin}_train")
         assert isinstance(ex.question, str) and ex.question == ex.question.strip() and ex.question
         assert ex.answers and all(isinstance(a, str) and a and a == a.strip() for a in ex.answers)
-        assert ex.data_source == name
+        assert ex.data_source == origin
         assert ex.meta["task"] == task_of(name) and ex.meta["split"] == split
         assert ex.meta["upstream_split"] == REGISTRY[name].upstream_split[split]
 
@@ -263,7 +269,7 @@ def test_errors_are_user_errors_and_value_errors():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"name": "nqq"}, r"unknown dataset 'nqq'; registered: nq, "),
     ({"name": "aime2025"}, r"'aime2025' has no bundled 'test' split \(bundled: none\); pass path="),
-    ({"name": "triviaqa", "split": "train"}, r"no bundled 'train' split \(bundled: test\)"),
+    ({"name": "triviaqa", "split": "train"}, r"no bundled 'train' split \(bundled: test, heldout\)"),
     ({"name": "mine", "path": "/nonexistent/x.jsonl"}, r"dataset file not found: /nonexistent/x.jsonl"),
     ({"name": "hf:"}, r"bad Hugging Face dataset name"),
     ({"name": ""}, r"non-empty string"),
