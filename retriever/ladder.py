@@ -61,7 +61,7 @@ class LadderConfig:
     out: str = option(help="ladder directory: one servable index per rung + results.json (a rerun resumes)")
     vectors: str | None = option(None, help="a passage vector file (e.g. data/corpus/wiki_mini.minilm-uint8.npz) to build --index "
                                             "from when it does not exist yet (Flat; needs --corpus)")  # fmt: skip
-    corpus: str = option(str(DATA_DIR / "corpus" / "wiki_mini.jsonl.gz"), help="corpus of --vectors")
+    corpus: str | None = option(None, help="corpus of --vectors (default: the bundled corpus, data/corpus/wiki_mini.jsonl.gz)")
     questions: str = option("nq", help="question set: a bundled QA set name (nq, hotpotqa, triviaqa, ...) or a jsonl(.gz) file "
                                        "with 'question' and 'golden_answers' (or 'answers') per line")  # fmt: skip
     n_questions: int = option(500, help="questions used (the first N)")
@@ -382,7 +382,8 @@ def ensure_source_index(cfg: LadderConfig, log) -> dict:
 
     if not (Path(cfg.index) / META_FILE).is_file() and cfg.vectors is not None:
         log(f"building the source index {cfg.index} from {cfg.vectors} (Flat, no encoding) ...")
-        build_index(BuildConfig(corpus=cfg.corpus, out=cfg.index, vectors=cfg.vectors, device="cpu", progress=cfg.progress), log=log)
+        corpus = cfg.corpus if cfg.corpus is not None else str(DATA_DIR / "corpus" / "wiki_mini.jsonl.gz")
+        build_index(BuildConfig(corpus=corpus, out=cfg.index, vectors=cfg.vectors, device="cpu", progress=cfg.progress), log=log)
     return read_meta(cfg.index)
 
 
