@@ -31,7 +31,7 @@ from agent.engines.server import allowed_address
 from agent.engines.wire import params_to_json
 from emapg.cli import main as emapg_main
 from emapg.server_input import HTTPError
-from tests.fixtures.http_checks import hold_open, local_port, raw_exchange, strict_json
+from tests.fixtures.http_checks import hold_many_open, local_port, raw_exchange, strict_json
 
 KEY = "hardening-key"
 H = {"X-API-Key": KEY}
@@ -278,17 +278,7 @@ def test_stalled_and_abandoned_bodies(server, remote):
 def test_headers_that_never_finish_get_408_and_the_connection_closes(server, remote):
     """The retriever's slowloris (tests/retriever/test_server_hardening.py) against the same server stack here."""
     head = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-    answers: list = [None] * 8
-
-    def stall(i: int) -> None:
-        sent, trickle = (head, b"X-Slow: " + b"a" * 200) if i % 2 else (b"", b"")
-        answers[i] = hold_open(server.url, sent, trickle=trickle, every_s=0.1, wait_s=30)
-
-    threads = [threading.Thread(target=stall, args=(i,)) for i in range(len(answers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = hold_many_open(server.url, head, 8)  # odd: headers trickled byte by byte; even: never a byte
     for i, a in enumerate(answers):
         assert a.closed and 1.8 <= a.seconds < 20, (i, a)
         assert (a.status == 408 and "did not arrive within 2 s" in strict_json(a.body)["detail"]) if i % 2 else a.status is None, a

@@ -20,7 +20,7 @@ import pytest
 from emapg.cli import main as emapg_main
 from emapg.config import config_from_args
 from retriever.launch import RetrieverServer, free_port
-from tests.fixtures.http_checks import hold_open, local_port, metric, raw_exchange, strict_json
+from tests.fixtures.http_checks import hold_many_open, local_port, metric, raw_exchange, strict_json
 
 GOOD = {"queries": ["who got the first nobel prize in physics"], "topk": 2}
 
@@ -138,17 +138,7 @@ def test_headers_that_never_finish_get_408_and_the_connection_closes(keyed_serve
     """Before: a connection that sent half its headers was still open after 230 s; 32 of them were held for 80 s.
     Now each is closed 2 s (--header-timeout) after it opened, however slowly its bytes trickle in."""
     head = b"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nX-API-Key: file-key-42\r\n"
-    answers: list = [None] * 20
-
-    def stall(i: int) -> None:
-        sent, trickle = (head, b"X-Slow: " + b"a" * 200) if i % 2 else (b"", b"")  # half of them never send a byte
-        answers[i] = hold_open(keyed_server.url, sent, trickle=trickle, every_s=0.1, wait_s=30)
-
-    threads = [threading.Thread(target=stall, args=(i,)) for i in range(len(answers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = hold_many_open(keyed_server.url, head, 20)  # odd: headers trickled byte by byte; even: never a byte
     for i, a in enumerate(answers):
         assert a.closed and 1.8 <= a.seconds < 20, (i, a)
         if i % 2:
