@@ -26,7 +26,7 @@ selection touched. Outputs:
 * ``benchmarks/results/learning_search.png`` -- held-out pooled EM, train reward and informative-group
   fraction vs step, both algorithms, each seed.
 
-    python benchmarks/learning_search.py            # default: 2 seeds x 10 steps, 50 q/set (350), eval at 0/5/10
+    python benchmarks/learning_search.py            # default: 2 seeds x 8 steps, 50 q/set (350), eval at 0/4/8
     python benchmarks/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 q/set
 """
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 on a 2k-passage index, 2 steps, 2 questions per set")
     p.add_argument("--reduced", action="store_true", help="the default models with fewer steps/questions (give --steps etc.)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 10; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 8, the demo's; quick 2)")
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every this many steps (default: steps // 2, i.e. the "
                    "middle and the end; quick 1)")
     p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set (<= 100, the held-out split's "
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "learning_search.json"))
     p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed)")
     args = p.parse_args(argv)
-    steps = args.steps or (2 if args.quick else 10)
+    steps = args.steps or (2 if args.quick else 8)
     eval_every = args.eval_every or (1 if args.quick else max(1, steps // 2))
     per_dataset = args.per_dataset or (2 if args.quick else 50)
     if len(args.seeds) < 2 and not args.quick:
