@@ -4,7 +4,7 @@ Every module's imports are read with ``ast`` -- module-level ones, function-loca
 ``importlib.import_module("literal")`` calls -- and checked against these rules:
 
 * no module under ``trainer/`` imports ``eval`` (the trainer scores with ``tasks``);
-* no library module imports an application module (``emapg.APP_MODULES`` and every ``*.cli``);
+* no library module imports an application module (the ``app`` package and every ``*.cli``);
 * ``agent`` and ``retriever`` import neither ``trainer`` nor ``eval``;
 * ``tasks`` imports none of ``trainer``, ``eval``, ``provision``;
 * ``provision`` imports neither ``trainer`` nor ``eval``;
@@ -18,10 +18,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from emapg import APP_MODULES
+from emapg import APP_PACKAGE
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("emapg", "tasks", "retriever", "agent", "provision", "trainer", "eval")
+PACKAGES = ("emapg", "tasks", "retriever", "agent", "provision", "trainer", "eval", APP_PACKAGE)
 
 # (who, must not import, why)
 RULES: list[tuple[str, tuple[str, ...], str]] = [
@@ -76,7 +76,7 @@ def _within(name: str, package: str) -> bool:
 
 
 def is_app_module(name: str) -> bool:
-    return name in APP_MODULES or name.rsplit(".", 1)[-1] == "cli"
+    return _within(name, APP_PACKAGE) or name.rsplit(".", 1)[-1] == "cli"
 
 
 def violations(root: Path) -> list[str]:
@@ -88,8 +88,7 @@ def violations(root: Path) -> list[str]:
             imported = imports_of(root, path)
             if not is_app_module(module):
                 for name in sorted(imported):
-                    if any(_within(name, app) for app in APP_MODULES) or (
-                            is_app_module(name) and name.split(".")[0] in PACKAGES):
+                    if is_app_module(name) and name.split(".")[0] in PACKAGES:
                         found.append(f"{module} imports {name}: library modules never import the application layer")
                 for who, banned, why in RULES:
                     if _within(module, who):
@@ -129,12 +128,12 @@ def test_the_checker_finds_planted_violations(tmp_path):
         "tasks/qa.py": "from provision import retrievers\n",
         "provision/eng.py": "from trainer import loop\n",
         "emapg/paths.py": "from tasks import datasets\n",
-        "eval/runner.py": "from emapg import cli\n",  # an application module through `from package import`
-        "tasks/math.py": "def g():\n    from emapg.demo import run_demo\n",
+        "eval/runner.py": "from app import cli\n",  # an application module through `from package import`
+        "tasks/math.py": "def g():\n    from app.demo import run_demo\n",
         "agent/engines/server.py": "from retriever.cli import serve_main\n",  # another package's CLI
         # allowed: application modules import anything, libraries import what is below them
-        "emapg/cli.py": "import importlib\nimportlib.import_module('eval.cli')\nfrom trainer import loop\n",
-        "eval/cli.py": "from eval.runner import run_eval\nfrom emapg.demo import x\n",
+        "app/cli.py": "import importlib\nimportlib.import_module('eval.cli')\nfrom trainer import loop\n",
+        "eval/cli.py": "from eval.runner import run_eval\nfrom app.demo import x\n",
         "trainer/data.py": "from tasks.datasets import load_dataset\nfrom .batch import x\n",
         "eval/report.py": "from tasks.qa import qa_scores\nfrom provision.indexes import y\n",
     })
@@ -147,8 +146,8 @@ def test_the_checker_finds_planted_violations(tmp_path):
         "tasks.qa imports provision",
         "provision.eng imports trainer",
         "emapg.paths imports tasks",
-        "eval.runner imports emapg.cli",
-        "tasks.math imports emapg.demo",
+        "eval.runner imports app.cli",
+        "tasks.math imports app.demo",
         "agent.engines.server imports retriever.cli",
     ]
     for line in expected:

@@ -14,7 +14,7 @@ import shutil
 import httpx
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from eval.replay import RETRIEVALS_FILE
 from eval.runner import read_items
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
 from retriever.corpus import CorpusError, DocStore, iter_corpus, split_contents, write_docstore
 from retriever.launch import emapg_command

@@ -202,7 +202,7 @@ def test_sft_reduces_heldout_loss_and_saves_loadable_policies(tmp_path, retrieve
     ("no_retriever", "retriever.urls"),
 ])
 def test_sft_bad_inputs_give_one_line_errors(tmp_path, capsys, case, needle):
-    from emapg.cli import main
+    from app.cli import main
 
     data = tmp_path / "trajs.jsonl"
     overrides: list[str] = []
