@@ -682,7 +682,8 @@ def kl_variant(variant: str, tokens: int, vocab: int, hidden: int, topk: int, ct
     """
     import torch
 
-    from trainer.logprobs import DEFAULT_CHUNK_SIZE, token_stats_from_hidden
+    from trainer.algo import DEFAULT_CHUNK_SIZE
+    from trainer.logprobs import token_stats_from_hidden
     from trainer.topk_kl import exact_kl, topk_reverse_kl
 
     device = ctx.torch_device()
@@ -739,7 +740,7 @@ def kl_variant(variant: str, tokens: int, vocab: int, hidden: int, topk: int, ct
 
 def run_kl(ctx: Context) -> Outcome:
     s = KL_SIZES[ctx.shape]
-    from trainer.logprobs import DEFAULT_CHUNK_SIZE
+    from trainer.algo import DEFAULT_CHUNK_SIZE
 
     m: dict[str, Any] = {**s, "dtype": "bfloat16", "chunk_tokens": DEFAULT_CHUNK_SIZE}
     checks = {}

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from provision.indexes import ENCODER, bundled_index
     from retriever.corpus import file_checksum
     from retriever.encoder import Encoder, make_spec
-    from retriever.index_builder import INDEX_FILE, build_index, read_meta
+    from retriever.index_builder import build_index
+    from retriever.index_files import INDEX_FILE, read_meta
     from retriever.vector_file import encoder_weights_sha256, read_vector_file, write_vector_file
     from tasks.datasets import QA_DATASETS, load_dataset
 

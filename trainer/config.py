@@ -19,7 +19,7 @@ from typing import Literal
 from agent.rollout import RolloutConfig as AgentRolloutConfig
 from emapg.config import ConfigError, option
 from trainer.guard import GuardConfig
-from trainer.logprobs import DEFAULT_CHUNK_SIZE
+from trainer.algo import DEFAULT_CHUNK_SIZE
 
 
 @dataclass

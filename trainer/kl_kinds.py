@@ -42,7 +42,7 @@ anchor's V logits per token).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -53,10 +53,19 @@ from trainer.kl import KLEstimator, get_kl_estimator, importance_weight, kl_esti
 from trainer.logprobs import TokenStats
 from trainer.topk_kl import Direction, not_in_topk_mask, topk_kl
 
-if TYPE_CHECKING:
-    from trainer.config import KLConfig
+__all__ = ["KLSettings", "KLNeeds", "KLKind", "SampledKL", "TopkKL", "ExactKL", "get_kl_kind", "kl_kind_names", "register_kl_kind"]
 
-__all__ = ["KLNeeds", "KLKind", "SampledKL", "TopkKL", "ExactKL", "get_kl_kind", "kl_kind_names", "register_kl_kind"]
+
+class KLSettings(Protocol):
+    """The ``algorithm.kl`` settings a kind reads (:class:`trainer.config.KLConfig` is one; the math does not
+    import the config)."""
+
+    enabled: bool
+    topk: int
+    tail_sampling: bool
+    importance_weight: bool
+    iw_clip: list[float] | None
+    tail_grad: Literal["paper", "exact"]
 
 
 @dataclass(frozen=True)
@@ -90,17 +99,17 @@ class KLKind:
     name: str
     uses_importance_weight: bool = True
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         """(E[value], E[gradient]) over p ~ the sampling policy, with these settings (the module's table)."""
         raise NotImplementedError
 
-    def validate(self, cfg: "KLConfig") -> None:
+    def validate(self, cfg: KLSettings) -> None:
         """Raise :class:`ConfigError` (naming the ``algorithm.kl`` key) for settings this kind cannot train with."""
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         raise NotImplementedError
 
-    def per_token(self, policy: TokenStats, anchor: TokenStats, labels: Tensor, *, cfg: "KLConfig",
+    def per_token(self, policy: TokenStats, anchor: TokenStats, labels: Tensor, *, cfg: KLSettings,
                   old_logp: Tensor | None) -> Tensor:
         """Per-token KL ``(B, T)``; differentiable through ``policy`` only. ``old_logp`` is given when the IW applies."""
         raise NotImplementedError
@@ -116,7 +125,7 @@ class KLKind:
         loss_mask: Tensor,
         agg: LossAggregation,
         *,
-        cfg: "KLConfig",
+        cfg: KLSettings,
         old_logp: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Aggregated KL(πθ, π_anchor) of one micro-batch (multiply by β yourself) and its metrics.
@@ -141,7 +150,7 @@ class KLKind:
         return loss, metrics
 
 
-def _iw_clip(cfg: "KLConfig") -> tuple[float | None, float | None] | None:
+def _iw_clip(cfg: KLSettings) -> tuple[float | None, float | None] | None:
     return tuple(cfg.iw_clip) if cfg.iw_clip else None  # type: ignore[return-value]
 
 
@@ -155,10 +164,10 @@ class SampledKL(KLKind):
         self.name = name
         self.estimator = estimator
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         return self.estimator.value_target, self.estimator.grad_target
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         return KLNeeds(anchor_tokens=True)
 
     def per_token(self, policy, anchor, labels, *, cfg, old_logp):
@@ -178,20 +187,20 @@ class TopkKL(KLKind):
         self.direction = direction
         self.name = f"topk_{direction}"
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         if not cfg.tail_sampling:  # the truncated KL: the head alone, biased (distillation only)
             return "none", "none"
         if cfg.topk == 0 or cfg.tail_grad == "exact":
             return self.direction, self.direction
         return self.direction, "reverse+grad_mass_q" if self.direction == "reverse" else "forward-grad_mass_q"
 
-    def validate(self, cfg: "KLConfig") -> None:
+    def validate(self, cfg: KLSettings) -> None:
         if cfg.topk < 0:
             raise ConfigError(f"algorithm.kl.topk must be >= 0 for {self.name}, got {cfg.topk}")
         if cfg.enabled and cfg.topk == 0 and not cfg.tail_sampling:
             raise ConfigError("algorithm.kl.topk=0 with algorithm.kl.tail_sampling=false leaves no KL term; disable kl instead")
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         if cfg.topk == 0:
             return KLNeeds(anchor_tokens=True)
         return KLNeeds(topk=cfg.topk, topk_of="old" if self.direction == "reverse" else "anchor", anchor_tokens=True)
@@ -230,10 +239,10 @@ class ExactKL(KLKind):
         self.direction = direction
         self.name = f"exact_{direction}"
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         return self.direction, self.direction
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         return KLNeeds(exact=self.direction)
 
     def per_token(self, policy, anchor, labels, *, cfg, old_logp):

@@ -35,23 +35,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from trainer.algo import DEFAULT_CHUNK_SIZE
+
 __all__ = [
     "TokenStats",
     "token_stats_from_logits",
     "token_stats_from_hidden",
     "causal_lm_token_stats",
     "causal_lm_hidden",
-    "DEFAULT_CHUNK_SIZE",
     "compute_dtype",
     "project_logits",
     "lm_head_backward",
     "activation_checkpointing_active",
 ]
 
-#: Tokens per chunk (also ``model.chunk_size``'s default).  1024 tokens × 151,936 (Qwen vocab) × 4 B
-#: ≈ 0.6 GiB per chunk temporary; smaller chunks use less memory but stream the (V, H) lm_head
-#: weight more often (slower on a CPU, see ``benchmarks/kl_memory.py``).
-DEFAULT_CHUNK_SIZE = 1024
 
 
 @dataclass

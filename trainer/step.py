@@ -158,7 +158,7 @@ def ppo_update(
             micro = micro_batches(batch, range(start, min(start + mini, n)), alg, share_prompts=cfg.model.share_prompt)
             agg = LossAggregation.for_batch(
                 alg.loss_agg, [batch.loss_mask[r] for r in micro], num_micro_batches=len(micro),
-                all_reduce=dist.distributed, norm_length=float(cfg.rollout.max_response_tokens),
+                all_reduce=D.all_reduce_sum if dist.distributed else None, norm_length=float(cfg.rollout.max_response_tokens),
             )
             optimizer.zero_grad(set_to_none=True)
             finite = True

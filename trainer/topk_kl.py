@@ -44,7 +44,8 @@ import torch
 from torch import Tensor
 
 from trainer.kl import LOG_RATIO_CLAMP, importance_weight
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype, lm_head_backward, project_logits
+from trainer.algo import DEFAULT_CHUNK_SIZE
+from trainer.logprobs import TokenStats, compute_dtype, lm_head_backward, project_logits
 
 __all__ = [
     "exact_kl",

@@ -21,7 +21,8 @@ from app.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
 from tasks.datasets import QA_DATASETS
 from eval.protocols import get_protocol
-from eval.runner import EvalConfig, read_items, run_eval
+from emapg.jsonl import read_jsonl_repairing as read_items
+from eval.runner import EvalConfig, run_eval
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
