@@ -30,7 +30,7 @@ SchemaName = Literal["train", "sft", "rollout", "protocol"]
 # schema name -> (module, class, what it configures)
 SCHEMAS: dict[str, tuple[str, str, str]] = {
     "train": ("trainer.config", "TrainConfig", "`emapg train` — `TrainConfig` (YAML presets in `configs/`, dotted overrides)"),
-    "sft": ("trainer.sft_config", "SFTConfig", "`emapg sft` — `SFTConfig` (YAML presets `configs/sft_*.yaml`, dotted overrides)"),
+    "sft": ("trainer.sft.config", "SFTConfig", "`emapg sft` — `SFTConfig` (YAML presets `configs/sft_*.yaml`, dotted overrides)"),
     "rollout": ("agent.rollout", "RolloutConfig", "Agent loop — `agent.rollout.RolloutConfig`"),
     "protocol": ("eval.protocols", "EvalProtocol", "Evaluation protocols — `eval.protocols.EvalProtocol`"),
 }

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from agent.engines import LocalEngineKind
 from emapg.errors import UserError
 from emapg.config import ConfigError, option, to_dict
 from emapg.jsonl import append_jsonl, read_jsonl_repairing
@@ -67,7 +68,7 @@ class EvalConfig:
     limit: int | None = option(None, help="questions per dataset (a deterministic, seeded sample); None: all")
     data_seed: int = option(0, help="seed of the --limit sample")
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
-    engine: Literal["vllm", "hf"] = option("vllm", help="generation engine; falls back to hf (transformers) when vLLM is missing")
+    engine: LocalEngineKind = option("vllm", help="generation engine; falls back to hf (transformers) when vLLM is missing")
     batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
     batch_across_datasets: bool = option(
         False, help="form the rollout batches over all datasets in order instead of within each: fewer, fuller batches "

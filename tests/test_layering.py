@@ -7,6 +7,7 @@ Every module's imports are read with ``ast`` -- module-level ones, function-loca
 * no library module imports an application module (the ``app`` package and every ``*.cli``);
 * ``agent`` and ``retriever`` import neither ``trainer`` nor ``eval``;
 * ``tasks`` imports none of ``trainer``, ``eval``, ``provision``;
+* ``trainer.algo`` (the math) imports nothing of the run: no other ``trainer`` module, nor any package above the core;
 * ``provision`` imports neither ``trainer`` nor ``eval``;
 * the ``emapg`` core imports none of the packages above it;
 * no import circles: the graph of every import between the project's modules (module-level, function-local,
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("emapg", "tasks", "retriever", "agent", "provision", "trainer", "eval", APP_PACKAGE)
 
 #: Schemas that commands read without training: importing them must not import torch.
-CONFIG_MODULES = ("emapg.config", "trainer.config", "trainer.sft_config", "eval.protocols")
+CONFIG_MODULES = ("emapg.config", "trainer.config", "trainer.sft.config", "eval.protocols")
 HEAVY = ("torch",)
 
 # (who, must not import, why)
@@ -42,6 +43,11 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("tasks", ("trainer", "eval", "provision"), "tasks is under both trainer and eval"),
     ("provision", ("trainer", "eval"), "provisioning serves trainer and eval"),
     ("emapg", ("tasks", "retriever", "agent", "provision", "trainer", "eval"), "the core is the ground floor"),
+    ("trainer.algo", ("tasks", "retriever", "agent", "provision", "eval"), "the math imports nothing of the run"),
+]
+#: (package, the only part of its own top-level package it may import, why)
+CONFINED: list[tuple[str, str, str]] = [
+    ("trainer.algo", "trainer.algo", "the math imports nothing of the run (pure torch)"),
 ]
 
 
@@ -105,6 +111,11 @@ def violations(root: Path) -> list[str]:
                     if _within(module, who):
                         found += [f"{module} imports {name}: {why}" for name in sorted(imported)
                                   if any(_within(name, b) for b in banned)]
+                for who, allowed, why in CONFINED:
+                    top = who.split(".")[0]
+                    if _within(module, who):
+                        found += [f"{module} imports {name}: {why}" for name in sorted(imported)
+                                  if _within(name, top) and name != top and not _within(name, allowed)]
     return found
 
 
@@ -256,7 +267,7 @@ def test_config_modules_import_no_torch():
 
 def test_importing_the_train_config_loads_no_torch():
     """The contract as a user meets it: ``python -c "import trainer.config"`` in a fresh interpreter."""
-    code = "import sys, trainer.config, trainer.sft_config; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code = "import sys, trainer.config, trainer.sft.config; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip() == "[]"
 
@@ -283,7 +294,7 @@ def test_the_checker_finds_planted_violations(tmp_path):
         "trainer/step.py": "def f():\n    from eval.runner import run_eval\n",  # function-local
         "trainer/sub/__init__.py": "",
         "trainer/sub/deep.py": "from ...eval import report\n",  # relative, two levels up
-        "agent/loop.py": "import trainer.grpo as g\n",
+        "agent/loop.py": "import trainer.algo.grpo as g\n",
         "retriever/x.py": "import importlib\nm = importlib.import_module('eval.protocols')\n",
         "tasks/qa.py": "from provision import retrievers\n",
         "provision/eng.py": "from trainer import loop\n",
@@ -295,13 +306,17 @@ def test_the_checker_finds_planted_violations(tmp_path):
         "app/cli.py": "import importlib\nimportlib.import_module('eval.cli')\nfrom trainer import loop\n",
         "eval/cli.py": "from eval.runner import run_eval\nfrom app.demo import x\n",
         "trainer/data.py": "from tasks.datasets import load_dataset\nfrom .batch import x\n",
+        "trainer/algo/__init__.py": "",
+        "trainer/algo/kinds.py": "from trainer.algo.kl import x\nfrom trainer import algo\n",  # allowed: the math itself
+        "trainer/algo/grpo.py": "from trainer.distributed import all_reduce_sum\n",
+        "trainer/algo/kl.py": "from ..config import KLConfig\n",
         "eval/report.py": "from tasks.qa import qa_scores\nfrom provision.indexes import y\n",
     })
     found = violations(tmp_path)
     expected = [
         "trainer.step imports eval.runner",
         "trainer.sub.deep imports eval",
-        "agent.loop imports trainer.grpo",
+        "agent.loop imports trainer.algo.grpo",
         "retriever.x imports eval.protocols",
         "tasks.qa imports provision",
         "provision.eng imports trainer",
@@ -309,6 +324,8 @@ def test_the_checker_finds_planted_violations(tmp_path):
         "eval.runner imports app.cli",
         "tasks.math imports app.demo",
         "agent.engines.server imports retriever.cli",
+        "trainer.algo.grpo imports trainer.distributed",
+        "trainer.algo.kl imports trainer.config",
     ]
     for line in expected:
         assert any(f.startswith(line + ":") for f in found), (line, found)
@@ -322,7 +339,7 @@ def test_the_checker_finds_planted_circles_and_heavy_configs(tmp_path):
         "trainer/pipeline.py": "def f():\n    from trainer.loop import step_seed\n",  # function-local closes it
         "trainer/config.py": "from typing import TYPE_CHECKING\nfrom trainer import kinds\nif TYPE_CHECKING:\n    import torch\n",
         "trainer/kinds.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.config import KLConfig\n",
-        "trainer/sft_config.py": "class C:\n    from trainer.math import x\n",  # a class body runs at import
+        "trainer/sft/config.py": "class C:\n    from trainer.math import x\n",  # a class body runs at import
         "trainer/math.py": "try:\n    import torch.nn as nn\nexcept ImportError:\n    nn = None\n",
         "emapg/config.py": "def lazy():\n    import torch\n",  # only when called: allowed
         "eval/protocols.py": "import json\n",
@@ -338,6 +355,6 @@ def test_the_checker_finds_planted_circles_and_heavy_configs(tmp_path):
         ["trainer.loop", "trainer.pipeline"],
     ]
     assert heavy_import_chain(tmp_path, "trainer.config") is None  # TYPE_CHECKING only
-    assert heavy_import_chain(tmp_path, "trainer.sft_config") == ["trainer.sft_config", "trainer.math", "torch.nn"]
+    assert heavy_import_chain(tmp_path, "trainer.sft.config") == ["trainer.sft.config", "trainer.math", "torch.nn"]
     assert heavy_import_chain(tmp_path, "emapg.config") is None
     assert heavy_import_chain(tmp_path, "eval.protocols") == ["eval.protocols", "eval", "eval.heavy", "torch"]

@@ -32,7 +32,7 @@ import random
 import signal
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,7 +44,7 @@ from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOpti
 from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions
 from trainer import distributed as D
 from trainer.batch import TokenBatch, build_token_batch
-from trainer.behavior import behavior_logp_rows
+from trainer.algo.behavior import behavior_logp_rows
 from trainer.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
@@ -357,12 +357,12 @@ class Trainer:
     def learn(self, ro: Rollouts) -> tuple[dict[str, float], dict[str, float]]:
         """Consume a rollout batch: stored statistics, advantages, update, EMA blend; returns the step's
         metrics (timings included) and the rank-summed sums they came from."""
-        from trainer.grpo import broadcast_advantages, grpo_advantages
+        from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
         cfg, alg = self.cfg, self.cfg.algorithm
         batch = build_token_batch([list(t.prompt_ids) for t in ro.trajectories], [list(t.response_ids) for t in ro.trajectories],
                                   [list(t.loss_mask) for t in ro.trajectories], pad_id=self.pad_id)
-        batch.stored["behavior_logp"] = behavior_logp_rows(ro.trajectories, batch.response_width)  # trainer.behavior
+        batch.stored["behavior_logp"] = behavior_logp_rows(ro.trajectories, batch.response_width)  # trainer.algo.behavior
         t0 = time.perf_counter()
         timings = self.compute_stored_stats(batch)
         adv = grpo_advantages(ro.rewards, ro.group_ids, norm_by_std=alg.adv_std != "none",

@@ -25,9 +25,9 @@ from trainer.config import LoraConfig, TrainConfig
 from trainer.errors import TrainingError
 from trainer.lora import AdaptersOffReference, adapter_parameters, is_adapter_folder
 from trainer.algo import DEFAULT_CHUNK_SIZE
-from trainer.logprobs import (TokenStats, activation_checkpointing_active, causal_lm_hidden,
-                              token_stats_from_hidden)
-from trainer.topk_kl import ExactKLAnchor, exact_kl_from_hidden
+from trainer.algo.token_stats import TokenStats, token_stats_from_hidden
+from trainer.algo.topk_kl import ExactKLAnchor, exact_kl_from_hidden
+from trainer.model_forward import activation_checkpointing_active, causal_lm_hidden
 
 __all__ = ["PolicyForward", "Policy", "build_policy", "use_bf16", "linear_warmup_constant"]
 
@@ -51,7 +51,7 @@ class PolicyForward(torch.nn.Module):
                 hidden_only: bool = False, share_prompt: bool = False, exact_kl_to: ExactKLAnchor | None = None,
                 **stats_kwargs: Any) -> tuple[torch.Tensor | None, ...]:
         """``hidden_only``: ``(hidden,)``, the final hidden states ``(B, T, H)``; else the fields of
-        :class:`trainer.logprobs.TokenStats` as a tuple (FSDP hooks see plain tensors), ``exact_kl``
+        :class:`trainer.algo.token_stats.TokenStats` as a tuple (FSDP hooks see plain tensors), ``exact_kl``
         computed when ``exact_kl_to`` is given."""
         hidden, head = causal_lm_hidden(self.lm, input_ids, attention_mask, num_response_tokens, share_prompt=share_prompt)
         if hidden_only:
@@ -121,9 +121,9 @@ class Policy:
 
     def stats(self, mb: MicroBatch, **kwargs: Any) -> TokenStats:
         """The policy's statistics on a micro-batch (differentiable unless under ``no_grad``);
-        ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``
+        ``kwargs`` as :func:`trainer.algo.token_stats.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``
         (the training pass passes :attr:`share_prompt_training`: each group's prompt runs once, see
-        :func:`trainer.logprobs.causal_lm_hidden`)."""
+        :func:`trainer.model_forward.causal_lm_hidden`)."""
         with self.autocast():
             return TokenStats(*self.forward(mb.input_ids, mb.attention_mask, mb.response_width, **kwargs))
 

@@ -33,7 +33,7 @@ there are zeroed first so a NaN in an observation cannot leak into the value, an
 of a masked token is exp(0) (its log ratio is masked *before* the exponential), so a ratio that
 would overflow there cannot turn its zero gradient into 0·inf = NaN either.
 
-The KL term of the loss is its kind's (:mod:`trainer.kl_kinds`).
+The KL term of the loss is its kind's (:mod:`trainer.algo.kl_kinds`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.kl import LOG_RATIO_CLAMP
+from trainer.algo.kl import LOG_RATIO_CLAMP
 
 __all__ = [
     "group_index",
@@ -310,7 +310,7 @@ def compute_policy_loss(
         entropy: optional ``(B, T)`` policy entropy (e.g. ``TokenStats.entropy``); always
             reported, subtracted ×``entropy_coef`` (0 in both paper settings).
         token_weights: optional ``(B, T)`` constant weights of the per-token PPO loss (the decoupled
-            objective's behaviour correction, :mod:`trainer.behavior`); ``None`` is weight 1.
+            objective's behaviour correction, :mod:`trainer.algo.behavior`); ``None`` is weight 1.
 
     Returns ``(loss, metrics)``; metrics are detached 0-dim tensors, token means over this
     micro-batch's mask (weight them by ``metrics["tokens"]`` to average over micro-batches):

@@ -30,12 +30,12 @@ kind                            stored before the update       E[value]      E[g
 ``topk_forward`` at k = 0       log πref(p)                    K5 × s, per token exactly
 ``exact_reverse``               the anchor's hidden states     KL(πθ‖πref) at every token, ∇ likewise
 ``exact_forward``               the anchor's hidden states     KL(πref‖πθ) at every token, ∇ likewise
-a sampled estimator (``k3``...) log πref(p)                    as in the table of :mod:`trainer.kl` (× s)
+a sampled estimator (``k3``...) log πref(p)                    as in the table of :mod:`trainer.algo.kl` (× s)
 =============================== ============================== ============= ==========================
 
 The exact kinds never materialise a (T, V) tensor: the anchor's final hidden states (H floats
 per token) are stored, and the policy pass recomputes both models' logits per chunk
-(:func:`trainer.topk_kl.exact_kl_from_hidden`; our addition, the paper's exact KL stores the
+(:func:`trainer.algo.topk_kl.exact_kl_from_hidden`; our addition, the paper's exact KL stores the
 anchor's V logits per token).
 """
 
@@ -48,10 +48,10 @@ import torch
 from torch import Tensor
 
 from emapg.config import ConfigError
-from trainer.grpo import LossAggregation, masked_mean
-from trainer.kl import KLEstimator, get_kl_estimator, importance_weight, kl_estimator_names, sampled_kl
-from trainer.logprobs import TokenStats
-from trainer.topk_kl import Direction, not_in_topk_mask, topk_kl
+from trainer.algo.grpo import LossAggregation, masked_mean
+from trainer.algo.kl import KLEstimator, get_kl_estimator, importance_weight, kl_estimator_names, sampled_kl
+from trainer.algo.token_stats import TokenStats
+from trainer.algo.topk_kl import Direction, not_in_topk_mask, topk_kl
 
 __all__ = ["KLSettings", "KLNeeds", "KLKind", "SampledKL", "TopkKL", "ExactKL", "get_kl_kind", "kl_kind_names", "register_kl_kind"]
 
@@ -84,8 +84,8 @@ class KLNeeds:
     exact: Direction | None = None
 
 
-#: What a kind's value or gradient equals in expectation: :mod:`trainer.kl`'s targets, plus the
-#: Top-k gradients of the paper's release, ∇KL ± ∇πθ(q) (:mod:`trainer.topk_kl`).
+#: What a kind's value or gradient equals in expectation: :mod:`trainer.algo.kl`'s targets, plus the
+#: Top-k gradients of the paper's release, ∇KL ± ∇πθ(q) (:mod:`trainer.algo.topk_kl`).
 Expectation = Literal["reverse", "forward", "zero", "none", "reverse+grad_mass_q", "forward-grad_mass_q"]
 
 
@@ -155,9 +155,9 @@ def _iw_clip(cfg: KLSettings) -> tuple[float | None, float | None] | None:
 
 
 class SampledKL(KLKind):
-    """A sampled per-token estimator of :mod:`trainer.kl` (``k1``, ``k3``, ``k3+``, ...) on the sampled token.
+    """A sampled per-token estimator of :mod:`trainer.algo.kl` (``k1``, ``k3``, ``k3+``, ...) on the sampled token.
 
-    With the IW the whole estimate is multiplied by s (:func:`trainer.kl.sampled_kl`).
+    With the IW the whole estimate is multiplied by s (:func:`trainer.algo.kl.sampled_kl`).
     """
 
     def __init__(self, name: str, estimator: KLEstimator) -> None:
@@ -175,7 +175,7 @@ class SampledKL(KLKind):
 
 
 class TopkKL(KLKind):
-    """Top-k reverse / forward KL (paper §2.3–§2.4; :func:`trainer.topk_kl.topk_kl`).
+    """Top-k reverse / forward KL (paper §2.3–§2.4; :func:`trainer.algo.topk_kl.topk_kl`).
 
     q is π_old's top-k (reverse) or the anchor's (forward); the head is exact on q, the tail is
     K4 (reverse) / K5 (forward) on the sampled token when it is not in q, weighted by s with the
@@ -230,7 +230,7 @@ class ExactKL(KLKind):
     """The exact full-vocabulary KL at every token, from both models' final hidden states.
 
     The policy pass computes it (``TokenStats.exact_kl``) from the stored anchor hidden states
-    and the anchor's lm_head, chunk by chunk: no (T, V) tensor (:class:`trainer.topk_kl.ExactKLAnchor`).
+    and the anchor's lm_head, chunk by chunk: no (T, V) tensor (:class:`trainer.algo.topk_kl.ExactKLAnchor`).
     """
 
     uses_importance_weight = False
@@ -255,7 +255,7 @@ _KINDS: dict[str, KLKind] = {}
 
 
 def register_kl_kind(kind: KLKind) -> KLKind:
-    """Add a kind under ``kind.name`` (sampled estimators are found through :mod:`trainer.kl`'s registry)."""
+    """Add a kind under ``kind.name`` (sampled estimators are found through :mod:`trainer.algo.kl`'s registry)."""
     if kind.name in _KINDS or kind.name in kl_estimator_names():
         raise ValueError(f"KL kind {kind.name!r} is already registered")
     _KINDS[kind.name] = kind
