@@ -11,7 +11,7 @@ Sections (``--sections``, in this order; each in its own subprocess with its own
 * ``faiss``  -- (c) a 1M x 768 random Flat index on the GPU, single, sharded and replicated over the
   visible GPUs (at least two shards / replicas, on one GPU both on it): results against CPU faiss, queries/s;
 * ``kl``     -- (d) Top-k (k=32) vs exact KL at V = 151,936, T = 4,096, bf16: peak memory and time
-  (``trainer.topk_kl`` / ``trainer.logprobs``, as ``benchmarks/kl_memory.py`` measures them on a CPU);
+  (``trainer.algo.topk_kl`` / ``trainer.algo.token_stats``, as ``benchmarks/kl_memory.py`` measures them on a CPU);
 * ``ema``    -- (e) the EMA blend (``trainer.ema.EMAAnchor``) of a Qwen2.5-3B-shaped model's 3.1B fp32
   parameters into fp32 and bf16 anchors: seconds per blend, checked against the formula;
 * ``nccl``   -- collective weight sync (``agent.engines.collective``) from one process to another over
@@ -676,14 +676,15 @@ def kl_variant(variant: str, tokens: int, vocab: int, hidden: int, topk: int, ct
     """One KL computation + backward to the policy's hidden states, in bf16, from inputs that exist anyway.
 
     ``exact``: the anchor's (T, V) logits are stored and the policy's materialised, then
-    :func:`trainer.topk_kl.exact_kl`; ``topk``: old-policy top-k indices, the anchor's Top-k
-    statistics and the policy's fused chunked pass (:func:`trainer.logprobs.token_stats_from_hidden`),
-    then :func:`trainer.topk_kl.topk_reverse_kl` with IW (what benchmarks/kl_memory.py measures on a CPU).
+    :func:`trainer.algo.topk_kl.exact_kl`; ``topk``: old-policy top-k indices, the anchor's Top-k
+    statistics and the policy's fused chunked pass (:func:`trainer.algo.token_stats.token_stats_from_hidden`),
+    then :func:`trainer.algo.topk_kl.topk_reverse_kl` with IW (what benchmarks/kl_memory.py measures on a CPU).
     """
     import torch
 
-    from trainer.logprobs import DEFAULT_CHUNK_SIZE, token_stats_from_hidden
-    from trainer.topk_kl import exact_kl, topk_reverse_kl
+    from trainer.algo import DEFAULT_CHUNK_SIZE
+    from trainer.algo.token_stats import token_stats_from_hidden
+    from trainer.algo.topk_kl import exact_kl, topk_reverse_kl
 
     device = ctx.torch_device()
     g = torch.Generator(device=device).manual_seed(seed)
@@ -739,7 +740,7 @@ def kl_variant(variant: str, tokens: int, vocab: int, hidden: int, topk: int, ct
 
 def run_kl(ctx: Context) -> Outcome:
     s = KL_SIZES[ctx.shape]
-    from trainer.logprobs import DEFAULT_CHUNK_SIZE
+    from trainer.algo import DEFAULT_CHUNK_SIZE
 
     m: dict[str, Any] = {**s, "dtype": "bfloat16", "chunk_tokens": DEFAULT_CHUNK_SIZE}
     checks = {}

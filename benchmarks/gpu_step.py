@@ -111,7 +111,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, mode: str, cuda: bool) -
     from emapg.config import load_config
     from emapg.paths import CONFIG_DIR
     from trainer.config import TrainConfig
-    from trainer.grpo import broadcast_advantages, grpo_advantages
+    from trainer.algo.grpo import broadcast_advantages, grpo_advantages
     from trainer.loop import Trainer
 
     cfg = load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", overrides(args, model_dir, mode, cuda))

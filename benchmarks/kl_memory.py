@@ -17,13 +17,13 @@ hidden states of the policy and of the anchor, their lm_head weights, the sample
 
 * ``exact``: the anchor's full logits (T, V) are produced and **stored** (the paper's
   ``full_*`` with k ≤ 0 stores them per token), the policy's logits (T, V) are materialised,
-  exact KL by :func:`trainer.topk_kl.exact_kl` (already chunked), backward to the hidden states.
+  exact KL by :func:`trainer.algo.topk_kl.exact_kl` (already chunked), backward to the hidden states.
 * ``exact_unchunked`` (full mode, at T = 512): the same with plain ``log_softmax`` autograd, as most code does.
 * ``topk32`` / ``topk256``: old-policy top-k indices (chunked pass), the anchor's stored stats
   (k logits, k int64 indices, logsumexp, log-prob of the sampled token), the policy's fused
   chunked pass (lm_head inside the chunks), TopkReverseKL with IW, backward.
 * ``k3``: the anchor's log-prob of the sampled token, the policy's fused pass, K3, backward.
-* ``exact_fused`` (full mode; not in the paper): exact KL by :func:`trainer.topk_kl.exact_kl_from_hidden`,
+* ``exact_fused`` (full mode; not in the paper): exact KL by :func:`trainer.algo.topk_kl.exact_kl_from_hidden`,
   storing the anchor's final hidden states (H floats per token) and recomputing both models'
   logits per chunk; it needs the anchor's lm_head weight resident at loss time (reported).
 
@@ -31,9 +31,9 @@ The trainer's exact-KL path before and after it moved to hidden states (full mod
 policy's log-prob/entropy pass the PPO loss needs besides the KL:
 
 * ``trainer_exact_logits`` (before): the anchor's (T, V) logits from its forward, the policy's (T, V)
-  logits, :func:`trainer.logprobs.token_stats_from_logits` and :func:`trainer.topk_kl.exact_kl` on them;
+  logits, :func:`trainer.algo.token_stats.token_stats_from_logits` and :func:`trainer.algo.topk_kl.exact_kl` on them;
 * ``trainer_exact_hidden`` (now): the anchor's stored final hidden states,
-  :func:`trainer.logprobs.token_stats_from_hidden` and :func:`trainer.topk_kl.exact_kl_from_hidden`
+  :func:`trainer.algo.token_stats.token_stats_from_hidden` and :func:`trainer.algo.topk_kl.exact_kl_from_hidden`
   (both models' logits recomputed per chunk; no (T, V) tensor).
 
 The lm_head weights are frozen here (their gradient is a model-size constant shared by every
@@ -91,9 +91,9 @@ def _kl_worker(variant: str, T: int, V: int, H: int, chunk: int, seed: int) -> d
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from trainer.kl import get_kl_estimator
-    from trainer.logprobs import token_stats_from_hidden, token_stats_from_logits
-    from trainer.topk_kl import exact_kl, exact_kl_from_hidden, topk_reverse_kl
+    from trainer.algo.kl import get_kl_estimator
+    from trainer.algo.token_stats import token_stats_from_hidden, token_stats_from_logits
+    from trainer.algo.topk_kl import exact_kl, exact_kl_from_hidden, topk_reverse_kl
 
     torch.manual_seed(seed)
     # Logit scale ~4 gives peaked next-token distributions, as in LMs (affects values, not cost).

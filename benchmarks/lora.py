@@ -139,7 +139,7 @@ def measure(mode: str, model_dir: str, rows: int, length: int, repeats: int, eng
     from emapg.config import load_config
     from emapg.paths import CONFIG_DIR
     from trainer.config import TrainConfig
-    from trainer.grpo import broadcast_advantages, grpo_advantages
+    from trainer.algo.grpo import broadcast_advantages, grpo_advantages
     from trainer.lora import engine_lora_config
     from trainer.loop import Trainer
 

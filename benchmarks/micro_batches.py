@@ -14,7 +14,7 @@ alternate, so a burst of load from elsewhere hits both):
 * ``fixed``  -- ``algorithm.micro_batch_size`` consecutive rows per forward/backward (today's default);
 * ``tokens`` -- ``algorithm.micro_batch_tokens`` = micro_batch_size × (max prompt + max response
   tokens): the same worst-case activation memory, rows sorted by length and packed
-  (:func:`trainer.stored_stats.plan_micro_batches`).
+  (:func:`trainer.batch.plan_micro_batches`).
 
 Both give the same loss and gradient (``tests/trainer/test_step.py``: float64, to rounding); what
 differs is the padding the model computes (``perf/padding_frac``) and so the time. Both run with
@@ -90,7 +90,7 @@ def full_shape_padding(seed: int = 0) -> dict:
     """The planner's padding alone at the paper's search shape: 128 prompts × 4 samples, 1-4 searches with
     observations of 350-500 tokens, responses cut at 4096, micro-batches of 8 rows (lengths only, no model)."""
     from trainer.batch import build_token_batch
-    from trainer.stored_stats import plan_micro_batches
+    from trainer.batch import plan_micro_batches
 
     rng = random.Random(seed)
     prompts, responses = [], []
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from emapg.paths import CONFIG_DIR
     from trainer.batch import build_token_batch
     from trainer.config import TrainConfig
-    from trainer.grpo import broadcast_advantages, grpo_advantages
+    from trainer.algo.grpo import broadcast_advantages, grpo_advantages
     from trainer.loop import Trainer
 
     rows = sizes["prompts"] * sizes["group"]
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator().manual_seed(0)
         rewards = torch.randint(0, 2, (rows,), generator=g).float()
         adv = grpo_advantages(rewards, [str(i // sizes["group"]) for i in range(rows)])
-        from trainer.stored_stats import micro_batches
+        from trainer.batch import micro_batches
 
         whole = build_token_batch(prompts, responses, masks, pad_id=trainer.pad_id)
         shared = {name: shared_computed_tokens(whole, micro_batches(whole, range(rows), c.algorithm,

@@ -58,7 +58,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from emapg.paths import cache_dir  # noqa: E402
-from retriever.index_builder import META_FILE, BuildConfig, build_index, read_meta  # noqa: E402
+from retriever.index_builder import BuildConfig, build_index  # noqa: E402
+from retriever.index_files import META_FILE, read_meta
 from retriever.launch import RetrieverServer  # noqa: E402
 
 CORPUS = REPO / "data" / "corpus" / "wiki_mini.jsonl.gz"

@@ -56,7 +56,8 @@ def questions(n: int) -> list[str]:
 def cached_index(n_passages: int) -> Path:
     """A MiniLM + Flat index over the first ``n_passages`` bundled passages, cached by size."""
     from emapg.paths import cache_dir
-    from retriever.index_builder import META_FILE, BuildConfig, build_index
+    from retriever.index_builder import BuildConfig, build_index
+    from retriever.index_files import META_FILE
 
     out = cache_dir() / "bench-indexes" / f"rollout-wiki_mini-{n_passages}-minilm-128"
     if not (out / META_FILE).is_file():

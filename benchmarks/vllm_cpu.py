@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     with open_retriever(index_dir=ensure_bundled_index(), log_path=work / "retriever.log") as retriever:
         for name, (env, flags) in VARIANTS.items():
             out = work / name
-            cmd = [sys.executable, "-m", "emapg.cli", "eval", "--protocol", "qa_quick", "--model", STARTER_POLICY, "--out", str(out),
+            cmd = [sys.executable, "-m", "app.cli", "eval", "--protocol", "qa_quick", "--model", STARTER_POLICY, "--out", str(out),
                    "--datasets", *DATASETS, "--limit", str(args.limit), "--data-seed", "0", "--engine", "vllm",
                    "--retriever-url", retriever.urls[0], "--no-progress", *flags]
             t = time.perf_counter()

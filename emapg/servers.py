@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
+from emapg import CLI_MODULE
 from emapg.config import ConfigError, option
 from emapg.connection_guard import MAX_HEAD_BYTES, guarded_protocol
 from emapg.paths import REPO_ROOT
@@ -202,10 +203,10 @@ def log_tail(path: Path, n_bytes: int = 4000) -> str:
 def emapg_command() -> list[str]:
     """argv prefix that runs the ``emapg`` CLI with this interpreter, installed or not.
 
-    Not ``python -m emapg.cli``: that runs the module as ``__main__``, whose ``UserError`` class is
+    Not ``python -m app.cli``: that runs the module as ``__main__``, whose ``UserError`` class is
     not the one the subcommands raise, so user errors would print tracebacks instead of one line.
     """
-    return [sys.executable, "-c", "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"]
+    return [sys.executable, "-c", f"import sys; from {CLI_MODULE} import main; sys.exit(main(sys.argv[1:]))"]
 
 
 class ServerProcess:

@@ -29,10 +29,11 @@ class PairedItems:
 
 
 def _items(run_dir: Path, dataset: str) -> dict[str, dict[str, Any]]:
-    from eval.runner import ITEMS_DIR, read_items
+    from emapg.jsonl import read_jsonl_repairing
+    from eval.runner import ITEMS_DIR
 
     path = Path(run_dir) / ITEMS_DIR / f"{dataset}.jsonl"
-    records = read_items(path)
+    records = read_jsonl_repairing(path)
     if not records:
         raise ValueError(f"{path}: no evaluated questions")
     return {r["id"]: r for r in records}

@@ -12,15 +12,14 @@ which then answers it -- after its fingerprint was checked against RUN's.
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from emapg.errors import UserError
+from emapg.jsonl import read_jsonl_repairing
 
-__all__ = ["RETRIEVALS_FILE", "ReplayMissError", "RecordedRetriever", "load_retrievals", "append_retrievals"]
+__all__ = ["RETRIEVALS_FILE", "ReplayMissError", "RecordedRetriever", "load_retrievals"]
 
 RETRIEVALS_FILE = "retrievals.jsonl"
 Key = tuple[str, int | None]
@@ -32,23 +31,10 @@ class ReplayMissError(LookupError):
 
 def load_retrievals(run_dir: str | Path) -> dict[Key, list[dict]]:
     """``(query, topk) -> hits`` recorded in ``run_dir/retrievals.jsonl``."""
-    from eval.runner import read_items
-
     path = Path(run_dir) / RETRIEVALS_FILE
     if not path.is_file():
         raise UserError(f"--replay {run_dir}: no {RETRIEVALS_FILE} (only qa runs written by this version record their searches)")
-    return {(r["query"], r["topk"]): r["hits"] for r in read_items(path)}
-
-
-def append_retrievals(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Append rows in one flushed write (all of a batch or none)."""
-    if not rows:
-        return
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-    with open(path, "ab") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+    return {(r["query"], r["topk"]): r["hits"] for r in read_jsonl_repairing(path)}
 
 
 class RecordedRetriever:

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -38,13 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from agent.engines import LocalEngineKind
 from emapg.errors import UserError
 from emapg.config import ConfigError, option, to_dict
+from emapg.jsonl import append_jsonl, read_jsonl_repairing
 from eval.contamination import check_contamination
 from eval.protocols import EvalProtocol
 from eval.provenance import eval_protocol_card
 
-log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 ITEMS_DIR = "items"
@@ -69,7 +68,7 @@ class EvalConfig:
     limit: int | None = option(None, help="questions per dataset (a deterministic, seeded sample); None: all")
     data_seed: int = option(0, help="seed of the --limit sample")
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
-    engine: Literal["vllm", "hf"] = option("vllm", help="generation engine; falls back to hf (transformers) when vLLM is missing")
+    engine: LocalEngineKind = option("vllm", help="generation engine; falls back to hf (transformers) when vLLM is missing")
     batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
     batch_across_datasets: bool = option(
         False, help="form the rollout batches over all datasets in order instead of within each: fewer, fuller batches "
@@ -107,37 +106,6 @@ class EvalConfig:
 
 
 # --------------------------------------------------------------------------- per-item files
-
-
-def read_items(path: Path) -> list[dict[str, Any]]:
-    """Records of an items file; a torn last line is removed from the file (and not returned)."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    records, good_end, start = [], 0, 0
-    while start < len(data):
-        end = data.find(b"\n", start)
-        if end < 0:
-            break  # no newline: a write was cut short
-        try:
-            records.append(json.loads(data[start:end]))
-        except json.JSONDecodeError:
-            break
-        good_end = start = end + 1
-    if good_end < len(data):
-        log.warning("%s: dropping a torn record at byte %d (interrupted write); it will be redone", path, good_end)
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-    return records
-
-
-def _append_items(path: Path, records: list[dict[str, Any]]) -> None:
-    """Append a batch's records in one write, flushed to disk, so a batch is all-or-nothing."""
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-    with open(path, "ab") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _batch_seed(seed: int, dataset: str, batch_index: int) -> int:
@@ -407,7 +375,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / ITEMS_DIR).mkdir(exist_ok=True)
-    done = {ds: read_items(out_dir / ITEMS_DIR / f"{ds}.jsonl") for ds in datasets}
+    done = {ds: read_jsonl_repairing(out_dir / ITEMS_DIR / f"{ds}.jsonl") for ds in datasets}
     # The engine kind is part of the fingerprint; check against the requested one first so a
     # mismatch fails before the model loads (a vLLM -> hf fallback is re-checked below).
     _check_resume(out_dir, _fingerprint(cfg, cfg.engine))
@@ -456,7 +424,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         if engine is not None:
             engine.close()
 
-    records = {ds: _ordered(read_items(out_dir / ITEMS_DIR / f"{ds}.jsonl"), examples[ds]) for ds in datasets}
+    records = {ds: _ordered(read_jsonl_repairing(out_dir / ITEMS_DIR / f"{ds}.jsonl"), examples[ds]) for ds in datasets}
     parts = {ds: contamination.split(ds, recs) for ds, recs in records.items()}  # (unseen, trained on)
     per_ds = {ds: aggregate(suite, unseen, p.n) for ds, (unseen, _) in parts.items() if unseen}
     trained_on = {ds: aggregate(suite, seen, p.n) for ds, (_, seen) in parts.items() if seen}
@@ -605,13 +573,13 @@ def _open_retriever(cfg: EvalConfig):
 def _run_batch(cfg, batch: list[tuple[str, Any]], seed: int, tag: str, engine, retriever, pool, out_dir) -> dict[str, int]:
     """Roll out, score and append one batch of (dataset, example) pairs; returns items written per dataset."""
     from agent.rollout import run_rollouts
-    from eval.replay import RETRIEVALS_FILE, append_retrievals
+    from eval.replay import RETRIEVALS_FILE
 
     p = cfg.protocol
     rcfg = _rollout_config(p, cfg.rollout_mode, seed)
     trajs = run_rollouts(engine, [ex for _, ex in batch], retriever, rcfg, batch_tag=tag)
     if retriever is not None:  # the searches before the items: an item never lacks its retrievals
-        append_retrievals(out_dir / RETRIEVALS_FILE, retriever.finish_batch())
+        append_jsonl(out_dir / RETRIEVALS_FILE, retriever.finish_batch())
     per_item = [trajs[i * p.n : (i + 1) * p.n] for i in range(len(batch))]
     written: dict[str, int] = {}
     for ds in dict.fromkeys(d for d, _ in batch):
@@ -621,7 +589,7 @@ def _run_batch(cfg, batch: list[tuple[str, Any]], seed: int, tag: str, engine, r
             records = [score_qa(ex, t, engine.tokenizer) for ex, t in zip(exs, ts)]
         else:
             records = score_math_batch(exs, ts, engine.tokenizer, p, pool)
-        _append_items(out_dir / ITEMS_DIR / f"{ds}.jsonl", records)
+        append_jsonl(out_dir / ITEMS_DIR / f"{ds}.jsonl", records)
         written[ds] = len(records)
     return written
 

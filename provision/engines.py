@@ -19,12 +19,10 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
+from agent.engines import EngineKind
 from emapg.errors import UserError
 
-__all__ = ["EngineKind", "VLLMOptions", "RemoteOptions", "EngineSpec", "available_kind", "build_engine", "EngineSession"]
-
-EngineKind = Literal["hf", "vllm", "remote"]
-
+__all__ = ["VLLMOptions", "RemoteOptions", "EngineSpec", "available_kind", "build_engine", "EngineSession"]
 
 @dataclass(frozen=True)
 class VLLMOptions:

@@ -104,7 +104,7 @@ def index_mismatches(index_dir: str | Path, build: Any, dtype: str | None) -> li
     ``retriever.index_builder.BuildConfig``) and, when given, the encoding ``dtype``; [] when it matches."""
     from retriever.corpus import file_checksum
     from retriever.encoder import make_spec
-    from retriever.index_builder import read_meta
+    from retriever.index_files import read_meta
 
     meta = read_meta(index_dir)
     spec = make_spec(build.encoder, pooling=build.pooling, query_prefix=build.query_prefix,
@@ -122,7 +122,8 @@ def ensure_bundled_index(limit: int | None = None, *, dtype: str | None = None,
                          log: Callable[[str], None] | None = None) -> Path:
     """The finished bundled index for these settings: reused when its ``meta.json`` matches them, else
     built (or its interrupted build resumed), or rebuilt when a finished one differs."""
-    from retriever.index_builder import META_FILE, build_index
+    from retriever.index_builder import build_index
+    from retriever.index_files import META_FILE
 
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     want = bundled_index(limit, dtype=dtype)

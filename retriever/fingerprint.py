@@ -96,7 +96,7 @@ def fingerprint_of(index_dir: str | Path, meta: dict[str, Any] | None = None, *,
     ``meta.json`` when those are the build's defaults, else (an older index, or serve-time overrides)
     computed from ``meta.json`` (the encoder's files are hashed; the corpus checksum is already there)."""
     from emapg.models import resolve_model
-    from retriever.index_builder import read_meta
+    from retriever.index_files import read_meta
 
     meta = meta if meta is not None else read_meta(index_dir)
     stored = meta.get("fingerprint")

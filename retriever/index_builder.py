@@ -7,7 +7,7 @@ Layout of an index directory::
     emb/chunk_00000.npy  passage embeddings, one file per ``chunk_size`` rows
     emb/progress.json    build settings + finished chunks (the resume point)
     index.faiss          the FAISS index (any ``index_factory`` string)
-    (meta.json also holds the index fingerprint, :mod:`retriever.fingerprint`)
+    (meta.json also holds the index fingerprint, :mod:`retriever.fingerprint`; names and readers: :mod:`retriever.index_files`)
     bm25/                bm25s index (with ``--bm25``; built in memory from all passages)
 
 Corpus problems (see :mod:`retriever.corpus`): a line that is not UTF-8 / JSON / a passage, a truncated
@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +42,11 @@ from emapg.config import option
 from retriever.corpus import CorpusReader, DocStore, docstore_complete, file_checksum, write_docstore
 from retriever.encoder import Encoder, EncoderSpec, make_spec
 from retriever.fingerprint import model_files_sha256, index_fingerprint
+from retriever.index_files import (
+    BM25_DIR, EMB_DIR, FORMAT_VERSION, INDEX_FILE, META_FILE, PROGRESS_FILE, faiss_metric, progress_bar, read_meta,
+)
 from retriever.vector_file import VectorFile, encoder_weights_sha256, read_vector_file
 
-META_FILE = "meta.json"
-INDEX_FILE = "index.faiss"
-EMB_DIR = "emb"
-PROGRESS_FILE = "progress.json"
-BM25_DIR = "bm25"
-FORMAT_VERSION = 1
 
 
 @dataclass
@@ -106,22 +102,6 @@ class BuildResult:
     passages_per_s: float
     total_seconds: float
     empty_skipped: int | None = None  # empty passages left out (None: a resumed build from before this was counted)
-
-
-def read_meta(index_dir: str | Path) -> dict:
-    """``meta.json`` of a finished index, or a readable error."""
-    path = Path(index_dir) / META_FILE
-    if not path.is_file():
-        if (Path(index_dir) / EMB_DIR / PROGRESS_FILE).is_file():
-            raise FileNotFoundError(f"{index_dir} holds an unfinished build; rerun `emapg index build` to resume it")
-        raise FileNotFoundError(f"{index_dir} is not an index directory (no {META_FILE}); build one with `emapg index build`")
-    return json.loads(path.read_text())
-
-
-def faiss_metric(metric: str) -> int:
-    import faiss
-
-    return {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}[metric]
 
 
 def _faiss_message(e: Exception) -> str:
@@ -285,7 +265,7 @@ def build_index(cfg: BuildConfig, log=print) -> BuildResult:
             def embed(lo: int, hi: int) -> np.ndarray:
                 return encoder.encode_passages(store.contents(np.arange(lo, hi)), batch_size=cfg.batch_size)
 
-        bar = _progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress,
+        bar = progress_bar(total=rows, initial=sum(min(cfg.chunk_size, rows - i * cfg.chunk_size) for i in done), enabled=cfg.progress,
                             desc="encoding" if encoder is not None else "decoding")
         try:
             for i in todo:
@@ -380,14 +360,6 @@ def ensure_index(cfg: BuildConfig, log=print) -> Path:
         return out
     build_index(cfg, log=log)
     return out
-
-
-def _progress_bar(total: int, initial: int, enabled: bool, desc: str = "encoding"):
-    from tqdm import tqdm
-
-    # In a log file (docker logs, CI) a bar redrawn ten times a second is noise: redraw every 30 s.
-    interval = 0.1 if sys.stderr.isatty() else 30.0
-    return tqdm(total=total, initial=initial, unit="passages", unit_scale=True, desc=desc, disable=not enabled, smoothing=0.1, mininterval=interval)
 
 
 def _iter_chunks(emb_dir: Path, n_chunks: int):

@@ -176,7 +176,7 @@ def exact_topk(vectors: DiskVectors, queries: np.ndarray, k: int, metric: str, b
     """Exact fp32 top-k over the vectors on disk, block by block (bounded memory); ties by lower row id."""
     import faiss
 
-    from retriever.index_builder import faiss_metric
+    from retriever.index_files import faiss_metric
 
     q = np.ascontiguousarray(queries, dtype=np.float32)
     best_d = np.full((len(q), k), -np.inf if metric == "ip" else np.inf, dtype=np.float32)
@@ -378,7 +378,8 @@ def read_questions(spec: str, n: int) -> tuple[list[str], list[list[str]]]:
 
 def ensure_source_index(cfg: LadderConfig, log) -> dict:
     """``cfg.index``'s meta.json, building it from ``cfg.vectors`` first when asked and absent."""
-    from retriever.index_builder import META_FILE, BuildConfig, build_index, read_meta
+    from retriever.index_builder import BuildConfig, build_index
+    from retriever.index_files import META_FILE, read_meta
 
     if not (Path(cfg.index) / META_FILE).is_file() and cfg.vectors is not None:
         log(f"building the source index {cfg.index} from {cfg.vectors} (Flat, no encoding) ...")
@@ -392,7 +393,7 @@ def make_rung_dir(rung: Rung, rung_dir: Path, source: Path, meta: dict) -> None:
     embeddings, and a meta.json describing the rung (its fingerprint recomputed)."""
     from retriever.corpus import CONTENTS_FILE, ID_OFFSETS_FILE, IDS_FILE, OFFSETS_FILE
     from retriever.fingerprint import index_fingerprint
-    from retriever.index_builder import EMB_DIR, META_FILE
+    from retriever.index_files import EMB_DIR, META_FILE
 
     rung_dir.mkdir(parents=True, exist_ok=True)
     for name in (CONTENTS_FILE, OFFSETS_FILE, IDS_FILE, ID_OFFSETS_FILE, EMB_DIR):
@@ -437,7 +438,7 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
     from tqdm import tqdm
 
     from retriever.encoder import Encoder, EncoderSpec
-    from retriever.index_builder import EMB_DIR
+    from retriever.index_files import EMB_DIR
 
     cfg.validate()
     meta = ensure_source_index(cfg, log)

@@ -170,7 +170,7 @@ def new_index(dim: int, index_type: str, metric: str):
     filtering, which nothing here uses, and was 90% of an IVF-PQ training (22 of 26 s, measured)."""
     import faiss
 
-    from retriever.index_builder import faiss_metric
+    from retriever.index_files import faiss_metric
 
     index = faiss.index_factory(dim, index_type, faiss_metric(metric))
     for sub in (index, faiss.try_extract_index_ivf(index)):
@@ -198,7 +198,7 @@ def build_ondisk(vectors: DiskVectors, out_dir: str | Path, *, index_type: str, 
     import faiss
     from faiss.contrib.ondisk import merge_ondisk
 
-    from retriever.index_builder import _progress_bar
+    from retriever.index_files import progress_bar
 
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -234,7 +234,7 @@ def build_ondisk(vectors: DiskVectors, out_dir: str | Path, *, index_type: str, 
     reused = sum(p.is_file() for p in paths)
     if reused:
         log(f"resuming: {reused}/{n_blocks} blocks already added")
-    bar = _progress_bar(total=rows, initial=min(rows, reused * block_rows), enabled=progress, desc="adding")
+    bar = progress_bar(total=rows, initial=min(rows, reused * block_rows), enabled=progress, desc="adding")
     try:
         for i, path in enumerate(paths):
             if path.is_file():

@@ -17,7 +17,7 @@ import numpy as np
 
 from retriever.corpus import DocStore
 from retriever.encoder import Encoder, EncoderSpec
-from retriever.index_builder import BM25_DIR, EMB_DIR, INDEX_FILE, read_meta
+from retriever.index_files import BM25_DIR, EMB_DIR, INDEX_FILE, read_meta
 from retriever.ondisk import DiskVectors, RerankIndex, read_index
 
 log = logging.getLogger("retriever.searcher")

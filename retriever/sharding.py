@@ -27,7 +27,7 @@ from emapg.config import ConfigError, option
 
 from retriever.corpus import DocStore, Passage, write_docstore
 from retriever.fingerprint import index_fingerprint
-from retriever.index_builder import EMB_DIR, INDEX_FILE, META_FILE, read_meta
+from retriever.index_files import EMB_DIR, INDEX_FILE, META_FILE, read_meta
 from retriever.ondisk import DiskVectors, chunk_path, read_index
 
 

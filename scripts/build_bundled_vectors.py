@@ -23,8 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-QA_SETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -41,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     from provision.indexes import ENCODER, bundled_index
     from retriever.corpus import file_checksum
     from retriever.encoder import Encoder, make_spec
-    from retriever.index_builder import INDEX_FILE, build_index, read_meta
+    from retriever.index_builder import build_index
+    from retriever.index_files import INDEX_FILE, read_meta
     from retriever.vector_file import encoder_weights_sha256, read_vector_file, write_vector_file
-    from tasks.datasets import load_dataset
+    from tasks.datasets import QA_DATASETS, load_dataset
 
     spec = make_spec(ENCODER)
     checksum = file_checksum(BUNDLED_CORPUS)
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     vectors = index.reconstruct_n(0, index.ntotal)
 
     # how much the 8-bit vectors change what is retrieved, on held-out questions of every QA set
-    questions = [ex.question for ds in QA_SETS for ex in load_dataset(ds, limit=args.questions, seed=0)]
+    questions = [ex.question for ds in QA_DATASETS for ex in load_dataset(ds, limit=args.questions, seed=0)]
     encoder = Encoder(spec, device="cpu")
     q = encoder.encode_queries(questions, batch_size=64)
     encoder.close()

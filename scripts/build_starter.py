@@ -75,8 +75,8 @@ def main() -> int:
     from emapg.models import STARTER_ADAPTER
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
-    from trainer.sft import run_sft
-    from trainer.sft_config import SFTConfig
+    from trainer.sft.train import run_sft
+    from trainer.sft.config import SFTConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 def reference() -> str:
     """What ``emapg config reference`` prints: every schema's keys and every command's options."""
-    from emapg.config_cli import reference_markdown
+    from app.config_cli import reference_markdown
 
     return reference_markdown()
 

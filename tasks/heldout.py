@@ -3,7 +3,7 @@
 A question's identity is its key, the SQuAD-normalised text (:func:`question_key`). Two sets of keys:
 
 * :func:`heldout_questions` -- the fixed held-out split of every bundled QA set
-  (:data:`tasks.datasets.HELDOUT_FILE`). Warm-start trajectories (:mod:`trainer.sft_data`) and the
+  (:data:`tasks.datasets.HELDOUT_FILE`). Warm-start trajectories (:mod:`trainer.sft.data`) and the
   answerable training pool (``qa_pool``, ``scripts/build_qa_pool.py``) drop every question whose key is
   one of these, so the demo's and the benchmarks' evaluations (subsets of the held-out split) are
   untouched by training;

@@ -4,13 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from emapg.cli import COMMANDS, main
+from app.cli import COMMANDS, main
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_help_lists_every_subcommand():
-    out = subprocess.run([sys.executable, "-m", "emapg.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "app.cli", "--help"], capture_output=True, text=True, check=True).stdout
     for name in ("index", "serve", "train", "eval", "demo", "plot"):
         assert name in COMMANDS and f"    {name}" in out
 
@@ -31,7 +31,7 @@ def test_config_errors_exit_2_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("no_such_section: 1\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "emapg.cli", "config", "show", str(bad)], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "app.cli", "config", "show", str(bad)], capture_output=True, text=True, cwd=REPO
     )
     assert proc.returncode == 2
     assert "unknown key 'no_such_section'" in proc.stderr and "Traceback" not in proc.stderr
@@ -45,7 +45,7 @@ def test_required_layout():
 
 
 def test_user_errors_via_python_m_are_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "emapg.cli", "serve", "--index", str(tmp_path / "missing")],
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--index", str(tmp_path / "missing")],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("emapg serve: error:")

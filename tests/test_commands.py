@@ -48,7 +48,7 @@ def test_eval_defaults_come_from_the_suites_preset():
 
 
 def test_compare_plot_demo_models_config_flags():
-    from emapg import config_cli, demo, model_cli
+    from app import config_cli, demo, model_cli
     from eval.cli import CompareConfig, compare_parser
     from trainer.plot import PlotConfig, parser as plot_parser
 

@@ -21,11 +21,11 @@ from typing import Any, Union, get_args, get_origin
 
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.config import Bounds, bounds_of
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 
-ENTRY = "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"
+ENTRY = "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _float_kind(tp: Any) -> str | None:
@@ -74,7 +74,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _yaml_schema(name: str) -> type:
-    from emapg.config_cli import _schema
+    from app.config_cli import _schema
 
     return _schema(name)
 

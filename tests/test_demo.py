@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tasks.datasets import QA_DATASETS
+
 REPO = Path(__file__).resolve().parent.parent
-QA = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,8 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     assert report == out / "report"
     assert (report / "report.md").is_file() and list(report.glob("*.png"))
     results = json.loads((report / "results.json").read_text())
-    assert set(results["datasets"]) == set(QA)
-    for name in QA:
+    assert set(results["datasets"]) == set(QA_DATASETS)
+    for name in QA_DATASETS:
         for label in ("base", "trained"):
             scores = results["datasets"][name][label]
             assert scores["n_items"] == 2 and 0.0 <= scores["em"] <= 100.0
@@ -43,12 +44,12 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     for label in ("base", "trained"):
         assert 0.0 <= results[label]["pooled_em"] <= 100.0
     diff = results["difference"]["pooled_em"]
-    assert diff["n"] == 2 * len(QA) and diff["low"] <= diff["mean"] <= diff["high"]
+    assert diff["n"] == 2 * len(QA_DATASETS) and diff["low"] <= diff["mean"] <= diff["high"]
     assert diff["mean"] == pytest.approx(results["trained"]["pooled_em"] - results["base"]["pooled_em"])
     # trained on the answerable pool, evaluated on a subset of the held-out split (disjoint by construction)
     assert results["training"]["train_set"] == "qa_pool" and results["training"]["questions"]["nq/test"] > 2000
     from tasks.datasets import heldout_ids
-    for name in QA:
+    for name in QA_DATASETS:
         items = [json.loads(line) for line in (out / "eval_base" / "items" / f"{name}.jsonl").read_text().splitlines()]
         assert {r["id"] for r in items} <= set(heldout_ids(name))
     assert "reward_first_step" in results["training"] and "informative groups trained per minute" in (report / "report.md").read_text()
@@ -59,7 +60,7 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
         assert Path(results["logs"][name]).is_file() and Path(results["logs"][name]).stat().st_size > 0
     assert "Traceback" not in proc.stdout and "INFO" not in proc.stdout
     md = (report / "report.md").read_text()
-    assert all(f"| {name} |" in md for name in QA) and "Example trajectories" in md
+    assert all(f"| {name} |" in md for name in QA_DATASETS) and "Example trajectories" in md
     assert "| **pooled** |" in md and "KL *estimate*" in md
     assert (report / "training_curves.png").is_file()
 

@@ -3,12 +3,13 @@
 import json
 
 from benchmarks.learning_search import ALGOS, per_question_em, plot
+from tasks.datasets import QA_DATASETS
 
 
 def _eval_dir(root, name, ems):
     items = root / name / "items"
     items.mkdir(parents=True)
-    for ds in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"):
+    for ds in QA_DATASETS:
         rows = [{"id": f"{ds}-{i}", "scores": {"em": em}, "samples": [{"stop_reason": "answer"}]} for i, em in enumerate(ems)]
         (items / f"{ds}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root / name

@@ -74,7 +74,7 @@ def test_names_that_resolve_to_nothing_are_one_clear_error(name, message):
 
 def _emapg(*argv: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    code = "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

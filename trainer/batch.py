@@ -6,15 +6,22 @@ response, ``input_ids (N, P + T)``; the response occupies the last ``T`` columns
 and padding. Per-token statistics stored before the PPO updates (old log-probs,
 top-k indices, anchor statistics) are ``(N, T)`` / ``(N, T, k)`` tensors aligned with
 the response columns. A micro-batch trims the columns that are padding in all its
-rows, so short micro-batches cost what they contain.
+rows, so short micro-batches cost what they contain; :func:`micro_batches` plans which rows go
+together (fixed counts, or length-sorted runs within a padded-token budget).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from trainer import distributed as D
+
+if TYPE_CHECKING:
+    from trainer.config import AlgorithmConfig
 
 
 @dataclass
@@ -101,3 +108,102 @@ def build_token_batch(
         response_lens=torch.tensor([len(x) for x in responses], dtype=torch.long),
         prompt_width=p,
     )
+
+
+def plan_micro_batches(batch: TokenBatch, rows: range, micro_batch_size: int, token_budget: int = 0,
+                       *, at_least: int = 1, share_prompts: bool = False) -> list[slice | torch.Tensor]:
+    """Split ``rows`` of ``batch`` into micro-batches (forward/backward units).
+
+    ``token_budget == 0``: consecutive runs of ``micro_batch_size`` rows. ``token_budget > 0``: the rows
+    sorted by length (response, then prompt; longest first) and cut into consecutive runs whose padded
+    tensor -- ``rows × (widest prompt + widest response)``, what :meth:`TokenBatch.micro` builds and the
+    model computes -- fits the budget (a row longer than the budget goes alone): the fewest runs that
+    fit, and among those the cuts that compute the fewest tokens (dynamic programming over the sorted
+    rows). Those micro-batches are index tensors. Rows of similar length then share a micro-batch, so
+    less padding is computed; losses normalised over the whole mini-batch do not depend on the grouping.
+
+    ``share_prompts`` (``model.share_prompt``: each distinct prompt of a micro-batch runs once): with a
+    budget, a run computes ``distinct prompts × widest prompt + rows × widest response`` tokens, and
+    the cuts are searched in two orders -- by length as above, and with the rows of one prompt (a GRPO
+    group) adjacent (groups by their longest response, then each group's rows by length) -- taking the
+    better (fewest runs, then fewest such tokens): groups stay together where that does not cost an
+    extra forward (the budget itself still bounds the padded tensor). Fixed runs of consecutive rows
+    keep the group-major rollout order's groups together already.
+
+    ``at_least``: split the largest micro-batches in two until there are that many (every rank of a
+    sharded run must run the same number of forwards; at most ``len(rows)``).
+    """
+    if token_budget <= 0:
+        return [slice(i, min(i + micro_batch_size, rows.stop)) for i in range(rows.start, rows.stop, micro_batch_size)]
+    prompt, response = batch.prompt_lens.tolist(), batch.response_lens.tolist()
+    by_length = sorted(rows, key=lambda i: (-response[i], -prompt[i], i))
+    if share_prompts:
+        group = _prompt_groups(batch, rows)
+        longest: dict[int, int] = {}
+        for i in rows:
+            longest[group[i]] = max(longest.get(group[i], 0), response[i])
+        by_group = sorted(rows, key=lambda i: (-longest[group[i]], -prompt[i], group[i], -response[i], i))
+        # The better of the two orders' best cuts: never more forwards, nor more shared-prompt tokens, than by length alone.
+        _, groups = min(_cut_runs(order, prompt, response, group, token_budget) for order in (by_length, by_group))
+    else:
+        _, groups = _cut_runs(by_length, prompt, response, {i: i for i in rows}, token_budget)
+    while len(groups) < min(at_least, len(rows)):
+        big = max(range(len(groups)), key=lambda g: len(groups[g]))
+        half = len(groups[big]) // 2
+        groups[big : big + 1] = [groups[big][:half], groups[big][half:]]
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def _cut_runs(order: list[int], prompt: list[int], response: list[int], group: dict[int, int],
+              token_budget: int) -> tuple[tuple[int, int], list[list[int]]]:
+    """The best cut of ``order`` into consecutive runs within ``token_budget`` padded tokens: ((runs, computed
+    tokens), the runs). A run computes ``distinct prompts × widest prompt + rows × widest response`` tokens
+    (``group``: row → its prompt; every row its own prompt gives the padded size). Dynamic programming:
+    best[j] is the best cut of the first j rows, cut[j] its last run's start."""
+    n = len(order)
+    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        widest_prompt = widest_response = 0
+        prompts_in_run: set[int] = set()
+        for i in range(j - 1, -1, -1):  # the run order[i:j]
+            row = order[i]
+            widest_prompt = max(widest_prompt, prompt[row])
+            widest_response = max(widest_response, max(1, response[row]))
+            prompts_in_run.add(group[row])
+            if (j - i) * (widest_prompt + widest_response) > token_budget and j - i > 1:
+                break  # longer runs only grow
+            cost = len(prompts_in_run) * widest_prompt + (j - i) * widest_response
+            candidate = (best[i][0] + 1, best[i][1] + cost)
+            if candidate < best[j]:
+                best[j], cut[j] = candidate, i
+    runs: list[list[int]] = []
+    j = n
+    while j > 0:
+        runs.insert(0, order[cut[j] : j])
+        j = cut[j]
+    return best[n], runs
+
+
+def _prompt_groups(batch: TokenBatch, rows: range) -> dict[int, int]:
+    """Row → the first row (of ``rows``) with the same prompt tokens (what prompt sharing deduplicates)."""
+    first: dict[tuple[int, ...], int] = {}
+    out = {}
+    for i in rows:
+        p = int(batch.prompt_lens[i])
+        key = tuple(batch.input_ids[i, batch.prompt_width - p : batch.prompt_width].tolist())
+        out[i] = first.setdefault(key, i)
+    return out
+
+
+def micro_batches(batch: TokenBatch, rows: range, alg: AlgorithmConfig, *, share_prompts: bool = False) -> list[slice | torch.Tensor]:
+    """:func:`plan_micro_batches` by ``algorithm.micro_batch_size`` / ``micro_batch_tokens`` (``share_prompts``:
+    ``model.share_prompt``), with as many micro-batches on this rank as on the rank that has the most
+    (FSDP2's forwards are collective)."""
+    planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens, share_prompts=share_prompts)
+    if alg.micro_batch_tokens > 0:  # fixed row counts are the same on every rank already
+        most = int(D.all_reduce_max(torch.tensor([len(planned)], dtype=torch.float64)).item())
+        if most > len(planned):
+            planned = plan_micro_batches(batch, rows, alg.micro_batch_size, alg.micro_batch_tokens, at_least=most,
+                                         share_prompts=share_prompts)
+    return planned

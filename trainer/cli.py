@@ -88,25 +88,25 @@ def sft_parser() -> argparse.ArgumentParser:
 
 
 def sft_main(argv: list[str]) -> int:
-    """``emapg sft --config FILE [dotted.key=value ...]``: the config (``trainer.sft_config.SFTConfig``) is
+    """``emapg sft --config FILE [dotted.key=value ...]``: the config (``trainer.sft.config.SFTConfig``) is
     loaded and validated, and the model name resolved, before any data is built or model loaded."""
     args = sft_parser().parse_args(argv)
     _check_overrides(args.overrides)
     from emapg.models import resolve_model
     from trainer.model_limits import check_model_limits
-    from trainer.sft_config import SFTConfig
+    from trainer.sft.config import SFTConfig
 
     cfg = load_config(SFTConfig, args.config, args.overrides)
     check_model_limits(cfg, resolve_model(cfg.model.policy, option="model.policy"))
     if cfg.data.source == "file":
-        from trainer.sft_data import read_trajectory_file
+        from trainer.sft.data import read_trajectory_file
 
         read_trajectory_file(cfg.data.path)  # a bad row: one line naming file and line, before any model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from trainer.sft import run_sft
+    from trainer.sft.train import run_sft
 
     result = run_sft(cfg)
     print(f"held-out SFT loss {result.heldout_loss_before:.4f} -> {result.heldout_loss_after:.4f}; "

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from agent.engines import EngineKind
 from agent.rollout import RolloutConfig as AgentRolloutConfig
 from emapg.config import ConfigError, option
 from trainer.guard import GuardConfig
-from trainer.logprobs import DEFAULT_CHUNK_SIZE
+from trainer.algo import DEFAULT_CHUNK_SIZE
 
 
 @dataclass
@@ -149,7 +150,7 @@ class TrainRolloutConfig(AgentRolloutConfig):
     """The agent loop's settings (:class:`agent.rollout.RolloutConfig`; ``n_samples`` is the GRPO
     group size, ``task`` picks search or math) plus the generation engine the trainer runs."""
 
-    engine: Literal["hf", "vllm", "remote"] = option(
+    engine: EngineKind = option(
         "hf", help="generation engine: vllm (colocated with the trainer), hf (transformers), or remote (`emapg engine serve` servers at engine_urls)"
     )
     vllm_gpu_memory_utilization: float = option(0.4, gt=0, le=1, help="fraction of GPU memory vLLM may take when colocated")
@@ -243,7 +244,7 @@ class KLConfig:
     type: str = option(
         "topk_reverse",
         help="estimator: topk_reverse/topk_forward (Top-k KL), exact_reverse/exact_forward (full vocabulary), "
-        "or a sampled estimator of trainer.kl (k1, k2, k3 = low_var_kl, k3_ratio, k4 = reverse_reinforce, k5, '+' variants)",
+        "or a sampled estimator of trainer.algo.kl (k1, k2, k3 = low_var_kl, k3_ratio, k4 = reverse_reinforce, k5, '+' variants)",
     )
     coef: float = option(0.001, ge=0, help="beta, the KL loss coefficient")
     topk: int = option(32, help="k for Top-k KL (topk_reverse/topk_forward); 0 is the sampled K4 (reverse) / K5 (forward) estimator")
@@ -255,7 +256,7 @@ class KLConfig:
     )
 
     def validate(self) -> None:
-        from trainer.kl_kinds import get_kl_kind, kl_kind_names
+        from trainer.algo.kl_kinds import get_kl_kind, kl_kind_names
 
         try:
             kind = get_kl_kind(self.type)
@@ -313,7 +314,7 @@ class AlgorithmConfig:
     ppo_epochs: int = option(1, help="passes over the rollout batch")
     behavior_correction: Literal["none", "tis", "mis"] = option(
         "none", help="correct for the engine (behaviour policy) sampling with other probabilities than the trainer's pi_old "
-        "(decoupled PPO, trainer.behavior): none, tis (truncated importance weight min(rho, behavior_cap)) or "
+        "(decoupled PPO, trainer.algo.behavior): none, tis (truncated importance weight min(rho, behavior_cap)) or "
         "mis (tokens/sequences with rho outside behavior_band dropped); rho = pi_old / engine sampling prob",
     )
     behavior_level: Literal["token", "sequence", "geometric"] = option(

@@ -1,6 +1,6 @@
 """torchrun / FSDP2 helpers. Everything degrades to plain single-process calls.
 
-Launch: ``torchrun --nproc-per-node 8 -m emapg.cli train --config ...`` (multi-node:
+Launch: ``torchrun --nproc-per-node 8 -m app.cli train --config ...`` (multi-node:
 add ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``). Each rank generates the
 rollouts of its own share of the prompts (whole GRPO groups stay on one rank, so
 advantages need no communication), trains on them with FSDP2-sharded parameters,

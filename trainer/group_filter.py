@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainer.loop import Rollouts
+    from trainer.rollouts import Rollouts
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ import random
 import signal
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,38 +44,21 @@ from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOpti
 from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions
 from trainer import distributed as D
 from trainer.batch import TokenBatch, build_token_batch
-from trainer.behavior import behavior_logp_rows
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.algo.behavior import behavior_logp_rows
+from trainer.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
 from trainer.errors import TrainingError
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
+from trainer.rollouts import Rollouts, generate, score, step_seed
 from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
 from trainer.stored_stats import StatsPlan, compute_stored_stats, on_policy_single_update, plan_stored_stats
 from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Sampling seed of a step: fixed by (run seed, step, rank), so a resumed run samples the same."""
-    return (seed * 1_000_003 + step * 10_007 + rank * 101) % (2**31 - 1)
-
-
-@dataclass
-class Rollouts:
-    """One rank's rollout batch after scoring: what the producer hands the update consumer."""
-
-    prompts: list[SampledPrompt]  # one per group
-    trajectories: list[Any]  # agent.rollout.Trajectory, group-major
-    group_ids: list[str]
-    rewards: torch.Tensor  # (N,)
-    reward_counts: dict[str, float]
-    stats: Any  # agent.rollout.RolloutStats
-    sampling: dict[str, float] = field(default_factory=dict)  # rollout.filter_groups: the filter/* sums (trainer.group_filter)
 
 
 #: A step hook sees the trainer and the step's metrics after they are logged; it may raise
@@ -270,6 +253,30 @@ class Trainer:
         if self.dist.is_main:
             log.info("resumed from %s at step %d", path, self.step)
 
+    # ------------------------------------------------------------------ recoveries (trainer.recovery.GuardHook)
+    def lower_lr(self, factor: float) -> float:
+        """Scale the learning rate by ``factor`` for the rest of the run; the new rate."""
+        return self.policy.lower_lr(factor)
+
+    def reset_to_anchor(self) -> None:
+        """Continue from the EMA anchor's weights, with fresh optimizer moments."""
+        self.policy.reset_to_anchor()
+        self._weights_changed()
+
+    def roll_back(self, path: Path) -> Checkpoint:
+        """Continue from checkpoint ``path``'s weights, optimizer, schedule and anchor (not its data position:
+        the sampler stays past the batches that led here); the checkpoint, for its step and trainer state."""
+        ckpt = load_checkpoint(path, rank=self.dist.rank, restore_rng=False)
+        self.policy.load_weights(path)
+        self.policy.restore(path, ckpt.anchor_state, ckpt.trainer_state.get("anchor", {}))
+        self._weights_changed()
+        return ckpt
+
+    def _weights_changed(self) -> None:
+        self.nonfinite_streak = 0
+        if self.engine_session is not None:
+            self.engine_session.weights_changed()
+
     # ------------------------------------------------------------------ the step
     def sample_prompts(self) -> list[SampledPrompt]:
         """The global batch of prompts of this step (the same on every rank), then this rank's share."""
@@ -285,7 +292,6 @@ class Trainer:
         """``rollout.filter_groups``: ``ro`` with its groups of equal rewards replaced by informative groups of
         up to ``rollout.filter_max_rounds`` more prompt batches (:mod:`trainer.group_filter`), re-scored."""
         from trainer.group_filter import fill_informative
-        from trainer.rollouts import score
 
         cfg = self.cfg
         base_seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)
@@ -306,7 +312,6 @@ class Trainer:
     def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> Rollouts:
         """Generate on ``engine`` with ``seed`` (retried on failure: weights and prompts unchanged) and score.
         The synchronous step calls it in :meth:`rollout`; the pipeline's producer thread (:mod:`trainer.pipeline`) too."""
-        from trainer.rollouts import generate, score
 
         cfg = self.cfg
         last: Exception | None = None
@@ -352,12 +357,12 @@ class Trainer:
     def learn(self, ro: Rollouts) -> tuple[dict[str, float], dict[str, float]]:
         """Consume a rollout batch: stored statistics, advantages, update, EMA blend; returns the step's
         metrics (timings included) and the rank-summed sums they came from."""
-        from trainer.grpo import broadcast_advantages, grpo_advantages
+        from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
         cfg, alg = self.cfg, self.cfg.algorithm
         batch = build_token_batch([list(t.prompt_ids) for t in ro.trajectories], [list(t.response_ids) for t in ro.trajectories],
                                   [list(t.loss_mask) for t in ro.trajectories], pad_id=self.pad_id)
-        batch.stored["behavior_logp"] = behavior_logp_rows(ro.trajectories, batch.response_width)  # trainer.behavior
+        batch.stored["behavior_logp"] = behavior_logp_rows(ro.trajectories, batch.response_width)  # trainer.algo.behavior
         t0 = time.perf_counter()
         timings = self.compute_stored_stats(batch)
         adv = grpo_advantages(ro.rewards, ro.group_ids, norm_by_std=alg.adv_std != "none",

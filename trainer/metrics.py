@@ -15,7 +15,7 @@ import torch
 
 from trainer import distributed as D
 from trainer.batch import TokenBatch
-from trainer.behavior import behavior_metrics
+from trainer.algo.behavior import behavior_metrics
 
 __all__ = ["MetricSums", "rollout_sums", "step_metrics", "rollout_metrics", "update_metrics"]
 

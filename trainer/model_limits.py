@@ -37,7 +37,7 @@ def check_model_limits(cfg: Any, model_path: str) -> None:
     where = f"the model {cfg.model.policy}"
     kl = getattr(getattr(cfg, "algorithm", None), "kl", None)
     if kl is not None and vocab:
-        from trainer.kl_kinds import get_kl_kind
+        from trainer.algo.kl_kinds import get_kl_kind
 
         topk = get_kl_kind(kl.type).needs(kl).topk
         if topk > vocab:

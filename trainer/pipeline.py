@@ -31,7 +31,7 @@ run whose retriever recovered); (2) rank 0's producer holds the global batch, so
 collective (a producer thread cannot join one) and every rank receives the same decision with the batch;
 (3) regeneration starts as soon as a batch fails, not when the trainer reaches its step.
 
-Because v(k) is fixed and each step's sampling seed is fixed (:func:`trainer.loop.step_seed`), a run
+Because v(k) is fixed and each step's sampling seed is fixed (:func:`trainer.rollouts.step_seed`), a run
 is deterministic for a given s. **Resume**: the queue is not checkpointed; a run resumed at step r
 regenerates batches r + 1 … r + 1 + s from the checkpoint's weights (k₀ = r) and continues the
 schedule, so two resumes of one checkpoint produce the same run; it is not bit-identical to the
@@ -64,18 +64,43 @@ import copy
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from trainer import distributed as D
-from trainer.data import SampledPrompt
+from trainer.data import PromptSampler, SampledPrompt
+from trainer.errors import TrainingError
+from trainer.rollouts import Rollouts, step_seed
 from trainer.search_health import SearchOutageGuard
 
 if TYPE_CHECKING:
-    from trainer.loop import Rollouts, Trainer
+    from agent.engines.base import Engine
+    from trainer.config import TrainConfig
+    from trainer.policy import Policy
 
-__all__ = ["RolloutPipeline", "batch_version", "is_stale"]
+__all__ = ["PipelineTrainer", "RolloutPipeline", "batch_version", "is_stale"]
+
+
+class PipelineTrainer(Protocol):
+    """What the pipeline uses of the run (:class:`trainer.loop.Trainer` is one): its settings and place, the
+    prompt sampler it copies for the producer, and the produce / learn halves of a step."""
+
+    cfg: TrainConfig
+    step: int
+    dist: D.DistInfo
+    sampler: PromptSampler
+    retriever: Any  # retriever.client.RetrieverClient, or None for a task without search
+    engine: Engine
+    policy: Policy
+
+    def sample_prompts(self) -> list[SampledPrompt]: ...
+
+    def produce(self, engine: Engine, prompts: list[SampledPrompt], seed: int) -> Rollouts: ...
+
+    def learn(self, ro: Rollouts) -> tuple[dict[str, float], dict[str, float]]: ...
+
+    def message(self, text: str) -> None: ...
 
 
 def batch_version(step: int, start_step: int, max_staleness: int) -> int:
@@ -100,7 +125,7 @@ class _Produced:
     step: int
     version: int
     prompts: list[SampledPrompt]
-    rollouts: "Rollouts | None" = None
+    rollouts: Rollouts | None = None
     error: BaseException | None = None
     search: dict[str, float] = field(default_factory=dict)  # the outage guard's metrics of this batch
 
@@ -127,7 +152,7 @@ class _Clock:
 class RolloutPipeline:
     """The producer thread (rank 0) and the consumer step (every rank) of an asynchronous run."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: PipelineTrainer) -> None:
         self.trainer = trainer
         self.s = trainer.cfg.rollout.max_staleness
         self.start_step = trainer.step
@@ -154,7 +179,7 @@ class RolloutPipeline:
         self._producing = 0  # the step of the batch the producer is generating (its warnings name it)
 
     @classmethod
-    def start(cls, trainer: "Trainer") -> "RolloutPipeline":
+    def start(cls, trainer: PipelineTrainer) -> "RolloutPipeline":
         """Publish the starting weights and request the first s + 1 batches."""
         pipe = cls(trainer)
         pipe._publish(trainer.step)
@@ -242,11 +267,9 @@ class RolloutPipeline:
                 self._cond.wait(0.5)
             return self._results.pop(step), depth
 
-    def _next_batch(self, step: int) -> tuple["Rollouts", int, int, float, dict[str, float]]:
+    def _next_batch(self, step: int) -> tuple[Rollouts, int, int, float, dict[str, float]]:
         """Rank 0: the batch of ``step`` (regenerated while too stale); every rank: its share. Returns
         (rollouts, version, queue depth, seconds waited, the outage guard's metrics)."""
-        from trainer.loop import TrainingError
-
         t0 = time.perf_counter()
         payload = None
         if self.producer_rank:
@@ -307,13 +330,11 @@ class RolloutPipeline:
             self._thread.join(timeout=5.0)
 
 
-def _seed(trainer: "Trainer", step: int) -> int:
-    from trainer.loop import step_seed
-
+def _seed(trainer: PipelineTrainer, step: int) -> int:
     return step_seed(trainer.cfg.run.seed, step, 0)
 
 
-def _share(ro: "Rollouts", trainer: "Trainer") -> "Rollouts":
+def _share(ro: Rollouts, trainer: PipelineTrainer) -> Rollouts:
     """This rank's groups of the global batch ``ro``; the reward counts stay on rank 0 (they are summed over
     ranks), the batch's wall times go to every rank (they are averaged over ranks)."""
     world = trainer.dist.world_size

@@ -22,10 +22,12 @@ from emapg.config import ConfigError
 from trainer import distributed as D
 from trainer.batch import MicroBatch
 from trainer.config import LoraConfig, TrainConfig
+from trainer.errors import TrainingError
 from trainer.lora import AdaptersOffReference, adapter_parameters, is_adapter_folder
-from trainer.logprobs import (DEFAULT_CHUNK_SIZE, TokenStats, activation_checkpointing_active, causal_lm_hidden,
-                              token_stats_from_hidden)
-from trainer.topk_kl import ExactKLAnchor, exact_kl_from_hidden
+from trainer.algo import DEFAULT_CHUNK_SIZE
+from trainer.algo.token_stats import TokenStats, token_stats_from_hidden
+from trainer.algo.topk_kl import ExactKLAnchor, exact_kl_from_hidden
+from trainer.model_forward import activation_checkpointing_active, causal_lm_hidden
 
 __all__ = ["PolicyForward", "Policy", "build_policy", "use_bf16", "linear_warmup_constant"]
 
@@ -49,7 +51,7 @@ class PolicyForward(torch.nn.Module):
                 hidden_only: bool = False, share_prompt: bool = False, exact_kl_to: ExactKLAnchor | None = None,
                 **stats_kwargs: Any) -> tuple[torch.Tensor | None, ...]:
         """``hidden_only``: ``(hidden,)``, the final hidden states ``(B, T, H)``; else the fields of
-        :class:`trainer.logprobs.TokenStats` as a tuple (FSDP hooks see plain tensors), ``exact_kl``
+        :class:`trainer.algo.token_stats.TokenStats` as a tuple (FSDP hooks see plain tensors), ``exact_kl``
         computed when ``exact_kl_to`` is given."""
         hidden, head = causal_lm_hidden(self.lm, input_ids, attention_mask, num_response_tokens, share_prompt=share_prompt)
         if hidden_only:
@@ -119,9 +121,9 @@ class Policy:
 
     def stats(self, mb: MicroBatch, **kwargs: Any) -> TokenStats:
         """The policy's statistics on a micro-batch (differentiable unless under ``no_grad``);
-        ``kwargs`` as :func:`trainer.logprobs.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``
+        ``kwargs`` as :func:`trainer.algo.token_stats.token_stats_from_hidden` plus ``exact_kl_to``/``share_prompt``
         (the training pass passes :attr:`share_prompt_training`: each group's prompt runs once, see
-        :func:`trainer.logprobs.causal_lm_hidden`)."""
+        :func:`trainer.model_forward.causal_lm_hidden`)."""
         with self.autocast():
             return TokenStats(*self.forward(mb.input_ids, mb.attention_mask, mb.response_width, **kwargs))
 
@@ -215,6 +217,38 @@ class Policy:
             # A full (unsharded) anchor; under FSDP each rank keeps its own shards.
             self.anchor.load_full_state_dict(anchor_state, num_updates=schedule.get("num_updates", 0),
                                              last_update_step=schedule.get("last_update_step"))
+
+    # ------------------------------------------------------------------ recoveries (trainer.recovery's actions)
+    def lower_lr(self, factor: float) -> float:
+        """Scale the learning rate, now and for the rest of the schedule, by ``factor``; the new rate."""
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        return self.optimizer.param_groups[0]["lr"]
+
+    @torch.no_grad()
+    def reset_to_anchor(self) -> None:
+        """Copy the EMA anchor into the policy and clear the optimizer's moments (those of a collapse would
+        push straight back). Needs the anchor."""
+        if self.anchor is None:
+            raise ConfigError("reset_to_anchor needs the EMA anchor (algorithm.kl.enabled=true)")
+        self.anchor.copy_to_model()
+        self.optimizer.state.clear()
+
+    def load_weights(self, path: Any) -> None:
+        """Load the policy weights saved in checkpoint ``path`` (``<path>/policy/*.safetensors``) into the model
+        in place (an unsharded run); a file set that does not match the model is a :class:`TrainingError`."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted((Path(path) / "policy").glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        if unexpected or (missing and not tied):
+            raise TrainingError(f"{path}/policy does not match the policy (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
     def checkpoint_state(self, *, is_main: bool) -> dict[str, Any]:
         """The ``save_checkpoint`` arguments this policy owns (collectives under FSDP: every rank calls it)."""

@@ -32,16 +32,17 @@ import math
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from emapg.config import ConfigError
+from emapg.jsonl import read_jsonl
 from trainer.errors import TrainingError
 from trainer.guard import Guard, GuardConfig, GuardEvent
 
 if TYPE_CHECKING:
-    from trainer.loop import Trainer
+    from trainer.checkpoint import Checkpoint
+    from trainer.distributed import DistInfo
+    from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,25 @@ GUARD_FILE = "guard.jsonl"
 SEVERITY = ("warn", "lower_lr", "reset_to_anchor", "rollback", "stop")
 RECOVERIES = ("lower_lr", "reset_to_anchor", "rollback")
 
-__all__ = ["GUARD_FILE", "GuardHook", "read_guard_events", "last_passing_checkpoint"]
+__all__ = ["GUARD_FILE", "GuardHook", "GuardedTrainer", "read_guard_events", "last_passing_checkpoint"]
+
+
+class GuardedTrainer(Protocol):
+    """What the guard uses of the run (:class:`trainer.loop.Trainer` is one): where it is and writes, and the
+    recoveries as its methods (the guard never touches the optimizer, the anchor or the engine itself)."""
+
+    step: int
+    run_dir: Path
+    dist: DistInfo
+    tracker: Tracker | None
+
+    def message(self, text: str) -> None: ...
+
+    def lower_lr(self, factor: float) -> float: ...
+
+    def reset_to_anchor(self) -> None: ...
+
+    def roll_back(self, path: Path) -> Checkpoint: ...
 
 
 def read_guard_events(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -57,13 +76,7 @@ def read_guard_events(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / GUARD_FILE
     if not path.is_file():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill mid-write
-            continue
-    return out
+    return read_jsonl(path)  # a line cut by a kill mid-write is skipped
 
 
 def last_passing_checkpoint(run_dir: Path, verdicts: dict[int, bool]) -> Path | None:
@@ -103,7 +116,7 @@ class GuardHook:
         self.verdicts: dict[int, bool] = {}  # step -> passed, for choosing a rollback target
 
     # ------------------------------------------------------------------ the hook
-    def __call__(self, trainer: "Trainer", metrics: dict[str, float]) -> None:
+    def __call__(self, trainer: GuardedTrainer, metrics: dict[str, float]) -> None:
         trips = self.guard.check(trainer.step, metrics)
         self.verdicts[trainer.step] = not trips
         if trainer.tracker is not None:
@@ -124,7 +137,7 @@ class GuardHook:
             raise TrainingError(f"stability guard stopped the run at step {trainer.step}: "
                                 + "; ".join(e.describe() for e in trips) + "\n" + self.report())
 
-    def _act(self, trainer: "Trainer", action: str) -> str:
+    def _act(self, trainer: GuardedTrainer, action: str) -> str:
         if action == "warn":
             return "logged"
         if action == "stop":
@@ -142,50 +155,25 @@ class GuardHook:
             return "no checkpoint passed the guard yet; " + self._reset_to_anchor(trainer)
         return self._reset_to_anchor(trainer)
 
-    # ------------------------------------------------------------------ actions
-    def _lower_lr(self, trainer: "Trainer") -> str:
-        opt, sched = trainer.policy.optimizer, trainer.policy.scheduler
-        for group in opt.param_groups:
-            group["lr"] *= self.cfg.lr_factor
-        sched.base_lrs = [lr * self.cfg.lr_factor for lr in sched.base_lrs]
-        return f"learning rate now {opt.param_groups[0]['lr']:.3g}"
+    # ------------------------------------------------------------------ actions (methods of the trainer)
+    def _lower_lr(self, trainer: GuardedTrainer) -> str:
+        return f"learning rate now {trainer.lower_lr(self.cfg.lr_factor):.3g}"
 
-    @torch.no_grad()
-    def _reset_to_anchor(self, trainer: "Trainer") -> str:
-        trainer.policy.anchor.copy_to_model()
-        trainer.policy.optimizer.state.clear()  # Adam moments from the collapse would push straight back
-        self._weights_changed(trainer)
+    def _reset_to_anchor(self, trainer: GuardedTrainer) -> str:
+        trainer.reset_to_anchor()
         return "policy reset to the EMA anchor, optimizer moments cleared"
 
-    def _rollback(self, trainer: "Trainer", path: Path) -> str:
-        from safetensors.torch import load_file
-
-        from trainer.checkpoint import load_checkpoint
-
-        ckpt = load_checkpoint(path, rank=trainer.dist.rank, restore_rng=False)
-        weights: dict[str, torch.Tensor] = {}
-        for f in sorted((path / "policy").glob("*.safetensors")):
-            weights.update(load_file(str(f)))
-        model = trainer.policy.model
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        tied = getattr(model.config, "tie_word_embeddings", False)
-        if unexpected or (missing and not tied):
-            raise TrainingError(f"guard rollback: {path}/policy does not match the policy (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        state = ckpt.trainer_state
-        trainer.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
-        self.guard.load_state_dict({**(state.get("guard") or {}), "recoveries": self.guard.recoveries})
-        self._weights_changed(trainer)
+    def _rollback(self, trainer: GuardedTrainer, path: Path) -> str:
+        try:
+            ckpt = trainer.roll_back(path)
+        except TrainingError as e:
+            raise TrainingError(f"guard rollback: {e}") from e
+        self.guard.load_state_dict({**(ckpt.trainer_state.get("guard") or {}), "recoveries": self.guard.recoveries})
         # The data loader is not restored: it stays past the batches that led to the trip.
         return f"restored {path.name} (step {ckpt.step}); batches of steps {ckpt.step + 1}-{trainer.step} skipped"
 
-    @staticmethod
-    def _weights_changed(trainer: "Trainer") -> None:
-        trainer.nonfinite_streak = 0
-        if trainer.engine_session is not None:
-            trainer.engine_session.weights_changed()
-
     # ------------------------------------------------------------------ records
-    def _record(self, trainer: "Trainer", event: GuardEvent) -> None:
+    def _record(self, trainer: GuardedTrainer, event: GuardEvent) -> None:
         trainer.message(f"[guard] {event.describe()} -> {event.detail}")
         if not trainer.dist.is_main:
             return
@@ -217,6 +205,6 @@ class GuardHook:
             lines.append(f"  ... {len(events) - 10} more in {GUARD_FILE}")
         return "\n".join(lines)
 
-    def finish(self, trainer: "Trainer") -> None:
+    def finish(self, trainer: GuardedTrainer) -> None:
         """The run's summary line(s), at the end of :meth:`trainer.loop.Trainer.train`."""
         trainer.message(self.report())

@@ -1,20 +1,45 @@
-"""The trainer's side of rollouts: call the agent loop, score, summarise.
+"""The trainer's side of rollouts: the scored batch (:class:`Rollouts`), each step's sampling seed, calling the
+agent loop, scoring, summarising.
 
-Kept apart from the loop so that tests and benchmarks can drive the same code.
+Kept apart from the loop so that tests, benchmarks, the pipeline and the group filter use the same code
+without importing the loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from tasks.rewards import compute_rewards
 from trainer.data import SampledPrompt
 
+if TYPE_CHECKING:
+    from agent.rollout import RolloutStats, Trajectory
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Sampling seed of a step: fixed by (run seed, step, rank), so a resumed run samples the same."""
+    return (seed * 1_000_003 + step * 10_007 + rank * 101) % (2**31 - 1)
+
+
+@dataclass
+class Rollouts:
+    """One rank's rollout batch after scoring: what the producer hands the update consumer."""
+
+    prompts: list[SampledPrompt]  # one per group
+    trajectories: list[Trajectory]  # group-major
+    group_ids: list[str]
+    rewards: torch.Tensor  # (N,)
+    reward_counts: dict[str, float]
+    stats: RolloutStats
+    sampling: dict[str, float] = field(default_factory=dict)  # rollout.filter_groups: the filter/* sums (trainer.group_filter)
+
 
 def generate(
     engine: Any, tokenizer: Any, prompts: list[SampledPrompt], retriever: Any, cfg: Any, *, seed: int
-) -> tuple[list[Any], Any]:
+) -> tuple[list[Trajectory], RolloutStats]:
     """``cfg.rollout.n_samples`` trajectories per prompt (group-major) and the batch's
     :class:`agent.rollout.RolloutStats`, sampled with ``seed``.
 
@@ -43,7 +68,7 @@ def generate(
     return trajs, stats
 
 
-def score(trajectories: list[Any], prompts: list[SampledPrompt], cfg: Any, tokenizer: Any) -> tuple[list[float], dict[str, float]]:
+def score(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any, tokenizer: Any) -> tuple[list[float], dict[str, float]]:
     """Rewards of every trajectory against its prompt's gold answers (errored trajectories score 0).
 
     Only what the model generated is scored (``Trajectory.model_text``), never observation text.
@@ -59,7 +84,7 @@ def score(trajectories: list[Any], prompts: list[SampledPrompt], cfg: Any, token
     return rewards, counts
 
 
-def trajectory_stats(trajectories: list[Any], stats: Any) -> dict[str, float]:
+def trajectory_stats(trajectories: list[Trajectory], stats: RolloutStats) -> dict[str, float]:
     """Sums over trajectories and the batch's wall times (the caller reduces over ranks)."""
     return {
         "searches": float(sum(t.num_searches for t in trajectories)),

@@ -1,7 +1,7 @@
 """The update half of a training step: the micro-batch loss and the PPO update.
 
 * :func:`compute_loss` — pure: the policy's fresh statistics of one micro-batch, the stored
-  statistics, the algorithm settings and the optimizer step's :class:`~trainer.grpo.LossAggregation`
+  statistics, the algorithm settings and the optimizer step's :class:`~trainer.algo.grpo.LossAggregation`
   → the loss to ``backward()`` (PPO clipped policy-gradient term − entropy bonus + β · the KL
   kind's term, each normalised for the whole mini-batch) and its metrics.
 * :func:`policy_pass` — the differentiable forward that produces those statistics, asking the
@@ -9,7 +9,7 @@
   on, its own top-k when fused, the exact KL against the stored anchor hidden states); with
   ``model.share_prompt_training`` each distinct prompt of the micro-batch runs once.
 * :func:`ppo_update` — PPO epochs over mini-batches, gradient accumulation over micro-batches
-  (:func:`~trainer.stored_stats.micro_batches`: fixed rows, or packed by a token budget), gradient clipping, and skipping an
+  (:func:`~trainer.batch.micro_batches`: fixed rows, or packed by a token budget), gradient clipping, and skipping an
   optimizer step whose loss or gradient is not finite on any rank.  Its metrics are named sums
   (:class:`~trainer.metrics.MetricSums`) the caller reduces across ranks once.
 """
@@ -25,14 +25,15 @@ from torch import Tensor
 
 from trainer import distributed as D
 from trainer.batch import MicroBatch, TokenBatch
-from trainer.behavior import behavior_correction, kl_old_logp
+from trainer.algo.behavior import behavior_correction, kl_old_logp
 from trainer.config import AlgorithmConfig, TrainConfig
-from trainer.grpo import LossAggregation, compute_policy_loss
-from trainer.kl_kinds import get_kl_kind
-from trainer.logprobs import TokenStats
+from trainer.algo.grpo import LossAggregation, compute_policy_loss
+from trainer.algo.kl_kinds import get_kl_kind
+from trainer.algo.token_stats import TokenStats
 from trainer.metrics import MetricSums
 from trainer.policy import Policy
-from trainer.stored_stats import StatsPlan, fused_anchor_stats, micro_batches
+from trainer.batch import micro_batches
+from trainer.stored_stats import StatsPlan, fused_anchor_stats
 
 __all__ = ["compute_loss", "policy_pass", "ppo_update", "UpdateResult", "anchor_from_stored"]
 
@@ -40,9 +41,9 @@ __all__ = ["compute_loss", "policy_pass", "ppo_update", "UpdateResult", "anchor_
 def anchor_from_stored(stored: Mapping[str, Tensor], policy: TokenStats) -> TokenStats:
     """The anchor's :class:`TokenStats` from stored tensors (the policy's own, detached, where none are stored)."""
     return TokenStats(
-        logp=stored["ref_logp"] if "ref_logp" in stored else policy.logp.detach(),
-        logsumexp=stored["ref_logsumexp"] if "ref_logsumexp" in stored else policy.logsumexp.detach(),
-        topk_logits=stored.get("ref_topk_logits"),
+        logp=stored["anchor_logp"] if "anchor_logp" in stored else policy.logp.detach(),
+        logsumexp=stored["anchor_logsumexp"] if "anchor_logsumexp" in stored else policy.logsumexp.detach(),
+        topk_logits=stored.get("anchor_topk_logits"),
         topk_indices=stored.get("topk_indices"),
     )
 
@@ -60,9 +61,9 @@ def compute_loss(
     q for Top-k kinds, with ``exact_kl`` for the exact kinds); ``stored``: ``advantages`` and
     what :mod:`trainer.stored_stats` stored (no ``old_logp``: on-policy, π_old = the policy
     itself, detached; ``behavior_logp``: the engine's sampling log-probs, the behaviour policy of
-    :mod:`trainer.behavior`, whose weights multiply the PPO term and the KL's importance weight).
+    :mod:`trainer.algo.behavior`, whose weights multiply the PPO term and the KL's importance weight).
     Returns ``(loss, metrics)`` with the metrics of
-    :func:`trainer.grpo.compute_policy_loss` and, with a KL term, of :meth:`trainer.kl_kinds.KLKind.loss`.
+    :func:`trainer.algo.grpo.compute_policy_loss` and, with a KL term, of :meth:`trainer.algo.kl_kinds.KLKind.loss`.
     """
     mask = micro_batch.loss_mask
     old_logp = stored["old_logp"] if "old_logp" in stored else policy.logp.detach()
@@ -98,7 +99,7 @@ def policy_pass(policy: Policy, mb: MicroBatch, plan: StatsPlan, cfg: TrainConfi
         stats.topk_indices = stats.topk_indices.detach()
         stored.update(fused_anchor_stats(mb, policy, stats.topk_indices, cfg))
     elif plan.exact is not None:
-        stats = policy.stats(mb, exact_kl_to=policy.exact_kl_anchor(stored["ref_hidden"], plan.exact), **kwargs)
+        stats = policy.stats(mb, exact_kl_to=policy.exact_kl_anchor(stored["anchor_hidden"], plan.exact), **kwargs)
     else:
         stats = policy.stats(mb, gather_indices=stored.get("topk_indices"), **kwargs)
     return stats, stored
@@ -126,7 +127,7 @@ def _accumulate(sums: MetricSums, m: Mapping[str, Tensor], stats: TokenStats, mb
     if "kl" in m:
         sums.add("update/kl_token_sum", float(m["kl_token_mean"]) * tokens)
         sums.add("update/kl_loss", float(m["kl"]))
-    for name, value in m.items():  # trainer.behavior: mismatch and correction sums (and one maximum)
+    for name, value in m.items():  # trainer.algo.behavior: mismatch and correction sums (and one maximum)
         if name.startswith("behavior/") and name.endswith("_max"):
             sums.maximum(name, float(value))
         elif name.startswith("behavior/"):
@@ -158,7 +159,7 @@ def ppo_update(
             micro = micro_batches(batch, range(start, min(start + mini, n)), alg, share_prompts=cfg.model.share_prompt)
             agg = LossAggregation.for_batch(
                 alg.loss_agg, [batch.loss_mask[r] for r in micro], num_micro_batches=len(micro),
-                all_reduce=dist.distributed, norm_length=float(cfg.rollout.max_response_tokens),
+                all_reduce=D.all_reduce_sum if dist.distributed else None, norm_length=float(cfg.rollout.max_response_tokens),
             )
             optimizer.zero_grad(set_to_none=True)
             finite = True

@@ -13,6 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from emapg.jsonl import read_jsonl
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
@@ -41,16 +43,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         path = path / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {METRICS_FILE} at {path}")
-    records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill -9 mid-write
-            continue
-    return records
+    return read_jsonl(path)  # a line cut by a kill -9 mid-write is skipped
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

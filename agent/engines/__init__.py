@@ -13,10 +13,14 @@ from typing import Literal
 
 from agent.engines.base import Engine, EngineInfo, GenerationOutput, SamplingParams
 
-EngineKind = Literal["vllm", "hf"]
+#: Every engine a run can use: one in this process (:data:`LocalEngineKind`), or ``remote`` (engine servers over
+#: HTTP, :class:`agent.engines.remote.RemoteEngine`).
+EngineKind = Literal["hf", "vllm", "remote"]
+#: The engines :func:`make_engine` builds in this process.
+LocalEngineKind = Literal["vllm", "hf"]
 
 
-def make_engine(kind: EngineKind, model_path: str, **options) -> Engine:
+def make_engine(kind: LocalEngineKind, model_path: str, **options) -> Engine:
     """Build an engine. Options go to ``VLLMEngine`` / ``HFEngine`` (e.g. max_model_len, seed)."""
     from emapg.models import resolve_model
 
@@ -32,4 +36,4 @@ def make_engine(kind: EngineKind, model_path: str, **options) -> Engine:
     raise ValueError(f"unknown engine kind {kind!r}; choose 'vllm' or 'hf'")
 
 
-__all__ = ["Engine", "EngineInfo", "GenerationOutput", "SamplingParams", "make_engine", "EngineKind"]
+__all__ = ["Engine", "EngineInfo", "GenerationOutput", "SamplingParams", "make_engine", "EngineKind", "LocalEngineKind"]

@@ -29,7 +29,7 @@ from agent.engines.launch import EngineServer
 from agent.engines.remote import RemoteEngine
 from agent.engines.server import allowed_address
 from agent.engines.wire import params_to_json
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.server_input import HTTPError
 from tests.fixtures.http_checks import hold_many_open, local_port, raw_exchange, strict_json
 

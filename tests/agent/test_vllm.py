@@ -139,7 +139,7 @@ def test_sleep_mode_is_refused_on_cpu(vllm_engine, untied_tiny_dir):
 
 
 def test_logprobs_are_the_processed_distribution_with_temperature_and_top_p(vllm_engine, untied_tiny_dir):
-    """What the trainer's behaviour correction reads (trainer/behavior.py): at temperature 0.8 and top_p 0.9
+    """What the trainer's behaviour correction reads (trainer/algo/behavior.py): at temperature 0.8 and top_p 0.9
     vLLM's log-prob of each sampled token is the log-softmax of the processed logits
     (agent.engines.sampling.processed_logits) of the trainer's own forward, not the raw model's."""
     from agent.engines.sampling import processed_logits

@@ -8,7 +8,8 @@ import pytest
 
 from emapg.errors import UserError
 from eval.protocols import get_protocol
-from eval.runner import EvalConfig, read_items, run_eval
+from emapg.jsonl import read_jsonl_repairing as read_items
+from eval.runner import EvalConfig, run_eval
 
 
 def _cfg(model, out, **kw) -> EvalConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR
 from eval.contamination import check_contamination

@@ -14,9 +14,9 @@ import shutil
 import httpx
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from eval.replay import RETRIEVALS_FILE
-from eval.runner import read_items
+from emapg.jsonl import read_jsonl_repairing as read_items
 
 DATASET = "bamboogle"
 

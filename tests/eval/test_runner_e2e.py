@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from emapg.errors import UserError
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
 from tasks.datasets import QA_DATASETS
 from eval.protocols import get_protocol
-from eval.runner import EvalConfig, read_items, run_eval
+from emapg.jsonl import read_jsonl_repairing as read_items
+from eval.runner import EvalConfig, run_eval
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -186,7 +187,7 @@ def test_cli_user_errors(tmp_path, capsys):
 def test_resume_after_sigkill(tmp_path, tiny_model_dir):
     """A real `emapg eval` process killed mid-run; the rerun does only what is missing."""
     out = tmp_path / "killed"
-    argv = [sys.executable, "-m", "emapg.cli", "eval", "--model", str(tiny_model_dir), "--suite", "math",
+    argv = [sys.executable, "-m", "app.cli", "eval", "--model", str(tiny_model_dir), "--suite", "math",
             "--protocol", "math_quick", "--n", "2", "--max-tokens", "12", "--datasets", "aime2024", "--limit", "6",
             "--batch-size", "1", "--engine", "hf", "--grader-workers", "1", "--no-progress", "--out", str(out)]
     items = out / "items" / "aime2024.jsonl"

@@ -73,7 +73,8 @@ def test_encoder_hash_follows_weight_and_tokenizer_files(tmp_path):
 
 
 def _build(tmp_path, name: str, **options):
-    from retriever.index_builder import BuildConfig, build_index, read_meta
+    from retriever.index_builder import BuildConfig, build_index
+    from retriever.index_files import read_meta
 
     corpus = tmp_path / "corpus.jsonl"
     if not corpus.exists():

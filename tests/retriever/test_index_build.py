@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
 from retriever.corpus import CorpusError, DocStore, iter_corpus, split_contents, write_docstore
 from retriever.launch import emapg_command
-from retriever.index_builder import EMB_DIR, INDEX_FILE, META_FILE, PROGRESS_FILE, BuildConfig, build_index, read_meta
+from retriever.index_builder import BuildConfig, build_index
+from retriever.index_files import EMB_DIR, INDEX_FILE, META_FILE, PROGRESS_FILE, read_meta
 
 BUNDLED = REPO_ROOT / "data" / "corpus" / "wiki_mini.jsonl.gz"
 

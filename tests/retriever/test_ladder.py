@@ -91,7 +91,7 @@ def test_exact_topk_and_rerank_match_brute_force(tmp_path):
 
 
 def test_index_help_lists_the_ladder_and_shard_commands(capsys):
-    from emapg.cli import main
+    from app.cli import main
 
     with pytest.raises(SystemExit):
         main(["index", "--help"])
@@ -104,6 +104,6 @@ def test_index_help_lists_the_ladder_and_shard_commands(capsys):
 
 
 def test_ladder_refuses_a_bad_rung_naming_the_option(tmp_path):
-    from emapg.cli import main
+    from app.cli import main
 
     assert main(["index", "ladder", "--index", str(tmp_path), "--out", str(tmp_path / "l"), "--rungs", "IVF8,PQ4;nprob=2"]) == 2

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
 from retriever.client import RetrievalError, RetrieverClient
 from retriever.launch import RetrieverServer, ServerStartError, emapg_command, free_port

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.config import config_from_args
 from retriever.launch import RetrieverServer, free_port
 from tests.fixtures.http_checks import hold_many_open, local_port, metric, raw_exchange, strict_json

@@ -14,7 +14,8 @@ from emapg.paths import BUNDLED_CORPUS, BUNDLED_VECTORS
 from provision.indexes import SHIPPED_DTYPE, bundled_index, ensure_bundled_index, shipped_vectors_usable
 from retriever.corpus import DocStore, file_checksum
 from retriever.encoder import Encoder, make_spec
-from retriever.index_builder import INDEX_FILE, BuildConfig, build_index, read_meta
+from retriever.index_builder import BuildConfig, build_index
+from retriever.index_files import INDEX_FILE, read_meta
 from retriever.vector_file import (FORMAT, dequantize_uint8, encoder_weights_sha256, quantize_uint8, read_vector_file,
                                    read_vector_meta, write_vector_file)
 

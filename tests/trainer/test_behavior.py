@@ -1,4 +1,4 @@
-"""Behaviour-policy correction (trainer/behavior.py) by exact enumeration in float64.
+"""Behaviour-policy correction (trainer/algo/behavior.py) by exact enumeration in float64.
 
 A (1, V) batch whose position p samples token p, all positions sharing one context: Σ_p μ(p)·L(p)
 is then the exact expectation of the loss L under sampling from the behaviour policy μ. The loss is
@@ -13,12 +13,12 @@ import torch
 
 from emapg.config import ConfigError, from_dict
 from trainer.batch import MicroBatch
-from trainer.behavior import (behavior_log_ratio, behavior_logp_rows, behavior_weights, kl_old_logp,
+from trainer.algo.behavior import (behavior_log_ratio, behavior_logp_rows, behavior_weights, kl_old_logp,
                               masked_is, mismatch_stats, truncated_is)
 from trainer.config import AlgorithmConfig, KLConfig
-from trainer.grpo import LossAggregation
-from trainer.kl_kinds import get_kl_kind
-from trainer.logprobs import token_stats_from_logits
+from trainer.algo.grpo import LossAggregation
+from trainer.algo.kl_kinds import get_kl_kind
+from trainer.algo.token_stats import token_stats_from_logits
 from trainer.step import compute_loss
 
 V = 6
@@ -128,7 +128,7 @@ def test_behaviour_equal_to_proximal_is_todays_objective(correction, level):
     old = token_stats_from_logits((theta + 0.1 * torch.randn(B, T, V, dtype=torch.float64, generator=g)).detach(), labels, topk=3)
     ref = token_stats_from_logits(torch.randn(B, T, V, dtype=torch.float64, generator=g), labels, gather_indices=old.topk_indices)
     base = {"advantages": torch.randn(B, T, dtype=torch.float64, generator=g) * mask, "old_logp": old.logp,
-            "ref_logp": ref.logp, "ref_logsumexp": ref.logsumexp, "ref_topk_logits": ref.topk_logits, "topk_indices": old.topk_indices}
+            "anchor_logp": ref.logp, "anchor_logsumexp": ref.logsumexp, "anchor_topk_logits": ref.topk_logits, "topk_indices": old.topk_indices}
     kl = KLConfig(type="topk_reverse", topk=3, importance_weight=True, coef=0.1)
     agg = LossAggregation.for_batch("token-mean", mask)
 

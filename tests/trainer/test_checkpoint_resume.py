@@ -22,7 +22,7 @@ from emapg.paths import CONFIG_DIR, REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-ENTRY = "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"
+ENTRY = "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _cmd(out: Path, *extra: str) -> list[str]:

@@ -13,7 +13,7 @@ from emapg.paths import CONFIG_DIR, REPO_ROOT
 from trainer.config import TrainConfig
 from trainer.policy import linear_warmup_constant
 
-ENTRY = "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"
+ENTRY = "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
 PRESETS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("sft_"))  # sft_*: SFTConfig (test_sft.py)
 
 

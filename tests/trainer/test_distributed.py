@@ -56,7 +56,7 @@ def _global_batch(grouped: bool = False):
 
 def _one_update(trainer, rows: slice, grouped: bool = False):
     from trainer.batch import build_token_batch
-    from trainer.grpo import broadcast_advantages, grpo_advantages
+    from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
     prompts, responses, masks, rewards, groups = _global_batch(grouped)
     batch = build_token_batch(prompts[rows], responses[rows], masks[rows], pad_id=0)
@@ -142,7 +142,7 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, tiny_model_dir):
 def _exact_worker(rank: int, world: int, port: int, out: str, model_dir: str, extra: tuple[str, ...] = (),
                   grouped: bool = False) -> None:
     rank_env(rank, world, port)
-    import trainer.logprobs as L
+    import trainer.model_forward as L
     from trainer import distributed as D
     from trainer.loop import Trainer
 
@@ -213,7 +213,7 @@ def test_fsdp2_token_budget_micro_batches_match_single_process(tmp_path, tiny_mo
     """Token-budget micro-batches under FSDP2: the ranks' own plans have 3 and 2 micro-batches, so rank 1
     splits one (every sharded forward is collective); the update equals one process's with fixed rows."""
     from trainer.batch import build_token_batch
-    from trainer.stored_stats import plan_micro_batches
+    from trainer.batch import plan_micro_batches
 
     prompts, responses, masks, _, _ = _global_batch()
     halves = [build_token_batch(prompts[s], responses[s], masks[s], pad_id=0) for s in (slice(0, 4), slice(4, 8))]

@@ -13,7 +13,8 @@ from emapg.paths import CONFIG_DIR
 from trainer.config import TrainConfig
 from trainer.data import SampledPrompt
 from trainer.group_filter import fill_informative, informative_groups
-from trainer.loop import Rollouts, Trainer
+from trainer.loop import Trainer
+from trainer.rollouts import Rollouts
 
 N = 3  # group size
 

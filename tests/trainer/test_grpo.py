@@ -6,7 +6,7 @@ import uuid
 import pytest
 import torch
 
-from trainer.grpo import (
+from trainer.algo.grpo import (
     AGG_MODES,
     LossAggregation,
     aggregate_loss,
@@ -17,8 +17,8 @@ from trainer.grpo import (
     ppo_clip_loss,
 )
 from trainer.config import KLConfig
-from trainer.kl_kinds import get_kl_kind
-from trainer.logprobs import TokenStats
+from trainer.algo.kl_kinds import get_kl_kind
+from trainer.algo.token_stats import TokenStats
 
 EPS = 1e-6
 
@@ -226,8 +226,8 @@ def test_end_to_end_micro_batching_on_a_real_model(tiny_model_dir, mode):
     """PG + Top-k KL through the fused token-stats pass of a real (tiny) Qwen2: 1×8 == 8×1."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.logprobs import causal_lm_token_stats
-    from trainer.grpo import LossAggregation as Agg
+    from trainer.model_forward import causal_lm_token_stats
+    from trainer.algo.grpo import LossAggregation as Agg
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()

@@ -8,7 +8,7 @@ these tests check every claim against the exact KL and its autograd gradient.
 import pytest
 import torch
 
-from trainer.kl import get_kl_estimator, importance_weight, kl_estimator_names, sampled_kl
+from trainer.algo.kl import get_kl_estimator, importance_weight, kl_estimator_names, sampled_kl
 
 V = 8
 BASE_NAMES = ["k1", "abs", "k2", "k3", "k3_ratio", "reverse_reinforce", "forward_importance"]

@@ -1,4 +1,4 @@
-"""KL kinds (trainer/kl_kinds.py): every row of the table by exact enumeration in float64.
+"""KL kinds (trainer/algo/kl_kinds.py): every row of the table by exact enumeration in float64.
 
 The stored statistics are built the way the kind declares (``needs``: whose top-k is q), the loss
 is the kind's own ``per_token``/``loss``. Each of the V positions of a (1, V) batch shares the same
@@ -11,11 +11,11 @@ import torch
 
 from emapg.config import ConfigError
 from trainer.config import KLConfig
-from trainer.grpo import LossAggregation
-from trainer.kl import get_kl_estimator, sampled_kl
-from trainer.kl_kinds import ExactKL, SampledKL, TopkKL, get_kl_kind, kl_kind_names
-from trainer.logprobs import token_stats_from_logits
-from trainer.topk_kl import exact_kl_from_hidden
+from trainer.algo.grpo import LossAggregation
+from trainer.algo.kl import get_kl_estimator, sampled_kl
+from trainer.algo.kl_kinds import ExactKL, SampledKL, TopkKL, get_kl_kind, kl_kind_names
+from trainer.algo.token_stats import token_stats_from_logits
+from trainer.algo.topk_kl import exact_kl_from_hidden
 
 from tests.trainer.test_topk_kl import V, _setup  # θ, anchor and π_old logits over a vocabulary of V = 8
 SAMPLED = ["k1", "k2", "k3", "k3_ratio", "reverse_reinforce", "forward_importance", "k3+", "k1+"]

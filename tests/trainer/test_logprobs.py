@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from trainer.logprobs import causal_lm_token_stats, token_stats_from_hidden, token_stats_from_logits
+from trainer.algo.token_stats import token_stats_from_hidden, token_stats_from_logits
+from trainer.model_forward import causal_lm_token_stats
 
 B, T, H, V = 2, 7, 6, 17
 
@@ -173,7 +174,7 @@ def test_shared_prompt_pass_equals_one_pass(tiny_model_dir, response_max, checkp
             responses.append(torch.randint(3, vocab, (n,), generator=g).tolist())
     b = build_token_batch(prompts, responses, [[1] * len(r) for r in responses], pad_id=0)
     real = b.loss_mask.bool()
-    import trainer.logprobs as L
+    import trainer.model_forward as L
 
     shared_hidden = []
     original = L._shared_prompt_hidden
@@ -194,7 +195,7 @@ def test_shared_prompt_is_used_while_autograd_records(tiny_model_dir, monkeypatc
     tests/trainer/test_shared_prompt_grad.py) and no-grad passes alike."""
     from transformers import AutoModelForCausalLM
 
-    import trainer.logprobs as L
+    import trainer.model_forward as L
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (1, 6)).repeat(4, 1)

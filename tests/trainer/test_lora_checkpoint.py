@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from emapg.cli import main as emapg_main
+from app.cli import main as emapg_main
 from emapg.config import load_config
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 from trainer import lora as L
@@ -27,7 +27,7 @@ from trainer.loop import train
 
 pytestmark = pytest.mark.slow
 
-ENTRY = "import sys; from emapg.cli import main; sys.exit(main(sys.argv[1:]))"
+ENTRY = "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
 OVERRIDES = ["run.total_steps=3", "run.save_every=1", "run.keep_last=0", "logging.progress=false", "logging.tensorboard=false",
              "data.prompts_per_step=2", "algorithm.mini_batch_size=4", "rollout.max_tokens_per_turn=16",
              "rollout.max_response_tokens=16", "algorithm.ema.period=1", "algorithm.ema.decay=0.5", "optim.lr=3e-2",

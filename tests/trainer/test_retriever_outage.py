@@ -42,7 +42,7 @@ def search_cfg(tmp_path, model_dir, url: str, *extra: str) -> TrainConfig:
 def test_cli_with_nothing_listening_exits_naming_the_url(tmp_path, tiny_model_dir):
     """The contract: `emapg train retriever.urls=[http://127.0.0.1:9]` fails within retriever.wait, naming the URL."""
     proc = subprocess.run(
-        [sys.executable, "-m", "emapg.cli", "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"),
+        [sys.executable, "-m", "app.cli", "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"),
          f"model.policy={tiny_model_dir}", "retriever.urls=[http://127.0.0.1:9]", "retriever.wait=1",
          f"run.output_dir={tmp_path / 'run'}", "logging.progress=false"],
         capture_output=True, text=True, timeout=300,

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from agent.prompts import build_prompt
-from agent.replay import ReplayError, ScriptedTrajectory, parse_passages, replay_trajectories
+from agent.teacher_forcing import ReplayError, ScriptedTrajectory, parse_passages, replay_trajectories
 from agent.rollout import RolloutConfig, run_rollouts
 from tasks.datasets import Example, load_dataset
 from tasks.qa import extract_answer, retrieval_recall
@@ -60,7 +60,7 @@ def test_replay_reproduces_a_real_rollout_token_for_token(searcher_dir, client, 
 
 
 def test_constructed_trajectories_mask_only_model_tokens(tokenizer, client, retriever_index):
-    from trainer.sft_data import construct_trajectories, observed_text
+    from trainer.sft.data import construct_trajectories, observed_text
 
     examples = [Example(f"q{i}", q["question"], q["answers"], "nq_gold") for i, q in enumerate(retriever_index.questions[:24])]
     # These are evaluation questions, so the default exclusion would drop them all; here we test masks.
@@ -85,7 +85,7 @@ def test_constructed_trajectories_mask_only_model_tokens(tokenizer, client, retr
 
 def test_constructed_set_contains_no_eval_question(tokenizer, client):
     from tasks.heldout import heldout_questions, question_key
-    from trainer.sft_data import construct_trajectories
+    from trainer.sft.data import construct_trajectories
 
     evals = heldout_questions()
     nq_train = load_dataset("nq", split="train", limit=20)
@@ -108,7 +108,7 @@ def test_sft_presets_validate_and_the_starter_uses_the_cpu_rl_loop():
 
     from emapg.config import load_config
     from trainer.config import TrainConfig
-    from trainer.sft_config import SFTConfig
+    from trainer.sft.config import SFTConfig
 
     presets = sorted((REPO / "configs").glob("sft_*.yaml"))
     assert {p.name for p in presets} >= {"sft_tiny_cpu.yaml", "sft_smollm2_starter.yaml"}
@@ -159,8 +159,8 @@ def test_sft_reduces_heldout_loss_and_saves_loadable_policies(tmp_path, retrieve
     from emapg.config import load_config
     from emapg.models import resolve_model
     from trainer.config import TrainConfig
-    from trainer.sft import run_sft
-    from trainer.sft_config import SFTConfig
+    from trainer.sft.train import run_sft
+    from trainer.sft.config import SFTConfig
 
     data = tmp_path / "trajs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _search_r1_rows(retriever_index.questions[:24])))
@@ -202,7 +202,7 @@ def test_sft_reduces_heldout_loss_and_saves_loadable_policies(tmp_path, retrieve
     ("no_retriever", "retriever.urls"),
 ])
 def test_sft_bad_inputs_give_one_line_errors(tmp_path, capsys, case, needle):
-    from emapg.cli import main
+    from app.cli import main
 
     data = tmp_path / "trajs.jsonl"
     overrides: list[str] = []

@@ -1,4 +1,4 @@
-"""Prompt sharing in the differentiable training pass (``model.share_prompt_training``, trainer/logprobs.py).
+"""Prompt sharing in the differentiable training pass (``model.share_prompt_training``, trainer/model_forward.py).
 
 The training forward runs each distinct prompt of a micro-batch once and every group member's response
 block on its gathered KV cache. In float64 on the real tiny Qwen2 the loss and *every* parameter
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainer.logprobs as L
+import trainer.model_forward as L
 from trainer.batch import build_token_batch
 
 GROUPS = ((7, 4), (19, 3), (3, 1))  # (prompt length, rows with that prompt)
@@ -175,7 +175,7 @@ def test_lora_adapter_gradients_match_with_shared_prompts(tiny_model_dir, monkey
 def test_exact_kl_to_a_shared_prompt_anchor_pass_is_exactly_zero_at_the_anchor(tiny_model_dir):
     """The exact KL's anchor hidden states come from a no-grad pass that shares prompts like the training
     pass does, so at policy = anchor they round alike: KL and its gradient are exactly 0 (not rounding noise)."""
-    from trainer.topk_kl import exact_kl_from_hidden
+    from trainer.algo.topk_kl import exact_kl_from_hidden
 
     model = _model(tiny_model_dir)
     b = _batch(model.config.vocab_size)

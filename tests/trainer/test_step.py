@@ -17,10 +17,10 @@ from emapg.config import load_config
 from emapg.paths import CONFIG_DIR
 from trainer.batch import MicroBatch, build_token_batch
 from trainer.config import AlgorithmConfig, KLConfig, TrainConfig
-from trainer.grpo import LossAggregation, broadcast_advantages
-from trainer.logprobs import token_stats_from_logits
+from trainer.algo.grpo import LossAggregation, broadcast_advantages
+from trainer.algo.token_stats import token_stats_from_logits
 from trainer.step import compute_loss
-from trainer.topk_kl import exact_kl_from_hidden
+from trainer.algo.topk_kl import exact_kl_from_hidden
 
 V = 6
 
@@ -78,7 +78,7 @@ def test_compute_loss_gradient_is_the_analytic_pg_plus_beta_kl_gradient(kl_type)
     policy = token_stats_from_logits(z, labels)
     lq = torch.log_softmax(ref_logits, -1)
     stored = {"old_logp": torch.log_softmax(old_logits, -1)[labels], "advantages": broadcast_advantages(adv, mask).double(),
-              "ref_logp": lq[labels], "ref_logsumexp": ref_logits.logsumexp(-1).expand(2, V)}
+              "anchor_logp": lq[labels], "anchor_logsumexp": ref_logits.logsumexp(-1).expand(2, V)}
     if kl_type and kl_type.startswith("exact"):
         one = torch.ones(2, V, 1, dtype=torch.float64)
         policy.exact_kl = exact_kl_from_hidden(one, theta[:, None], one, ref_logits[:, None], direction=kl_type.split("_")[1])
@@ -193,7 +193,7 @@ def test_token_budget_micro_batches_give_the_same_update_in_float64(tiny_model_d
     """Micro-batches packed by a token budget (rows sorted by length, index tensors, 7, 4 and 3 of them)
     give the update of one 8-row micro-batch and of 8 one-row micro-batches: float64, to rounding
     (AdamW with eps = 1 maps gradient to step one-to-one, so equal weights mean equal gradients)."""
-    from trainer.stored_stats import plan_micro_batches
+    from trainer.batch import plan_micro_batches
 
     exact = ("optim.lr=1.0", "optim.eps=1.0", "optim.weight_decay=0")
     ref_policy, ref, _ = _run_update(tiny_model_dir, "algorithm.micro_batch_size=8", *exact, float64=True)
@@ -221,7 +221,7 @@ def test_shared_prompt_updates_equal_one_pass_updates_for_every_micro_batch_plan
     micro-batches of 4 (whole groups) and 2, token-budget micro-batches (planned to keep groups together).
     Qwen2's RMSNorm runs in the model dtype here (it computes in float32 otherwise, which would make sharing,
     which sums a group's gradient before the norm's backward, only float32-exact)."""
-    import trainer.logprobs as L
+    import trainer.model_forward as L
     from transformers.models.qwen2 import modeling_qwen2
 
     monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", lambda self, h: self.weight * (
@@ -251,7 +251,7 @@ def test_token_budget_planner_keeps_groups_together_when_prompts_are_shared():
     """``share_prompts``: the same budget bound, every row once, no more forwards and no more shared-prompt
     tokens than the length-sorted plan -- and, where groups fit whole without an extra forward, fewer
     (distinct prompt, micro-batch) pairs and fewer tokens."""
-    from trainer.stored_stats import _prompt_groups, plan_micro_batches
+    from trainer.batch import _prompt_groups, plan_micro_batches
 
     g = torch.Generator().manual_seed(5)
     prompts, responses = [], []
@@ -287,7 +287,7 @@ def test_token_budget_planner_keeps_groups_together_when_prompts_are_shared():
 
 
 def test_token_budget_planner_partitions_rows_within_the_budget():
-    from trainer.stored_stats import plan_micro_batches
+    from trainer.batch import plan_micro_batches
 
     g = torch.Generator().manual_seed(3)
     prompts = [[7] * int(torch.randint(20, 40, (1,), generator=g)) for _ in range(24)]

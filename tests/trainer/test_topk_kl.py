@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from trainer.config import KLConfig
-from trainer.grpo import LossAggregation
-from trainer.kl_kinds import get_kl_kind
-from trainer.kl import get_kl_estimator
-from trainer.logprobs import token_stats_from_hidden, token_stats_from_logits
-from trainer.topk_kl import exact_kl, not_in_topk_mask, topk_forward_kl, topk_kl, topk_reverse_kl
+from trainer.algo.grpo import LossAggregation
+from trainer.algo.kl_kinds import get_kl_kind
+from trainer.algo.kl import get_kl_estimator
+from trainer.algo.token_stats import token_stats_from_hidden, token_stats_from_logits
+from trainer.algo.topk_kl import exact_kl, not_in_topk_mask, topk_forward_kl, topk_kl, topk_reverse_kl
 
 V = 8
 
@@ -233,7 +233,7 @@ def test_exact_kl_float32_and_errors():
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_exact_kl_from_hidden_equals_exact_kl_on_materialised_logits(direction, chunk):
-    from trainer.topk_kl import exact_kl_from_hidden
+    from trainer.algo.topk_kl import exact_kl_from_hidden
 
     g = torch.Generator().manual_seed(3)
     B, T, H, Vb = 2, 6, 5, 13

@@ -1,7 +1,7 @@
 """Warm-start trajectories for ``emapg sft``: constructed from QA training pairs, or read from a file.
 
 Both paths produce :class:`agent.rollout.Trajectory` objects assembled by the rollout loop
-itself (:func:`agent.replay.replay_trajectories`), so prompt, chat template, observation
+itself (:func:`agent.teacher_forcing.replay_trajectories`), so prompt, chat template, observation
 formatting and budgets are exactly those of an RL rollout with the same ``rollout`` config.
 
 **Constructed** (``data.source=construct``): for each training question the teacher's script
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.replay import ReplayError, ReplayRetriever, ScriptedTrajectory, parse_passages, replay_trajectories
+from agent.teacher_forcing import ReplayError, ReplayRetriever, ScriptedTrajectory, parse_passages, replay_trajectories
 from agent.rollout import RolloutConfig, Trajectory
 from emapg.config import ConfigError
 from tasks.contamination import TrainedQuestions

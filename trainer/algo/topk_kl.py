@@ -2,7 +2,7 @@
 
 **Top-k KL.**  At every response position only O(k) numbers of each model are needed: the
 logits at a set q of k token ids, the full-vocabulary logsumexp Z, and the log-prob of the
-sampled token (all from :class:`trainer.logprobs.TokenStats`).  Normalised log-probs on q are
+sampled token (all from :class:`trainer.algo.token_stats.TokenStats`).  Normalised log-probs on q are
 ``logit_j − Z``: true probabilities, not renormalised over q.  The per-token estimate is
 
 * reverse, KL(πθ‖πref), q = top-k of the **sampling/old policy**::
@@ -43,8 +43,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from trainer.kl import LOG_RATIO_CLAMP, importance_weight
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, TokenStats, compute_dtype, lm_head_backward, project_logits
+from trainer.algo import DEFAULT_CHUNK_SIZE
+from trainer.algo.kl import LOG_RATIO_CLAMP, importance_weight
+from trainer.algo.token_stats import TokenStats, compute_dtype, lm_head_backward, project_logits
 
 __all__ = [
     "exact_kl",

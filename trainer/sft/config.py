@@ -15,7 +15,7 @@ from typing import Literal
 from agent.rollout import RolloutConfig
 from emapg.config import ConfigError, option
 from trainer.config import LoraConfig, RetrieverConfig
-from trainer.logprobs import DEFAULT_CHUNK_SIZE
+from trainer.algo import DEFAULT_CHUNK_SIZE
 
 
 @dataclass

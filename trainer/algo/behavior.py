@@ -38,18 +38,16 @@ never sampled). The Top-k head is computed exactly at every visited prefix and n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from trainer.kl import LOG_RATIO_CLAMP
-
-if TYPE_CHECKING:
-    from trainer.config import AlgorithmConfig
+from trainer.algo.kl import LOG_RATIO_CLAMP
 
 __all__ = [
     "BehaviorCorrection",
+    "BehaviorSettings",
     "BehaviorTerm",
     "behavior_correction",
     "behavior_metrics",
@@ -176,6 +174,16 @@ def mismatch_stats(prox_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor) -> 
     }
 
 
+class BehaviorSettings(Protocol):
+    """The ``algorithm.behavior_*`` settings :func:`behavior_correction` reads (:class:`trainer.config.AlgorithmConfig`
+    is one; the math does not import the config)."""
+
+    behavior_correction: str
+    behavior_level: str
+    behavior_cap: float
+    behavior_band: list[float]
+
+
 @dataclass(frozen=True)
 class BehaviorTerm:
     """What the loss of one micro-batch takes from the behaviour policy: the PPO term's weights
@@ -186,7 +194,7 @@ class BehaviorTerm:
 
 
 def behavior_correction(prox_logp: Tensor, stored: Mapping[str, Tensor], loss_mask: Tensor,
-                        alg: "AlgorithmConfig") -> BehaviorTerm | None:
+                        alg: BehaviorSettings) -> BehaviorTerm | None:
     """The ``algorithm.behavior_correction`` term of a micro-batch, or ``None`` when ``stored`` has no
     ``behavior_logp`` (a batch that did not come from an engine). ``(B, T)`` tensors."""
     if "behavior_logp" not in stored:

@@ -7,7 +7,7 @@ The loss of a batch of trajectories is
 with ``m = Trajectory.loss_mask``: 1 on the model's turns, 0 on observations (retrieved passages,
 corrective messages), so the policy learns to search and answer, never to predict the retriever.
 Rows are padded exactly as the RL trainer pads rollouts (``trainer.batch.build_token_batch``) and
-log-probs come from the same fused lm_head pass (``trainer.logprobs.causal_lm_token_stats``).
+log-probs come from the same fused lm_head pass (``trainer.model_forward.causal_lm_token_stats``).
 
 Output (``run.output_dir``): ``policy/`` -- a full HF folder (config, safetensors, tokenizer) that
 transformers and vLLM load and ``emapg train`` accepts as ``model.policy`` (the folder, or the run
@@ -36,8 +36,8 @@ from emapg.atomic import write_folder_atomic, write_text_atomic
 from emapg.config import to_dict
 from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions, read_trained_questions
 from trainer.batch import build_token_batch
-from trainer.logprobs import causal_lm_token_stats
-from trainer.sft_config import SFTConfig
+from trainer.model_forward import causal_lm_token_stats
+from trainer.sft.config import SFTConfig
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def run_sft(cfg: SFTConfig, *, progress=None) -> SFTResult:
 
     from emapg.models import resolve_model
     from tasks.heldout import heldout_questions
-    from trainer.sft_data import (
+    from trainer.sft.data import (
         construct_trajectories,
         file_trajectories,
         split_heldout,

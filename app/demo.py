@@ -43,6 +43,7 @@ from emapg.errors import UserError
 from emapg.models import STARTER
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 from emapg.process_group import stop_process_group
+from emapg.servers import emapg_command
 from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
 
 #: The training questions: the answerable pool (data/qa/pool/, scripts/build_qa_pool.py).
@@ -141,7 +142,7 @@ class _Stages:
             unit: str = "it") -> None:
         """``emapg ARGS`` with stdout/stderr in ``logs/<n>-<name>.log``; ``progress()`` (polled) drives a
         bar to ``total``."""
-        cmd = [sys.executable, "-m", "emapg.cli", *args]
+        cmd = [*emapg_command(), *args]
         log = self.log_path(name)
         t = time.monotonic()
         with open(log, "w") as f:

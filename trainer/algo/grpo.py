@@ -21,7 +21,7 @@ One EMA-PG step with TopkReverseKL (search setting), shapes ``(B, T)`` over resp
 ``dual_clip_c=3.0``, ``log_ratio_clamp=20.0``; η = 0.95.)
 
 ``agg`` is built once per optimizer step from the loss mask of the **whole** step (every
-micro-batch, and every data-parallel rank with ``all_reduce=True``), so summing the
+micro-batch, and every data-parallel rank with ``all_reduce``), so summing the
 micro-batch losses gives exactly the full-batch loss whatever the micro-batch size.  The one
 exception is the ``microbatch-token-mean`` mode, which reproduces the Search-R1 / paper-search
 behaviour (per-micro-batch masked mean divided by the accumulation count) and therefore does
@@ -33,20 +33,19 @@ there are zeroed first so a NaN in an observation cannot leak into the value, an
 of a masked token is exp(0) (its log ratio is masked *before* the exponential), so a ratio that
 would overflow there cannot turn its zero gradient into 0·inf = NaN either.
 
-The KL term of the loss is its kind's (:mod:`trainer.kl_kinds`).
+The KL term of the loss is its kind's (:mod:`trainer.algo.kl_kinds`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Literal, Sequence
+from typing import Callable, Hashable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.distributed import all_reduce_sum
-from trainer.kl import LOG_RATIO_CLAMP
+from trainer.algo.kl import LOG_RATIO_CLAMP
 
 __all__ = [
     "group_index",
@@ -231,20 +230,20 @@ class LossAggregation:
         *,
         num_micro_batches: int = 1,
         norm_length: float | None = None,
-        all_reduce: bool = False,
+        all_reduce: Callable[[Tensor], Tensor] | None = None,
     ) -> "LossAggregation":
         """Build from the loss mask(s) of every micro-batch of this optimizer step.
 
         ``loss_mask``: one ``(N, T)`` tensor or a list of per-micro-batch masks (lengths may
-        differ).  ``all_reduce=True`` sums the counts over the default process group and sets
-        ``dp_size`` to its world size.
+        differ).  ``all_reduce`` (e.g. :func:`trainer.distributed.all_reduce_sum`) sums the counts over
+        the default process group, and ``dp_size`` becomes its world size.
         """
         masks = [loss_mask] if isinstance(loss_mask, Tensor) else list(loss_mask)
         tokens = sum(float(m.sum()) for m in masks)
         seqs = sum(float((m.sum(-1) > 0).sum()) for m in masks)
         dp = 1
-        if all_reduce and dist.is_available() and dist.is_initialized():
-            counts = all_reduce_sum(torch.tensor([tokens, seqs], dtype=torch.float64))
+        if all_reduce is not None and dist.is_available() and dist.is_initialized():
+            counts = all_reduce(torch.tensor([tokens, seqs], dtype=torch.float64))
             tokens, seqs = float(counts[0]), float(counts[1])
             dp = dist.get_world_size()
         return cls(mode, tokens, seqs, norm_length, num_micro_batches, dp)
@@ -311,7 +310,7 @@ def compute_policy_loss(
         entropy: optional ``(B, T)`` policy entropy (e.g. ``TokenStats.entropy``); always
             reported, subtracted ×``entropy_coef`` (0 in both paper settings).
         token_weights: optional ``(B, T)`` constant weights of the per-token PPO loss (the decoupled
-            objective's behaviour correction, :mod:`trainer.behavior`); ``None`` is weight 1.
+            objective's behaviour correction, :mod:`trainer.algo.behavior`); ``None`` is weight 1.
 
     Returns ``(loss, metrics)``; metrics are detached 0-dim tensors, token means over this
     micro-batch's mask (weight them by ``metrics["tokens"]`` to average over micro-batches):

@@ -30,7 +30,7 @@ SchemaName = Literal["train", "sft", "rollout", "protocol"]
 # schema name -> (module, class, what it configures)
 SCHEMAS: dict[str, tuple[str, str, str]] = {
     "train": ("trainer.config", "TrainConfig", "`emapg train` — `TrainConfig` (YAML presets in `configs/`, dotted overrides)"),
-    "sft": ("trainer.sft_config", "SFTConfig", "`emapg sft` — `SFTConfig` (YAML presets `configs/sft_*.yaml`, dotted overrides)"),
+    "sft": ("trainer.sft.config", "SFTConfig", "`emapg sft` — `SFTConfig` (YAML presets `configs/sft_*.yaml`, dotted overrides)"),
     "rollout": ("agent.rollout", "RolloutConfig", "Agent loop — `agent.rollout.RolloutConfig`"),
     "protocol": ("eval.protocols", "EvalProtocol", "Evaluation protocols — `eval.protocols.EvalProtocol`"),
 }
@@ -41,9 +41,9 @@ COMMAND_PARSERS: dict[str, tuple[str, str]] = {
     "eval compare": ("eval.cli", "compare_parser"),
     "plot": ("trainer.plot", "parser"),
     "export": ("trainer.cli", "export_parser"),
-    "demo": ("emapg.demo", "parser"),
-    "models": ("emapg.model_cli", "parser"),
-    "config": ("emapg.config_cli", "parser"),
+    "demo": ("app.demo", "parser"),
+    "models": ("app.model_cli", "parser"),
+    "config": ("app.config_cli", "parser"),
     "serve": ("retriever.cli", "serve_parser"),
     "index": ("retriever.cli", "index_parser"),
     "router": ("retriever.cli", "router_parser"),

@@ -30,33 +30,42 @@ kind                            stored before the update       E[value]      E[g
 ``topk_forward`` at k = 0       log πref(p)                    K5 × s, per token exactly
 ``exact_reverse``               the anchor's hidden states     KL(πθ‖πref) at every token, ∇ likewise
 ``exact_forward``               the anchor's hidden states     KL(πref‖πθ) at every token, ∇ likewise
-a sampled estimator (``k3``...) log πref(p)                    as in the table of :mod:`trainer.kl` (× s)
+a sampled estimator (``k3``...) log πref(p)                    as in the table of :mod:`trainer.algo.kl` (× s)
 =============================== ============================== ============= ==========================
 
 The exact kinds never materialise a (T, V) tensor: the anchor's final hidden states (H floats
 per token) are stored, and the policy pass recomputes both models' logits per chunk
-(:func:`trainer.topk_kl.exact_kl_from_hidden`; our addition, the paper's exact KL stores the
+(:func:`trainer.algo.topk_kl.exact_kl_from_hidden`; our addition, the paper's exact KL stores the
 anchor's V logits per token).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from emapg.config import ConfigError
-from trainer.grpo import LossAggregation, masked_mean
-from trainer.kl import KLEstimator, get_kl_estimator, importance_weight, kl_estimator_names, sampled_kl
-from trainer.logprobs import TokenStats
-from trainer.topk_kl import Direction, not_in_topk_mask, topk_kl
+from trainer.algo.grpo import LossAggregation, masked_mean
+from trainer.algo.kl import KLEstimator, get_kl_estimator, importance_weight, kl_estimator_names, sampled_kl
+from trainer.algo.token_stats import TokenStats
+from trainer.algo.topk_kl import Direction, not_in_topk_mask, topk_kl
 
-if TYPE_CHECKING:
-    from trainer.config import KLConfig
+__all__ = ["KLSettings", "KLNeeds", "KLKind", "SampledKL", "TopkKL", "ExactKL", "get_kl_kind", "kl_kind_names", "register_kl_kind"]
 
-__all__ = ["KLNeeds", "KLKind", "SampledKL", "TopkKL", "ExactKL", "get_kl_kind", "kl_kind_names", "register_kl_kind"]
+
+class KLSettings(Protocol):
+    """The ``algorithm.kl`` settings a kind reads (:class:`trainer.config.KLConfig` is one; the math does not
+    import the config)."""
+
+    enabled: bool
+    topk: int
+    tail_sampling: bool
+    importance_weight: bool
+    iw_clip: list[float] | None
+    tail_grad: Literal["paper", "exact"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,8 @@ class KLNeeds:
     exact: Direction | None = None
 
 
-#: What a kind's value or gradient equals in expectation: :mod:`trainer.kl`'s targets, plus the
-#: Top-k gradients of the paper's release, ∇KL ± ∇πθ(q) (:mod:`trainer.topk_kl`).
+#: What a kind's value or gradient equals in expectation: :mod:`trainer.algo.kl`'s targets, plus the
+#: Top-k gradients of the paper's release, ∇KL ± ∇πθ(q) (:mod:`trainer.algo.topk_kl`).
 Expectation = Literal["reverse", "forward", "zero", "none", "reverse+grad_mass_q", "forward-grad_mass_q"]
 
 
@@ -90,17 +99,17 @@ class KLKind:
     name: str
     uses_importance_weight: bool = True
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         """(E[value], E[gradient]) over p ~ the sampling policy, with these settings (the module's table)."""
         raise NotImplementedError
 
-    def validate(self, cfg: "KLConfig") -> None:
+    def validate(self, cfg: KLSettings) -> None:
         """Raise :class:`ConfigError` (naming the ``algorithm.kl`` key) for settings this kind cannot train with."""
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         raise NotImplementedError
 
-    def per_token(self, policy: TokenStats, anchor: TokenStats, labels: Tensor, *, cfg: "KLConfig",
+    def per_token(self, policy: TokenStats, anchor: TokenStats, labels: Tensor, *, cfg: KLSettings,
                   old_logp: Tensor | None) -> Tensor:
         """Per-token KL ``(B, T)``; differentiable through ``policy`` only. ``old_logp`` is given when the IW applies."""
         raise NotImplementedError
@@ -116,7 +125,7 @@ class KLKind:
         loss_mask: Tensor,
         agg: LossAggregation,
         *,
-        cfg: "KLConfig",
+        cfg: KLSettings,
         old_logp: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Aggregated KL(πθ, π_anchor) of one micro-batch (multiply by β yourself) and its metrics.
@@ -141,24 +150,24 @@ class KLKind:
         return loss, metrics
 
 
-def _iw_clip(cfg: "KLConfig") -> tuple[float | None, float | None] | None:
+def _iw_clip(cfg: KLSettings) -> tuple[float | None, float | None] | None:
     return tuple(cfg.iw_clip) if cfg.iw_clip else None  # type: ignore[return-value]
 
 
 class SampledKL(KLKind):
-    """A sampled per-token estimator of :mod:`trainer.kl` (``k1``, ``k3``, ``k3+``, ...) on the sampled token.
+    """A sampled per-token estimator of :mod:`trainer.algo.kl` (``k1``, ``k3``, ``k3+``, ...) on the sampled token.
 
-    With the IW the whole estimate is multiplied by s (:func:`trainer.kl.sampled_kl`).
+    With the IW the whole estimate is multiplied by s (:func:`trainer.algo.kl.sampled_kl`).
     """
 
     def __init__(self, name: str, estimator: KLEstimator) -> None:
         self.name = name
         self.estimator = estimator
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         return self.estimator.value_target, self.estimator.grad_target
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         return KLNeeds(anchor_tokens=True)
 
     def per_token(self, policy, anchor, labels, *, cfg, old_logp):
@@ -166,7 +175,7 @@ class SampledKL(KLKind):
 
 
 class TopkKL(KLKind):
-    """Top-k reverse / forward KL (paper §2.3–§2.4; :func:`trainer.topk_kl.topk_kl`).
+    """Top-k reverse / forward KL (paper §2.3–§2.4; :func:`trainer.algo.topk_kl.topk_kl`).
 
     q is π_old's top-k (reverse) or the anchor's (forward); the head is exact on q, the tail is
     K4 (reverse) / K5 (forward) on the sampled token when it is not in q, weighted by s with the
@@ -178,20 +187,20 @@ class TopkKL(KLKind):
         self.direction = direction
         self.name = f"topk_{direction}"
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         if not cfg.tail_sampling:  # the truncated KL: the head alone, biased (distillation only)
             return "none", "none"
         if cfg.topk == 0 or cfg.tail_grad == "exact":
             return self.direction, self.direction
         return self.direction, "reverse+grad_mass_q" if self.direction == "reverse" else "forward-grad_mass_q"
 
-    def validate(self, cfg: "KLConfig") -> None:
+    def validate(self, cfg: KLSettings) -> None:
         if cfg.topk < 0:
             raise ConfigError(f"algorithm.kl.topk must be >= 0 for {self.name}, got {cfg.topk}")
         if cfg.enabled and cfg.topk == 0 and not cfg.tail_sampling:
             raise ConfigError("algorithm.kl.topk=0 with algorithm.kl.tail_sampling=false leaves no KL term; disable kl instead")
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         if cfg.topk == 0:
             return KLNeeds(anchor_tokens=True)
         return KLNeeds(topk=cfg.topk, topk_of="old" if self.direction == "reverse" else "anchor", anchor_tokens=True)
@@ -221,7 +230,7 @@ class ExactKL(KLKind):
     """The exact full-vocabulary KL at every token, from both models' final hidden states.
 
     The policy pass computes it (``TokenStats.exact_kl``) from the stored anchor hidden states
-    and the anchor's lm_head, chunk by chunk: no (T, V) tensor (:class:`trainer.topk_kl.ExactKLAnchor`).
+    and the anchor's lm_head, chunk by chunk: no (T, V) tensor (:class:`trainer.algo.topk_kl.ExactKLAnchor`).
     """
 
     uses_importance_weight = False
@@ -230,10 +239,10 @@ class ExactKL(KLKind):
         self.direction = direction
         self.name = f"exact_{direction}"
 
-    def expected(self, cfg: "KLConfig") -> tuple[Expectation, Expectation]:
+    def expected(self, cfg: KLSettings) -> tuple[Expectation, Expectation]:
         return self.direction, self.direction
 
-    def needs(self, cfg: "KLConfig") -> KLNeeds:
+    def needs(self, cfg: KLSettings) -> KLNeeds:
         return KLNeeds(exact=self.direction)
 
     def per_token(self, policy, anchor, labels, *, cfg, old_logp):
@@ -246,7 +255,7 @@ _KINDS: dict[str, KLKind] = {}
 
 
 def register_kl_kind(kind: KLKind) -> KLKind:
-    """Add a kind under ``kind.name`` (sampled estimators are found through :mod:`trainer.kl`'s registry)."""
+    """Add a kind under ``kind.name`` (sampled estimators are found through :mod:`trainer.algo.kl`'s registry)."""
     if kind.name in _KINDS or kind.name in kl_estimator_names():
         raise ValueError(f"KL kind {kind.name!r} is already registered")
     _KINDS[kind.name] = kind

@@ -28,9 +28,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("trainer.cli", "export_main", "write a trained policy (a LoRA run merged into its base) as a plain HF folder"),
     "eval": ("eval.cli", "main", "evaluate a model on the QA or math suites; `eval compare` for side-by-side reports"),
     "plot": ("trainer.plot", "main", "plot training curves of one or several runs to PNG"),
-    "demo": ("emapg.demo", "main", "the whole pipeline on bundled data: index, serve, train, eval, report"),
-    "models": ("emapg.model_cli", "main", "prepare the offline default models (convert SmolLM2, locate MiniLM)"),
-    "config": ("emapg.config_cli", "main", "show a config with overrides applied, or the reference of all options"),
+    "demo": ("app.demo", "main", "the whole pipeline on bundled data: index, serve, train, eval, report"),
+    "models": ("app.model_cli", "main", "prepare the offline default models (convert SmolLM2, locate MiniLM)"),
+    "config": ("app.config_cli", "main", "show a config with overrides applied, or the reference of all options"),
 }
 
 
@@ -72,6 +72,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run through the importable module: as __main__, this file's UserError would be a second class,
     # distinct from the one subcommands raise, and user errors would end in a traceback.
-    from emapg.cli import main as _main
+    from app.cli import main as _main
 
     sys.exit(_main())

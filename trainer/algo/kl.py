@@ -29,7 +29,7 @@ forward_importance   K5          sg(w)·log w + log r    KL(πref‖πθ)       
 
 Clamps follow the paper's code: ``log w`` is clamped to [−20, 20] wherever ``w`` is
 exponentiated, and K3/K3⁺⁺ values to [−10, 10].  Exact full-vocabulary and Top-k KL live in
-:mod:`trainer.topk_kl`.
+:mod:`trainer.algo.topk_kl`.
 """
 
 from __future__ import annotations

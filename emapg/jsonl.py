@@ -1,0 +1,68 @@
+"""JSON-lines files that survive a kill mid-write: one appender, two readers.
+
+* :func:`append_jsonl` writes a batch of records in one flushed, fsynced write, so a batch is all or nothing
+  (a kill can only leave a torn *last* line).
+* :func:`read_jsonl` reads a file another process may still be appending to (metrics, guard events): every
+  line that parses, a torn one skipped, the file left as it is.
+* :func:`read_jsonl_repairing` reads a file this process is about to append to (eval items, recorded
+  searches): the records before a torn tail, which is cut off the file so the next append starts on a
+  line boundary (the batch it belonged to is redone).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["append_jsonl", "read_jsonl", "read_jsonl_repairing"]
+
+
+def append_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
+    """Append ``records`` in one write, flushed to disk (nothing is written for an empty list)."""
+    if not records:
+        return
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    with open(path, "ab") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """Every record of ``path`` whose line parses; a line cut by a kill mid-write (or a blank one) is skipped."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def read_jsonl_repairing(path: str | Path) -> list[Any]:
+    """The records of ``path`` ([] when absent) up to a torn line, which is removed from the file with all
+    after it (and not returned)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    records, good_end, start = [], 0, 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        if end < 0:
+            break  # no newline: a write was cut short
+        try:
+            records.append(json.loads(data[start:end]))
+        except json.JSONDecodeError:
+            break
+        good_end = start = end + 1
+    if good_end < len(data):
+        log.warning("%s: dropping a torn record at byte %d (interrupted write); it will be redone", path, good_end)
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return records
