@@ -46,10 +46,6 @@ from emapg.process_group import stop_process_group
 from emapg.servers import emapg_command
 from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
 
-#: The training questions: the answerable pool (data/qa/pool/, scripts/build_qa_pool.py).
-TRAIN_SET = "qa_pool"
-
-
 @dataclass(frozen=True)
 class DemoPreset:
     """What one demo run does."""
@@ -60,6 +56,9 @@ class DemoPreset:
     eval_limit: int  # held-out questions per QA dataset
     engine: str
     train_steps: int  # optimizer steps of the training stage (run.total_steps)
+    # The training questions: the answerable pool (data/qa/pool/, scripts/build_qa_pool.py) or its subset the
+    # starter solves sometimes but not always (qa_pool_informative, scripts/curate_pool.py).
+    train_set: str
     train_overrides: tuple[str, ...] = ()
     eval_overrides: tuple[str, ...] = ()
 
@@ -76,6 +75,7 @@ PRESETS: dict[str, DemoPreset] = {
         eval_limit=15,
         engine="vllm",
         train_steps=8,
+        train_set="qa_pool_informative",
         # greedy, 2 searches, 64 tokens per turn (as in training); all 105 questions in one vLLM batch
         eval_overrides=("--protocol", "qa_quick", "--batch-across-datasets", "--batch-size", "105"),
     ),
@@ -87,6 +87,7 @@ PRESETS: dict[str, DemoPreset] = {
         eval_limit=2,
         engine="hf",
         train_steps=2,
+        train_set="qa_pool",  # a random model solves nothing: the curated subset is the starter's
         train_overrides=("logging.progress=false", "logging.tensorboard=false"),
         eval_overrides=("--max-tokens", "32", "--max-turns", "2"),
     ),
@@ -223,7 +224,7 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
         "datasets": {name: {label: runs[label]["datasets"][name] for label in runs} for name in runs["base"]["datasets"]},
         "average": {label: runs[label]["average"] for label in runs},
         "models": {label: runs[label]["model"] for label in runs},
-        "training": {"steps": len(steps), "wall_s": stages.seconds.get("train"), "train_set": TRAIN_SET,
+        "training": {"steps": len(steps), "wall_s": stages.seconds.get("train"), "train_set": preset.train_set,
                      "questions": pool, "metrics": steps, **_training_summary(steps, stages.seconds.get("train"), _groups_per_step(preset))},
         "stage_seconds": stages.seconds,
         "logs": stages.logs,
@@ -243,12 +244,12 @@ def _sampling_lines(steps: list[dict[str, float]]) -> list[str]:
             f"mean reward over every sampled trajectory {reward:.3f}"]
 
 
-def _pool_sources() -> dict[str, int]:
-    """Questions of the training pool per origin (``nq/test``, ``nq/train``, ...)."""
+def _pool_sources(train_set: str) -> dict[str, int]:
+    """Questions of the training set per origin (``nq/test``, ``nq/train``, ...)."""
     from tasks.datasets import load_dataset
 
     counts: dict[str, int] = {}
-    for ex in load_dataset(TRAIN_SET, split="train"):
+    for ex in load_dataset(train_set, split="train"):
         origin = str(ex.meta.get("origin", ex.data_source))
         counts[origin] = counts.get(origin, 0) + 1
     return counts
@@ -309,9 +310,10 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         f"- starter policy: `{results['models']['base']}`; trained: `{results['models']['trained']}`",
         f"- training: EMA-PG (EMA anchor + Top-k reverse KL), {t['steps']} steps"
         + (f" in {t['wall_s'] / 60:.1f} min" if t["wall_s"] else "")
-        + f", on the answerable training pool `{t['train_set']}` ({sum(t['questions'].values())} questions outside every "
-        "held-out split whose answer the bundled index retrieves for the question itself: "
-        + ", ".join(f"{k} {v}" for k, v in t["questions"].items()) + ")",
+        + f", on `{t['train_set']}` ({sum(t['questions'].values())} questions outside every held-out split whose answer "
+        "the bundled index retrieves for the question itself"
+        + ("; the starter solved each in some but not all of its samples" if t["train_set"] == "qa_pool_informative" else "")
+        + ": " + ", ".join(f"{k} {v}" for k, v in t["questions"].items()) + ")",
         *_sampling_lines(t["metrics"]),
         *_movement_lines(t),
         f"- held-out evaluation: {results['heldout']['per_dataset']} questions x {len(QA_DATASETS)} QA test sets "
@@ -384,7 +386,7 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
         if preset.eval_limit > HELDOUT_PER_DATASET:
             raise UserError(f"preset {preset_name!r}: eval_limit {preset.eval_limit} exceeds the held-out split "
                             f"({HELDOUT_PER_DATASET} questions per QA set)")
-        pool = _pool_sources()
+        pool = _pool_sources(preset.train_set)
         stages.banner(3, total, "starting the retrieval server")
         with open_retriever(index_dir=index_dir, log_path=log_dir / "retriever.log") as retriever:
             stages.logs["retriever"] = str(log_dir / "retriever.log")
@@ -408,7 +410,7 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             train_dir = out / "train"
             metrics = train_dir / "metrics.jsonl"
             stages.run("train", ["train", "--config", str(preset.train_config), f"model.policy={preset.policy}",
-                                 f"data.train={TRAIN_SET}", "data.split=train", f"retriever.urls=[{url}]",
+                                 f"data.train={preset.train_set}", "data.split=train", f"retriever.urls=[{url}]",
                                  "retriever.index_dir=null", f"run.output_dir={train_dir}",
                                  f"run.total_steps={preset.train_steps}", *preset.train_overrides],
                        progress=lambda: _count_lines([metrics]), total=preset.train_steps, unit="step")  # fmt: skip

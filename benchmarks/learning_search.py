@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-TRAIN_SET = "qa_pool"  # the answerable training pool (data/qa/pool/)
+TRAIN_SET = "qa_pool"  # default: the answerable training pool (data/qa/pool/)
 
 ALGOS = {
     "grpo": ["algorithm.name=grpo", "algorithm.kl.type=k3", "algorithm.kl.importance_weight=false", "algorithm.ema.decay=1.0"],
@@ -156,7 +156,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"GRPO (K3, frozen reference) vs EMA-PG (Top-k reverse KL, EMA anchor) from {report['policy']}, "
-                 f"trained on {report.get('train_set', TRAIN_SET)}", fontsize=10)
+                 f"trained on {report['train_set']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set (<= 100, the held-out split's "
                    "size; default 50, i.e. 350 questions; quick 2)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--train-set", default=TRAIN_SET, help="training questions: qa_pool (the answerable pool) or "
+                   "qa_pool_informative (its subset the starter solves sometimes; what make demo trains on)")
     p.add_argument("--policy", default=None, help="starter policy (default emapg.models.STARTER)")
     p.add_argument("--no-filter-groups", dest="filter_groups", action="store_false",
                    help="turn dynamic sampling (rollout.filter_groups, the demo config's setting) off for both algorithms")
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="learning-search-"))
     work.mkdir(parents=True, exist_ok=True)
     pool_sources: dict[str, int] = {}
-    for ex in load_dataset(TRAIN_SET, split="train"):
+    for ex in load_dataset(args.train_set, split="train"):
         pool_sources[ex.meta.get("origin", ex.data_source)] = pool_sources.get(ex.meta.get("origin", ex.data_source), 0) + 1
     index_dir = ensure_bundled_index(settings["index_limit"])
     eval_steps = sorted({s for s in range(eval_every, steps + 1, eval_every)} | {steps})
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     groups_per_step = base_cfg.data.prompts_per_step
     report: dict[str, Any] = {
         "benchmark": "learning_search", "mode": settings["mode"], "policy": settings["policy"], "steps": steps,
-        "eval_steps": [0, *eval_steps], "seeds": list(args.seeds), "train_set": TRAIN_SET, "train_questions": pool_sources,
+        "eval_steps": [0, *eval_steps], "seeds": list(args.seeds), "train_set": args.train_set, "train_questions": pool_sources,
         "filter_groups": args.filter_groups, "overrides": args.override,
         "rollout": {"group_size": base_cfg.rollout.n_samples, "prompts_per_step": groups_per_step,
                     "temperature": base_cfg.rollout.temperature},
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             for alg, algo_overrides in ALGOS.items():
                 run_dir = work / f"{alg}-seed{seed}"
-                overrides = [f"model.policy={settings['policy']}", f"data.train={TRAIN_SET}", "data.split=train",
+                overrides = [f"model.policy={settings['policy']}", f"data.train={args.train_set}", "data.split=train",
                              f"retriever.urls=[{url}]", "retriever.index_dir=null", f"run.output_dir={run_dir}",
                              f"run.seed={seed}", f"run.total_steps={steps}", f"run.save_every={eval_every}",
                              f"run.keep_last={len(eval_steps) + 1}", "logging.progress=false",

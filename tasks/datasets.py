@@ -104,6 +104,10 @@ REGISTRY: dict[str, DatasetInfo] = {
         _info("qa_pool", "qa", train=("qa/pool/train.jsonl.gz",
                                       "the answerable training pool: bundled QA questions outside every held-out split whose "
                                       "answer is in the top-3 passages of the bundled index (data/qa/pool/record.json)")),
+        _info("qa_pool_informative", "qa", train=("qa/pool/informative.jsonl.gz",
+                                                  "the pool questions the starter solved in some but not all of its samples "
+                                                  "(offline difficulty curation: data/qa/pool/informative_record.json, "
+                                                  "scripts/curate_pool.py)")),
         _info("aime2024", "math", test=("math/aime2024.jsonl.gz", "AIME 2024 I+II")),
         _info("amc", "math", test=("math/amc.jsonl.gz",
                                    "AMC 2022-23 (DeepScaleR); not the paper's LiveMathBench AMC")),

@@ -77,3 +77,44 @@ def test_pool_answerability_recomputed_from_the_bundled_index():
     answerable = sum(retrieval_recall([x["contents"] for x in h], ex.answers)
                      for ex, h in zip(nq, searcher.retrieve([ex.question.strip() for ex in nq], 3)))
     assert answerable == record["heldout"]["per_dataset"]["nq"]["answerable"]
+
+
+def test_informative_subset_is_curated_from_the_pool_without_the_starters_warm_start_questions():
+    """``qa_pool_informative`` (scripts/curate_pool.py): pool rows only, each solved by the starter in some but not
+    all of its recorded samples, none of them warm-start questions; the record matches the file."""
+    from emapg.models import STARTER, resolve_model
+    from emapg.paths import DATA_DIR
+    from tasks.contamination import read_trained_questions
+
+    pool = {ex.id: ex for ex in load_dataset("qa_pool", split="train")}
+    curated = load_dataset("qa_pool_informative", split="train")
+    record = json.loads((DATA_DIR / "qa" / "pool" / "informative_record.json").read_text())
+    assert len(curated) == record["kept"] > 0
+    n = record["samples_per_question"]
+    histogram = record["correct_count_histogram"]
+    assert sum(histogram.values()) == record["questions_measured"]
+    assert sum(histogram[str(c)] for c in range(1, n)) == record["kept"]
+    trained = read_trained_questions(resolve_model(STARTER))
+    for ex in curated:
+        assert ex.id in pool and pool[ex.id].question == ex.question and pool[ex.id].answers == ex.answers
+        correct, samples = ex.meta["starter_pass"]
+        assert samples == n and 0 < correct < n
+        assert not trained.contains(ex.question)
+
+
+def test_curation_counts_exact_matches_per_sample(tmp_path):
+    """scripts/curate_pool.py reads each QA item's samples: a sample counts when its exact match is 1."""
+    import importlib.util
+
+    from emapg.paths import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("curate_pool", REPO_ROOT / "scripts" / "curate_pool.py")
+    curate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curate)
+    items = tmp_path / "eval" / "items"
+    items.mkdir(parents=True)
+    rows = [{"id": "a", "samples": [{"scores": {"em": 1.0}}, {"scores": {"em": 0.0}}, {"scores": {"em": 1.0}}]},
+            {"id": "b", "samples": [{"scores": {"em": 0.0}}] * 3},
+            {"id": "c", "scores": {"n_correct": 2, "n_samples": 4}}]  # a math item: not a QA sample list
+    (items / "qa_pool.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert curate.correct_counts(tmp_path / "eval") == {"a": (2, 3), "b": (0, 3)}
