@@ -70,11 +70,11 @@ def candidates(pool: list[dict[str, Any]], n: int, seed: int, starter: str) -> l
 
 def correct_counts(eval_dir: Path) -> dict[str, tuple[int, int]]:
     """``{question id: (correct, samples)}`` from an evaluation folder's per-item records."""
-    from eval.runner import read_items
+    from emapg.jsonl import read_jsonl
 
     counts: dict[str, tuple[int, int]] = {}
     for path in sorted(eval_dir.rglob("*.jsonl")):
-        for item in read_items(path):
+        for item in read_jsonl(path):
             samples = item.get("samples") or []
             if samples:  # a QA item: every sample's exact match (the trainer's reward)
                 counts[str(item["id"])] = (sum(s["scores"]["em"] >= 1.0 for s in samples), len(samples))
