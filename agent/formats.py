@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from agent.actions import Action, format_passages
 from agent.prompts import BuiltPrompt, build_prompt
 from agent.toolcall_parsers import ToolCall, get_tool_parser
 from emapg.config import ConfigError
 
-__all__ = ["FORMATS", "SEARCH_TOOL", "TOOL_CHAT_TEMPLATES", "ToolCallFormat", "tool_chat_template", "strip_reasoning"]
+__all__ = ["FORMATS", "SEARCH_TOOL", "TOOL_CHAT_TEMPLATES", "ToolCallFormat", "tool_chat_template", "strip_reasoning",
+           "ids_after_turn"]
 
 AgentFormat = Literal["tags", "tool_calls"]
 FORMATS: tuple[str, ...] = ("tags", "tool_calls")
@@ -227,18 +228,26 @@ class ToolCallFormat:
         return text if len(ids) <= n else self.tok.decode(ids[:n], skip_special_tokens=True)
 
     def _after_turn(self, last_token: int | None, messages: list[dict]) -> list[int]:
-        convo = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}, *messages]
-        text = self.render(convo, add_generation_prompt=True)
-        at = text.rfind(_SENTINEL)
-        if at < 0:
-            raise ValueError("the chat template does not render assistant turns' content; cannot place tool results")
-        after = text[at + len(_SENTINEL):]
-        # The model's end-of-turn token (e.g. <|im_end|>) was sampled: do not write the template's copy again.
-        if last_token is not None and last_token in set(self.tok.all_special_ids):
-            closing = self.tok.decode([last_token])
-            if closing and after.startswith(closing):
-                after = after[len(closing):]
-        return list(self.tok(after, add_special_tokens=False)["input_ids"])
+        return ids_after_turn(self.tok, self.render, [{"role": "user", "content": "?"}], messages, last_token)
+
+
+def ids_after_turn(tokenizer, render: Callable[..., str], before: list[dict], after: list[dict],
+                   last_token: int | None) -> list[int]:
+    """Token ids the chat template writes after an assistant turn that follows ``before``: the turn's close,
+    the ``after`` messages and the generation prompt. The turn is rendered as a sentinel and only the text
+    after it is tokenised (once), so the sampled ids of the turn are never re-derived from text; when the
+    turn's last sampled token is the special token the close starts with (ChatML's ``<|im_end|>``), that text
+    is not written twice. ``render(messages, add_generation_prompt=...)`` applies the chat template."""
+    text = render([*before, {"role": "assistant", "content": _SENTINEL}, *after], add_generation_prompt=True)
+    at = text.rfind(_SENTINEL)
+    if at < 0:
+        raise ValueError("the chat template does not render assistant turns' content; cannot place tool results")
+    rest = text[at + len(_SENTINEL):]
+    if last_token is not None and last_token in set(tokenizer.all_special_ids):
+        closing = tokenizer.decode([last_token])
+        if closing and rest.startswith(closing):
+            rest = rest[len(closing):]
+    return list(tokenizer(rest, add_special_tokens=False)["input_ids"])
 
 
 def _search_query(call: ToolCall) -> tuple[str] | str:
