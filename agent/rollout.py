@@ -130,6 +130,12 @@ class RolloutConfig:
     tool_chat_template: str | None = option(
         None, help="format=tool_calls: chat template to render tools with, in place of the tokenizer's (for models whose "
         "template has no tool support): chatml_tools (bundled, ChatML models such as SmolLM2) or a Jinja file")
+    agent: str | None = option(
+        None, help="an external agent, module:function (agent/external.py): called per trajectory with an openai client "
+        "pointed at the policy's recording OpenAI endpoint, the task row and a session id; returns its final answer. "
+        "None: the built-in agent")
+    agent_workers: int = option(8, help="agent: trajectories run concurrently")
+    agent_timeout_s: float = option(600.0, gt=0, help="agent: seconds per model call of the agent's client")
 
     def validate(self) -> None:
         for name in ("max_tokens_per_turn", "max_obs_tokens", "max_response_tokens", "max_prompt_tokens", "topk", "n_samples"):
@@ -153,6 +159,14 @@ class RolloutConfig:
                 raise ConfigError("rollout.format=tool_calls needs rollout.task=search (the math task has no tools)")
             if self.chat == "raw":
                 raise ConfigError("rollout.format=tool_calls needs the chat template (rollout.chat auto or chat, not raw)")
+        if self.agent:
+            from agent.external import load_agent
+
+            load_agent(self.agent)
+            if self.task != "search":
+                raise ConfigError("rollout.agent needs rollout.task=search (its answer is scored by the QA metrics)")
+            if self.agent_workers < 1:
+                raise ConfigError("rollout.agent_workers must be >= 1")
 
     @property
     def template_name(self) -> str:
@@ -217,13 +231,13 @@ class Trajectory:
     model_text: str = ""
     timings: dict[str, float] = field(default_factory=lambda: {"generation_s": 0.0, "retrieval_s": 0.0})
     weights_version: int | None = None  # asynchronous training: the trainer step whose weights sampled it
-    format: AgentFormat = "tags"  # rollout.format that produced it
+    format: str = "tags"  # rollout.format that produced it, or "external" (rollout.agent)
 
     @property
     def scored_text(self) -> str:
         """What rewards and QA metrics read (they take the last ``<answer>…</answer>``): ``model_text`` in the
-        tags format; in the tool-call format the plain final answer as that one answer ("" when none), so a
-        tool-call trajectory is scored by exactly the same metrics on exactly its final answer."""
+        tags format; in the tool-call format (and for an external agent) the plain final answer as that one
+        answer ("" when none), so it is scored by exactly the same metrics on exactly its final answer."""
         if self.format == "tags":
             return self.model_text
         if self.final_answer is None:
@@ -556,11 +570,18 @@ def run_rollouts_with_stats(
             raise TypeError("run_rollouts needs a synchronous retriever (retriever.client.RetrieverClient)")
     loop = _Loop(engine, retriever, cfg)
     start = time.perf_counter()
-    trajs = _init_trajectories(engine, prompts, cfg, batch_tag, loop.fmt)
-    if cfg.mode == "async":
-        _drive_async(loop, trajs)
+    if cfg.agent:  # an external agent through the recording OpenAI endpoint (agent/external.py)
+        from agent.external import run_external_rollouts
+
+        trajs = [Trajectory(f"{gid}-{k}", gid, i, k, *_prompt_fields(prompts[i]), [], format="external")
+                 for i, k, gid in expand_groups(len(prompts), cfg.n_samples, batch_tag)]
+        run_external_rollouts(engine, prompts, retriever, cfg, trajs)
     else:
-        _drive_batched(loop, trajs)
+        trajs = _init_trajectories(engine, prompts, cfg, batch_tag, loop.fmt)
+        if cfg.mode == "async":
+            _drive_async(loop, trajs)
+        else:
+            _drive_batched(loop, trajs)
     for t in trajs:
         try:
             t.response_text = engine.tokenizer.decode(t.response_ids, skip_special_tokens=True)
