@@ -36,7 +36,7 @@ from emapg.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_agent", "LocalEndpoint", "run_external_rollouts"]
+__all__ = ["load_agent", "LocalEndpoint", "run_external_rollouts", "user_rewards"]
 
 
 def load_agent(spec: str, option: str = "rollout.agent") -> Callable[..., Any]:
@@ -189,3 +189,19 @@ def _fill(t: Any, session: dict, max_response_tokens: int) -> None:
         t.stop_reason = "length"
     else:
         t.stop_reason = "answer" if t.final_answer is not None else "max_turns"
+
+
+def user_rewards(spec: str, rows: Sequence[Any], answers: Sequence[str | None]) -> list[float]:
+    """``rollout.agent_reward``: the user's ``fn(row, answer)`` per trajectory, each a finite number."""
+    import dataclasses
+    import math
+
+    fn = load_agent(spec, "rollout.agent_reward")
+    out = []
+    for row, answer in zip(rows, answers, strict=True):
+        data = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else row
+        value = fn(data, answer)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"rollout.agent_reward {spec} returned {value!r}; a reward is a finite number")
+        out.append(float(value))
+    return out

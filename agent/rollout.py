@@ -134,6 +134,9 @@ class RolloutConfig:
         None, help="an external agent, module:function (agent/external.py): called per trajectory with an openai client "
         "pointed at the policy's recording OpenAI endpoint, the task row and a session id; returns its final answer. "
         "None: the built-in agent")
+    agent_reward: str | None = option(
+        None, help="a reward function module:function(row, answer) -> float, called per trajectory with the task row (gold "
+        "answers included) and the final answer (None when there is none) in place of the task's QA metrics; None: the metrics")
     agent_workers: int = option(8, help="agent: trajectories run concurrently")
     agent_timeout_s: float = option(600.0, gt=0, help="agent: seconds per model call of the agent's client")
 
@@ -159,6 +162,10 @@ class RolloutConfig:
                 raise ConfigError("rollout.format=tool_calls needs rollout.task=search (the math task has no tools)")
             if self.chat == "raw":
                 raise ConfigError("rollout.format=tool_calls needs the chat template (rollout.chat auto or chat, not raw)")
+        if self.agent_reward:
+            from agent.external import load_agent
+
+            load_agent(self.agent_reward, "rollout.agent_reward")
         if self.agent:
             from agent.external import load_agent
 

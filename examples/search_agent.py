@@ -59,6 +59,14 @@ def solve(client: Any, row: dict, session_id: str, retriever: Any = None, sampli
     return None
 
 
+def contains_gold(row: dict, answer: str | None) -> float:
+    """A reward function for ``rollout.agent_reward=examples.search_agent:contains_gold``: 1 when the answer
+    contains a gold answer (case-insensitive), else 0 -- more lenient than the exact-match metric."""
+    if not answer:
+        return 0.0
+    return float(any(str(g).lower() in answer.lower() for g in row.get("answers", [])))
+
+
 if __name__ == "__main__":
     import argparse
 
