@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.scripted import _atomic_save
+from agent.scripted import build_untied_tiny
 
 CALL_HEAD = '{"name": "search", "arguments": {"query": "'
 CALL_TAIL = '"}}'
@@ -23,23 +23,10 @@ TOOL_BROKEN_SCRIPT = "<tool_call>broken</tool_call><|im_end|>"
 
 def build_tool_tiny(out: Path, tiny_dir: Path, seed: int = 2) -> Path:
     """The tiny Qwen2 of ``tiny_dir`` with the tool-call tokens and template (module docstring), random weights."""
-    import torch
-    from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
-
     from agent.formats import CHATML_TOOLS_TEMPLATE
 
-    def write(tmp: Path) -> None:
-        tok = AutoTokenizer.from_pretrained(tiny_dir)
+    def edit(tok) -> None:
         tok.add_tokens(["<tool_call>", "</tool_call>", CALL_HEAD, CALL_TAIL])
         tok.chat_template = CHATML_TOOLS_TEMPLATE
-        config = AutoConfig.from_pretrained(tiny_dir)
-        config.vocab_size = len(tok)
-        config.tie_word_embeddings = False
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
 
-    return _atomic_save(out, write)
+    return build_untied_tiny(out, tiny_dir, seed=seed, edit_tokenizer=edit)

@@ -375,22 +375,21 @@ def add_openai_routes(app: FastAPI, *, options: OpenAIOptions, endpoint: Callabl
                                   "logprobs": [_logprob(x) for x in s.logprobs], "spans": s.spans, "calls": s.calls}
                                  for s in assembly.segments]}
 
+    def found(session: Session | None, session_id: str) -> dict:
+        if session is None:
+            raise HTTPError(404, f"no session {show(session_id)} (never recorded, deleted, or expired)")
+        return session_json(session)
+
     @app.get("/v1/sessions/{session_id}")
     @endpoint
     async def get_session(request: Request, session_id: str):
         """A session's recorded calls (exact prompt and completion ids, sampling log-probs) and assembled trajectories."""
-        session = store.get(session_id)
-        if session is None:
-            raise HTTPError(404, f"no session {show(session_id)} (never recorded, deleted, or expired)")
-        return session_json(session)
+        return found(store.get(session_id), session_id)
 
     @app.delete("/v1/sessions/{session_id}")
     @endpoint
     async def delete_session(request: Request, session_id: str):
         """As GET, then the session is forgotten (frees its room)."""
-        session = store.pop(session_id)
-        if session is None:
-            raise HTTPError(404, f"no session {show(session_id)} (never recorded, deleted, or expired)")
-        return session_json(session)
+        return found(store.pop(session_id), session_id)
 
     return store
