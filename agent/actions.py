@@ -35,6 +35,7 @@ class Action:
     kind: ActionKind
     content: str = ""  # stripped query or answer; "" for invalid
     reason: str = ""  # why an action is invalid ("no_tag", "empty_query", ...)
+    queries: tuple[str, ...] = ()  # search: every query of the turn (one here; one per call in the tool-call format)
 
 
 def parse_action(text: str, *, max_query_chars: int = 1000) -> Action:
@@ -55,7 +56,7 @@ def parse_action(text: str, *, max_query_chars: int = 1000) -> Action:
         content = "".join(ch for ch in content if ch.isprintable() or ch in " \t\n").strip()
         if not content:
             return Action("invalid", reason="empty_query")
-        return Action("search", content[:max_query_chars])
+        return Action("search", content[:max_query_chars], queries=(content[:max_query_chars],))
     return Action("answer", content)
 
 

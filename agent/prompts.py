@@ -11,6 +11,8 @@ Registered templates:
   (ALGORITHM.md §4.1). The question is stripped and gets a trailing "?" when it has
   none. The rendered text is byte-identical to the ``prompt`` field of Search-R1's
   NQ parquet files, so a model trained with Search-R1 sees the prompt it knows.
+* ``search_tools`` -- the same task for ``rollout.format=tool_calls`` (agent/formats.py): the search
+  tool is declared by the chat template (``tools=``), the answer is plain text.
 * ``math`` -- the raw problem text, as in the EMA-PG math setting (ALGORITHM.md §5:
   no instruction is added; the DeepSeek-R1-distill chat template supplies
   ``<|User|>...<|Assistant|><think>\\n``).
@@ -40,6 +42,13 @@ SEARCH_R1_TEMPLATE = (
     "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
 )
 
+# rollout.format=tool_calls (agent/formats.py): the search tool is declared by the chat template.
+SEARCH_TOOLS_TEMPLATE = (
+    "Answer the given question. Think step by step. If you lack some knowledge, call the search tool; you can "
+    "search as many times as you want. When you know the answer, reply with the answer only (a short phrase, "
+    "without detailed illustrations) and no tool call. Question: {question}\n"
+)
+
 MATH_TEMPLATE = "{question}"
 MATH_BOXED_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -47,10 +56,11 @@ TEMPLATES: dict[str, str] = {
     "search_r1": SEARCH_R1_TEMPLATE,
     "math": MATH_TEMPLATE,
     "math_boxed": MATH_BOXED_TEMPLATE,
+    "search_tools": SEARCH_TOOLS_TEMPLATE,
 }
 
 # Question normalisation per template: Search-R1 strips and appends "?" (make_prefix).
-_QUESTION_MARK_TEMPLATES = {"search_r1"}
+_QUESTION_MARK_TEMPLATES = {"search_r1", "search_tools"}
 
 TruncationPolicy = Literal["error", "truncate_question"]
 ChatMode = Literal["auto", "chat", "raw"]
@@ -108,11 +118,18 @@ def uses_chat_template(tokenizer, mode: ChatMode = "auto") -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_text(tokenizer, text: str, chat: bool) -> list[int]:
-    """Token ids of ``text`` as the model sees it: one user turn + generation prompt, or raw."""
+def encode_text(tokenizer, text: str, chat: bool, *, tools: list[dict] | None = None,
+                chat_template: str | None = None) -> list[int]:
+    """Token ids of ``text`` as the model sees it: one user turn + generation prompt, or raw.
+
+    ``tools`` (function schemas) and ``chat_template`` (a template in place of the tokenizer's) go to
+    the chat template (``rollout.format=tool_calls``, agent/formats.py)."""
     if chat:
+        extra = {"tools": tools} if tools else {}
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, **extra
         )
         # The chat template already contains any BOS; don't let the tokenizer add another.
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -137,6 +154,8 @@ def build_prompt(
     max_tokens: int | None = None,
     truncation: TruncationPolicy = "error",
     chat: ChatMode = "auto",
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
 ) -> BuiltPrompt:
     """Render ``template`` for ``question`` and tokenize it once.
 
@@ -148,9 +167,9 @@ def build_prompt(
     """
     text_template = load_template(template)
     q = normalize_question(question, template)
-    use_chat = uses_chat_template(tokenizer, chat)
+    use_chat = chat_template is not None or uses_chat_template(tokenizer, chat)
     text = render(text_template, q)
-    ids = encode_text(tokenizer, text, use_chat)
+    ids = encode_text(tokenizer, text, use_chat, tools=tools, chat_template=chat_template)
     if max_tokens is None or len(ids) <= max_tokens:
         return BuiltPrompt(q, text, ids)
     if truncation == "error":
@@ -163,7 +182,7 @@ def build_prompt(
     while lo <= hi:
         keep = (lo + hi) // 2
         q_cut = tokenizer.decode(q_ids[len(q_ids) - keep :]).strip() if keep else ""
-        cand = encode_text(tokenizer, render(text_template, q_cut), use_chat)
+        cand = encode_text(tokenizer, render(text_template, q_cut), use_chat, tools=tools, chat_template=chat_template)
         if len(cand) <= max_tokens:
             best, lo = (q_cut, cand, len(q_ids) - keep), keep + 1
         else:

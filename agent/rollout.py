@@ -26,6 +26,11 @@ Where we depart from Search-R1, on purpose:
   (``stop_reason="error"``); the batch continues.
 * Empty search queries are invalid actions (Search-R1 would send "" to the retriever).
 
+Two formats (``RolloutConfig.format``, agent/formats.py): ``tags`` (the above) and ``tool_calls``, where the
+search tool is declared through the chat template, the model calls it in its own syntax (several calls in a
+turn are several searches), results come back as template-rendered ``tool`` messages and the final answer is
+plain text. Budgets, invalid actions, failures and token exactness are the same code in both.
+
 Two drivers (``RolloutConfig.mode``):
 
 * ``"batched"`` -- lock-step turns as in Search-R1: turn t of every trajectory is one
@@ -63,6 +68,7 @@ from agent.actions import (
     parse_action,
 )
 from agent.engines.base import Engine, GenerationOutput, SamplingParams
+from agent.formats import AgentFormat, ToolCallFormat
 from agent.prompts import BuiltPrompt, build_prompt
 from emapg.config import ConfigError, option
 
@@ -115,6 +121,24 @@ class RolloutConfig:
     search_failure_message: str = option(
         SEARCH_FAILED_MESSAGE, help="text inside <information> when a search fails (timeout, 5xx, server down)"
     )
+    format: AgentFormat = option(
+        "tags", help="search task: tags (Search-R1's <search>/<answer> in the text) or tool_calls (the chat template's "
+        "own tool calls: the search tool declared with tools=, results as tool messages, a plain-text final answer; "
+        "agent/formats.py)")
+    tool_parser: str = option("hermes", help="format=tool_calls: parser of the model's tool-call syntax "
+                                             "(agent.toolcall_parsers: hermes = Qwen/Hermes <tool_call>{json}</tool_call>)")
+    tool_chat_template: str | None = option(
+        None, help="format=tool_calls: chat template to render tools with, in place of the tokenizer's (for models whose "
+        "template has no tool support): chatml_tools (bundled, ChatML models such as SmolLM2) or a Jinja file")
+    agent: str | None = option(
+        None, help="an external agent, module:function (agent/external.py): called per trajectory with an openai client "
+        "pointed at the policy's recording OpenAI endpoint, the task row and a session id; returns its final answer. "
+        "None: the built-in agent")
+    agent_reward: str | None = option(
+        None, help="a reward function module:function(row, answer) -> float, called per trajectory with the task row (gold "
+        "answers included) and the final answer (None when there is none) in place of the task's QA metrics; None: the metrics")
+    agent_workers: int = option(8, help="agent: trajectories run concurrently")
+    agent_timeout_s: float = option(600.0, gt=0, help="agent: seconds per model call of the agent's client")
 
     def validate(self) -> None:
         for name in ("max_tokens_per_turn", "max_obs_tokens", "max_response_tokens", "max_prompt_tokens", "topk", "n_samples"):
@@ -128,10 +152,36 @@ class RolloutConfig:
             raise ConfigError("retrieval_workers must be >= 1")
         if self.max_context_tokens is not None and self.max_context_tokens <= self.max_prompt_tokens:
             raise ConfigError("max_context_tokens must exceed max_prompt_tokens")
+        if self.format not in ("tags", "tool_calls"):
+            raise ConfigError(f"rollout.format must be tags or tool_calls, got {self.format!r}")
+        if self.format == "tool_calls":
+            from agent.toolcall_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_parser)
+            if self.task != "search":
+                raise ConfigError("rollout.format=tool_calls needs rollout.task=search (the math task has no tools)")
+            if self.chat == "raw":
+                raise ConfigError("rollout.format=tool_calls needs the chat template (rollout.chat auto or chat, not raw)")
+        if self.agent_reward:
+            from agent.external import load_agent
+
+            load_agent(self.agent_reward, "rollout.agent_reward")
+        if self.agent:
+            from agent.external import load_agent
+
+            load_agent(self.agent)
+            if self.task != "search":
+                raise ConfigError("rollout.agent needs rollout.task=search (its answer is scored by the QA metrics)")
+            if self.agent_workers < 1:
+                raise ConfigError("rollout.agent_workers must be >= 1")
 
     @property
     def template_name(self) -> str:
-        return self.template or ("search_r1" if self.task == "search" else "math")
+        if self.template:
+            return self.template
+        if self.task != "search":
+            return "math"
+        return "search_tools" if self.format == "tool_calls" else "search_r1"
 
 
 @dataclass
@@ -188,6 +238,18 @@ class Trajectory:
     model_text: str = ""
     timings: dict[str, float] = field(default_factory=lambda: {"generation_s": 0.0, "retrieval_s": 0.0})
     weights_version: int | None = None  # asynchronous training: the trainer step whose weights sampled it
+    format: str = "tags"  # rollout.format that produced it, or "external" (rollout.agent)
+
+    @property
+    def scored_text(self) -> str:
+        """What rewards and QA metrics read (they take the last ``<answer>…</answer>``): ``model_text`` in the
+        tags format; in the tool-call format (and for an external agent) the plain final answer as that one
+        answer ("" when none), so it is scored by exactly the same metrics on exactly its final answer."""
+        if self.format == "tags":
+            return self.model_text
+        if self.final_answer is None:
+            return ""
+        return f"<answer>{self.final_answer.replace('<answer>', '').replace('</answer>', '')}</answer>"
 
     @property
     def done(self) -> bool:
@@ -290,6 +352,8 @@ class _Loop:
     def __init__(self, engine: Engine, retriever, config: RolloutConfig) -> None:
         self.engine, self.retriever, self.cfg = engine, retriever, config
         self.tok = engine.tokenizer
+        # rollout.format=tool_calls: prompts, turn reading and tool messages come from the chat template.
+        self.fmt = ToolCallFormat(self.tok, config) if config.task == "search" and config.format == "tool_calls" else None
         self.ctx_limit = config.max_context_tokens or engine.info.max_model_len
         if config.max_prompt_tokens >= self.ctx_limit:
             log.warning(
@@ -319,7 +383,7 @@ class _Loop:
             top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
             top_k=cfg.top_k if cfg.temperature > 0 else -1,
             max_tokens=budget,
-            stop=STOP_STRINGS if cfg.task == "search" else (),
+            stop=STOP_STRINGS if cfg.task == "search" and self.fmt is None else (),
             seed=_derive_seed(cfg.seed, t.prompt_index, t.sample_index, t.num_turns),
             allowed_token_ids=tuple(cfg.allowed_token_ids) if cfg.allowed_token_ids else None,
         )
@@ -338,7 +402,10 @@ class _Loop:
             return None
         # Text is decoded only to read the action; the ids appended are the sampled ones.
         text = self.tok.decode(out.token_ids, skip_special_tokens=True)
-        action = parse_action(text, max_query_chars=self.cfg.max_query_chars)
+        if self.fmt is not None:
+            action = self.fmt.read_turn(text, out.finish_reason)
+        else:
+            action = parse_action(text, max_query_chars=self.cfg.max_query_chars)
         t.append_model(out, action.kind)
         if action.kind == "answer":
             t.final_answer = action.content
@@ -353,7 +420,11 @@ class _Loop:
         if action.kind == "search":
             return action
         t.invalid_actions += 1
-        ids, truncated = observation_ids(self.tok, INVALID_ACTION_MESSAGE, self.cfg.max_obs_tokens, "cut")
+        if self.fmt is not None:
+            ids, truncated = self.fmt.after_turn_ids(t.response_ids[-1] if t.response_ids else None,
+                                                     self.fmt.invalid_messages(action), self.cfg.max_obs_tokens)
+        else:
+            ids, truncated = observation_ids(self.tok, INVALID_ACTION_MESSAGE, self.cfg.max_obs_tokens, "cut")
         self.add_observation(t, ids, "invalid", truncated)
         return None
 
@@ -382,18 +453,28 @@ class _Loop:
             log.warning("retrieval of %d queries failed: %s: %s", len(queries), type(e).__name__, e)
             return None, f"{type(e).__name__}: {e}"
 
-    def on_search_result(self, t: Trajectory, query: str, hits: list[dict] | None, error: str | None) -> None:
-        t.num_searches += 1
-        t.queries.append(query)
+    def on_search_result(self, t: Trajectory, queries: tuple[str, ...], hits: list[list[dict]] | None,
+                         error: str | None) -> None:
+        """Record the turn's searches (``hits``: one list per query, None when the retrieval failed) and append
+        the observation: one ``<information>`` block (tags), or one tool message per call (tool_calls)."""
+        t.num_searches += len(queries)
+        t.queries.extend(queries)
         if hits is None:
-            t.search_failures += 1
-            t.retrieved_ids.append([])
-            text, kind = information_text(self.cfg.search_failure_message), "failed"
-            t.search_errors.append(error or "unknown error")
+            t.search_failures += len(queries)
+            t.retrieved_ids.extend([] for _ in queries)
+            t.search_errors.extend([error or "unknown error"] * len(queries))
+            kind = "failed"
         else:
-            t.retrieved_ids.append([str(h.get("id", "")) for h in hits])
-            text, kind = information_text(format_passages(hits)), "information"
-        ids, truncated = observation_ids(self.tok, text, self.cfg.max_obs_tokens, self.cfg.obs_truncation)
+            t.retrieved_ids.extend([str(h.get("id", "")) for h in hs] for hs in hits)
+            kind = "information"
+        if self.fmt is not None:
+            messages = self.fmt.results_messages(hits, len(queries), self.cfg.search_failure_message)
+            ids, truncated = self.fmt.after_turn_ids(t.response_ids[-1] if t.response_ids else None, messages,
+                                                     self.cfg.max_obs_tokens)
+        else:
+            body = self.cfg.search_failure_message if hits is None else format_passages(hits[0])
+            ids, truncated = observation_ids(self.tok, information_text(body), self.cfg.max_obs_tokens,
+                                             self.cfg.obs_truncation)
         self.add_observation(t, ids, kind, truncated)
 
     @staticmethod
@@ -417,13 +498,16 @@ def _generate_isolated(engine: Engine, prompts: list[list[int]], params: list[Sa
         return results
 
 
-def _init_trajectories(engine: Engine, prompts: Sequence[Any], config: RolloutConfig, batch_tag: str | None) -> list[Trajectory]:
+def _init_trajectories(engine: Engine, prompts: Sequence[Any], config: RolloutConfig, batch_tag: str | None,
+                       fmt: ToolCallFormat | None = None) -> list[Trajectory]:
     trajs = []
     built: list[BuiltPrompt | Exception] = []
     for p in prompts:
         try:
             if isinstance(p, BuiltPrompt):
                 built.append(p)
+            elif fmt is not None:
+                built.append(fmt.build_prompt(_prompt_fields(p)[0]))
             else:
                 question, _ = _prompt_fields(p)
                 built.append(
@@ -444,6 +528,7 @@ def _init_trajectories(engine: Engine, prompts: Sequence[Any], config: RolloutCo
         else:
             t = Trajectory(f"{gid}-{k}", gid, i, k, b.question, ex_id, list(b.token_ids),
                            prompt_truncated_tokens=b.truncated_question_tokens)
+        t.format = "tool_calls" if fmt is not None else "tags"
         trajs.append(t)
     return trajs
 
@@ -492,11 +577,18 @@ def run_rollouts_with_stats(
             raise TypeError("run_rollouts needs a synchronous retriever (retriever.client.RetrieverClient)")
     loop = _Loop(engine, retriever, cfg)
     start = time.perf_counter()
-    trajs = _init_trajectories(engine, prompts, cfg, batch_tag)
-    if cfg.mode == "async":
-        _drive_async(loop, trajs)
+    if cfg.agent:  # an external agent through the recording OpenAI endpoint (agent/external.py)
+        from agent.external import run_external_rollouts
+
+        trajs = [Trajectory(f"{gid}-{k}", gid, i, k, *_prompt_fields(prompts[i]), [], format="external")
+                 for i, k, gid in expand_groups(len(prompts), cfg.n_samples, batch_tag)]
+        run_external_rollouts(engine, prompts, retriever, cfg, trajs)
     else:
-        _drive_batched(loop, trajs)
+        trajs = _init_trajectories(engine, prompts, cfg, batch_tag, loop.fmt)
+        if cfg.mode == "async":
+            _drive_async(loop, trajs)
+        else:
+            _drive_batched(loop, trajs)
     for t in trajs:
         try:
             t.response_text = engine.tokenizer.decode(t.response_ids, skip_special_tokens=True)
@@ -505,6 +597,18 @@ def run_rollouts_with_stats(
             _Loop.fail(t, e)
     loop.stats.wall_s = time.perf_counter() - start
     return trajs, loop.stats
+
+
+def _per_search(searches: list[tuple[Trajectory, tuple[str, ...]]],
+                hits: list[list[dict]] | None) -> list[list[list[dict]] | None]:
+    """Each search's share of one batched retrieval (its queries' hit lists, in order; None when it failed)."""
+    if hits is None:
+        return [None] * len(searches)
+    out, at = [], 0
+    for _, qs in searches:
+        out.append(hits[at : at + len(qs)])
+        at += len(qs)
+    return out
 
 
 def _drive_batched(loop: _Loop, trajs: list[Trajectory]) -> None:
@@ -531,7 +635,7 @@ def _drive_batched(loop: _Loop, trajs: list[Trajectory]) -> None:
         dt = time.perf_counter() - t0
         loop.stats.generation_s += dt
         loop.stats.engine_calls += 1
-        searches: list[tuple[Trajectory, str]] = []
+        searches: list[tuple[Trajectory, tuple[str, ...]]] = []
         for t, out, budget in zip(active, outs, budgets):
             t.timings["generation_s"] += dt
             try:
@@ -539,20 +643,20 @@ def _drive_batched(loop: _Loop, trajs: list[Trajectory]) -> None:
                     raise out
                 action = loop.on_generation(t, out, budget)
                 if action is not None:
-                    searches.append((t, action.content))
+                    searches.append((t, action.queries))
             except Exception as e:
                 _Loop.fail(t, e)
         if not searches:
             continue
         t0 = time.perf_counter()
-        hits, error = loop.retrieve([q for _, q in searches])
+        hits, error = loop.retrieve([q for _, qs in searches for q in qs])
         dt = time.perf_counter() - t0
         loop.stats.retrieval_wait_s += dt
         loop.stats.retrieval_calls += 1
-        for i, (t, q) in enumerate(searches):
+        for (t, qs), own_hits in zip(searches, _per_search(searches, hits)):
             t.timings["retrieval_s"] += dt
             try:
-                loop.on_search_result(t, q, hits[i] if hits is not None else None, error)
+                loop.on_search_result(t, qs, own_hits, error)
             except Exception as e:
                 _Loop.fail(t, e)
     for t in trajs:  # only reachable if every round left someone active (cannot happen for search)
@@ -588,7 +692,7 @@ def _drive_async(loop: _Loop, trajs: list[Trajectory]) -> None:
     pending: dict[cf.Future, tuple[list[tuple[Trajectory, str]], float]] = {}
     with cf.ThreadPoolExecutor(max_workers=loop.cfg.retrieval_workers, thread_name_prefix="emapg-retrieve") as pool:
         while engine.has_unfinished() or pending:
-            searches: list[tuple[Trajectory, str]] = []
+            searches: list[tuple[Trajectory, tuple[str, ...]]] = []
             if engine.has_unfinished():
                 t0 = time.perf_counter()
                 try:
@@ -606,13 +710,13 @@ def _drive_async(loop: _Loop, trajs: list[Trajectory]) -> None:
                     try:
                         action = loop.on_generation(t, out, budgets.pop(rid))
                         if action is not None:
-                            searches.append((t, action.content))
+                            searches.append((t, action.queries))
                         elif not t.done:
                             submit(t)  # invalid action: the corrective message is in, go again
                     except Exception as e:
                         _Loop.fail(t, e)
                 if searches:
-                    pending[pool.submit(loop.retrieve, [q for _, q in searches])] = (searches, time.perf_counter())
+                    pending[pool.submit(loop.retrieve, [q for _, qs in searches for q in qs])] = (searches, time.perf_counter())
                     loop.stats.retrieval_calls += 1
                 ready = [f for f in pending if f.done()]
             else:
@@ -625,10 +729,10 @@ def _drive_async(loop: _Loop, trajs: list[Trajectory]) -> None:
                 batch, sent = pending.pop(fut)
                 hits, error = fut.result()
                 dt = time.perf_counter() - sent
-                for i, (t, q) in enumerate(batch):
+                for (t, qs), own_hits in zip(batch, _per_search(batch, hits)):
                     t.timings["retrieval_s"] += dt
                     try:
-                        loop.on_search_result(t, q, hits[i] if hits is not None else None, error)
+                        loop.on_search_result(t, qs, own_hits, error)
                         if not t.done:
                             submit(t)
                     except Exception as e:

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 SEARCH_SCRIPT = "<search> capital of France </search>"
 ANSWER_SCRIPT = "<answer> Paris </answer>"
@@ -44,14 +45,20 @@ def _atomic_save(out: Path, write) -> Path:
     return out
 
 
-def build_untied_tiny(out: Path, tiny_dir: Path, seed: int = 1) -> Path:
-    """The tiny Qwen2 (``tiny_dir``'s exact config) with an untied lm_head, so lm_head can be scripted."""
+def build_untied_tiny(out: Path, tiny_dir: Path, seed: int = 1, edit_tokenizer: Callable[[Any], None] | None = None) -> Path:
+    """The tiny Qwen2 (``tiny_dir``'s exact config) with an untied lm_head, so lm_head can be scripted.
+
+    ``edit_tokenizer(tok)``, when given, changes the tokenizer first (added tokens, a chat template); the
+    vocabulary then grows to the tokenizer's size (agent/scripted_tools.py)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
 
     def write(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(tiny_dir)
         config = AutoConfig.from_pretrained(tiny_dir)
+        if edit_tokenizer is not None:
+            edit_tokenizer(tok)
+            config.vocab_size = len(tok)
         config.tie_word_embeddings = False
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.float32)

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from agent.actions import format_passages
 from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, per_prompt_params
+from agent.formats import ToolCallFormat
 from agent.prompts import build_prompt
 from agent.rollout import RolloutConfig, Trajectory, run_rollouts
 
@@ -144,9 +145,11 @@ def replay_trajectories(
     if config.n_samples != 1:
         raise ValueError("replayed trajectories need n_samples=1")
     keys: dict[tuple[int, ...], list[str]] = {}
+    fmt = ToolCallFormat(tokenizer, config) if config.format == "tool_calls" else None
     for s in scripts:
-        built = build_prompt(tokenizer, s.question, config.template_name, max_tokens=config.max_prompt_tokens,
-                             truncation=config.prompt_truncation, chat=config.chat)
+        built = fmt.build_prompt(s.question) if fmt is not None else build_prompt(
+            tokenizer, s.question, config.template_name, max_tokens=config.max_prompt_tokens,
+            truncation=config.prompt_truncation, chat=config.chat)
         key = tuple(built.token_ids)
         if key in keys:
             raise ReplayError(f"two scripted trajectories share the prompt of question {s.question!r}")

@@ -54,6 +54,12 @@ class EvalProtocol:
     grader: Grader = option(
         DEFAULT_GRADER, help="math: the paper-like MATH string check OR math-verify, or math-verify alone")
     grade_timeout: float = option(5.0, gt=0, help="math: seconds per item before grading counts as a timeout (incorrect)")
+    format: Literal["tags", "tool_calls"] = option(
+        "tags", help="qa: the agent's format (rollout.format): tags (Search-R1) or tool_calls (the chat template's tool "
+        "calls, plain-text answer; the template search_r1 becomes search_tools)")
+    tool_parser: str = option("hermes", help="qa, format tool_calls: the tool-call parser (rollout.tool_parser)")
+    tool_chat_template: str | None = option(
+        None, help="qa, format tool_calls: a chat template with tool support in place of the model's (rollout.tool_chat_template)")
 
     def validate(self) -> None:
         if self.n < 1:
@@ -64,8 +70,23 @@ class EvalProtocol:
                      "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.format == "tool_calls" and self.suite != "qa":
+            raise ConfigError("format tool_calls is for the qa suite (math has no tools)")
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(f"n={self.n} samples at temperature 0 would all be identical; set temperature > 0")
+
+
+#: Settings recorded only when the tool-call format is used, so runs from before the option compare (and resume) as before.
+TOOL_CALL_FIELDS = ("format", "tool_parser", "tool_chat_template")
+
+
+def protocol_dict(p: EvalProtocol) -> dict:
+    """``p`` as recorded in results, resume fingerprints and protocol cards (:data:`TOOL_CALL_FIELDS` only when used)."""
+    data = to_dict(p)
+    if p.format == "tags":
+        for key in TOOL_CALL_FIELDS:
+            data.pop(key)
+    return data
 
 
 PROTOCOLS: dict[str, EvalProtocol] = {

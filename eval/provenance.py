@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from emapg.config import to_dict
 from provision.provenance import dataset_card, differences, model_card, protocol_card
 
 #: Parts of the protocol card that are expected to differ between compared runs (listed, not refused).
@@ -27,7 +26,9 @@ INFORMATIONAL = ("model", "packages")
 
 def eval_protocol_card(cfg: Any, examples: Mapping[str, Sequence[Any]], model_path: str | None) -> dict[str, Any]:
     """The protocol card of an ``emapg eval`` run (``cfg``: its :class:`eval.runner.EvalConfig`)."""
-    settings = {k: v for k, v in to_dict(cfg.protocol).items() if k != "name"}  # the name is a label
+    from eval.protocols import protocol_dict
+
+    settings = {k: v for k, v in protocol_dict(cfg.protocol).items() if k != "name"}  # the name is a label
     settings.update(limit=cfg.limit, data_seed=cfg.data_seed)
     datasets = {ds: dataset_card(ds, exs, path=cfg.data_paths.get(ds)) for ds, exs in examples.items()}
     return protocol_card(settings, template=cfg.protocol.template, datasets=datasets, model=model_card(cfg.model, model_path))

@@ -225,10 +225,14 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"- suite: {results['suite']}, engine: {results.get('engine', '?')}, protocol: `{p['name']}` "
         f"(n={p['n']}, T={p['temperature']}, top_p={p['top_p']}, max_tokens={p['max_tokens']}, seed={p['seed']}"
         + (f", max_turns={p['max_turns']}, topk={p['retrieval_topk']}" if results["suite"] == "qa" else "")
+        + (f", format={p['format']} (parser {p['tool_parser']})" if p.get("format", "tags") != "tags" else "")
         + ")",
     ]
     if results["suite"] == "math":
         lines.append(f"- grader: `{results['grader']}` (per-item timeout {p['grade_timeout']} s; timeouts count as wrong)")
+    elif p.get("format", "tags") == "tool_calls":
+        lines.append("- scoring: SQuAD-normalised exact match of the final plain-text answer (the turn without a tool "
+                     "call), the paper's metric on the tool-call format")
     else:
         lines.append("- scoring: SQuAD-normalised exact match of the response's last `<answer>` (the paper's reward)")
     if results.get("retriever"):

@@ -38,10 +38,10 @@ from typing import Any, Literal
 
 from agent.engines import LocalEngineKind
 from emapg.errors import UserError
-from emapg.config import ConfigError, option, to_dict
+from emapg.config import ConfigError, option
 from emapg.jsonl import append_jsonl, read_jsonl_repairing
 from eval.contamination import check_contamination
-from eval.protocols import EvalProtocol
+from eval.protocols import EvalProtocol, protocol_dict
 from eval.provenance import eval_protocol_card
 
 
@@ -140,15 +140,15 @@ def _sample_record(traj, tokenizer) -> dict[str, Any]:
 def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
     """Per-item record for a QA example from its trajectories (one per sample).
 
-    Scores read the model's own turns (``Trajectory.model_text``), as the training reward does.
+    Scores read the model's own turns (``Trajectory.scored_text``), as the training reward does.
     """
     from tasks.qa import extract_answer, qa_scores
 
     samples = []
     for t in trajs:
         rec = _sample_record(t, tokenizer)
-        rec["prediction"] = extract_answer(t.model_text)
-        rec["scores"] = qa_scores(t.model_text, example.answers, _observation_texts(t, tokenizer))
+        rec["prediction"] = extract_answer(t.scored_text)
+        rec["scores"] = qa_scores(t.scored_text, example.answers, _observation_texts(t, tokenizer))
         samples.append(rec)
     keys = samples[0]["scores"].keys()
     scores = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in keys}
@@ -249,7 +249,7 @@ def _fingerprint(cfg: EvalConfig, engine_kind: str) -> dict[str, Any]:
         "model": cfg.model,
         "suite": cfg.protocol.suite,
         "engine": engine_kind,
-        "protocol": to_dict(cfg.protocol),
+        "protocol": protocol_dict(cfg.protocol),
         "limit": cfg.limit,
         "data_seed": cfg.data_seed,
         "data_paths": dict(cfg.data_paths),
@@ -315,7 +315,10 @@ def _rollout_config(p: EvalProtocol, mode: str, seed: int):
 
     return RolloutConfig(
         task="search" if p.suite == "qa" else "math",
-        template=p.template,
+        template="search_tools" if p.format == "tool_calls" and p.template == "search_r1" else p.template,
+        format=p.format,
+        tool_parser=p.tool_parser,
+        tool_chat_template=p.tool_chat_template,
         max_turns=p.max_turns,
         max_tokens_per_turn=p.max_tokens,
         max_obs_tokens=p.max_obs_tokens,
@@ -434,7 +437,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         "model": cfg.model,
         "suite": suite,
         "engine": engine_kind,
-        "protocol": to_dict(p),
+        "protocol": protocol_dict(p),
         "grader": p.grader if suite == "math" else "squad_em_last_answer",
         "retriever": retriever_desc,
         # provenance (eval.provenance): the index that answered the searches and the protocol card

@@ -20,6 +20,7 @@ pytest_plugins = [
     "tests.fixtures.retriever",
     "tests.fixtures.agent",
     "tests.fixtures.trainer",
+    "tests.fixtures.toolcalls",
 ]
 
 

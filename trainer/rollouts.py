@@ -71,15 +71,22 @@ def generate(
 def score(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any, tokenizer: Any) -> tuple[list[float], dict[str, float]]:
     """Rewards of every trajectory against its prompt's gold answers (errored trajectories score 0).
 
-    Only what the model generated is scored (``Trajectory.model_text``), never observation text.
+    Only what the model generated is scored (``Trajectory.scored_text``: its turns, or its final plain answer
+    in the tool-call format), never observation text.
     """
     n = cfg.rollout.n_samples
     golds = [prompts[i // n].example.answers for i in range(len(trajectories))]
-    texts = [t.model_text if t.stop_reason != "error" else "" for t in trajectories]
+    texts = [t.scored_text if t.stop_reason != "error" else "" for t in trajectories]
     r = cfg.reward
-    rewards, counts = compute_rewards(
-        cfg.rollout.task, texts, golds, math_timeout=r.math_timeout, math_workers=r.math_workers, math_grader=r.math_grader
-    )
+    if getattr(cfg.rollout, "agent_reward", None):  # the user's reward function (agent/external.py)
+        from agent.external import user_rewards
+
+        answers = [t.final_answer if t.stop_reason != "error" else None for t in trajectories]
+        rewards, counts = user_rewards(cfg.rollout.agent_reward, [prompts[i // n].example for i in range(len(trajectories))], answers), {}
+    else:
+        rewards, counts = compute_rewards(
+            cfg.rollout.task, texts, golds, math_timeout=r.math_timeout, math_workers=r.math_workers, math_grader=r.math_grader
+        )
     counts = dict(counts, rollout_errors=float(sum(t.stop_reason == "error" for t in trajectories)))
     return rewards, counts
 

@@ -111,6 +111,7 @@ class RemoteEngine:
         if weight_sync not in ("http", "collective"):
             raise ValueError(f"weight_sync must be 'http' or 'collective', got {weight_sync!r}")
         self.urls = [_normalize(u) for u in url_list]
+        self.api_key = api_key  # the servers' OpenAI endpoint is reached with it too (agent/external.py)
         self.retries, self.backoff = retries, backoff
         self.weight_sync, self.bucket_bytes = weight_sync, bucket_bytes
         self.prompts_per_request = prompts_per_request

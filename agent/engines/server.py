@@ -86,6 +86,13 @@ class EngineServeConfig(ServerOptions):
                                         "adapters; vLLM rounds it up to a rank it supports); 0: no adapters")  # fmt: skip
     collective_allow: list[str] = option(["127.0.0.0/8", "::1"], help="addresses (IPs, CIDR networks or host names) whose "
                                          "weight-sync groups POST /weights/collective/init may join; none: collective sync is off")  # fmt: skip
+    openai_max_sessions: int = option(1024, help="OpenAI endpoint (/v1/...): most recorded sessions held at once; a new one "
+                                      "beyond it is refused (429) after sessions idle for --openai-session-ttl-s are dropped")  # fmt: skip
+    openai_max_calls_per_session: int = option(256, help="OpenAI endpoint: most calls recorded in one session (429 beyond)")
+    openai_session_ttl_s: float = option(3600.0, gt=0, help="OpenAI endpoint: seconds a session may sit idle before it may be dropped to make room")
+    tool_parser: str = option("hermes", help="OpenAI endpoint: parser of the model's tool-call syntax (agent.toolcall_parsers)")
+    tool_chat_template: str | None = option(None, help="OpenAI endpoint: chat template in place of the model's (chatml_tools, "
+                                                       "bundled, for ChatML models without tool support; or a Jinja file)")  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
@@ -100,6 +107,17 @@ class EngineServeConfig(ServerOptions):
             raise ConfigError(f"--seed must be between 0 and {MAX_SEED}")
         for entry in self.collective_allow:
             _allow_entry(entry)
+        if self.openai_max_sessions < 1 or self.openai_max_calls_per_session < 1:
+            raise ConfigError("--openai-max-sessions and --openai-max-calls-per-session must be at least 1")
+        from agent.formats import tool_chat_template
+        from agent.toolcall_parsers import get_tool_parser
+
+        try:
+            get_tool_parser(self.tool_parser)
+            if self.tool_chat_template:
+                tool_chat_template(None, self.tool_chat_template)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("rollout.tool_parser", "--tool-parser").replace("rollout.tool_chat_template", "--tool-chat-template")) from None
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -368,6 +386,14 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         if bad:  # the weights are finite (checked at every sync), so the numbers overflowed somewhere
             loop_.counters["nonfinite_logprob_rows"] += bad
             log.warning("%d row(s) of log-probs hold non-finite values (sent as null)", bad)
+
+    # ------------------------------------------------------------------ OpenAI-compatible, recording (agent/engines/openai_endpoint.py)
+    from agent.engines.openai_endpoint import OpenAIOptions, add_openai_routes
+
+    app.state.sessions = add_openai_routes(
+        app, endpoint=endpoint, json_body=json_body, ready_engine=ready_engine, run=run, generate=loop_.generate,
+        model_name=cfg.model, options=OpenAIOptions(cfg.openai_max_sessions, cfg.openai_max_calls_per_session,
+                                                    cfg.openai_session_ttl_s, cfg.tool_parser, cfg.tool_chat_template))
 
     # ------------------------------------------------------------------ generation
     @app.post("/generate", openapi_extra=_body_doc(GenerateBody))

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.formats import ToolCallFormat
 from agent.teacher_forcing import ReplayError, ReplayRetriever, ScriptedTrajectory, parse_passages, replay_trajectories
 from agent.rollout import RolloutConfig, Trajectory
 from emapg.config import ConfigError
@@ -73,8 +74,12 @@ def _gold_in(text: str, answers: list[str]) -> str | None:
     return next((a for a in answers if retrieval_recall([text], [a])), None)
 
 
-def _script(ex: Example, answer: str) -> ScriptedTrajectory:
+def _script(ex: Example, answer: str, fmt: ToolCallFormat | None = None) -> ScriptedTrajectory:
+    """Search the question, then answer: in Search-R1 tags, or (``fmt``, rollout.format=tool_calls) as a search
+    tool call and a plain-text answer, each turn ended by the model's end-of-turn token."""
     question = ex.question.strip()
+    if fmt is not None:
+        return ScriptedTrajectory(question, fmt.script_turns(question, answer), ex.id)
     return ScriptedTrajectory(question, [f"<search> {question} </search>", f"<answer> {answer} </answer>"], ex.id)
 
 
@@ -106,7 +111,8 @@ def construct_trajectories(
                 chosen.append((name, ex))
     # First pass answers with the first gold alias; rows whose passages show another alias are
     # replayed once more with that one (the retriever is deterministic, so the passages are the same).
-    first = replay_trajectories(tokenizer, [_script(ex, ex.answers[0]) for _, ex in chosen], retriever, rollout,
+    fmt = ToolCallFormat(tokenizer, rollout) if rollout.format == "tool_calls" else None
+    first = replay_trajectories(tokenizer, [_script(ex, ex.answers[0], fmt) for _, ex in chosen], retriever, rollout,
                                 max_model_len=max_model_len)
     kept: dict[int, Trajectory] = {}
     again: list[tuple[int, str]] = []
@@ -122,7 +128,7 @@ def construct_trajectories(
         else:
             again.append((i, gold))
     if again:
-        second = replay_trajectories(tokenizer, [_script(chosen[i][1], gold) for i, gold in again], retriever, rollout,
+        second = replay_trajectories(tokenizer, [_script(chosen[i][1], gold, fmt) for i, gold in again], retriever, rollout,
                                      max_model_len=max_model_len)
         for (i, _), t in zip(again, second):
             if t.stop_reason == "answer" and not t.search_failures:
@@ -217,6 +223,8 @@ def file_trajectories(
     results) is an error naming the file and line: the file is the user's, so nothing is skipped silently.
     """
     rows = read_trajectory_file(path)
+    if rollout.format == "tool_calls":
+        rows = [_tool_call_row(r, tokenizer) for r in rows]
     counts = Counter(rows=len(rows), eval_overlap=0, kept=0)
     if exclude is not None:
         counts["eval_overlap"] = sum(question_key(r.script.question) in exclude for r in rows)
@@ -240,6 +248,17 @@ def file_trajectories(
             raise ConfigError(f"{where}: the rollout loop could not follow this trajectory: {t.error or t.search_errors}")
     counts["kept"] = len(out)
     return [t for _, t in out], dict(counts)
+
+
+def _tool_call_row(row: FileRow, tokenizer) -> FileRow:
+    """rollout.format=tool_calls: a row's turns are the model's own text (tool calls in its syntax, a plain answer);
+    each ends with the end-of-turn token, added where the file leaves it out (the model must learn to end its turns)."""
+    if row.recorded is not None:
+        raise ConfigError(f"{row.where}: a Search-R1 'response' row is in the tags format; with rollout.format=tool_calls "
+                          "give 'turns' (the model's turns, tool calls in its own syntax)")
+    eos = tokenizer.eos_token or ""
+    turns = [t if t.endswith(eos) else t + eos for t in row.script.turns]
+    return FileRow(row.where, ScriptedTrajectory(row.script.question, turns, row.script.id), None)
 
 
 def split_heldout(items: list, fraction: float, seed: int) -> tuple[list, list]:

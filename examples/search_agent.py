@@ -1,0 +1,80 @@
+"""An external agent written against the plain OpenAI API: search through function calling, then answer.
+
+Nothing in it is ema-pg's agent loop: it sends messages and a tool schema with the official ``openai``
+client, runs the tool calls it gets back itself (here on the run's retriever, or a retriever server named
+by ``$EMAPG_RETRIEVER_URL`` when run on its own) and returns the model's final text. Trained as is::
+
+    emapg train --config configs/search_tiny_cpu.yaml rollout.agent=examples.search_agent:solve
+
+(run from the repository root, so that ``examples`` is importable; agent/external.py says what the
+function receives). Against any OpenAI-compatible server, e.g. ``emapg engine serve``::
+
+    python examples/search_agent.py --base-url http://127.0.0.1:8001/v1 "who wrote hamlet"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search a Wikipedia corpus; returns the top passages for the query.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+PROMPT = ("Answer the given question. If you lack some knowledge, call the search tool. When you know the answer, "
+          "reply with the answer only (a short phrase) and no tool call. Question: {question}")
+
+
+def _passages(hits: list[dict], max_chars: int) -> str:
+    """The hits as numbered lines, each cut to ``max_chars`` characters (the context is the model's budget)."""
+    return "\n".join(f"Doc {i}: {str(h.get('contents', ''))[:max_chars]}" for i, h in enumerate(hits, start=1))
+
+
+def solve(client: Any, row: dict, session_id: str, retriever: Any = None, sampling: dict | None = None,
+          max_turns: int = 2, topk: int = 2, max_chars: int = 300) -> str | None:
+    """Up to ``max_turns`` rounds of tool calls, then the model's plain answer (None if it never gives one)."""
+    if retriever is None:
+        from retriever.client import RetrieverClient
+
+        retriever = RetrieverClient(os.environ.get("EMAPG_RETRIEVER_URL", "http://127.0.0.1:8000"))
+    messages: list[dict] = [{"role": "user", "content": PROMPT.format(question=row["question"])}]
+    for _ in range(max_turns + 1):
+        resp = client.chat.completions.create(model="policy", messages=messages, tools=[SEARCH], **(sampling or {}))
+        message = resp.choices[0].message
+        if not message.tool_calls:
+            return (message.content or "").strip()
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            try:
+                query = str(json.loads(call.function.arguments)["query"])
+                result = _passages(retriever.retrieve([query], topk=topk)[0], max_chars)
+            except (ValueError, KeyError, TypeError) as e:
+                result = f"Error: {type(e).__name__}: {e}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return None
+
+
+def contains_gold(row: dict, answer: str | None) -> float:
+    """A reward function for ``rollout.agent_reward=examples.search_agent:contains_gold``: 1 when the answer
+    contains a gold answer (case-insensitive), else 0 -- more lenient than the exact-match metric."""
+    if not answer:
+        return 0.0
+    return float(any(str(g).lower() in answer.lower() for g in row.get("answers", [])))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    import openai
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("question")
+    p.add_argument("--base-url", default="http://127.0.0.1:8001/v1")
+    p.add_argument("--api-key", default=os.environ.get("EMAPG_ENGINE_API_KEY", "none"))
+    args = p.parse_args()
+    print(solve(openai.OpenAI(base_url=args.base_url, api_key=args.api_key), {"question": args.question}, "cli"))
