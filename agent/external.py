@@ -167,7 +167,7 @@ class _nothing:
 
 def _fill(t: Any, session: dict, max_response_tokens: int) -> None:
     """The trajectory of a recorded session: the segment holding the last call (module docstring)."""
-    from agent.rollout import Span
+    from agent.spans import Span
 
     segments = session["trajectories"]
     last = len(session["calls"]) - 1

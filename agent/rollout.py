@@ -70,6 +70,7 @@ from agent.actions import (
 from agent.engines.base import Engine, GenerationOutput, SamplingParams
 from agent.formats import AgentFormat, ToolCallFormat
 from agent.prompts import BuiltPrompt, build_prompt
+from agent.spans import Span
 from emapg.config import ConfigError, option
 
 log = logging.getLogger(__name__)
@@ -182,16 +183,6 @@ class RolloutConfig:
         if self.task != "search":
             return "math"
         return "search_tools" if self.format == "tool_calls" else "search_r1"
-
-
-@dataclass
-class Span:
-    """A half-open span ``[start, end)`` of ``response_ids``."""
-
-    start: int
-    end: int
-    role: Literal["model", "observation"]
-    action: str = ""  # model spans: search | answer | invalid; observations: information | invalid | failed
 
 
 @dataclass
