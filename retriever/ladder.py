@@ -549,7 +549,7 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
         if stored.is_file():
             rec = json.loads(stored.read_text())
             if rec.get("name") == rung.name and rec.get("questions") == [cfg.questions, len(questions)]:
-                results.append(rec)
+                results.append({**rec, "resumed": True})  # measured by an earlier run
                 register_build(built, rung, rdir, rows)
                 continue
         make_rung_dir(rung, rdir, source, meta)
