@@ -4,7 +4,7 @@
    ``data/corpus/wiki_mini.minilm-uint8.npz``; real NQ test questions encoded by MiniLM): every rung of
    :func:`retriever.ladder.default_rungs` -- recall@1/3/10 vs Flat, answer recall, bytes/passage, build
    time and peak build RSS, q/s at batch 1 and 32, and q/s / p50 / p99 through a real ``emapg serve`` at
-   32 closed-loop clients (``--quick``: the server measurement for a subset of rungs, 3-s windows).
+   32 closed-loop clients (``--quick``: only Flat and the recommended rung, served side by side, below).
 2. **The recommended rung vs Flat fp32, side by side**: both served by real ``emapg serve`` processes at
    once (query cache off), 32 closed-loop clients on one, then the other, in alternating windows
    (A B B A ...); the ratio of the median q/s (and p99) is printed.
@@ -62,12 +62,13 @@ RECALL_FLOOR = 0.95
 
 
 def ladder(work: Path, quick: bool) -> dict:
+    """The 43k ladder. --quick serves no rung here: Flat and the recommended rung are served side by side
+    afterwards (:func:`recommended_vs_flat`), which fills their ``qps_c32``; at 43k rows every rung's server is
+    encoder-bound (the full mode serves them all)."""
     index = cache_dir() / "indexes" / "wiki_mini-minilm-flat-from-vectors"
-    rungs = default_rungs(43_159, 384)
-    serve_only = [r.name for r in rungs if r.factory in ("SQ8", "HNSW32,SQ8") or r.rerank] if quick else []
     cfg = LadderConfig(index=str(index), out=str(work / "ladder"), vectors=str(VECTORS), corpus=str(CORPUS), questions="nq",
-                       n_questions=300 if quick else 500, dim=768, target_rows=21_000_000, serve_only=serve_only,
-                       load_seconds=3.0 if quick else 5.0, train_sample=20_000 if quick else 43_159, progress=False)  # fmt: skip
+                       n_questions=300 if quick else 500, dim=768, target_rows=21_000_000, serve=not quick,
+                       load_seconds=5.0, train_sample=20_000 if quick else 43_159, progress=False)  # fmt: skip
     report = run_ladder(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_table(report), file=sys.stderr, flush=True)
     return report
@@ -92,22 +93,29 @@ def median_of(windows: list[dict], who: str, key: str) -> float:
 def recommended_vs_flat(work: Path, report: dict, quick: bool) -> dict:
     """q/s and p99 at c = 32 of the recommended rung and of Flat fp32, both served at once, alternating windows."""
     from retriever.launch import RetrieverServer
-    from retriever.ladder import parse_rung, read_questions
+    from retriever.ladder import parse_rung, read_questions, rss_of
 
     best = report["recommended"]
     dirs = {"flat": work / "ladder" / parse_rung("Flat").slug, "recommended": work / "ladder" / parse_rung(best).slug}
     questions, _ = read_questions("nq", 300)
     args = ["--query-cache-size", "0"]
-    seconds, rounds = (3.0, 2) if quick else (5.0, 4)
+    seconds, rounds = (3.0, 3) if quick else (5.0, 4)
     with RetrieverServer(dirs["flat"], extra_args=args, omp_num_threads=1) as flat, \
             RetrieverServer(dirs["recommended"], extra_args=args, omp_num_threads=1) as rec:  # fmt: skip
         windows = alternate({"flat": flat.url, "recommended": rec.url}, questions, rounds=rounds, seconds=seconds, concurrency=32)
+        rss = {"flat": rss_of(flat.proc.pid), "recommended": rss_of(rec.proc.pid)}
     qps = {w: median_of(windows, w, "qps") for w in ("flat", "recommended")}
     p99 = {w: median_of(windows, w, "p99_ms") for w in ("flat", "recommended")}
-    return {"recommended": best, "concurrency": 32, "windows": windows, "qps_c32": qps, "p99_ms": p99,
+    p50 = {w: median_of(windows, w, "p50_ms") for w in ("flat", "recommended")}
+    for who, name in (("flat", "Flat"), ("recommended", best)):  # rungs the ladder did not serve get these numbers
+        rung = next(r for r in report["rungs"] if r["name"] == name)
+        if rung.get("qps_c32") is None:
+            rung.update(qps_c32=qps[who], p50_ms=p50[who], p99_ms=p99[who], qps_c32_vs_flat=round(qps[who] / qps["flat"], 3) if qps["flat"] else None,
+                        server={"side_by_side": True, "server_rss_bytes": rss[who]})  # fmt: skip
+    return {"recommended": best, "concurrency": 32, "windows": windows, "qps_c32": qps, "p99_ms": p99, "p50_ms": p50, "server_rss_bytes": rss,
             "qps_ratio": round(qps["recommended"] / qps["flat"], 3), "p99_ratio": round(p99["recommended"] / p99["flat"], 3),
             "note": f"both served by `emapg serve` (1 FAISS thread, query cache off) on {os.cpu_count()} cores, alternating "
-                    f"{seconds:g}-s windows, medians of {rounds // 2 if rounds > 1 else 1}+ windows each; at {report['source']['rows']:,} rows "
+                    f"{seconds:g}-s windows, medians of {rounds} windows each; at {report['source']['rows']:,} rows "
                     "the query encoder, not the search, takes most of a request's CPU"}  # fmt: skip
 
 
@@ -145,7 +153,7 @@ def router_overhead(work: Path, index: Path, quick: bool) -> dict:
             max_diff = max(max_diff, *(abs(x["score"] - y["score"]) for x, y in zip(a, b)))
         out["exactness"] = {"questions": len(questions), "topk": 10, "identical_ids_and_order": same_ids, "bit_identical_scores": same_scores,
                             "max_abs_score_diff": max_diff}  # fmt: skip
-        seconds, rounds = (3.0, 2) if quick else (5.0, 4)
+        seconds, rounds = (3.0, 3) if quick else (5.0, 4)
         before = _router_counters(router.url)
         rounds_c32 = alternate({"unsharded": one.url, "router": router.url}, questions, rounds=rounds, seconds=seconds, concurrency=32)
         after = _router_counters(router.url)
@@ -162,7 +170,7 @@ def router_overhead(work: Path, index: Path, quick: bool) -> dict:
     out["p50_overhead_c1"] = round(c1["router"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)
     out["note"] = (f"{os.cpu_count()} cores shared by everything: one `emapg serve` (unsharded) against `emapg router` (encodes each "
                    "query once, micro-batched; one /search per shard per batch) + 2 shard `emapg serve` processes, plus the load "
-                   f"generator; medians of alternating {seconds:g}-s windows")  # fmt: skip
+                   f"generator; medians of {rounds} alternating {seconds:g}-s windows each")  # fmt: skip
     return out
 
 
@@ -294,6 +302,7 @@ def main() -> int:
     p.add_argument("--out", default=None, help=f"JSON output (default: {OUT.name} with --quick, else {OUT_FULL.name})")
     args = p.parse_args()
     t0 = time.perf_counter()
+    load_at_start = os.getloadavg()
     deadline = time.monotonic() + args.time_budget_min * 60
     out = Path(args.out or (OUT if args.quick else OUT_SYNTHETIC if args.synthetic_only else OUT_FULL))
     work = Path(args.work) / ("quick" if args.quick else "full")
@@ -311,7 +320,7 @@ def main() -> int:
     result = {
         "mode": "quick" if args.quick else "full",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_start": load_at_start, "loadavg": os.getloadavg()},
         "source": report["source"], "questions": report["questions"],
         "rungs": rungs,
         "recommended": report["recommended"],
