@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -301,6 +302,8 @@ def main() -> int:
     p.add_argument("--work", default=str(cache_dir() / "retriever_scale"), help="working directory (rung indexes, shards; a rerun resumes)")
     p.add_argument("--out", default=None, help=f"JSON output (default: {OUT.name} with --quick, else {OUT_FULL.name})")
     args = p.parse_args()
+    # stopped (`timeout`, a session's SIGTERM): unwind, so rung builds and servers end with the benchmark
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.perf_counter()
     load_at_start = os.getloadavg()
     deadline = time.monotonic() + args.time_budget_min * 60
