@@ -4,22 +4,32 @@
    ``data/corpus/wiki_mini.minilm-uint8.npz``; real NQ test questions encoded by MiniLM): every rung of
    :func:`retriever.ladder.default_rungs` -- recall@1/3/10 vs Flat, answer recall, bytes/passage, build
    time and peak build RSS, q/s at batch 1 and 32, and q/s / p50 / p99 through a real ``emapg serve`` at
-   32 closed-loop clients (``--quick``: the server measurement for a subset of rungs, 3-s windows).
-2. **Router overhead**: the same index split into 2 shards (aligned to FAISS's 1024-row BLAS block), two
+   32 closed-loop clients (``--quick``: only Flat and the recommended rung, served side by side, below).
+2. **The recommended rung vs Flat fp32, side by side**: both served by real ``emapg serve`` processes at
+   once (query cache off), 32 closed-loop clients on one, then the other, in alternating windows
+   (A B B A ...); the ratio of the median q/s (and p99) is printed.
+3. **Router overhead**: the same index split into 2 shards (aligned to FAISS's 1024-row BLAS block), two
    ``emapg serve`` + ``emapg router`` vs one ``emapg serve``: exactness over 200 questions sent one
-   request at a time (ids, order, bit-identical scores) and q/s / p50 / p99 at c = 32.
-3. Full mode only: **a synthetic 2M x 768 set** (``--synthetic-rows``): 4,096 Gaussian cluster centres
+   request at a time (ids, order, bit-identical scores) and q/s / p50 / p99 at c = 32 (alternating
+   windows) and c = 1. Every process -- the unsharded server, or the router and both shards -- and the
+   load generator share this machine's cores (``machine.cpus``): the sharded side runs 3 processes on
+   them, so the comparison charges it every cycle its extra hop costs.
+4. Full mode only: **a synthetic 2M x 768 set** (``--synthetic-rows``): 4,096 Gaussian cluster centres
    on the unit sphere, cluster sizes Zipf-distributed (s = 1.1), each vector a centre plus isotropic
    noise (per-cluster spread drawn from [0.35, 0.7] of the centre norm), normalised; queries drawn the
    same way from held-out noise. Written as float16 chunk files (memory-mapped). The ladder runs in
    process only (no encoder makes 768-d queries from text); Flat fp32 and HNSW are measured on the
-   first 100k rows and say so; no OPQ rung (its 768-d training did not finish in 10 min here).
+   first 100k rows and say so; the IVF rungs share one coarse quantizer (k-means once). No OPQ rung:
+   OPQ96's rotation training at 768-d did not finish in 10 min on 2 cores (and on the 43k set OPQ48
+   lifted IVF-PQ's recall@3 only from 0.70 to 0.75: the exact re-rank, not OPQ, reaches the floor).
+   Bounded by ``--time-budget-min``: no rung starts after it, and the JSON is rewritten after every rung,
+   so a run stopped early leaves what it measured, marked ``"status": "partial: ..."``.
 
-    python benchmarks/retriever_scale.py --quick   # <= 5 min on 2 cores
-    python benchmarks/retriever_scale.py           # ~30 min
+    python benchmarks/retriever_scale.py --quick   # <= 5 min on 2 cores -> results/retriever_scale.json
+    python benchmarks/retriever_scale.py           # ~30 min -> results/retriever_scale_full.json
 
-Writes ``benchmarks/results/retriever_scale.json`` (``rungs``: name, recall_at_3, bytes_per_passage,
-qps_c32, ...; ``recommended``; ``target_21m_768``; ``router``; ``targets``).
+JSON: ``rungs`` (name, recall_at_3, bytes_per_passage, qps_c32, ...), ``recommended``, ``target_21m_768``,
+``recommended_vs_flat``, ``router``, ``targets`` (and ``synthetic``, ``status`` in full mode).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,6 +54,8 @@ from emapg.paths import cache_dir  # noqa: E402
 from retriever.ladder import LadderConfig, default_rungs, format_table, run_ladder  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "retriever_scale.json"
+OUT_FULL = REPO / "benchmarks" / "results" / "retriever_scale_full.json"
+OUT_SYNTHETIC = REPO / "benchmarks" / "results" / "retriever_scale_synthetic.json"
 VECTORS = REPO / "data" / "corpus" / "wiki_mini.minilm-uint8.npz"
 CORPUS = REPO / "data" / "corpus" / "wiki_mini.jsonl.gz"
 BYTES_TARGET = 256
@@ -50,15 +63,69 @@ RECALL_FLOOR = 0.95
 
 
 def ladder(work: Path, quick: bool) -> dict:
+    """The 43k ladder. --quick serves no rung here: Flat and the recommended rung are served side by side
+    afterwards (:func:`recommended_vs_flat`), which fills their ``qps_c32``; at 43k rows every rung's server is
+    encoder-bound (the full mode serves them all)."""
     index = cache_dir() / "indexes" / "wiki_mini-minilm-flat-from-vectors"
-    rungs = default_rungs(43_159, 384)
-    serve_only = [r.name for r in rungs if r.factory in ("SQ8", "HNSW32,SQ8") or r.rerank] if quick else []
     cfg = LadderConfig(index=str(index), out=str(work / "ladder"), vectors=str(VECTORS), corpus=str(CORPUS), questions="nq",
-                       n_questions=300 if quick else 500, dim=768, target_rows=21_000_000, serve_only=serve_only,
-                       load_seconds=3.0 if quick else 5.0, train_sample=20_000 if quick else 43_159, progress=False)  # fmt: skip
+                       n_questions=300 if quick else 500, dim=768, target_rows=21_000_000, serve=not quick,
+                       load_seconds=5.0, train_sample=20_000 if quick else 43_159, progress=False)  # fmt: skip
     report = run_ladder(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_table(report), file=sys.stderr, flush=True)
     return report
+
+
+def alternate(urls: dict[str, str], questions: list[str], *, rounds: int, seconds: float, concurrency: int) -> list[dict]:
+    """Closed-loop windows on each server in turn, the order reversed every round (A B, B A, ...)."""
+    from retriever.loadgen import closed_loop
+
+    windows = []
+    for r in range(rounds):
+        names = list(urls) if r % 2 == 0 else list(urls)[::-1]
+        for name in names:
+            windows.append({"round": r, "who": name, **closed_loop(urls[name], questions, concurrency=concurrency, seconds=seconds)})
+    return windows
+
+
+def median_of(windows: list[dict], who: str, key: str) -> float:
+    return float(np.median([w[key] for w in windows if w["who"] == who]))
+
+
+def recommended_vs_flat(work: Path, report: dict, quick: bool) -> dict:
+    """q/s and p99 at c = 32 of the recommended rung and of Flat fp32, both served at once, alternating windows."""
+    from retriever.launch import RetrieverServer
+    from retriever.ladder import parse_rung, read_questions, rss_of
+
+    best = report["recommended"]
+    dirs = {"flat": work / "ladder" / parse_rung("Flat").slug, "recommended": work / "ladder" / parse_rung(best).slug}
+    questions, _ = read_questions("nq", 300)
+    args = ["--query-cache-size", "0"]
+    seconds, rounds = (3.0, 3) if quick else (5.0, 4)
+    with RetrieverServer(dirs["flat"], extra_args=args, omp_num_threads=1) as flat, \
+            RetrieverServer(dirs["recommended"], extra_args=args, omp_num_threads=1) as rec:  # fmt: skip
+        windows = alternate({"flat": flat.url, "recommended": rec.url}, questions, rounds=rounds, seconds=seconds, concurrency=32)
+        rss = {"flat": rss_of(flat.proc.pid), "recommended": rss_of(rec.proc.pid)}
+    qps = {w: median_of(windows, w, "qps") for w in ("flat", "recommended")}
+    p99 = {w: median_of(windows, w, "p99_ms") for w in ("flat", "recommended")}
+    p50 = {w: median_of(windows, w, "p50_ms") for w in ("flat", "recommended")}
+    for who, name in (("flat", "Flat"), ("recommended", best)):  # rungs the ladder did not serve get these numbers
+        rung = next(r for r in report["rungs"] if r["name"] == name)
+        if rung.get("qps_c32") is None:
+            rung.update(qps_c32=qps[who], p50_ms=p50[who], p99_ms=p99[who], qps_c32_vs_flat=round(qps[who] / qps["flat"], 3) if qps["flat"] else None,
+                        server={"side_by_side": True, "server_rss_bytes": rss[who]})  # fmt: skip
+    return {"recommended": best, "concurrency": 32, "windows": windows, "qps_c32": qps, "p99_ms": p99, "p50_ms": p50, "server_rss_bytes": rss,
+            "qps_ratio": round(qps["recommended"] / qps["flat"], 3), "p99_ratio": round(p99["recommended"] / p99["flat"], 3),
+            "note": f"both served by `emapg serve` (1 FAISS thread, query cache off) on {os.cpu_count()} cores, alternating "
+                    f"{seconds:g}-s windows, medians of {rounds} windows each; at {report['source']['rows']:,} rows "
+                    "the query encoder, not the search, takes most of a request's CPU"}  # fmt: skip
+
+
+def _router_counters(url: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {name: float(line.split()[-1]) for line in text.splitlines() for name in ("router_fanouts_total", "router_fanout_queries_total")
+            if line.startswith(name + " ")}  # fmt: skip
 
 
 def router_overhead(work: Path, index: Path, quick: bool) -> dict:
@@ -87,21 +154,24 @@ def router_overhead(work: Path, index: Path, quick: bool) -> dict:
             max_diff = max(max_diff, *(abs(x["score"] - y["score"]) for x, y in zip(a, b)))
         out["exactness"] = {"questions": len(questions), "topk": 10, "identical_ids_and_order": same_ids, "bit_identical_scores": same_scores,
                             "max_abs_score_diff": max_diff}  # fmt: skip
-        seconds = 3.0 if quick else 5.0
-        rounds = []
-        for r in range(1 if quick else 2):  # alternate which goes first
-            pair = [("unsharded", one.url), ("router", router.url)]
-            for name, url in (pair if r % 2 == 0 else pair[::-1]):
-                rounds.append({"round": r, "who": name, **closed_loop(url, questions, concurrency=32, seconds=seconds)})
-        out["load_c32"] = rounds
+        seconds, rounds = (3.0, 3) if quick else (5.0, 4)
+        before = _router_counters(router.url)
+        rounds_c32 = alternate({"unsharded": one.url, "router": router.url}, questions, rounds=rounds, seconds=seconds, concurrency=32)
+        after = _router_counters(router.url)
+        out["load_c32"] = rounds_c32
+        fanouts = after["router_fanouts_total"] - before["router_fanouts_total"]
+        out["router_queries_per_fanout_c32"] = round((after["router_fanout_queries_total"] - before["router_fanout_queries_total"]) / fanouts, 2)
         c1 = {name: closed_loop(url, questions, concurrency=1, seconds=seconds) for name, url in (("unsharded", one.url), ("router", router.url))}
         out["load_c1"] = c1
-    med = lambda who, key: float(np.median([x[key] for x in rounds if x["who"] == who]))  # noqa: E731
-    out["p99_overhead_c32"] = round(med("router", "p99_ms") / med("unsharded", "p99_ms") - 1, 3)
-    out["qps_ratio_c32"] = round(med("router", "qps") / med("unsharded", "qps"), 3)
+    p99 = {w: median_of(rounds_c32, w, "p99_ms") for w in ("unsharded", "router")}
+    qps = {w: median_of(rounds_c32, w, "qps") for w in ("unsharded", "router")}
+    out["p99_ms_c32"], out["qps_c32"] = p99, qps
+    out["p99_overhead_c32"] = round(p99["router"] / p99["unsharded"] - 1, 3)
+    out["qps_ratio_c32"] = round(qps["router"] / qps["unsharded"], 3)
     out["p50_overhead_c1"] = round(c1["router"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)
-    out["note"] = ("both shards run on the same 2 cores as the unsharded server and each encodes every query (the router "
-                   "forwards text), so at c=32 the sharded setup does twice the encoder work of the unsharded one")  # fmt: skip
+    out["note"] = (f"{os.cpu_count()} cores shared by everything: one `emapg serve` (unsharded) against `emapg router` (encodes each "
+                   "query once, micro-batched; one /search per shard per batch) + 2 shard `emapg serve` processes, plus the load "
+                   f"generator; medians of {rounds} alternating {seconds:g}-s windows each")  # fmt: skip
     return out
 
 
@@ -133,86 +203,167 @@ def synthetic(work: Path, rows: int, dim: int, n_queries: int, seed: int = 0) ->
     return emb
 
 
-def synthetic_ladder(work: Path, rows: int, dim: int) -> dict:
+SYNTHETIC_HOW = ("4096 cluster centres, Zipf(1.1) sizes, Gaussian spread 0.35-0.7 of the centre norm, unit-normalised, float16 on disk; "
+                 "queries drawn the same way; Flat and HNSW measured on the first 100k rows (recall against that subset's exact "
+                 "top-10); the IVF rungs share one coarse quantizer; no OPQ rung (OPQ96 training did not finish in 10 min here)")
+
+
+def synthetic_ladder(work: Path, rows: int, dim: int, deadline: float, on_rung) -> dict:
+    """The ladder on the synthetic set, in process; the most telling rungs first. No rung starts after
+    ``deadline`` (``time.monotonic()``); ``on_rung(partial_report)`` after every rung; measured rungs are
+    stored (``result.json``) so a rerun resumes."""
     import faiss
 
-    from retriever.ladder import build_rung, exact_topk, extrapolate, measure_rung, recommend
+    from retriever.ladder import build_rung, exact_topk, extrapolate, measure_rung, recommend, register_build
     from retriever.ondisk import DiskVectors
 
     emb = synthetic(work, rows, dim, 300)
     vectors = DiskVectors(emb, 65536, rows)
     queries = np.load(emb.parent / "queries.npy")
     faiss.omp_set_num_threads(2)
-    _, truth = exact_topk(vectors, queries, 10, "ip")
-    results = []
     subset = min(rows, 100_000)  # Flat fp32 (6 GB at 2M) and HNSW (its graph build) are measured on the first 100k rows
     sub_vectors = DiskVectors(emb, 65536, subset)
-    sub_truth = exact_topk(sub_vectors, queries, 10, "ip")[1]
-    built: dict[str, Path] = {}
-    for rung in default_rungs(rows, dim):
-        if rung.factory.startswith("OPQ"):
-            continue  # OPQ96 did not finish training in 10 min on 2 cores at 768-d: measured on the real 43k only
-        on_subset = rung.factory.startswith("HNSW") or rung.factory == "Flat"
-        sub_rows, vs, tr = (subset, sub_vectors, sub_truth) if on_subset else (rows, vectors, truth)
-        rdir = work / "synthetic-ladder" / rung.slug
+    truth, sub_truth = (_cached(emb.parent / f"truth-{n}.npy", lambda v=v: exact_topk(v, queries, 10, "ip")[1])
+                        for n, v in ((rows, vectors), (subset, sub_vectors)))  # fmt: skip
+    ladder_dir = work / "synthetic-ladder"
+    rungs = [r for r in default_rungs(rows, dim) if not r.factory.startswith("OPQ")]  # OPQ96: see SYNTHETIC_HOW
+    rungs.sort(key=_priority)
+    on_subset = lambda r: r.factory.startswith("HNSW") or r.factory == "Flat"  # noqa: E731
+    built: dict = {}
+    for rung in rungs:  # earlier runs' builds (same coarse lists) are shared whatever the order
+        register_build(built, rung, ladder_dir / rung.slug, subset if on_subset(rung) else rows)
+    results, skipped = [], []
+    report = lambda status: {"rows": rows, "dim": dim, "queries": len(queries), "status": status, "rungs": results,  # noqa: E731
+                             "not_measured": skipped, "recommended": recommend(results, RECALL_FLOOR) if results else None, "how": SYNTHETIC_HOW}
+    for i, rung in enumerate(rungs):
+        if time.monotonic() > deadline:
+            skipped = [r.name for r in rungs[i:]]
+            break
+        sub_rows, vs, tr = (subset, sub_vectors, sub_truth) if on_subset(rung) else (rows, vectors, truth)
+        rdir = ladder_dir / rung.slug
+        stored = rdir / "result.json"
+        if stored.is_file() and json.loads(stored.read_text()).get("measured_rows") == sub_rows:
+            results.append({**json.loads(stored.read_text()), "resumed": True})
+            continue
         rdir.mkdir(parents=True, exist_ok=True)
-        if rung.factory in built and not (rdir / "build.json").is_file():  # the same index, searched differently: link it
-            for f in ("index.faiss", "index.ivfdata", "build.json"):
-                if (built[rung.factory] / f).is_file():
-                    os.link(built[rung.factory] / f, rdir / f)
-        build = build_rung(rung, rdir, vs, "ip", train_sample=100_000, seed=0, max_build_ram_mb=2048, threads=2)
-        built[rung.factory] = rdir
+        print(f"synthetic {rows}x{dim}: {rung.name} ...", file=sys.stderr, flush=True)
+        build = build_rung(rung, rdir, vs, "ip", train_sample=100_000, seed=0, max_build_ram_mb=2048, threads=2, built=built)
         rec, _ = measure_rung(rung, rdir, vs, "ip", queries, tr, 2)
-        rec.update(build, measured_rows=sub_rows)
+        rec.update(build, measured_rows=sub_rows, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         rec["target"] = extrapolate(rec["layout"], rec["index_bytes"], sub_rows, dim, 21_000_000, 768, bool(rung.rerank))
+        stored.write_text(json.dumps(rec, indent=1))
         results.append(rec)
-        print(json.dumps({k: rec[k] for k in ("name", "recall_at_3", "bytes_per_passage", "qps_batch32", "build_seconds")}), file=sys.stderr, flush=True)
-    return {"rows": rows, "dim": dim, "rungs": results, "recommended": recommend(results, RECALL_FLOOR),
-            "how": "4096 cluster centres, Zipf(1.1) sizes, Gaussian spread 0.35-0.7 of the centre norm, unit-normalised; "
-                   "Flat and HNSW measured on the first 100k rows (recall against that subset's exact top-10); no OPQ rung (too slow to train here)"}  # fmt: skip
+        print(json.dumps({k: rec.get(k) for k in ("name", "recall_at_3", "bytes_per_passage", "qps_batch32", "build_seconds",
+                                                   "peak_build_rss_bytes", "peak_build_anon_bytes")}), file=sys.stderr, flush=True)  # fmt: skip
+        on_rung(report(f"partial: in progress ({len(results)} of {len(rungs)} rungs)"))
+    return report("complete" if not skipped else f"partial: the time budget ended before {len(skipped)} of {len(rungs)} rungs")
+
+
+def _priority(rung) -> int:
+    """Synthetic ladder order: Flat (the reference, fast), IVF-PQ with and without re-rank (the recommendation
+    at 43k), IVF-SQ8, then the rest (flat codes, which search 2M rows exhaustively, and the HNSW graph build)."""
+    kinds = [lambda f: f == "Flat", lambda f: ",PQ" in f, lambda f: f.startswith("IVF") and f.endswith("SQ8"), lambda f: f.startswith("IVF"),
+             lambda f: f == "SQ8", lambda f: f == "SQfp16"]  # fmt: skip
+    return next((i for i, kind in enumerate(kinds) if kind(rung.factory)), len(kinds))
+
+
+def _cached(path: Path, compute):
+    if path.is_file():
+        return np.load(path)
+    value = compute()
+    np.save(path, value)
+    return value
+
+
+def synthetic_only(work: Path, rows: int, deadline: float, out: Path, t0: float) -> int:
+    result = {"mode": "full, synthetic only", "date": time.strftime("%Y-%m-%d", time.gmtime()),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}}  # fmt: skip
+
+    def write(synthetic: dict) -> None:
+        result.update(synthetic=synthetic, status=synthetic["status"], wall_seconds=round(time.perf_counter() - t0, 1))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
+    write(synthetic_ladder(work, rows, 768, deadline, write))
+    syn = result["synthetic"]
+    print(json.dumps({"status": syn["status"], "recommended": syn["recommended"], "not_measured": syn["not_measured"],
+                      "rungs": [{k: r.get(k) for k in ("name", "recall_at_3", "bytes_per_passage", "qps_batch32", "measured_rows")}
+                                for r in syn["rungs"]], "wall_seconds": result["wall_seconds"]}, indent=1))  # fmt: skip
+    return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the 43k ladder with a server subset and the router, <= 5 min")
+    p.add_argument("--quick", action="store_true", help="the 43k ladder with a server subset, the side-by-side and the router, <= 5 min")
     p.add_argument("--synthetic-rows", type=int, default=2_000_000, help="full mode: rows of the synthetic 768-d set")
-    p.add_argument("--work", default=str(cache_dir() / "retriever_scale"), help="working directory (rung indexes, shards)")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--time-budget-min", type=float, default=25.0, help="full mode: no synthetic rung starts after this many minutes")
+    p.add_argument("--synthetic-only", action="store_true", help=f"full mode without the 43k parts (what --quick measures): the synthetic "
+                                                                  f"ladder alone, to {OUT_SYNTHETIC.name}")  # fmt: skip
+    p.add_argument("--work", default=str(cache_dir() / "retriever_scale"), help="working directory (rung indexes, shards; a rerun resumes)")
+    p.add_argument("--out", default=None, help=f"JSON output (default: {OUT.name} with --quick, else {OUT_FULL.name})")
     args = p.parse_args()
+    # stopped (`timeout`, a session's SIGTERM): unwind, so rung builds and servers end with the benchmark
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.perf_counter()
+    load_at_start = os.getloadavg()
+    deadline = time.monotonic() + args.time_budget_min * 60
+    out = Path(args.out or (OUT if args.quick else OUT_SYNTHETIC if args.synthetic_only else OUT_FULL))
     work = Path(args.work) / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
+    if args.synthetic_only and not args.quick:
+        return synthetic_only(work, args.synthetic_rows, deadline, out, t0)
     report = ladder(work, args.quick)
     rungs = report["rungs"]
     flat = rungs[0]
     best = next((r for r in rungs if r["name"] == report["recommended"]), None)
+    side = recommended_vs_flat(work, report, args.quick) if best else None
+    print(json.dumps({"recommended_vs_flat_c32": side and {k: side[k] for k in ("qps_c32", "qps_ratio", "p99_ms", "p99_ratio")}}),
+          file=sys.stderr, flush=True)  # fmt: skip
     router = router_overhead(work, Path(report["source"]["index"]), args.quick)
     result = {
         "mode": "quick" if args.quick else "full",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_start": load_at_start, "loadavg": os.getloadavg()},
         "source": report["source"], "questions": report["questions"],
         "rungs": rungs,
         "recommended": report["recommended"],
         "target_21m_768": report["recommended_target"],
+        "recommended_vs_flat": side,
         "router": router,
         "targets": {
             "recall3_ge_095_at_le_256_bytes": bool(best and best["recall_at_3"] >= RECALL_FLOOR and best["target"]["bytes_per_passage"] <= BYTES_TARGET),
             "recommended_bytes_per_passage_at_768": best["target"]["bytes_per_passage"] if best else None,
-            "recommended_qps_c32_ge_flat": bool(best and best.get("qps_c32") and flat.get("qps_c32") and best["qps_c32"] >= flat["qps_c32"]),
+            "recommended_qps_c32_ge_flat": bool(side and side["qps_ratio"] >= 1.0),
             "peak_build_rss_le_2gb_plus_index": all(r["peak_build_rss_bytes"] <= 2 * 2**30 + r["index_bytes"] for r in rungs),
             "sharded_identical": router["exactness"]["identical_ids_and_order"] == router["exactness"]["questions"]
             and router["exactness"]["bit_identical_scores"] == router["exactness"]["questions"],
             "router_p99_overhead_le_10pct": router["p99_overhead_c32"] <= 0.10,
         },
     }  # fmt: skip
-    if not args.quick:
-        result["synthetic"] = synthetic_ladder(work, args.synthetic_rows, 768)
-    result["wall_seconds"] = round(time.perf_counter() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+
+    def write(status: str) -> None:
+        result["status"] = status
+        result["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
+    if args.quick:
+        write("complete")
+    else:
+        write("partial: the synthetic ladder has not started")
+
+        def on_rung(partial: dict) -> None:
+            result["synthetic"] = partial
+            write(f"partial: synthetic ladder {partial['status']}")
+
+        result["synthetic"] = synthetic_ladder(work, args.synthetic_rows, 768, deadline, on_rung)
+        status = result["synthetic"]["status"]
+        write("complete" if status == "complete" else f"partial: synthetic ladder {status}")
     print(json.dumps({"recommended": result["recommended"], "target_21m_768": result["target_21m_768"], "targets": result["targets"],
-                      "router": {k: router[k] for k in ("exactness", "p99_overhead_c32", "qps_ratio_c32", "p50_overhead_c1")},
-                      "wall_seconds": result["wall_seconds"]}, indent=1))  # fmt: skip
+                      "recommended_vs_flat_c32": side and {k: side[k] for k in ("qps_c32", "qps_ratio", "p99_ms", "p99_ratio")},
+                      "router": {k: router[k] for k in ("exactness", "qps_c32", "p99_ms_c32", "p99_overhead_c32", "qps_ratio_c32",
+                                                        "p50_overhead_c1", "router_queries_per_fanout_c32")},
+                      "status": result["status"], "wall_seconds": result["wall_seconds"]}, indent=1))  # fmt: skip
     return 0
 
 

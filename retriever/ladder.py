@@ -241,8 +241,41 @@ def recommend(results: list[dict], floor: float) -> str | None:
 # ----------------------------------------------------------------------------- building a rung
 
 
+def coarse_key(factory: str) -> str | None:
+    """The coarse quantizer part of an IVF factory string (``'IVF2048'`` of ``'IVF2048,PQ96'``): rungs with
+    the same one can share its training. None for other types and for pre-transformed ones (OPQ, PCA)."""
+    head = factory.split(",", 1)[0]
+    return head if re.fullmatch(r"IVF\d+", head) and "," in factory else None
+
+
+def _train_with_quantizer(vectors: DiskVectors, out: Path, factory: str, metric: str, train_sample: int, seed: int,
+                          quantizer_from: Path) -> None:  # fmt: skip
+    """Write ``out/blocks/trained.faiss`` for ``factory`` with the coarse centroids of the rung built in
+    ``quantizer_from`` (the same ``IVFn``): only the codes (SQ, PQ) train on the sample, k-means is skipped
+    (FAISS trains no coarse quantizer that already holds ``nlist`` centroids)."""
+    import faiss
+
+    from retriever.ondisk import BLOCKS_DIR, TRAINED_FILE, _write_index_atomic
+
+    trained = out / BLOCKS_DIR / TRAINED_FILE
+    if trained.is_file():
+        return
+    src_file = quantizer_from / BLOCKS_DIR / TRAINED_FILE
+    src = faiss.read_index(str(src_file)) if src_file.is_file() else read_index(quantizer_from)
+    src_ivf = faiss.extract_index_ivf(src)
+    index = new_index(vectors.dim, factory, metric)
+    ivf = faiss.extract_index_ivf(index)
+    if src_ivf.nlist != ivf.nlist:
+        raise ValueError(f"{quantizer_from} has {src_ivf.nlist} lists, {factory} {ivf.nlist}")
+    ivf.quantizer.add(src_ivf.quantizer.reconstruct_n(0, src_ivf.nlist))
+    if not index.is_trained:
+        index.train(vectors.gather(sample_ids(vectors.rows, train_sample, seed)))
+    trained.parent.mkdir(parents=True, exist_ok=True)
+    _write_index_atomic(index, trained)
+
+
 def _build_rung_child(rung_dir: str, emb_dir: str, chunk_size: int, rows: int, factory: str, metric: str, ef: int | None,
-                      train_sample: int, seed: int, max_build_ram_mb: int, threads: int) -> None:  # fmt: skip
+                      train_sample: int, seed: int, max_build_ram_mb: int, threads: int, quantizer_from: str | None = None) -> None:  # fmt: skip
     """Runs in a fresh process: build one rung into ``rung_dir`` and write its build stats."""
     import faiss
 
@@ -263,32 +296,73 @@ def _build_rung_child(rung_dir: str, emb_dir: str, chunk_size: int, rows: int, f
         stats = {"build_seconds": round(time.perf_counter() - t0, 3), "peak_build_rss_bytes": peak_rss_bytes(), "blocks": None}
     else:
         del probe
+        if quantizer_from is not None:
+            _train_with_quantizer(vectors, out, factory, metric, train_sample, seed, Path(quantizer_from))
         s = build_ondisk(vectors, out, index_type=factory, metric=metric, train_sample=train_sample, seed=seed,
                          max_build_ram_mb=max_build_ram_mb, log=lambda m: None, progress=False)  # fmt: skip
-        stats = {"build_seconds": s.build_seconds, "peak_build_rss_bytes": s.peak_rss_bytes, "blocks": s.blocks_total}
+        stats = {"build_seconds": round(time.perf_counter() - t0, 3), "peak_build_rss_bytes": s.peak_rss_bytes, "blocks": s.blocks_total,
+                 "coarse_quantizer_from": quantizer_from}  # fmt: skip
     write_text_atomic(out / "build.json", json.dumps(stats))
 
 
-def build_rung(rung: Rung, rung_dir: Path, vectors: DiskVectors, metric: str, *, train_sample: int, seed: int,
-               max_build_ram_mb: int, threads: int) -> dict:  # fmt: skip
-    """Build ``rung`` into ``rung_dir`` in a child process (its own peak RSS); reuse a finished build."""
-    done = rung_dir / "build.json"
-    if done.is_file() and (rung_dir / "index.faiss").is_file():
-        return json.loads(done.read_text())
-    rung_dir.mkdir(parents=True, exist_ok=True)
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_build_rung_child, args=(str(rung_dir), str(vectors.emb_dir), vectors.chunk_size, vectors.rows, rung.factory,
-                                                       metric, rung.ef, train_sample, seed, max_build_ram_mb, threads))  # fmt: skip
-    proc.start()
+def anon_rss_bytes(pid: int) -> int | None:
+    """``RssAnon`` of a process: its resident memory that is not file-backed (memory-mapped index and
+    vector files it read or wrote are page cache the kernel can drop; ``VmHWM`` counts them too)."""
     try:
-        proc.join()
-    finally:  # interrupted: the build must not outlive the ladder
-        if proc.is_alive():
-            proc.terminate()
-            proc.join()
-    if proc.exitcode != 0 or not done.is_file():
-        raise RuntimeError(f"building rung {rung.name} failed (exit code {proc.exitcode}); see the messages above")
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon")), None)
+    except OSError:
+        return None
+
+
+def build_rung(rung: Rung, rung_dir: Path, vectors: DiskVectors, metric: str, *, train_sample: int, seed: int,
+               max_build_ram_mb: int, threads: int, built: dict | None = None) -> dict:  # fmt: skip
+    """Build ``rung`` into ``rung_dir`` in a child process (its own peak RSS); reuse a finished build.
+
+    ``built`` (kept by the caller across rungs) lets rungs share work: a rung whose factory was built
+    already (the same index searched differently, e.g. with a re-rank stage) links that build's files;
+    a rung with the same IVF coarse lists (:func:`coarse_key`) as a built one reuses its centroids. The
+    child's anonymous RSS is sampled every 0.2 s (``peak_build_anon_bytes``) next to its ``VmHWM``
+    (``peak_build_rss_bytes``, which includes the file pages it memory-mapped)."""
+    built = {} if built is None else built
+    done = rung_dir / "build.json"
+    same = built.get((rung.factory, vectors.rows))
+    if not done.is_file() and same is not None and same != rung_dir:  # the same index: link its files
+        rung_dir.mkdir(parents=True, exist_ok=True)
+        for f in ("index.faiss", "index.ivfdata", "build.json"):
+            if (same / f).is_file() and not (rung_dir / f).exists():
+                os.link(same / f, rung_dir / f)
+    if not (done.is_file() and (rung_dir / "index.faiss").is_file()):
+        rung_dir.mkdir(parents=True, exist_ok=True)
+        key = coarse_key(rung.factory)
+        quantizer_from = built.get(("coarse", key, vectors.rows)) if key else None
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=_build_rung_child, args=(str(rung_dir), str(vectors.emb_dir), vectors.chunk_size, vectors.rows,
+                                                           rung.factory, metric, rung.ef, train_sample, seed, max_build_ram_mb, threads,
+                                                           str(quantizer_from) if quantizer_from else None))  # fmt: skip
+        proc.start()
+        peak_anon = 0
+        try:
+            while proc.is_alive():
+                peak_anon = max(peak_anon, anon_rss_bytes(proc.pid) or 0)
+                proc.join(0.2)
+        finally:  # interrupted: the build must not outlive the ladder
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        if proc.exitcode != 0 or not done.is_file():
+            raise RuntimeError(f"building rung {rung.name} failed (exit code {proc.exitcode}); see the messages above")
+        write_text_atomic(done, json.dumps({**json.loads(done.read_text()), "peak_build_anon_bytes": peak_anon}))
+    register_build(built, rung, rung_dir, vectors.rows)
     return json.loads(done.read_text())
+
+
+def register_build(built: dict, rung: Rung, rung_dir: Path, rows: int) -> None:
+    """Note a finished build in :func:`build_rung`'s ``built`` (the first of a kind is the one shared)."""
+    if (rung_dir / "build.json").is_file():
+        built.setdefault((rung.factory, rows), rung_dir)
+        if coarse_key(rung.factory):
+            built.setdefault(("coarse", coarse_key(rung.factory), rows), rung_dir)
 
 
 def load_rung(rung: Rung, rung_dir: Path, vectors: DiskVectors, metric: str):
@@ -467,6 +541,7 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
 
     store = DocStore(source)
     results: list[dict] = []
+    built: dict = {}  # rungs share builds (the same factory) and coarse quantizers (the same IVF lists)
     bar = tqdm(rungs, desc="ladder", unit="rung", disable=not cfg.progress)
     for rung in bar:
         bar.set_postfix_str(rung.name)
@@ -475,14 +550,16 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
         if stored.is_file():
             rec = json.loads(stored.read_text())
             if rec.get("name") == rung.name and rec.get("questions") == [cfg.questions, len(questions)]:
-                results.append(rec)
+                results.append({**rec, "resumed": True})  # measured by an earlier run
+                register_build(built, rung, rdir, rows)
                 continue
         make_rung_dir(rung, rdir, source, meta)
         build = build_rung(rung, rdir, vectors, metric, train_sample=cfg.train_sample, seed=cfg.seed,
-                           max_build_ram_mb=cfg.max_build_ram_mb, threads=cfg.threads)  # fmt: skip
+                           max_build_ram_mb=cfg.max_build_ram_mb, threads=cfg.threads, built=built)  # fmt: skip
         rec, found = measure_rung(rung, rdir, vectors, metric, qvec, truth, cfg.threads)
         texts = [store.contents(row[row >= 0]) for row in found]
         rec.update(build_seconds=build["build_seconds"], peak_build_rss_bytes=build["peak_build_rss_bytes"],
+                   peak_build_anon_bytes=build.get("peak_build_anon_bytes"), coarse_quantizer_from=build.get("coarse_quantizer_from"),
                    **{f"answer_recall_at_{k}": round(answer_recall(texts, answers, k), 4) for k in KS},
                    questions=[cfg.questions, len(questions)])  # fmt: skip
         if cfg.serve and (not cfg.serve_only or rung.name in cfg.serve_only or rung.factory == "Flat" and not rung.rerank):

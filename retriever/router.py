@@ -10,7 +10,14 @@ The router speaks the retrieval server's API (Search-R1's ``POST /retrieve``, ``
    ``--no-encode`` forwards the text to their ``/retrieve`` instead, and every shard encodes every query) (``--shard`` once per shard, in shard
    order; replicas of a shard comma-separated, taken round-robin among the healthy ones), asking for
    ``topk`` hits with scores; a replica that fails (connection error, 5xx, 429) is marked down and the
-   next healthy replica of that shard is tried, all within ``--deadline-ms``;
+   next healthy replica of that shard is tried, all within ``--deadline-ms``. The fan-outs of requests
+   ready in the same event-loop iteration -- with ``--encode``, every request of one encoded
+   micro-batch -- are **one request per shard** (up to ``--max-batch`` queries, each request's share
+   cut out of the answer; its deadline the earliest of theirs): at 32 concurrent clients a shard
+   answers a few batched searches instead of 32 single-query requests, each with its HTTP round trip
+   (per request, the router's p99 overhead at c = 32 was +92% over one server on the same 2 cores;
+   ``benchmarks/retriever_scale.py``). If the shards refuse a joined request (4xx, e.g. a shard's
+   lower ``--max-queries-per-request``), its requests are re-sent one by one;
 3. merges the shards' lists by score, best first, ties to the lower shard then the shard's own order
    (contiguous shards: the lower row, as FAISS orders ties), and keeps the top ``topk``. For Flat
    shards this is exactly the unsharded index's answer: ids, order and scores
@@ -33,12 +40,14 @@ the unsharded index's fingerprint id (``source_fingerprint``).
 
 ``/metrics``: the server's request counters and latency histogram, plus per shard
 ``router_shard_latency_seconds{shard}``, ``router_shard_requests_total{shard,replica,outcome}``,
-``router_replica_up{shard,replica}`` and ``router_partial_responses_total``.
+``router_replica_up{shard,replica}``, ``router_partial_responses_total``, and
+``router_fanouts_total`` / ``router_fanout_queries_total`` (queries per fan-out: their ratio).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import json
 import logging
@@ -47,6 +56,7 @@ import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -57,7 +67,7 @@ from emapg.server_input import HTTPError, guarded, install_error_handlers, json_
 from emapg.servers import ServerOptions, help_of
 
 from retriever.client import normalize_url
-from retriever.server import LATENCY_BUCKETS, Histogram, Metrics, format_result, parse_retrieve_body
+from retriever.server import LATENCY_BUCKETS, Histogram, Metrics, parse_retrieve_body
 
 log = logging.getLogger("retriever.router")
 
@@ -163,16 +173,41 @@ class ShardFailure(Exception):
 
 
 def merge_hits(per_shard: list[list[list[dict]] | None], topk: int) -> list[list[dict]]:
-    """Per query, the best ``topk`` of every answering shard's hits: score descending, ties to the lower
-    shard, then the shard's own order. ``None`` = a shard that did not answer."""
-    answered = [(s, hits) for s, hits in enumerate(per_shard) if hits is not None]
-    n_queries = len(answered[0][1])
+    """Per query, the best ``topk`` of every answering shard's hits (each shard's list best first):
+    score descending, ties to the lower shard, then the shard's own order. ``None`` = a shard that did
+    not answer. The hits are passed through as they are (``{"document": ..., "score": ...}``)."""
+    answered = [hits for hits in per_shard if hits is not None]
     out = []
-    for q in range(n_queries):
-        pool = [(-h["score"], s, r, h) for s, hits in answered for r, h in enumerate(hits[q])]
-        pool.sort(key=lambda t: t[:3])
-        out.append([h for *_, h in pool[:topk]])
+    for q in range(len(answered[0])):
+        runs = [[(-h["score"], s, r, h) for r, h in enumerate(hits[q])] for s, hits in enumerate(answered)]
+        out.append([h for *_, h in itertools.islice(heapq.merge(*runs, key=lambda t: t[:3]), topk)])
     return out
+
+
+@dataclass
+class _FanOutJob:
+    """One request's part of a joined fan-out."""
+
+    items: Any  # its queries: the rows of the query vectors (np.ndarray [n, dim]) or the texts
+    topk: int
+    deadline: float  # time.monotonic()
+    future: asyncio.Future  # -> (per shard: its hits for these queries or None, reasons, refusals)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _groups(jobs: list[_FanOutJob], most: int) -> list[list[_FanOutJob]]:
+    """Consecutive groups of whole jobs, at most ``most`` queries each (one job at least)."""
+    groups: list[list[_FanOutJob]] = []
+    n = most
+    for job in jobs:
+        if n + len(job) > most:
+            groups.append([])
+            n = 0
+        groups[-1].append(job)
+        n += len(job)
+    return groups
 
 
 class Router:
@@ -181,6 +216,10 @@ class Router:
         self.metrics = metrics
         self.shards = [Shard(i, [Replica(normalize_url(u)) for u in spec.split(",") if u.strip()]) for i, spec in enumerate(cfg.shard)]
         self.partial_responses = 0
+        self.fanouts = 0  # requests to every shard (one per joined group)
+        self.fanout_queries = 0  # queries they carried
+        self.waiting: list[_FanOutJob] = []  # fan-outs asked for in this event-loop iteration
+        self.groups_running: set[asyncio.Task] = set()
         self.outcomes: dict[tuple[int, str, str], int] = {}
         self.checked = asyncio.Event()  # the first health round finished
         key = os.environ.get(cfg.shard_api_key_env) or None
@@ -294,7 +333,7 @@ class Router:
 
     # -- retrieval
 
-    async def _ask_shard(self, shard: Shard, body: bytes, deadline: float, path: str) -> list[list[dict]]:
+    async def _ask_shard(self, shard: Shard, body: bytes, n_queries: int, deadline: float, path: str) -> list[list[dict]]:
         order = shard.order()
         if not order:
             raise ShardFailure("no healthy replica")
@@ -308,10 +347,9 @@ class Router:
             try:
                 status, data = await asyncio.wait_for(r.post(body, self.headers, path), timeout=left)
                 if status == 200:
-                    hits = json.loads(data)["result"]
+                    hits = _shard_hits(data, n_queries)
                     shard.latency.observe(time.perf_counter() - t0)
-                    return [[{"id": h["document"]["id"], "contents": h["document"]["contents"], "score": float(h["score"])} for h in q]
-                            for q in hits]  # fmt: skip
+                    return hits
                 outcome = f"http_{status}"
                 if 400 <= status < 500 and status != 429:  # the request, not the replica
                     raise ShardFailure(outcome, status, _message(data))
@@ -332,17 +370,74 @@ class Router:
     async def retrieve(self, queries: list[str], topk: int) -> tuple[list[list[dict]], dict | None]:
         deadline = time.monotonic() + self.cfg.deadline_ms / 1000
         if self.batcher is not None:  # encode once here; the shards search the vectors
-            import base64
-
             import numpy as np
 
-            q = np.stack([v[0] for v in await self.batcher.submit(queries, topk)]).astype("<f4")
-            body = json.dumps({"vectors_b64": base64.b64encode(q.tobytes()).decode(), "dim": q.shape[1], "topk": topk}).encode()
-            path = "/search"
+            items = np.stack([v[0] for v in await self.batcher.submit(queries, topk)]).astype("<f4")
         else:
-            body = json.dumps({"queries": queries, "topk": topk, "return_scores": True}).encode()
-            path = "/retrieve"
-        answers = await asyncio.gather(*(self._ask_shard(s, body, deadline, path) for s in self.shards), return_exceptions=True)
+            items = queries
+        job = _FanOutJob(items, topk, deadline, asyncio.get_running_loop().create_future())
+        self.waiting.append(job)
+        if len(self.waiting) == 1:  # after the other requests resumed in this iteration (one encoded batch) joined
+            asyncio.get_running_loop().call_soon(self._start_fan_outs)
+        per_shard, reasons, refusals = await job.future
+        if all(h is None for h in per_shard):
+            if refusals and len(refusals) == len(self.shards):
+                raise HTTPError(refusals[0].status, f"the shards refused the request: {refusals[0].message}", "shard_refused")
+            raise HTTPError(503, f"no shard answered ({'; '.join(f'shard {k}: {v}' for k, v in reasons.items())}); retry", "no_shard")
+        partial = None
+        if reasons:
+            self.partial_responses += 1
+            partial = {"missing_shards": [int(k) for k in reasons], "reasons": reasons}
+        return merge_hits(per_shard, topk), partial
+
+    def _start_fan_outs(self) -> None:
+        jobs, self.waiting = self.waiting, []
+        for group in _groups([j for j in jobs if not j.future.done()], self.cfg.max_batch):
+            task = asyncio.get_running_loop().create_task(self._fan_out_group(group))
+            self.groups_running.add(task)  # a reference until it ends
+            task.add_done_callback(self.groups_running.discard)
+
+    async def _fan_out_group(self, group: list[_FanOutJob]) -> None:
+        """One request per shard for the whole group; each job gets its queries' hits (cut to its topk)."""
+        try:
+            topk = max(j.topk for j in group)
+            if self.batcher is not None:
+                import base64
+
+                import numpy as np
+
+                q = group[0].items if len(group) == 1 else np.concatenate([j.items for j in group])
+                body = json.dumps({"vectors_b64": base64.b64encode(q.tobytes()).decode(), "dim": q.shape[1], "topk": topk}).encode()
+                path = "/search"
+            else:
+                body = json.dumps({"queries": [t for j in group for t in j.items], "topk": topk, "return_scores": True}).encode()
+                path = "/retrieve"
+            n = sum(len(j) for j in group)
+            self.fanouts += 1
+            self.fanout_queries += n
+            per_shard, reasons, refusals = await self._fan_out(body, n, min(j.deadline for j in group), path)
+            if refusals and len(group) > 1:  # the shards refused the joined request (its size?): each request alone
+                await asyncio.gather(*(self._fan_out_group([j]) for j in group))
+                return
+            pos = 0
+            for j in group:
+                mine = [None if hits is None else [q[: j.topk] for q in hits[pos : pos + len(j)]] for hits in per_shard]
+                pos += len(j)
+                if not j.future.done():  # its client may have gone
+                    j.future.set_result((mine, reasons, refusals))
+        except asyncio.CancelledError:  # shutting down
+            for j in group:
+                j.future.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must fail these requests, not hang them
+            log.exception("a fan-out failed")
+            for j in group:
+                if not j.future.done():
+                    j.future.set_exception(e)
+
+    async def _fan_out(self, body: bytes, n_queries: int, deadline: float, path: str) -> tuple[list, dict[str, str], list[ShardFailure]]:
+        """``body`` to one replica of every shard at once: (per shard its hits or None, reasons for the Nones, 4xx refusals)."""
+        answers = await asyncio.gather(*(self._ask_shard(s, body, n_queries, deadline, path) for s in self.shards), return_exceptions=True)
         per_shard, reasons, refusals = [], {}, []
         for s, a in zip(self.shards, answers):
             if isinstance(a, BaseException):
@@ -354,15 +449,7 @@ class Router:
                     log.error("shard %d failed unexpectedly", s.index, exc_info=a)
             else:
                 per_shard.append(a)
-        if all(h is None for h in per_shard):
-            if refusals and len(refusals) == len(self.shards):
-                raise HTTPError(refusals[0].status, f"the shards refused the request: {refusals[0].message}", "shard_refused")
-            raise HTTPError(503, f"no shard answered ({'; '.join(f'shard {k}: {v}' for k, v in reasons.items())}); retry", "no_shard")
-        partial = None
-        if reasons:
-            self.partial_responses += 1
-            partial = {"missing_shards": [int(k) for k in reasons], "reasons": reasons}
-        return merge_hits(per_shard, topk), partial
+        return per_shard, reasons, refusals
 
     def render_metrics(self) -> str:
         out = ["# HELP router_shard_latency_seconds Per shard: latency of its answered requests.",
@@ -376,6 +463,10 @@ class Router:
         out += [f'router_replica_up{{shard="{s.index}",replica="{r.url}"}} {int(r.up)}' for s in self.shards for r in s.replicas]
         out += ["# HELP router_partial_responses_total Answers missing at least one shard.", "# TYPE router_partial_responses_total counter",
                 f"router_partial_responses_total {self.partial_responses}"]  # fmt: skip
+        out += ["# HELP router_fanouts_total Requests sent to every shard (requests ready together share one).",
+                "# TYPE router_fanouts_total counter", f"router_fanouts_total {self.fanouts}",
+                "# HELP router_fanout_queries_total Queries those requests carried.", "# TYPE router_fanout_queries_total counter",
+                f"router_fanout_queries_total {self.fanout_queries}"]  # fmt: skip
         return "\n".join(out) + "\n"
 
 
@@ -390,6 +481,20 @@ def _labelled(lines: list[str], label: str) -> list[str]:
             name = f"{name}{{{label}}}"
         out.append(f"{name} {value}")
     return out
+
+
+def _shard_hits(data: bytes, n_queries: int) -> list[list[dict]]:
+    """A shard's scored answer (``{"result": [[{"document": {"id", "contents"}, "score"}]]}``) for ``n_queries``
+    queries; ``ValueError`` / ``KeyError`` / ``TypeError`` when it is not one."""
+    hits = json.loads(data)["result"]
+    if not isinstance(hits, list) or len(hits) != n_queries:
+        raise ValueError(f"the shard answered {len(hits) if isinstance(hits, list) else 'no list'} for {n_queries} queries")
+    for q in hits:
+        for h in q:
+            h["document"]["id"], h["document"]["contents"]  # noqa: B018 - present, or KeyError/TypeError
+            if not isinstance(h["score"], (int, float)):
+                raise TypeError(f"a shard's score is {type(h['score']).__name__}")
+    return hits
 
 
 def _message(data: bytes) -> str:
@@ -443,7 +548,7 @@ def create_app(cfg: RouterConfig, on_fatal=None) -> FastAPI:
         if not router.ready.is_set():
             raise HTTPError(503, "the router is checking its shards (and loading the query encoder); retry when GET /health returns 200")
         hits, partial = await router.retrieve(queries, topk)
-        payload = format_result(hits, return_scores)
+        payload = {"result": hits if return_scores else [[h["document"] for h in q] for q in hits]}  # the shards' scored shape
         headers = None
         if partial is not None:
             payload["partial"] = partial

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from retriever.ladder import Rung, answer_recall, default_rungs, exact_topk, extrapolate, parse_rung, recall_at_k, recommend
+from retriever.ladder import (Rung, answer_recall, build_rung, coarse_key, default_rungs, exact_topk, extrapolate, parse_rung, recall_at_k,
+                             recommend)
 from retriever.ondisk import DiskVectors, RerankIndex
 
 
@@ -88,6 +89,34 @@ def test_exact_topk_and_rerank_match_brute_force(tmp_path):
     d2, i2 = RerankIndex(coarse, vectors, 3000, "ip").search(q, 10)
     assert (i2 == brute).all()
     np.testing.assert_allclose(d2, d, rtol=1e-5)
+
+
+def test_rungs_share_a_build_of_the_same_factory_and_the_coarse_centroids_of_the_same_lists(tmp_path):
+    import faiss
+
+    from retriever.ondisk import read_index
+
+    assert [coarse_key(f) for f in ("IVF64,PQ8", "IVF64,Flat", "OPQ8,IVF64,PQ8", "HNSW32,SQ8", "IVF64")] == ["IVF64", "IVF64", None, None, None]
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4000, 32)) + 3 * rng.standard_normal((40, 32))[rng.integers(0, 40, 4000)]).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)  # unit vectors: each row is its own best inner product
+    vectors = _disk_vectors(tmp_path, x, 1500)
+    built: dict = {}
+    kw = dict(train_sample=4000, seed=0, max_build_ram_mb=64, threads=1, built=built)
+    first = build_rung(Rung("IVF16,Flat", nprobe=4), tmp_path / "a", vectors, "ip", **kw)
+    second = build_rung(Rung("IVF16,SQ8", nprobe=4), tmp_path / "b", vectors, "ip", **kw)
+    again = build_rung(Rung("IVF16,SQ8", nprobe=16, rerank=50), tmp_path / "c", vectors, "ip", **kw)
+    assert first["coarse_quantizer_from"] is None and second["coarse_quantizer_from"] == str(tmp_path / "a")
+    assert first["peak_build_anon_bytes"] > 0
+    indexes = [read_index(tmp_path / d) for d in "ab"]  # kept: the quantizers belong to them
+    centroids = [faiss.extract_index_ivf(index).quantizer.reconstruct_n(0, 16) for index in indexes]
+    np.testing.assert_array_equal(centroids[0], centroids[1])
+    assert again == second and (tmp_path / "c" / "index.faiss").stat().st_ino == (tmp_path / "b" / "index.faiss").stat().st_ino
+    # the shared-quantizer rung is a working index: every row found by its own vector at full nprobe
+    index = indexes[1]
+    faiss.extract_index_ivf(index).nprobe = 16
+    _, found = index.search(x[:50], 1)
+    assert (found[:, 0] == np.arange(50)).mean() > 0.9
 
 
 def test_index_help_lists_the_ladder_and_shard_commands(capsys):

@@ -64,6 +64,35 @@ def test_sharded_flat_equals_one_flat_index(retriever_index, retriever_server, s
         assert [[h["id"] for h in q] for q in hits] == [[h["document"]["id"] for h in q[:3]] for q in _post(retriever_server.url, questions[:8], 3).json()["result"]]
 
 
+def test_requests_ready_together_are_one_request_per_shard_and_each_gets_its_own_answer(retriever_index, retriever_server, shard_servers):
+    import asyncio
+
+    from retriever.router import Router, RouterConfig
+    from retriever.server import Metrics
+
+    questions = [q["question"] for q in retriever_index.questions[:12]]
+    topks = [1 + i % 4 for i in range(len(questions))]
+    # the reference: one request of all of them at the largest topk, cut per question (the same query batch as the joined fan-out)
+    whole = _post(retriever_server.url, questions, max(topks)).json()["result"]
+
+    async def main():
+        router = Router(RouterConfig(shard=[s.url for s in shard_servers], encode=False), Metrics())
+        await router.start()
+        try:
+            await router.check_health()
+            answers = await asyncio.gather(*(router.retrieve([q], k) for q, k in zip(questions, topks)))
+        finally:
+            await router.close()
+        return router, answers
+
+    router, answers = asyncio.run(main())
+    assert (router.fanouts, router.fanout_queries) == (1, len(questions))  # ready in one loop iteration: joined
+    for (hits, partial), ref, k in zip(answers, whole, topks):
+        assert partial is None and len(hits[0]) == k
+        assert [h["document"] for h in hits[0]] == [h["document"] for h in ref[:k]]
+        assert [h["score"] for h in hits[0]] == pytest.approx([h["score"] for h in ref[:k]], rel=1e-6, abs=1e-6)
+
+
 def test_a_shard_down_or_slow_gives_a_flagged_partial_answer_never_a_5xx(retriever_index, shard_servers):
     q = [retriever_index.questions[0]["question"]]
     with RouterServer([[s.url] for s in shard_servers], deadline_ms=1500, health_interval_s=0.3) as router:
