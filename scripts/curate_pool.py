@@ -21,7 +21,7 @@ The kept questions were selected on these very samples, so their informative sha
 lower than 100% (regression to the mean); the trainer measures it at every step
 (``filter/first_round_informative_frac``), and that is the number the docs report.
 
-    python scripts/curate_pool.py                      # 320 questions x 4 samples (~10 min on 2 cores)
+    python scripts/curate_pool.py                      # 160 questions x 4 samples (~6 min on 2 cores)
     python scripts/curate_pool.py --quick              # smoke run: tiny-qwen2, 8 questions x 2, a 2k-passage index
 """
 
@@ -83,7 +83,7 @@ def correct_counts(eval_dir: Path) -> dict[str, tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--questions", type=int, default=320, help="pool questions to measure (a seeded sample)")
+    p.add_argument("--questions", type=int, default=160, help="pool questions to measure (a seeded sample)")
     p.add_argument("--samples", type=int, default=4, help="trajectories per question (the demo's group size)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the demo's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the question sample and of the sampling")

@@ -51,6 +51,7 @@ BUNDLED_ROWS = {
     # the recorded held-out split (data/qa/heldout.json) and the answerable training pool (data/qa/pool/)
     **{(name, "heldout"): 100 for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")},
     ("qa_pool", "train"): 7216,
+    ("qa_pool_informative", "train"): 37,
 }
 CORPUS_SOURCES = {"vital": 10033, "hotpot": 11732, "r1traj": 9808, "2wiki": 6117, "nqgold": 2588,
                   "musique": 1881, "wiki18s": 1000}
