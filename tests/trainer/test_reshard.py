@@ -166,3 +166,27 @@ def test_data_position_is_one_global_order_across_a_resume_at_another_world_size
     bad = dict(saved, consumed=11)
     with pytest.raises(ValueError, match="data position is inconsistent"):
         PromptSampler(examples, seed=3).load_state_dict(bad)
+
+
+def test_a_format_2_single_process_optimizer_state_loads_by_parameter_name():
+    """Old checkpoints: a 1-process run's ``optimizer.pt`` (keyed by position) is renamed to parameter names and
+    loaded through the same call an FSDP run uses; the Adam moments come back exactly."""
+    from trainer.reshard import fqn_keyed, load_full_optimizer_state
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        model[0].bias.requires_grad_(False)  # a frozen parameter shifts positions: names must not
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    model, opt = build()
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    old = opt.state_dict()
+    assert set(old["state"]) == {0, 1, 2}
+    renamed = fqn_keyed(old, model, opt)
+    assert set(renamed["state"]) == {"0.weight", "1.weight", "1.bias"}
+    model2, opt2 = build()
+    load_full_optimizer_state(model2, opt2, old, sharded=False)
+    for (i, a), b in zip(old["state"].items(), opt2.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step")), i
