@@ -3,11 +3,11 @@
 Layout of ``<run_dir>/step_<N>/``::
 
     policy/              HF folder (config, safetensors, tokenizer): vLLM and transformers load it directly
-    anchor.safetensors   the EMA anchor (absent when training without an anchor)
-    optimizer.pt         AdamW state (full, world-size independent), loaded with weights_only=True
+    state/               AdamW state and the EMA anchor, a torch.distributed.checkpoint (DCP) folder: one
+                         ``__<rank>_0.distcp`` per rank that wrote it plus ``.metadata`` (:mod:`trainer.reshard`)
     scheduler.pt         LR scheduler state
     rng_rank<R>.pt       python / numpy / torch (and CUDA) RNG states of each rank
-    trainer_state.json   step, data-loader position, consecutive-NaN counter, anything the loop needs
+    trainer_state.json   step, world size, data-loader position (global), consecutive-NaN counter, anything the loop needs
     config.yaml          the resolved config of the run
     trained_questions.json  hashes of the questions the run trains on (tasks.contamination), also in policy/
     manifest.json        written last: the size and sha256 of every other file (see below)
@@ -42,6 +42,14 @@ warning naming the file, and the newest intact one is used; when none is intact,
 same checks over all files (the shared files and every rank's ``rng_rank<R>.pt``), so all
 ranks reach the same decision without communicating.
 
+**Resuming at another world size.** Nothing in a checkpoint depends on the number of ranks that wrote
+it: the policy is a full HF folder, DCP reads ``state/`` into the resuming run's sharding, the data
+position is a count in the one global prompt order (every rank draws the whole global batch and keeps
+its share), and each rank's RNG is restored from ``rng_rank<R>.pt`` at the same world size or, at
+another, re-derived from (``run.seed``, step, rank) (:func:`derived_rng_seed`). Format-2 checkpoints
+(``optimizer.pt`` holding the full AdamW state, ``anchor.safetensors``) load at any world size too;
+writing the next checkpoint converts the run.
+
 **Checkpoints written before manifests** (no ``manifest.json``, no ``checkpoint_format``
 in ``trainer_state.json``) still resume: they are reported as unverified, and checked
 structurally instead (``trainer_state.json`` parses; each safetensors header matches its
@@ -64,7 +72,7 @@ import re
 import shutil
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +92,9 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 # 2: with manifest.json. Recorded in trainer_state.json so that a lost manifest is not mistaken for an old checkpoint.
-CHECKPOINT_FORMAT = 2
+# 3: optimizer and anchor in a DCP ``state/`` folder (resharding), instead of optimizer.pt / anchor.safetensors.
+CHECKPOINT_FORMAT = 3
+STATE_DIR = "state"
 PIECE_BYTES = 256 << 20  # hashing granularity: 48 GB (3B policy + anchor + Adam) = ~190 pieces for the thread pool
 _READ_BYTES = 8 << 20
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -478,6 +488,19 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def derived_rng_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of ``rank``'s RNG streams when a checkpoint is resumed at another world size than
+    the one that wrote it (there is no saved stream for the new ranks): fixed by the three numbers."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint32)[0])
+
+
+def seed_rng(seed: int) -> None:
+    """Seed python's, numpy's and torch's (and CUDA's) global RNGs with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
@@ -515,6 +538,7 @@ def save_checkpoint(
     world_size: int = 1,
     barrier: Any = None,
     files: Mapping[str, str] | None = None,
+    write_state: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``<run_dir>/step_<step>`` atomically and point ``latest`` at it.
 
@@ -524,6 +548,9 @@ def save_checkpoint(
     and after a barrier rank 0 fsyncs and hashes every file (all ranks'), writes the
     manifest last and renames the folder into place. ``files``: more text files rank 0 writes
     (path relative to the checkpoint folder -> content), covered by the manifest like the rest.
+    ``write_state``: called on every rank with the ``state/`` folder to write the sharded optimizer
+    and anchor into (:func:`trainer.reshard.save_training_state`); ``optimizer_state`` and
+    ``anchor_state`` are then None (they write the format-2 full files).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -536,6 +563,8 @@ def save_checkpoint(
         tmp.mkdir()
     sync()
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if write_state is not None:
+        write_state(tmp / STATE_DIR)
     if rank == 0:
         model.save_pretrained(tmp / "policy", state_dict=policy_state, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "policy")
@@ -587,12 +616,15 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     return _read(Path(path) / TRAINER_STATE, lambda f: json.loads(f.read_text()))
 
 
-def load_checkpoint(path: str | Path, *, rank: int = 0, restore_rng: bool = True) -> Checkpoint:
-    """Read a checkpoint's step, trainer state and anchor, and restore this rank's RNG.
+def load_checkpoint(path: str | Path, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                    restore_rng: bool = True) -> Checkpoint:
+    """Read a checkpoint's step, trainer state and (format 2) anchor, and restore this rank's RNG.
 
-    The policy weights are loaded by building the model from ``<path>/policy``; the
-    optimizer and scheduler states by :func:`load_optimizer_state` /
-    :func:`load_scheduler_state` once those objects exist. Verification is
+    At the world size that wrote it each rank gets its saved RNG streams back; at another they
+    are seeded with :func:`derived_rng_seed` (``seed``, the step, ``rank``). The policy weights are
+    loaded by building the model from ``<path>/policy``; the optimizer and anchor by
+    :func:`trainer.reshard.load_training_state` (format 2: :func:`load_optimizer_state`) and the
+    scheduler by :func:`load_scheduler_state` once those objects exist. Verification is
     :func:`resolve_resume`'s job (before any model is built); a file that still fails to
     load here raises :class:`CheckpointError` naming it.
     """
@@ -604,13 +636,14 @@ def load_checkpoint(path: str | Path, *, rank: int = 0, restore_rng: bool = True
 
         anchor = _read(path / "anchor.safetensors", lambda f: load_file(str(f)))
     if restore_rng:
+        saved_world = int(state.get("world_size", 1))
         rng_file = path / f"rng_rank{rank}.pt"
-        if not rng_file.is_file():
-            raise CheckpointError(
-                f"{rng_file} is missing: the checkpoint was written by {state.get('world_size', 1)} ranks; "
-                "resume with the same number of processes"
-            )
-        set_rng_state(_read(rng_file, lambda f: torch.load(f, weights_only=True)))
+        if saved_world != world_size:
+            seed_rng(derived_rng_seed(seed, int(state["step"]), rank))
+        elif not rng_file.is_file():
+            raise CheckpointError(f"{rng_file} is missing (the checkpoint was written by {saved_world} ranks)")
+        else:
+            set_rng_state(_read(rng_file, lambda f: torch.load(f, weights_only=True)))
     return Checkpoint(path=path, step=int(state["step"]), trainer_state=state, anchor_state=anchor)
 
 

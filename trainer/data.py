@@ -16,6 +16,7 @@ import numpy as np
 
 from emapg.config import ConfigError
 from tasks.datasets import DatasetError, Example, load_dataset
+from trainer.distributed import shard_slice
 
 
 def load_prompts(train: str, *, split: str, limit: int | None, seed: int) -> list[Example]:
@@ -71,8 +72,19 @@ class PromptSampler:
             self.position += 1
         return out
 
+    def next_share(self, count: int, step: int, rank: int, world_size: int) -> list[SampledPrompt]:
+        """The global batch of ``count`` prompts (every rank draws it: the position stays one global
+        count, whatever the world size), then ``rank``'s contiguous share of it."""
+        return self.next(count, step)[shard_slice(count, rank, world_size)]
+
+    @property
+    def consumed(self) -> int:
+        """Prompts drawn so far over the whole run (all ranks together: one global order)."""
+        return self.epoch * len(self.examples) + self.position
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.examples)}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.examples),
+                "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("size", len(self.examples)) != len(self.examples):
@@ -81,4 +93,7 @@ class PromptSampler:
             )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        if "consumed" in state and int(state["consumed"]) != self.consumed:
+            raise ValueError(f"the checkpoint's data position is inconsistent: consumed={state['consumed']} but "
+                             f"epoch {self.epoch} at position {self.position} of {len(self.examples)}")
         self._order = self._permutation(self.epoch)

@@ -310,6 +310,28 @@ class EMAAnchor:
             out[name] = full if dtype is None else full.to(dtype)
         return out
 
+    def sharded_tensors(self) -> dict[str, Tensor]:
+        """The anchor tensors with their parameters' sharding: a DTensor around each local shard under
+        FSDP2 (sharing its storage, no copy), the tensor itself otherwise. What a resharding
+        (``torch.distributed.checkpoint``) save writes and its load fills in place."""
+        out: dict[str, Tensor] = {}
+        for name, a in self.tensors.items():
+            src = self._sources[name]
+            if DTensor is not None and isinstance(src, DTensor):
+                out[name] = DTensor.from_local(a, src.device_mesh, src.placements, shape=src.shape,
+                                               stride=src.stride(), run_check=False)
+            else:
+                out[name] = a
+        return out
+
+    @torch.no_grad()
+    def load_sharded_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Copy :meth:`sharded_tensors`-shaped tensors (e.g. filled by a DCP load) into the anchor."""
+        for name, t in tensors.items():
+            local = t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+            if local.data_ptr() != self.tensors[name].data_ptr():
+                self.tensors[name].copy_(local)
+
     def name_of(self, param: Tensor) -> str:
         """The anchor name of one of the tracked model's parameters (e.g. its lm_head weight)."""
         for name, src in self._sources.items():

@@ -243,7 +243,7 @@ class Trainer:
         self._resources.callback(quietly)
 
     def _restore(self, path: Path) -> None:
-        ckpt = load_checkpoint(path, rank=self.dist.rank)
+        ckpt = load_checkpoint(path, rank=self.dist.rank, world_size=self.dist.world_size, seed=self.cfg.run.seed)
         self.step, state = ckpt.step, ckpt.trainer_state
         self.sampler.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
@@ -280,8 +280,7 @@ class Trainer:
     # ------------------------------------------------------------------ the step
     def sample_prompts(self) -> list[SampledPrompt]:
         """The global batch of prompts of this step (the same on every rank), then this rank's share."""
-        n = self.cfg.data.prompts_per_step
-        return self.sampler.next(n, self.step + 1)[D.shard_slice(n, self.dist.rank, self.dist.world_size)]
+        return self.sampler.next_share(self.cfg.data.prompts_per_step, self.step + 1, self.dist.rank, self.dist.world_size)
 
     def rollout(self, prompts: list[SampledPrompt]) -> Rollouts:
         """Produce: ``n_samples`` trajectories per prompt with the current weights, scored; retried on failure."""

@@ -202,21 +202,32 @@ class Policy:
         return self._anchor_head[1], self._anchor_head[2]
 
     def restore(self, path: Any, anchor_state: dict[str, torch.Tensor] | None, schedule: dict[str, Any]) -> None:
-        """Load the optimizer, LR schedule and anchor of the checkpoint at ``path`` (the weights came with the model)."""
-        from trainer.checkpoint import load_optimizer_state, load_scheduler_state
+        """Load the optimizer, LR schedule and anchor of the checkpoint at ``path`` (the weights came with the model),
+        resharded to this run's world size. ``anchor_state``: a format-2 checkpoint's full anchor."""
+        from pathlib import Path
 
-        opt = load_optimizer_state(path)
-        if opt is not None or self.fsdp:
-            D.load_optimizer_state(self.forward, self.optimizer, opt or {})
+        from trainer.checkpoint import load_optimizer_state, load_scheduler_state
+        from trainer.reshard import has_training_state, load_full_optimizer_state, load_training_state
+
+        path = Path(path)
+        if has_training_state(path):
+            load_training_state(path / "state", self.forward, self.optimizer, self.anchor)
+        else:
+            opt = load_optimizer_state(path)
+            if opt is not None:
+                load_full_optimizer_state(self.forward, self.optimizer, opt, sharded=self.fsdp)
         sched = load_scheduler_state(path)
         if sched is not None:
             self.scheduler.load_state_dict(sched)
         if self.anchor is not None:
-            if anchor_state is None:
-                raise ConfigError(f"{path} has no anchor.safetensors but algorithm.kl is enabled")
-            # A full (unsharded) anchor; under FSDP each rank keeps its own shards.
-            self.anchor.load_full_state_dict(anchor_state, num_updates=schedule.get("num_updates", 0),
-                                             last_update_step=schedule.get("last_update_step"))
+            if not has_training_state(path) and getattr(self.anchor, "tensors", None):
+                if anchor_state is None:
+                    raise ConfigError(f"{path} has no anchor.safetensors but algorithm.kl is enabled")
+                # A full (unsharded) anchor; under FSDP each rank keeps its own shards.
+                self.anchor.load_full_state_dict(anchor_state)
+            if hasattr(self.anchor, "num_updates"):
+                self.anchor.num_updates = int(schedule.get("num_updates", 0))
+                self.anchor.last_update_step = schedule.get("last_update_step")
 
     # ------------------------------------------------------------------ recoveries (trainer.recovery's actions)
     def lower_lr(self, factor: float) -> float:
@@ -252,8 +263,8 @@ class Policy:
 
     def checkpoint_state(self, *, is_main: bool) -> dict[str, Any]:
         """The ``save_checkpoint`` arguments this policy owns (collectives under FSDP: every rank calls it)."""
-        anchor = self.anchor
-        anchor_full = anchor.full_state_dict() if anchor is not None else None
+        from trainer.reshard import save_training_state
+
         if self.lora is not None:  # policy/ is the peft adapter folder
             from trainer.lora import AdapterFolderWriter
 
@@ -263,8 +274,9 @@ class Policy:
         return {
             "policy_state": policy_state,
             "model": model,
-            "anchor_state": anchor_full if is_main else None,
-            "optimizer_state": D.optimizer_state(self.forward, self.optimizer),
+            "anchor_state": None,
+            "optimizer_state": None,
+            "write_state": lambda folder: save_training_state(folder, self.forward, self.optimizer, self.anchor),
             "scheduler_state": self.scheduler.state_dict(),
         }
 

@@ -20,6 +20,7 @@ import trainer.checkpoint as checkpoint_module
 from trainer.checkpoint import (
     LATEST,
     MANIFEST,
+    CHECKPOINT_FORMAT,
     CheckpointError,
     hash_files,
     latest_checkpoint,
@@ -212,7 +213,7 @@ def test_manifest_records_size_and_sha256_of_every_file(saved_run):
     for rel, entry in manifest["files"].items():
         data = (ckpt / rel).read_bytes()
         assert entry == {"size": len(data), "sha256": [hashlib.sha256(data).hexdigest()]}, rel  # = sha256sum
-    assert json.loads((ckpt / "trainer_state.json").read_text())["checkpoint_format"] == 2
+    assert json.loads((ckpt / "trainer_state.json").read_text())["checkpoint_format"] == CHECKPOINT_FORMAT == 3
     v = verify_checkpoint(ckpt)
     assert v.intact and v.level == "sha256"
 

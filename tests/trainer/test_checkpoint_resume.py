@@ -91,18 +91,18 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
     assert _metrics(run) == _metrics(full)
-    for name in ("policy/model.safetensors", "anchor.safetensors"):
-        a, b = load_file(str(full / "step_4" / name)), load_file(str(run / "step_4" / name))
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), name
-    a = torch.load(full / "step_4" / "optimizer.pt", weights_only=True)
-    b = torch.load(run / "step_4" / "optimizer.pt", weights_only=True)
-    assert all(torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"]) for i in a["state"])
+    assert _tensors_equal(full / "step_4" / "policy/model.safetensors", run / "step_4" / "policy/model.safetensors")
+    state = assert_states_equal(full / "step_4", run / "step_4")  # optimizer and anchor, bit for bit
+    assert any(k.startswith("anchor/") for k in state) and any(k.endswith("exp_avg_sq") for k in state)
 
 
 # ------------------------------------------------------------------------------------------ damaged checkpoints
 
+from tests.fixtures.training_state import STATE_FILES, assert_states_equal  # noqa: E402
 from tests.trainer.test_checkpoint import FILE_KINDS, damage  # noqa: E402
+
+# What a trainer checkpoint holds: the optimizer and anchor in the DCP state/ folder (no optimizer.pt, anchor.safetensors).
+TRAINER_FILE_KINDS = [f for f in FILE_KINDS if f not in ("anchor.safetensors", "optimizer.pt")] + STATE_FILES
 
 SHORT = ["run.total_steps=2", "run.save_every=1", "run.keep_last=0", "logging.progress=false", "logging.tensorboard=false",
          "data.prompts_per_step=2", "rollout.n_samples=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
@@ -132,7 +132,7 @@ def two_step_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["truncate", "flip"])
-@pytest.mark.parametrize("rel", FILE_KINDS)
+@pytest.mark.parametrize("rel", TRAINER_FILE_KINDS)
 def test_resume_skips_a_damaged_latest_checkpoint_and_reproduces_the_run(two_step_run, tmp_path, caplog, rel, mode):
     """Damage one file of step_2: `--resume` warns naming it, resumes from step_1 and re-trains step 2 exactly."""
     import logging
@@ -152,24 +152,22 @@ def test_resume_skips_a_damaged_latest_checkpoint_and_reproduces_the_run(two_ste
     ref, new = two_step_run / "step_2", run / "step_2"
     assert verify_checkpoint(new).intact
     assert _tensors_equal(ref / "policy" / "model.safetensors", new / "policy" / "model.safetensors")
-    assert _tensors_equal(ref / "anchor.safetensors", new / "anchor.safetensors")
     # the trained-questions record (eval's contamination guard) of a resumed run is the uninterrupted run's
     assert (new / "policy" / "trained_questions.json").read_text() == (ref / "policy" / "trained_questions.json").read_text()
-    a, b = (torch.load(d / "optimizer.pt", weights_only=True) for d in (ref, new))
-    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in ("exp_avg", "exp_avg_sq"))
+    assert_states_equal(ref, new)  # optimizer moments and anchor, bit for bit
 
 
 def test_cli_resume_with_no_intact_checkpoint_is_one_line_naming_the_files(two_step_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(two_step_run, run)
-    damage(run / "step_2" / "optimizer.pt", "flip")
+    damage(run / "step_2" / "state" / "__0_0.distcp", "flip")
     damage(run / "step_1" / "policy" / "model.safetensors", "truncate")
     p = subprocess.run(_cmd(run, "--resume"), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     (line,) = [ln for ln in p.stderr.splitlines() if "error" in ln]
     assert line.startswith(f"emapg train: error: cannot resume: no intact checkpoint in {run}: ")
-    assert f"{run / 'step_2' / 'optimizer.pt'}: sha256 mismatch" in line
+    assert f"{run / 'step_2' / 'state' / '__0_0.distcp'}: sha256 mismatch" in line
     assert f"{run / 'step_1' / 'policy' / 'model.safetensors'}: truncated (" in line
     assert not (run / "step_3").exists()  # nothing was trained from scratch over the damaged run
 

@@ -95,6 +95,7 @@ def run_case(name: str, out_dir: Path, model_dir: Path, toy=None) -> dict:
     from emapg.paths import CONFIG_DIR
     from trainer.config import TrainConfig
     from trainer.loop import train
+    from trainer.reshard import read_training_state
 
     torch.set_num_threads(1)
     if name in SEARCH_CASES:
@@ -110,8 +111,9 @@ def run_case(name: str, out_dir: Path, model_dir: Path, toy=None) -> dict:
     steps = [{k: v for k, v in m.items() if not k.startswith(SKIP_PREFIXES)} for m in history]
     ckpt = out_dir / "step_3"
     result = {"steps": steps, "policy": _fingerprint(load_file(str(ckpt / "policy" / "model.safetensors")))}
-    if (ckpt / "anchor.safetensors").is_file():
-        result["anchor"] = _fingerprint(load_file(str(ckpt / "anchor.safetensors")))
+    anchor = read_training_state(ckpt).get("anchor")
+    if anchor:
+        result["anchor"] = _fingerprint(anchor)
     return result
 
 

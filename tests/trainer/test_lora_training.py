@@ -16,6 +16,7 @@ from trainer.config import TrainConfig
 from trainer.ema import EMAAnchor
 from trainer.loop import Trainer, train
 from trainer.policy import PolicyForward
+from trainer.reshard import read_training_state
 
 FAST = ["logging.progress=false", "logging.tensorboard=false", "data.prompts_per_step=2", "algorithm.mini_batch_size=4",
         "algorithm.micro_batch_size=2", "rollout.max_tokens_per_turn=8", "rollout.max_response_tokens=8", "run.save_every=0"]
@@ -179,7 +180,7 @@ def test_frozen_reference_is_the_base_with_adapters_off(make_trainer, tiny_model
                                 ["algorithm.kl.type=k3", "algorithm.ema.decay=1.0"]])
 def test_a_lora_run_trains_and_checkpoints_peft_adapters(tmp_path, tiny_model_dir, kl):
     """Two steps through the real loop and the transformers engine (which serves base + adapters): the base stays
-    put, the adapters move, the checkpoint's policy/ is a peft adapter folder and anchor.safetensors the EMA adapters."""
+    put, the adapters move, the checkpoint's policy/ is a peft adapter folder and state/ holds the EMA adapters."""
     cfg = lora_cfg(tmp_path / "run", tiny_model_dir, "run.total_steps=2", "algorithm.ema.period=1", "optim.lr=5e-2", *kl)
     history = train(cfg)
     assert [h["actor/updates"] for h in history] == [2.0, 2.0]
@@ -188,13 +189,13 @@ def test_a_lora_run_trains_and_checkpoints_peft_adapters(tmp_path, tiny_model_di
     assert L.adapter_base_model(policy) == str(tiny_model_dir)
     adapters = load_file(str(policy / L.ADAPTER_WEIGHTS))
     assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
-    anchor = load_file(str(tmp_path / "run" / "step_2" / "anchor.safetensors"))
+    state = read_training_state(tmp_path / "run" / "step_2")
+    anchor = state.get("anchor", {})
     if cfg.algorithm.ema.decay == 1.0:
         assert anchor == {}
     else:
         assert len(anchor) == len(adapters) and all(".lora_" in k for k in anchor)
-    optimizer = torch.load(tmp_path / "run" / "step_2" / "optimizer.pt", weights_only=True)
-    assert len(optimizer["state"]) == len(adapters)
+    assert len(state["optimizer"]["state"]) == len(adapters)
 
 
 def test_bad_lora_input_fails_before_any_model_or_rollout(tmp_path, tiny_model_dir):

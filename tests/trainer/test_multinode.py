@@ -1,0 +1,105 @@
+"""Multi-node on one machine, and preemption.
+
+Two torchrun agents (``--nnodes 2``, one per "node", a c10d rendezvous on 127.0.0.1, gloo) train the toy
+search task against one shared, real retriever server: each node runs its own rank and its own engine;
+only global rank 0 writes metrics and the checkpoint's shared files; each agent's output goes to its own
+log. Then SIGTERM to one rank of a 2-rank run mid-step: every rank finishes the step, they agree on it,
+one checkpoint of that step is written and all exit cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from emapg.paths import CONFIG_DIR, REPO_ROOT
+from tests.fixtures.spawn import free_port, rank_env
+from tests.fixtures.trainer import toy_overrides
+from tests.trainer.test_distributed import _cfg
+
+pytestmark = pytest.mark.slow
+
+
+def _agent(node: int, port: int, run: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-test",
+        "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0",
+        "-m", "emapg.cli", "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"), *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def test_two_torchrun_agents_train_two_steps_and_write_one_checkpoint(tmp_path, tiny_model_dir, toy_task, toy_server):
+    from trainer.checkpoint import list_checkpoints, verify_checkpoint
+
+    run = tmp_path / "run"
+    overrides = toy_overrides(toy_task, toy_server.url, run, **{
+        "model.policy": str(tiny_model_dir), "run.total_steps": 2, "run.save_every": 0, "logging.progress": "false",
+        "logging.tensorboard": "false", "data.prompts_per_step": 2, "rollout.n_samples": 2,
+        "algorithm.mini_batch_size": 4, "algorithm.micro_batch_size": 2})
+    port = free_port()
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    agents = [_agent(n, port, run, overrides, logs[n]) for n in (0, 1)]
+    try:
+        codes = [a.wait(timeout=900) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert codes == [0, 0], "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
+
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]  # rank 0 only
+    (ckpt,) = list_checkpoints(run)
+    assert ckpt.name == "step_2" and verify_checkpoint(ckpt).intact
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["data"]["consumed"] == 4
+    assert {p.name for p in ckpt.glob("rng_rank*.pt")} == {"rng_rank0.pt", "rng_rank1.pt"}
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (ckpt / "state").iterdir()}
+    assert all(p.stat().st_size > 0 for p in logs)
+
+
+def _sigterm_worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
+    rank_env(rank, world, port)
+    from trainer import distributed as D
+    from trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=4", "run.save_every=0")).setup()
+    try:
+        if rank == 1:  # preempted in the middle of step 2 (during its rollouts), on one rank only
+            rollout = trainer.rollout
+
+            def preempted(prompts):
+                if trainer.step == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return rollout(prompts)
+
+            trainer.rollout = preempted
+        history = trainer.train()
+    finally:
+        trainer.close()
+    Path(f"{out}/rank{rank}.json").write_text(json.dumps({"steps": len(history), "step": trainer.step}))
+    D.destroy()
+
+
+def test_sigterm_to_one_rank_mid_step_writes_one_consistent_checkpoint(tmp_path, tiny_model_dir):
+    from trainer.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
+
+    mp.spawn(_sigterm_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)  # exit 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks == [{"steps": 2, "step": 2}] * 2  # both finished step 2, then stopped together
+    (ckpt,) = list_checkpoints(tmp_path / "run")
+    assert ckpt.name == "step_2" and verify_checkpoint(ckpt).intact
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    assert manifest["step"] == 2 and manifest["world_size"] == 2
+    assert {"rng_rank0.pt", "rng_rank1.pt", "state/__0_0.distcp", "state/__1_0.distcp"} <= set(manifest["files"])
