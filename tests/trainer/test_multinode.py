@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from emapg import CLI_MODULE
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 from tests.fixtures.spawn import free_port, rank_env
 from tests.fixtures.trainer import toy_overrides
@@ -32,7 +33,7 @@ def _agent(node: int, port: int, run: Path, overrides: list[str], log: Path) -> 
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-test",
         "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0",
-        "-m", "emapg.cli", "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"), *overrides,
+        "-m", CLI_MODULE, "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"), *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
