@@ -7,7 +7,7 @@ the real retriever server, the real CLI.
 import json
 
 from app.cli import main as emapg_main
-from eval.runner import read_items
+from emapg.jsonl import read_jsonl_repairing as read_items
 
 
 def test_tool_call_eval_scores_the_plain_answer_and_records_the_format(tmp_path, tool_answerer_dir, retriever_server):
