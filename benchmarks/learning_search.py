@@ -156,7 +156,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"GRPO (K3, frozen reference) vs EMA-PG (Top-k reverse KL, EMA anchor) from {report['policy']}, "
-                 f"trained on {report['train_set']}", fontsize=10)
+                 f"trained on {report.get('train_set', TRAIN_SET)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -65,7 +65,8 @@ def params_from_json(data: Any, where: str = "params") -> SamplingParams:
         kw["seed"] = as_int(data["seed"], f"{where}.seed", 0, MAX_SEED)
     if data.get("ignore_eos") is not None:
         kw["ignore_eos"] = as_bool(data["ignore_eos"], f"{where}.ignore_eos")
-    stop = as_list(data.get("stop") or [], f"{where}.stop", max_len=MAX_STOP_STRINGS)
+    # null means absent; any other non-list (0, "", false, {}) is an error, not "no stop strings"
+    stop = [] if data.get("stop") is None else as_list(data["stop"], f"{where}.stop", max_len=MAX_STOP_STRINGS)
     kw["stop"] = tuple(as_text(s, f"{where}.stop[{i}]", max_chars=MAX_STOP_CHARS, nonempty=False) for i, s in enumerate(stop))
     allowed = data.get("allowed_token_ids")
     if allowed is not None:

@@ -222,6 +222,8 @@ STRICT = [
     ("/generate", {"prompts": [[5]], "params": {"top_k": True}}, "params.top_k must be an integer"),
     ("/generate", {"prompts": [[5]], "params": {"ignore_eos": "yes"}}, "params.ignore_eos must be true or false"),
     ("/generate", {"prompts": [[5]], "params": {"stop": "x"}}, "params.stop must be a list"),
+    ("/generate", {"prompts": [[5]], "params": {"stop": 0.0}}, "params.stop must be a list"),  # falsy is not "none" (fuzz find)
+    ("/generate", {"prompts": [[5]], "params": {"stop": ""}}, "params.stop must be a list"),
     ("/generate", {"prompts": [[5]], "params": {"stop": ["\udfff"]}}, "params.stop[0] is not valid Unicode"),
     ("/generate", {"prompts": [[5]], "params": {"allowed_token_ids": [False]}}, "allowed_token_ids[0] must be an integer"),
     ("/generate", {"prompts": [[5]], "params": [{}, {}]}, "got 2 SamplingParams for 1 prompts"),
