@@ -3,7 +3,10 @@
 1. prepare the offline models: the starter search policy (:data:`STARTER`) and the encoder (MiniLM);
 2. build a FAISS index of the bundled Wikipedia corpus (:func:`provision.indexes.ensure_bundled_index`:
    cached, reused only when its settings match, a killed build resumes);
-3. start the retrieval server on a free local port (:func:`provision.retrievers.open_retriever`);
+3. start the retrieval server on a free local port (:func:`provision.retrievers.open_retriever`) and one
+   generation engine server (``emapg engine serve``) that every later stage generates on: each evaluation
+   loads its model's weights into it first, training pushes the policy's weights before every rollout
+   (``rollout.engine=remote``), so the engine (vLLM: ~45 s) starts once, not once per stage;
 4. evaluate the starter on held-out questions of all seven QA sets (the same seeded sample per set in
    both evaluations, a subset of the recorded held-out split ``data/qa/heldout.json``; no training,
    warm-start or selection question is among them);
@@ -27,6 +30,7 @@ This is an application module (the ``emapg`` command's top floor): no library mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from agent.engines.launch import EngineServer
 from emapg.config import add_config_arguments, config_from_args, load_config, option
 from emapg.errors import UserError
 from emapg.models import STARTER
@@ -287,6 +292,14 @@ def _groups_per_step(preset: DemoPreset) -> int:
     return load_config(TrainConfig, preset.train_config, list(preset.train_overrides)).data.prompts_per_step
 
 
+def _engine_max_model_len(preset: DemoPreset) -> int:
+    """The shared engine's context: the training run's prompt + response budget (evaluation needs less)."""
+    from trainer.config import TrainConfig
+
+    r = load_config(TrainConfig, preset.train_config, list(preset.train_overrides)).rollout
+    return r.max_prompt_tokens + r.max_response_tokens
+
+
 def _movement_lines(t: dict[str, Any]) -> list[str]:
     if "reward_first_step" not in t:
         return []
@@ -387,13 +400,25 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             raise UserError(f"preset {preset_name!r}: eval_limit {preset.eval_limit} exceeds the held-out split "
                             f"({HELDOUT_PER_DATASET} questions per QA set)")
         pool = _pool_sources(preset.train_set)
-        stages.banner(3, total, "starting the retrieval server")
-        with open_retriever(index_dir=index_dir, log_path=log_dir / "retriever.log") as retriever:
+        stages.banner(3, total, f"starting the retrieval server and the generation engine ({preset.engine})")
+        t = time.monotonic()
+        with contextlib.ExitStack() as servers:
+            retriever = servers.enter_context(open_retriever(index_dir=index_dir, log_path=log_dir / "retriever.log"))
             stages.logs["retriever"] = str(log_dir / "retriever.log")
             url = retriever.urls[0]
             print(f"retriever ready at {url} (log: {log_dir / 'retriever.log'})", flush=True)
+            # One engine serves all three stages: both evaluations load their model's weights into it first
+            # (`emapg eval --engine remote`), and training pushes the policy's weights before every rollout
+            # (rollout.engine=remote), instead of each stage starting its own engine.
+            engine = servers.enter_context(EngineServer(
+                preset.policy, engine=preset.engine, max_model_len=_engine_max_model_len(preset),
+                omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=log_dir / "engine.log",
+                env={k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "PYTHONUNBUFFERED")}))  # fmt: skip
+            stages.logs["engine"] = str(log_dir / "engine.log")
+            stages.seconds["servers"] = time.monotonic() - t
+            print(f"generation engine ready at {engine.url} (log: {log_dir / 'engine.log'})", flush=True)
             eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--data-seed", "0", "--retriever-url", url,
-                           "--engine", preset.engine, "--no-progress", *preset.eval_overrides]  # fmt: skip
+                           "--engine", "remote", "--engine-urls", engine.url, "--no-progress", *preset.eval_overrides]  # fmt: skip
             n_questions = preset.eval_limit * len(QA_DATASETS)
 
             def evaluate(label: str, model: str, name: str) -> None:
@@ -411,7 +436,8 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             metrics = train_dir / "metrics.jsonl"
             stages.run("train", ["train", "--config", str(preset.train_config), f"model.policy={preset.policy}",
                                  f"data.train={preset.train_set}", "data.split=train", f"retriever.urls=[{url}]",
-                                 "retriever.index_dir=null", f"run.output_dir={train_dir}",
+                                 "retriever.index_dir=null", "rollout.engine=remote", f"rollout.engine_urls=[{engine.url}]",
+                                 f"run.output_dir={train_dir}",
                                  f"run.total_steps={preset.train_steps}", *preset.train_overrides],
                        progress=lambda: _count_lines([metrics]), total=preset.train_steps, unit="step")  # fmt: skip
             checkpoint = latest_checkpoint(train_dir)

@@ -32,8 +32,9 @@ EVAL_FLAGS: dict[str, str] = {
 }
 # Not options: the protocol's label is the preset's name; the API key is read from the environment
 # (a command line is visible to every user of the machine in `ps`).
-EVAL_EXCLUDE = ("protocol.name", "retriever_api_key")
+EVAL_EXCLUDE = ("protocol.name", "retriever_api_key", "engine_api_key")
 API_KEY_ENV = "EMAPG_RETRIEVER_API_KEY"
+ENGINE_API_KEY_ENV = "EMAPG_ENGINE_API_KEY"
 
 
 @dataclass
@@ -91,7 +92,8 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
     protocol = get_protocol(name, **overrides)
     rest = argparse.Namespace(**{k: v for k, v in values.items() if not k.startswith("protocol.")})
     return config_from_args(EvalConfig, rest, extra={"protocol": to_dict(protocol),
-                                                     "retriever_api_key": os.environ.get(API_KEY_ENV) or None})
+                                                     "retriever_api_key": os.environ.get(API_KEY_ENV) or None,
+                                                     "engine_api_key": os.environ.get(ENGINE_API_KEY_ENV) or None})
 
 
 def main(argv: list[str] | None = None) -> int:

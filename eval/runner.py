@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from agent.engines import LocalEngineKind
+from agent.engines import EngineKind
 from emapg.errors import UserError
 from emapg.config import ConfigError, option
 from emapg.jsonl import append_jsonl, read_jsonl_repairing
@@ -68,7 +68,14 @@ class EvalConfig:
     limit: int | None = option(None, help="questions per dataset (a deterministic, seeded sample); None: all")
     data_seed: int = option(0, help="seed of the --limit sample")
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
-    engine: LocalEngineKind = option("vllm", help="generation engine; falls back to hf (transformers) when vLLM is missing")
+    engine: EngineKind = option(
+        "vllm", help="generation engine: vllm (falls back to hf, transformers, when vLLM is missing), hf, or remote "
+        "(running `emapg engine serve` servers at --engine-urls, given --model's weights first)")
+    engine_urls: list[str] = option(
+        default_factory=list, help="remote: base URLs of running generation servers started with a model of --model's "
+        "architecture; the run loads --model's weights into them before generating, so they serve exactly --model "
+        "(their API key: engine_api_key)")
+    engine_api_key: str | None = option(None, help="remote: API key of the generation servers, if they need one (the CLI reads EMAPG_ENGINE_API_KEY)")
     batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
     batch_across_datasets: bool = option(
         False, help="form the rollout batches over all datasets in order instead of within each: fewer, fuller batches "
@@ -103,6 +110,13 @@ class EvalConfig:
             raise ConfigError(f"grader_workers must be >= 1, got {self.grader_workers}")
         if self.retriever_retries < 0:
             raise ConfigError("retriever_retries must be >= 0")
+        if self.engine == "remote" and not self.engine_urls:
+            raise ConfigError("engine=remote needs engine_urls (servers started with `emapg engine serve`)")
+        if self.engine_urls and self.engine != "remote":
+            raise ConfigError(f"engine_urls is set but engine={self.engine}; use engine=remote")
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"engine_urls: {url!r} is not an http(s) URL")
 
 
 # --------------------------------------------------------------------------- per-item files
@@ -299,14 +313,19 @@ def _make_engine(cfg: EvalConfig):
     """The evaluation engine (``provision.engines``, like training's): vLLM, falling back to transformers
     where vLLM is not installed; returns (engine, the kind used)."""
     from emapg.models import resolve_model
-    from provision.engines import EngineSpec, available_kind, build_engine
+    from provision.engines import EngineSpec, RemoteOptions, available_kind, build_engine
 
     try:
         path = resolve_model(cfg.model)
     except ValueError as e:
         raise UserError(f"--model {cfg.model!r}: {e}") from None
     kind = available_kind(cfg.engine, warn=lambda text: print(f"emapg eval: {text}", file=sys.stderr))
-    spec = EngineSpec(kind, path, max_model_len=_max_model_len(path, cfg.protocol.max_model_len), seed=cfg.protocol.seed)
+    remote = None
+    if kind == "remote":
+        remote = RemoteOptions(tuple(cfg.engine_urls), api_key=cfg.engine_api_key,
+                               wait_s=60.0, load_model=True)
+    spec = EngineSpec(kind, path, max_model_len=_max_model_len(path, cfg.protocol.max_model_len), seed=cfg.protocol.seed,
+                      remote=remote)
     return build_engine(spec), kind
 
 

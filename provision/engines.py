@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Literal
 from agent.engines import EngineKind
 from emapg.errors import UserError
 
-__all__ = ["VLLMOptions", "RemoteOptions", "EngineSpec", "available_kind", "build_engine", "EngineSession"]
+__all__ = ["VLLMOptions", "RemoteOptions", "EngineSpec", "available_kind", "build_engine", "load_model_into", "EngineSession"]
 
 @dataclass(frozen=True)
 class VLLMOptions:
@@ -46,6 +46,10 @@ class RemoteOptions:
     collective_host: str = "127.0.0.1"
     collective_port: int = 0
     collective_backend: Literal["gloo", "nccl"] = "gloo"
+    #: Load the spec's model (``EngineSpec.model_path``: a full folder, or an adapter folder merged into its base)
+    #: into the servers when connecting, so they serve exactly that model whatever they held before (evaluation on
+    #: a shared server). Off for training, whose engine session pushes the policy's weights itself.
+    load_model: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,11 +100,18 @@ def build_engine(spec: EngineSpec) -> Any:
         r = spec.remote
         if r is None or not r.urls:
             raise UserError("a remote engine needs the URLs of running `emapg engine serve` servers")
-        return RemoteEngine(
+        engine = RemoteEngine(
             list(r.urls), model_path=spec.model_path, api_key=r.api_key, timeout=r.timeout, wait_s=r.wait_s,
             weight_sync=r.weight_sync, bucket_bytes=r.bucket_bytes, collective_host=r.collective_host,
             collective_port=r.collective_port, collective_backend=r.collective_backend,
         )  # fmt: skip
+        if r.load_model:
+            try:
+                load_model_into(engine, spec.model_path)
+            except BaseException:
+                engine.close()
+                raise
+        return engine
     options: dict[str, Any] = {"seed": spec.seed}
     if spec.max_model_len is not None:
         options["max_model_len"] = spec.max_model_len
@@ -120,6 +131,23 @@ def build_engine(spec: EngineSpec) -> Any:
         raise
     except (OSError, ValueError) as e:  # transformers: not a model folder, not on the hub (offline), no tokenizer
         raise UserError(f"cannot load model {spec.model_path!r} into the {spec.kind} engine: {e}") from None
+
+
+def load_model_into(engine: Any, model_path: str) -> None:
+    """Push the weights of the model at ``model_path`` (a full HF folder or alias, or a LoRA adapter folder, merged)
+    to ``engine``'s servers, which then serve that model (same architecture and vocabulary as the one they
+    started with); a model that does not fit them is a :class:`~emapg.errors.UserError`."""
+    from agent.engines.remote import RemoteEngineError
+    from emapg.models import load_merged_model, resolve_model
+
+    model = load_merged_model(resolve_model(model_path))
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    del model
+    try:
+        engine.load_weights(state, tag=f"model:{model_path}")
+    except RemoteEngineError as e:
+        raise UserError(f"cannot load {model_path!r} into the engine servers {engine.urls}: {e} (servers "
+                        "that serve another architecture cannot take its weights: start them with `emapg engine serve --model ...`)") from None
 
 
 class EngineSession:

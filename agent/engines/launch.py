@@ -17,7 +17,8 @@ from emapg.servers import ServerProcess
 class EngineServer(ServerProcess):
     """Context manager around an ``emapg engine serve`` subprocess (own process group, log file).
 
-    ``extra_args`` are more ``emapg engine serve`` options; the API key travels in the
+    ``extra_args`` are more ``emapg engine serve`` options; ``env``, variables set for the server on top of
+    this process's environment (e.g. ``VLLM_CPU_KVCACHE_SPACE``); the API key travels in the
     environment (``$EMAPG_ENGINE_API_KEY``), never on the command line.
     """
 
@@ -37,9 +38,10 @@ class EngineServer(ServerProcess):
         omp_num_threads: int = 1,
         startup_timeout: float = 300.0,
         log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         args = ["--model", str(model), "--engine", engine, "--max-model-len", str(max_model_len), *(extra_args or [])]
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env.update(OMP_NUM_THREADS=str(omp_num_threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("EMAPG_ENGINE_API_KEY", None)
