@@ -74,7 +74,7 @@ class EvalConfig:
     engine_urls: list[str] = option(
         default_factory=list, help="remote: base URLs of running generation servers started with a model of --model's "
         "architecture; the run loads --model's weights into them before generating, so they serve exactly --model "
-        "(their API key: engine_api_key)")
+        "(the CLI reads their API key from EMAPG_ENGINE_API_KEY)")
     engine_api_key: str | None = option(None, help="remote: API key of the generation servers, if they need one (the CLI reads EMAPG_ENGINE_API_KEY)")
     batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
     batch_across_datasets: bool = option(

@@ -382,3 +382,17 @@ def test_micro_batches_benchmark_quick(tmp_path):
     assert 0 < plans["tokens"]["shared_computed_tokens"] <= plans["fixed"]["shared_computed_tokens"]
     full = report["full_search_shape_planner"]
     assert full["tokens"]["padding_frac"] < full["fixed"]["padding_frac"] and full["tokens"]["micro_batches"] <= full["fixed"]["micro_batches"]
+
+
+def test_weight_sync_benchmark_smoke(tmp_path):
+    """``benchmarks/weight_sync.py`` on the tiny model: both ways push real weights to a real server (each push
+    checked to bump its weights version) and the JSON has the ratio."""
+    out = tmp_path / "weight_sync.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "weight_sync.py"), "--model", "tiny-qwen2", "--repeats", "1",
+           "--bucket-mb", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    row = report["buckets_mb"]["2"]
+    assert report["bytes"] > 2 * report["slice_bytes"]  # the sliced way really slices
+    assert len(row["seconds"]["whole"]) == len(row["seconds"]["sliced"]) == 1 and row["whole_over_sliced"] > 0
