@@ -12,32 +12,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
-from emapg import CLI_MODULE
-from emapg.paths import CONFIG_DIR, REPO_ROOT
+from emapg.paths import CONFIG_DIR
 from tests.fixtures.spawn import free_port, rank_env
+from tests.fixtures.torchrun import agent_failure, run_agents
 from tests.fixtures.trainer import toy_overrides
 from tests.trainer.test_distributed import _cfg
 
 pytestmark = pytest.mark.slow
-
-
-def _agent(node: int, port: int, run: Path, overrides: list[str], log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-test",
-        "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0",
-        "-m", CLI_MODULE, "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"), *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def test_two_torchrun_agents_train_two_steps_and_write_one_checkpoint(tmp_path, tiny_model_dir, toy_task, toy_server):
@@ -48,16 +34,10 @@ def test_two_torchrun_agents_train_two_steps_and_write_one_checkpoint(tmp_path, 
         "model.policy": str(tiny_model_dir), "run.total_steps": 2, "run.save_every": 0, "logging.progress": "false",
         "logging.tensorboard": "false", "data.prompts_per_step": 2, "rollout.n_samples": 2,
         "algorithm.mini_batch_size": 4, "algorithm.micro_batch_size": 2})
-    port = free_port()
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
-    agents = [_agent(n, port, run, overrides, logs[n]) for n in (0, 1)]
-    try:
-        codes = [a.wait(timeout=900) for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-    assert codes == [0, 0], "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
+    codes = run_agents(CONFIG_DIR / "search_tiny_cpu.yaml", overrides, logs, nproc_per_node=1, port=free_port(),
+                       rdzv_id="two-node-test", timeout_s=900)
+    assert codes == [0, 0], agent_failure(codes, logs)
 
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]  # rank 0 only
     (ckpt,) = list_checkpoints(run)
