@@ -1,7 +1,8 @@
 """Step time of a two-node run vs one node with the same total ranks (2 gloo ranks on this machine).
 
 The real trainer (``torchrun ... -m app.cli train``, ``configs/search_tiny_cpu.yaml`` on the toy search
-task of ``tests/fixtures/trainer.py``: tiny-qwen2, a real ``emapg serve`` over a MiniLM + FAISS index),
+task of ``tests/fixtures/trainer.py``: tiny-qwen2 warm-started on the task so that rewards vary, a real
+``emapg serve`` over a MiniLM + FAISS index),
 the same config in two launches, alternated (ABBA...) in one run:
 
 * ``one_node``:  one torchrun agent, ``--nnodes 1 --nproc-per-node 2``;
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "multinode_step.json"
 
 MODES = {"one_node": {"nodes": 1, "nproc_per_node": 2}, "two_nodes": {"nodes": 2, "nproc_per_node": 1}}
+WARM = "toy-warm"
 COMPARED = ("reward/mean", "loss/pg", "loss/clip_frac", "loss/ppo_kl", "kl/mean", "actor/grad_norm")
 
 
@@ -53,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=2, help="launches per mode (alternated: one, two, two, one, ...)")
     ap.add_argument("--prompts-per-step", type=int, default=4, help="data.prompts_per_step (global, over both ranks)")
     ap.add_argument("--n-samples", type=int, default=4, help="rollout.n_samples (group size)")
-    ap.add_argument("--model", default="tiny-qwen2", help="model.policy (a name emapg.models resolves, or a folder)")
+    ap.add_argument("--model", default=WARM, help=f"model.policy: {WARM!r} (tiny-qwen2 warm-started on the toy task, cached: "
+                    "rewards about 0.5, so the policy gradient is not zero), a name emapg.models resolves, or a folder")
     ap.add_argument("--tolerance", type=float, default=1e-6,
                     help="largest absolute difference of a loss metric or a final parameter between launches")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, 1 launch per mode, 2 prompts x 2 samples")
@@ -119,6 +122,16 @@ def max_loss_diff(a: dict, b: dict) -> float:
     return max((_diff(x, y) for k in COMPARED for x, y in zip(a["losses"][k], b["losses"][k])), default=0.0)
 
 
+def start_params(model: Path) -> dict:
+    """The policy's weights before training (its safetensors files)."""
+    from safetensors.torch import load_file
+
+    params: dict = {}
+    for f in sorted(model.glob("*.safetensors")):
+        params.update(load_file(str(f)))
+    return params
+
+
 def max_param_diff(a: dict, b: dict) -> float:
     if a["params"].keys() != b["params"].keys():
         return math.inf
@@ -129,10 +142,14 @@ def run_all(args: argparse.Namespace, root: Path) -> dict[str, list[dict]]:
     """Every launch of the schedule against one retriever server over the toy index; the launches by mode."""
     from emapg.models import resolve_model
     from retriever.launch import RetrieverServer
-    from tests.fixtures.trainer import build_toy_task, toy_overrides
+    from tests.fixtures.trainer import WARM_CACHE_STEPS, build_toy_task, cached_warm_start, toy_overrides
 
-    model = args.model if Path(args.model).is_dir() else resolve_model(args.model)
     task = build_toy_task(root / "task")
+    if args.model == WARM:
+        model = cached_warm_start(Path(resolve_model("tiny-qwen2")), task, WARM_CACHE_STEPS)
+    else:
+        model = Path(args.model) if Path(args.model).is_dir() else Path(resolve_model(args.model))
+    args.start_params = start_params(model)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1, startup_timeout=args.timeout) as server:
         overrides = [o for o in toy_overrides(task, server.url, root, **{
@@ -160,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_diff = max(max_loss_diff(reference, r) for r in every)
     param_diff = max(max_param_diff(reference, r) for r in every)
     same = loss_diff <= args.tolerance and param_diff <= args.tolerance and all(r["world_size"] == 2 for r in every)
+    common = args.start_params.keys() & reference["params"].keys()  # the comparison proves something only if > 0
+    trained = max((float((reference["params"][k] - args.start_params[k]).abs().max()) for k in common), default=0.0)
     modes = {}
     for mode, rs in runs.items():
         steps = [t for r in rs for t in r["step_times_s"]]
@@ -179,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "two_over_one_node_step_time": step_ratio, "two_over_one_node_wall_time": wall_ratio,
         "same_results": {"identical_within_tolerance": same, "tolerance": args.tolerance,
                          "max_abs_loss_metric_diff": loss_diff, "max_abs_param_diff": param_diff,
+                         "max_abs_param_change_from_start": trained,
                          "compared_metrics": list(COMPARED), "reference_metrics": reference["losses"]},
         "what_the_ratio_measures": "both launches run 2 gloo ranks on the same cores over loopback TCP: the ratio is "
                                    "the cost of separate torchrun agents (rendezvous, agent processes), not a network",
@@ -191,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     if not same:
         print("the two launches did not train the same model (see same_results)", file=sys.stderr)
+        return 1
+    if not trained > 0:
+        print("training left the parameters unchanged: the comparison proves nothing",
+              file=sys.stderr)
         return 1
     return 0
 
