@@ -396,3 +396,52 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     row = report["buckets_mb"]["2"]
     assert report["bytes"] > 2 * report["slice_bytes"]  # the sliced way really slices
     assert len(row["seconds"]["whole"]) == len(row["seconds"]["sliced"]) == 1 and row["whole_over_sliced"] > 0
+
+
+# --------------------------------------------------------------------------- multi-node: checkpoints, step time
+
+@pytest.mark.slow
+def test_checkpoint_reshard_benchmark_measures_both_formats(tmp_path):
+    """``benchmarks/checkpoint_reshard.py`` on tiny-qwen2 at 1 and 2 gloo ranks: both formats saved (durably)
+    and read back by the trainer's code; the same tensors take about the same bytes in either format."""
+    out = tmp_path / "checkpoint_reshard.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint_reshard.py"), "--world", "1", "2",
+                           "--repeat", "1", "--model", "tiny-qwen2", "--out", str(out)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["world_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(r[f"{k}_s"] > 0 for k in ("old_save", "new_save", "old_load", "new_load"))
+        assert math.isfinite(r["old_over_new_save_time"]) and math.isfinite(r["old_over_new_load_time"])
+        assert 0.95 < r["new_over_old_bytes"] < 1.1, r
+
+
+@pytest.mark.slow
+def test_multinode_step_benchmark_quick(tmp_path):
+    """``benchmarks/multinode_step.py --quick``: the real trainer under one torchrun agent with 2 ranks and under
+    two agents with 1 rank each (c10d rendezvous); both train the same model (checked by the script, exit 1
+    otherwise) and each step's time is reported."""
+    out = tmp_path / "multinode_step.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode_step.py"), "--quick", "--out", str(out)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    same = report["same_results"]
+    assert same["identical_within_tolerance"] and same["max_abs_param_diff"] <= same["tolerance"]
+    assert same["max_abs_param_change_from_start"] > 0  # both trained the (warm-started) policy: equal is not vacuous
+    for mode, launch in (("one_node", {"nodes": 1, "nproc_per_node": 2}), ("two_nodes", {"nodes": 2, "nproc_per_node": 1})):
+        m = report["modes"][mode]
+        assert m["launch"] == launch and len(m["runs"]) == 1 and len(m["all_step_times_s"]) == 2
+        assert all(t > 0 for t in m["all_step_times_s"]) and m["median_wall_s"] > sum(m["all_step_times_s"])
+    assert math.isfinite(report["two_over_one_node_step_time"]) and report["two_over_one_node_step_time"] > 0
+
+
+def test_multinode_step_alternates_and_rejects_bad_arguments(capsys):
+    bench = _load_script("multinode_step", ROOT / "benchmarks" / "multinode_step.py")
+    assert bench.schedule(2) == ["one_node", "two_nodes", "two_nodes", "one_node"]
+    assert bench._diff(float("nan"), None) == 0.0 and bench._diff(1.0, float("nan")) == math.inf
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1"), (["--prompts-per-step", "3"], "must be even")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err

@@ -18,3 +18,10 @@ def test_config_reference_is_generated_from_the_code():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/gen_config_reference.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_multi_node_section_names_the_launch_and_the_resume():
+    """Issue #30's contract: a multi-node section naming ``--nnodes`` (and how a preempted run comes back)."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Multi-node training\n", 1)[1].split("\n## ", 1)[0]
+    assert "--nnodes" in section and "--node-rank" in section and "--resume" in section and "SLURM" in section

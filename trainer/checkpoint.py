@@ -513,7 +513,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------- save / load
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and the folders themselves to disk (what makes a save durable)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
@@ -584,7 +585,7 @@ def save_checkpoint(
             (tmp / rel).write_text(text, encoding="utf-8")
     sync()
     if rank == 0:
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _write_manifest(tmp, step, world_size)  # last: a folder without it is not a checkpoint
         if final.exists():  # re-saving a step (e.g. after resuming from it): swap atomically via a trash name
             trash = run_dir / f".old-{final.name}"

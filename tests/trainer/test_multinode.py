@@ -3,7 +3,7 @@
 Two torchrun agents (``--nnodes 2``, one per "node", a c10d rendezvous on 127.0.0.1, gloo) train the toy
 search task against one shared, real retriever server: each node runs its own rank and its own engine;
 only global rank 0 writes metrics and the checkpoint's shared files; each agent's output goes to its own
-log. Then SIGTERM to one rank of a 2-rank run mid-step: every rank finishes the step, they agree on it,
+log; then one plain process resumes the run with ``--resume`` (the issue's contract). Then SIGTERM to one rank of a 2-rank run mid-step: every rank finishes the step, they agree on it,
 one checkpoint of that step is written and all exit cleanly.
 """
 
@@ -22,25 +22,14 @@ import torch.multiprocessing as mp
 from emapg import CLI_MODULE
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 from tests.fixtures.spawn import free_port, rank_env
+from tests.fixtures.torchrun import agent_failure, run_agents
 from tests.fixtures.trainer import toy_overrides
 from tests.trainer.test_distributed import _cfg
 
 pytestmark = pytest.mark.slow
 
 
-def _agent(node: int, port: int, run: Path, overrides: list[str], log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-test",
-        "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0",
-        "-m", CLI_MODULE, "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"), *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def test_two_torchrun_agents_train_two_steps_and_write_one_checkpoint(tmp_path, tiny_model_dir, toy_task, toy_server):
+def test_two_torchrun_agents_train_two_steps_then_one_process_resumes(tmp_path, tiny_model_dir, toy_task, toy_server):
     from trainer.checkpoint import list_checkpoints, verify_checkpoint
 
     run = tmp_path / "run"
@@ -48,16 +37,10 @@ def test_two_torchrun_agents_train_two_steps_and_write_one_checkpoint(tmp_path, 
         "model.policy": str(tiny_model_dir), "run.total_steps": 2, "run.save_every": 0, "logging.progress": "false",
         "logging.tensorboard": "false", "data.prompts_per_step": 2, "rollout.n_samples": 2,
         "algorithm.mini_batch_size": 4, "algorithm.micro_batch_size": 2})
-    port = free_port()
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
-    agents = [_agent(n, port, run, overrides, logs[n]) for n in (0, 1)]
-    try:
-        codes = [a.wait(timeout=900) for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-    assert codes == [0, 0], "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
+    codes = run_agents(CONFIG_DIR / "search_tiny_cpu.yaml", overrides, logs, nproc_per_node=1, port=free_port(),
+                       rdzv_id="two-node-test", timeout_s=900)
+    assert codes == [0, 0], agent_failure(codes, logs)
 
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]  # rank 0 only
     (ckpt,) = list_checkpoints(run)
@@ -67,6 +50,17 @@ def test_two_torchrun_agents_train_two_steps_and_write_one_checkpoint(tmp_path, 
     assert {p.name for p in ckpt.glob("rng_rank*.pt")} == {"rng_rank0.pt", "rng_rank1.pt"}
     assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (ckpt / "state").iterdir()}
     assert all(p.stat().st_size > 0 for p in logs)
+
+    # The contract: the same config, one plain process, `--resume` continues the 2-rank run (step 3).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", CLI_MODULE, "train", "--config", str(CONFIG_DIR / "search_tiny_cpu.yaml"),
+                           *overrides, "run.total_steps=3", "--resume"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    step_3 = run / "step_3"
+    assert verify_checkpoint(step_3).intact and json.loads((step_3 / "trainer_state.json").read_text())["world_size"] == 1
+    assert json.loads((step_3 / "trainer_state.json").read_text())["data"]["consumed"] == 6  # 2 prompts more, none repeated
 
 
 def _sigterm_worker(rank: int, world: int, port: int, out: str, model_dir: str) -> None:

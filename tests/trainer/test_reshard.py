@@ -13,6 +13,8 @@ The data position: every world size draws the same global prompt order, across a
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +79,7 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str, extra: t
 
 
 def _resume_at_one(out, model_dir, extra) -> dict:
+    """The update after ``out/run/step_1`` trained by one plain process resumed from that checkpoint."""
     from trainer.loop import Trainer
 
     threads = torch.get_num_threads()
@@ -119,6 +122,11 @@ def test_full_model_saved_at_two_ranks_resumes_at_one_and_two(tmp_path, tiny_mod
     key = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(ref["anchor"][key], ref["policy"][f"lm.{key}"])  # the anchor is a real, lagging EMA
 
+    # Old checkpoints: the same step in format 2's layout (full optimizer.pt, anchor.safetensors) resumes too.
+    old = _as_format_2(tmp_path / "run" / "step_1", tmp_path / "format2" / "run" / "step_1")
+    assert not (old / "state").exists() and (old / "optimizer.pt").is_file()
+    _assert_same(_resume_at_one(tmp_path / "format2", tiny_model_dir, ()), ref, "format 2 resumed at 1 rank")
+
     # The contract: `--resume` of the 2-rank run folder under 1 process runs the whole loop from step_1.
     from trainer.checkpoint import verify_checkpoint
     from trainer.loop import train
@@ -128,6 +136,28 @@ def test_full_model_saved_at_two_ranks_resumes_at_one_and_two(tmp_path, tiny_mod
     step_2 = tmp_path / "run" / "step_2"
     assert verify_checkpoint(step_2).intact
     assert json.loads((step_2 / "trainer_state.json").read_text())["world_size"] == 1
+
+
+def _as_format_2(checkpoint: Path, out: Path) -> Path:
+    """A copy of a format-3 checkpoint in the layout format 2 wrote: the full optimizer state keyed by
+    parameter name (what FSDP runs saved) in ``optimizer.pt``, the full anchor in ``anchor.safetensors``,
+    no ``state/`` folder; trainer state and manifest say format 2 (the manifest covers the new files)."""
+    from safetensors.torch import save_file
+
+    from trainer.checkpoint import MANIFEST, TRAINER_STATE, _write_manifest
+    from trainer.reshard import read_training_state
+
+    state = read_training_state(checkpoint)
+    shutil.copytree(checkpoint, out)
+    shutil.rmtree(out / "state")
+    torch.save(state["optimizer"], out / "optimizer.pt")
+    save_file({k: v.contiguous() for k, v in state["anchor"].items()}, str(out / "anchor.safetensors"))
+    trainer_state = json.loads((out / TRAINER_STATE).read_text())
+    (out / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, checkpoint_format=2)))
+    _write_manifest(out, trainer_state["step"], trainer_state["world_size"])
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps(dict(manifest, format=2)))
+    return out
 
 
 @pytest.mark.slow
@@ -166,6 +196,47 @@ def test_data_position_is_one_global_order_across_a_resume_at_another_world_size
     bad = dict(saved, consumed=11)
     with pytest.raises(ValueError, match="data position is inconsistent"):
         PromptSampler(examples, seed=3).load_state_dict(bad)
+
+
+def test_rng_streams_at_another_world_size_are_re_derived_from_seed_step_and_rank(tmp_path):
+    """At the world size that wrote it each rank gets its saved streams back; at another one every rank's
+    python, numpy and torch streams are seeded from (run.seed, step, rank): reproducible, and distinct per rank."""
+    import random
+
+    import numpy as np
+
+    from trainer.checkpoint import TRAINER_STATE, CheckpointError, derived_rng_seed, load_checkpoint, rng_state
+
+    def draws() -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    ckpt = tmp_path / "step_5"
+    ckpt.mkdir()
+    (ckpt / TRAINER_STATE).write_text(json.dumps({"step": 5, "world_size": 2}))
+    saved = {}
+    for rank in (0, 1):
+        torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
+        torch.save(rng_state(), ckpt / f"rng_rank{rank}.pt")
+        saved[rank] = draws()
+    for rank in (0, 1):
+        load_checkpoint(ckpt, rank=rank, world_size=2, seed=3)
+        assert draws() == saved[rank]
+
+    rederived = {}
+    for world in (1, 4):
+        for rank in range(world):
+            load_checkpoint(ckpt, rank=rank, world_size=world, seed=3)
+            rederived[world, rank] = draws()
+            assert rederived[world, rank] == rederived.get((1, rank), rederived[world, rank])  # rank r: the same at any W'
+    assert len({rederived[4, r] for r in range(4)}) == 4 and not set(saved.values()) & set(rederived.values())
+    random.seed(derived_rng_seed(3, 5, 2)), np.random.seed(derived_rng_seed(3, 5, 2)), torch.manual_seed(derived_rng_seed(3, 5, 2))
+    assert draws() == rederived[4, 2]
+    load_checkpoint(ckpt, rank=0, world_size=1, seed=4)
+    assert draws() != rederived[1, 0]  # another run.seed, other streams
+
+    (ckpt / "rng_rank1.pt").unlink()
+    with pytest.raises(CheckpointError, match="rng_rank1.pt is missing"):
+        load_checkpoint(ckpt, rank=1, world_size=2)
 
 
 def test_a_format_2_single_process_optimizer_state_loads_by_parameter_name():
