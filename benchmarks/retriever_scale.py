@@ -9,11 +9,14 @@
    once (query cache off), 32 closed-loop clients on one, then the other, in alternating windows
    (A B B A ...); the ratio of the median q/s (and p99) is printed.
 3. **Router overhead**: the same index split into 2 shards (aligned to FAISS's 1024-row BLAS block), two
-   ``emapg serve`` + ``emapg router`` vs one ``emapg serve``: exactness over 200 questions sent one
-   request at a time (ids, order, bit-identical scores) and q/s / p50 / p99 at c = 32 (alternating
-   windows) and c = 1. Every process -- the unsharded server, or the router and both shards -- and the
-   load generator share this machine's cores (``machine.cpus``): the sharded side runs 3 processes on
-   them, so the comparison charges it every cycle its extra hop costs.
+   ``emapg serve`` + ``emapg router --docs`` (and, side by side, a router whose shards send the passages)
+   vs one ``emapg serve``: exactness over 200 questions sent one request at a time (passages, order,
+   bit-identical scores) and q/s / p50 / p99 at c = 32 (windows in rotating order) and c = 1; per window
+   the CPU time per answered query of every process, and the mean latency split from the servers'
+   ``/metrics`` (queue wait for the encoder, the shards' round trip). Every process -- the unsharded
+   server, or the router and both shards -- and the load generator share this machine's cores
+   (``machine.cpus``): the sharded side runs 3 processes on them, so the comparison charges it every
+   cycle its extra hop costs. ``--router-only``: this part alone (6 rounds), to ``retriever_scale_router.json``.
 4. Full mode only: **a synthetic 2M x 768 set** (``--synthetic-rows``): 4,096 Gaussian cluster centres
    on the unit sphere, cluster sizes Zipf-distributed (s = 1.1), each vector a centre plus isotropic
    noise (per-cluster spread drawn from [0.35, 0.7] of the centre norm), normalised; queries drawn the
@@ -56,6 +59,7 @@ from retriever.ladder import LadderConfig, default_rungs, format_table, run_ladd
 OUT = REPO / "benchmarks" / "results" / "retriever_scale.json"
 OUT_FULL = REPO / "benchmarks" / "results" / "retriever_scale_full.json"
 OUT_SYNTHETIC = REPO / "benchmarks" / "results" / "retriever_scale_synthetic.json"
+OUT_ROUTER = REPO / "benchmarks" / "results" / "retriever_scale_router.json"
 VECTORS = REPO / "data" / "corpus" / "wiki_mini.minilm-uint8.npz"
 CORPUS = REPO / "data" / "corpus" / "wiki_mini.jsonl.gz"
 BYTES_TARGET = 256
@@ -75,16 +79,30 @@ def ladder(work: Path, quick: bool) -> dict:
     return report
 
 
-def alternate(urls: dict[str, str], questions: list[str], *, rounds: int, seconds: float, concurrency: int) -> list[dict]:
-    """Closed-loop windows on each server in turn, the order reversed every round (A B, B A, ...)."""
+def alternate(urls: dict[str, str], questions: list[str], *, rounds: int, seconds: float, concurrency: int,
+              pids: dict[str, int] | None = None) -> list[dict]:  # fmt: skip
+    """Closed-loop windows on each server in turn, each round starting one server later (A B C, B C A, C A B, ...;
+    two servers: A B, B A), so that no server always runs first or in the middle. ``pids``
+    (process name -> pid): each window also says the CPU time every one of them spent per answered query."""
     from retriever.loadgen import closed_loop
 
     windows = []
     for r in range(rounds):
-        names = list(urls) if r % 2 == 0 else list(urls)[::-1]
+        names = list(urls)[r % len(urls) :] + list(urls)[: r % len(urls)]
         for name in names:
-            windows.append({"round": r, "who": name, **closed_loop(urls[name], questions, concurrency=concurrency, seconds=seconds)})
+            before = {p: cpu_seconds(pid) for p, pid in (pids or {}).items()}
+            window = {"round": r, "who": name, **closed_loop(urls[name], questions, concurrency=concurrency, seconds=seconds)}
+            answered = window["qps"] * seconds
+            if pids and answered:
+                window["cpu_ms_per_query"] = {p: round((cpu_seconds(pid) - before[p]) / answered * 1000, 3) for p, pid in pids.items()}
+            windows.append(window)
     return windows
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median_of(windows: list[dict], who: str, key: str) -> float:
@@ -120,15 +138,33 @@ def recommended_vs_flat(work: Path, report: dict, quick: bool) -> dict:
                     "the query encoder, not the search, takes most of a request's CPU"}  # fmt: skip
 
 
+COUNTERS = ("router_fanouts_total", "router_fanout_queries_total", "retriever_request_latency_seconds_sum", "retriever_request_latency_seconds_count",
+            "retriever_queue_wait_seconds_sum", "retriever_queue_wait_seconds_count", 'router_shard_latency_seconds_sum{shard="0"}',
+            'router_shard_latency_seconds_count{shard="0"}', 'router_shard_latency_seconds_sum{shard="1"}', 'router_shard_latency_seconds_count{shard="1"}')  # fmt: skip
+
+
 def _router_counters(url: str) -> dict[str, float]:
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    return {name: float(line.split()[-1]) for line in text.splitlines() for name in ("router_fanouts_total", "router_fanout_queries_total")
-            if line.startswith(name + " ")}  # fmt: skip
+    return {name: float(line.split()[-1]) for line in text.splitlines() for name in COUNTERS if line.startswith(name + " ")}
 
 
-def router_overhead(work: Path, index: Path, quick: bool) -> dict:
+def _latency_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms per request between two ``/metrics`` reads: whole request, queue wait for the encoder, and per shard the fan-out round trip."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    mean = lambda name: round(1000 * d[name + "_sum"] / d[name + "_count"], 2) if d.get(name + "_count") else None  # noqa: E731
+    out = {"request_ms": mean("retriever_request_latency_seconds"), "queue_wait_ms": mean("retriever_queue_wait_seconds")}
+    for shard in ("0", "1"):
+        if d.get(f'router_shard_latency_seconds_count{{shard="{shard}"}}'):
+            out[f"shard_{shard}_round_trip_ms"] = round(1000 * d[f'router_shard_latency_seconds_sum{{shard="{shard}"}}']
+                                                        / d[f'router_shard_latency_seconds_count{{shard="{shard}"}}'], 2)  # fmt: skip
+    return out
+
+
+def router_overhead(work: Path, index: Path, quick: bool, rounds: int | None = None) -> dict:
+    """Exactness and c = 32 / c = 1 load of the same index as 2 shards + ``emapg router`` against one ``emapg serve``;
+    side by side, the router as it was before ``--docs`` / ``--fanouts-in-flight`` (the shards send the passages)."""
     import httpx
 
     from retriever.launch import RetrieverServer, RouterServer
@@ -139,39 +175,123 @@ def router_overhead(work: Path, index: Path, quick: bool) -> dict:
     shards = shard_index(ShardConfig(index=str(index), out=str(work / "shards"), shards=2, overwrite=True), log=lambda m: None)
     questions, _ = read_questions("nq", 200)
     args = ["--query-cache-size", "0"]
-    out: dict = {"shards": 2, "rows": [json.loads((d / "meta.json").read_text())["shard"]["row_offset"] for d in shards]}
+    router_args = ["--docs", str(index)]
+    out: dict = {"shards": 2, "rows": [json.loads((d / "meta.json").read_text())["shard"]["row_offset"] for d in shards],
+                 "router_args": ["--docs", "<the unsharded index>"]}  # fmt: skip
     with RetrieverServer(index, extra_args=args, omp_num_threads=1) as one, \
             RetrieverServer(shards[0], extra_args=args, omp_num_threads=1) as s0, \
             RetrieverServer(shards[1], extra_args=args, omp_num_threads=1) as s1, \
-            RouterServer([[s0.url], [s1.url]]) as router:  # fmt: skip
-        same_ids = same_scores = 0
-        max_diff = 0.0
-        for q in questions:
-            a = httpx.post(one.url + "/retrieve", json={"queries": [q], "topk": 10, "return_scores": True}, timeout=60).json()["result"][0]
-            b = httpx.post(router.url + "/retrieve", json={"queries": [q], "topk": 10, "return_scores": True}, timeout=60).json()["result"][0]
-            same_ids += [h["document"]["id"] for h in a] == [h["document"]["id"] for h in b]
-            same_scores += [h["score"] for h in a] == [h["score"] for h in b]
-            max_diff = max(max_diff, *(abs(x["score"] - y["score"]) for x, y in zip(a, b)))
-        out["exactness"] = {"questions": len(questions), "topk": 10, "identical_ids_and_order": same_ids, "bit_identical_scores": same_scores,
-                            "max_abs_score_diff": max_diff}  # fmt: skip
-        seconds, rounds = (3.0, 3) if quick else (5.0, 4)
-        before = _router_counters(router.url)
-        rounds_c32 = alternate({"unsharded": one.url, "router": router.url}, questions, rounds=rounds, seconds=seconds, concurrency=32)
+            RouterServer([[s0.url], [s1.url]], extra_args=router_args) as router, \
+            RouterServer([[s0.url], [s1.url]]) as before:  # fmt: skip
+        sides = {"unsharded": one.url, "router": router.url, "router_passages_from_shards": before.url}
+        checked = ("router",) if quick else ("router", "router_passages_from_shards")  # --quick: within its 5 minutes (the merge is shared)
+        out["exactness"] = {who: _exactness(one.url, sides[who], questions) for who in checked}
+        seconds, default_rounds = (3.0, 3) if quick else (5.0, 4)
+        rounds = rounds or default_rounds
+        before_counts = _router_counters(router.url)
+        before_one = _router_counters(one.url)
+        pids = {"unsharded": one.proc.pid, "shard_0": s0.proc.pid, "shard_1": s1.proc.pid, "router": router.proc.pid,
+                "router_passages_from_shards": before.proc.pid}  # fmt: skip
+        rounds_c32 = alternate(sides, questions, rounds=rounds, seconds=seconds, concurrency=32, pids=pids)
         after = _router_counters(router.url)
+        out["latency_split_c32"] = {"unsharded": _latency_split(before_one, _router_counters(one.url)), "router": _latency_split(before_counts, after)}
         out["load_c32"] = rounds_c32
-        fanouts = after["router_fanouts_total"] - before["router_fanouts_total"]
-        out["router_queries_per_fanout_c32"] = round((after["router_fanout_queries_total"] - before["router_fanout_queries_total"]) / fanouts, 2)
-        c1 = {name: closed_loop(url, questions, concurrency=1, seconds=seconds) for name, url in (("unsharded", one.url), ("router", router.url))}
+        fanouts = after["router_fanouts_total"] - before_counts["router_fanouts_total"]
+        out["router_queries_per_fanout_c32"] = round((after["router_fanout_queries_total"] - before_counts["router_fanout_queries_total"]) / fanouts, 2)
+        c1 = {name: closed_loop(url, questions, concurrency=1, seconds=seconds) for name, url in sides.items()}
         out["load_c1"] = c1
-    p99 = {w: median_of(rounds_c32, w, "p99_ms") for w in ("unsharded", "router")}
-    qps = {w: median_of(rounds_c32, w, "qps") for w in ("unsharded", "router")}
+    whos = list(sides)
+    p99 = {w: median_of(rounds_c32, w, "p99_ms") for w in whos}
+    qps = {w: median_of(rounds_c32, w, "qps") for w in whos}
     out["p99_ms_c32"], out["qps_c32"] = p99, qps
     out["p99_overhead_c32"] = round(p99["router"] / p99["unsharded"] - 1, 3)
     out["qps_ratio_c32"] = round(qps["router"] / qps["unsharded"], 3)
     out["p50_overhead_c1"] = round(c1["router"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)
-    out["note"] = (f"{os.cpu_count()} cores shared by everything: one `emapg serve` (unsharded) against `emapg router` (encodes each "
-                   "query once, micro-batched; one /search per shard per batch) + 2 shard `emapg serve` processes, plus the load "
-                   f"generator; medians of {rounds} alternating {seconds:g}-s windows each")  # fmt: skip
+    out["passages_from_shards"] = {"p99_overhead_c32": round(p99["router_passages_from_shards"] / p99["unsharded"] - 1, 3),
+                                   "qps_ratio_c32": round(qps["router_passages_from_shards"] / qps["unsharded"], 3),
+                                   "p50_overhead_c1": round(c1["router_passages_from_shards"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)}  # fmt: skip
+    out["cpu_ms_per_query_c32"] = _cpu_per_side(rounds_c32)
+    out["passage_cost_per_fanout"] = passage_cost(index)
+    out["note"] = (f"{os.cpu_count()} cores shared by everything: one `emapg serve` (unsharded) against `emapg router "
+                   f"{' '.join(out['router_args'])}` (encodes each query once, micro-batched; one /search per shard per joined "
+                   "batch; reads the merged passages itself) + 2 shard `emapg serve` processes, and the router as it was "
+                   "before (the shards send their top-k passages), plus the load generator; medians of "
+                   f"{rounds} alternating {seconds:g}-s windows each; cpu_ms_per_query_c32: CPU time per answered query of "
+                   "every process, medians over each side's windows")  # fmt: skip
+    return out
+
+
+def passage_cost(index: Path, queries: int = 16, topk: int = 3, shard_rows: int = 21504, repeat: int = 300) -> dict:
+    """In process, CPU time: what the passages cost one fan-out of ``queries`` queries at ``topk`` over 2 shards, sent by
+    the shards (each looks up, formats and JSON-encodes its top-k passages; the router decodes and checks both answers)
+    against ``--docs`` (the shards send rows and scores; the router decodes them and looks the merged top-k up once)."""
+    from emapg.server_input import json_response
+    from retriever.corpus import DocStore
+    from retriever.router import _shard_hits, merge_hits
+    from retriever.server import format_result
+
+    store = DocStore(index)
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, shard_rows, (queries, topk))
+    scores = np.sort(rng.random((queries, topk)).astype(np.float32), axis=1)[:, ::-1]
+
+    def shard_passages() -> bytes:
+        docs = iter(store.lookup(rows.ravel()))
+        return json_response(format_result([[{**next(docs), "score": float(s)} for s in q] for q in scores], True)).body
+
+    def shard_rows_only() -> bytes:
+        return json_response({"rows": [r.tolist() for r in rows], "scores": [s.tolist() for s in scores]}).body
+
+    text, bare = shard_passages(), shard_rows_only()
+
+    def router_passages() -> list:
+        return merge_hits([_shard_hits(text, queries), _shard_hits(text, queries)], topk)
+
+    def router_docs() -> list:
+        answer = json.loads(bare)
+        per_shard = [[[{"row": o + r, "score": x} for r, x in zip(rr, ss)] for rr, ss in zip(answer["rows"], answer["scores"])] for o in (0, shard_rows)]
+        merged = merge_hits(per_shard, topk)
+        docs = iter(store.lookup(np.array([h["row"] for q in merged for h in q], dtype=np.int64)))
+        return [[{"document": next(docs), "score": h["score"]} for h in q] for q in merged]
+
+    def cpu_ms(f) -> float:
+        t = time.process_time()
+        for _ in range(repeat):
+            f()
+        return (time.process_time() - t) / repeat * 1000
+
+    from_shards = 2 * cpu_ms(shard_passages) + cpu_ms(router_passages)
+    docs = 2 * cpu_ms(shard_rows_only) + cpu_ms(router_docs)
+    return {"queries": queries, "topk": topk, "shard_answer_bytes": {"passages": len(text), "rows": len(bare)},
+            "cpu_ms": {"passages_from_shards": round(from_shards, 3), "docs": round(docs, 3)}, "ratio": round(docs / from_shards, 3)}  # fmt: skip
+
+
+def _exactness(reference: str, url: str, questions: list[str]) -> dict:
+    """200 questions one request at a time to both: ids, order and bit-identical scores."""
+    import httpx
+
+    same_ids = same_scores = 0
+    max_diff = 0.0
+    for q in questions:
+        a = httpx.post(reference + "/retrieve", json={"queries": [q], "topk": 10, "return_scores": True}, timeout=60).json()["result"][0]
+        b = httpx.post(url + "/retrieve", json={"queries": [q], "topk": 10, "return_scores": True}, timeout=60).json()["result"][0]
+        same_ids += [h["document"] for h in a] == [h["document"] for h in b]
+        same_scores += [h["score"] for h in a] == [h["score"] for h in b]
+        max_diff = max(max_diff, *(abs(x["score"] - y["score"]) for x, y in zip(a, b)))
+    return {"questions": len(questions), "topk": 10, "identical_ids_and_order": same_ids, "bit_identical_scores": same_scores,
+            "max_abs_score_diff": max_diff}  # fmt: skip
+
+
+def _cpu_per_side(windows: list[dict]) -> dict:
+    """Per side, the median CPU ms per answered query of the processes that served it (and their sum)."""
+    serving = {"unsharded": ["unsharded"], "router": ["router", "shard_0", "shard_1"],
+               "router_passages_from_shards": ["router_passages_from_shards", "shard_0", "shard_1"]}  # fmt: skip
+    out = {}
+    for who, procs in serving.items():
+        mine = [w["cpu_ms_per_query"] for w in windows if w["who"] == who and "cpu_ms_per_query" in w]
+        if mine:
+            out[who] = {p: round(float(np.median([m[p] for m in mine])), 3) for p in procs}
+            out[who]["total"] = round(float(np.median([sum(m[p] for p in procs) for m in mine])), 3)
     return out
 
 
@@ -292,6 +412,24 @@ def synthetic_only(work: Path, rows: int, deadline: float, out: Path, t0: float)
     return 0
 
 
+def router_only(work: Path, out: Path, t0: float, load_at_start: tuple) -> int:
+    from retriever.index_builder import BuildConfig, build_index
+
+    index = cache_dir() / "indexes" / "wiki_mini-minilm-flat-from-vectors"  # what the ladder (run_ladder) builds from VECTORS
+    if not (index / "meta.json").is_file():
+        build_index(BuildConfig(corpus=str(CORPUS), out=str(index), vectors=str(VECTORS), device="cpu", progress=False), log=lambda m: None)
+    router = router_overhead(work, index, quick=True, rounds=6)
+    result = {"mode": "router only", "date": time.strftime("%Y-%m-%d", time.gmtime()),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_start": load_at_start, "loadavg": os.getloadavg()},
+              "index": str(index), "router": router, "wall_seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: router[k] for k in ("exactness", "qps_c32", "p99_ms_c32", "p99_overhead_c32", "qps_ratio_c32", "p50_overhead_c1",
+                                             "router_queries_per_fanout_c32", "passages_from_shards", "cpu_ms_per_query_c32", "latency_split_c32",
+                                             "passage_cost_per_fanout")}, indent=1))  # fmt: skip
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the 43k ladder with a server subset, the side-by-side and the router, <= 5 min")
@@ -299,6 +437,8 @@ def main() -> int:
     p.add_argument("--time-budget-min", type=float, default=25.0, help="full mode: no synthetic rung starts after this many minutes")
     p.add_argument("--synthetic-only", action="store_true", help=f"full mode without the 43k parts (what --quick measures): the synthetic "
                                                                   f"ladder alone, to {OUT_SYNTHETIC.name}")  # fmt: skip
+    p.add_argument("--router-only", action="store_true", help=f"only the router's exactness and overhead (part 3, as --quick "
+                                                                f"measures it) on the 43k index, to {OUT_ROUTER.name}")  # fmt: skip
     p.add_argument("--work", default=str(cache_dir() / "retriever_scale"), help="working directory (rung indexes, shards; a rerun resumes)")
     p.add_argument("--out", default=None, help=f"JSON output (default: {OUT.name} with --quick, else {OUT_FULL.name})")
     args = p.parse_args()
@@ -307,11 +447,13 @@ def main() -> int:
     t0 = time.perf_counter()
     load_at_start = os.getloadavg()
     deadline = time.monotonic() + args.time_budget_min * 60
-    out = Path(args.out or (OUT if args.quick else OUT_SYNTHETIC if args.synthetic_only else OUT_FULL))
+    out = Path(args.out or (OUT_ROUTER if args.router_only else OUT if args.quick else OUT_SYNTHETIC if args.synthetic_only else OUT_FULL))
     work = Path(args.work) / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
     if args.synthetic_only and not args.quick:
         return synthetic_only(work, args.synthetic_rows, deadline, out, t0)
+    if args.router_only:
+        return router_only(work, out, t0, load_at_start)
     report = ladder(work, args.quick)
     rungs = report["rungs"]
     flat = rungs[0]
@@ -335,8 +477,8 @@ def main() -> int:
             "recommended_bytes_per_passage_at_768": best["target"]["bytes_per_passage"] if best else None,
             "recommended_qps_c32_ge_flat": bool(side and side["qps_ratio"] >= 1.0),
             "peak_build_rss_le_2gb_plus_index": all(r["peak_build_rss_bytes"] <= 2 * 2**30 + r["index_bytes"] for r in rungs),
-            "sharded_identical": router["exactness"]["identical_ids_and_order"] == router["exactness"]["questions"]
-            and router["exactness"]["bit_identical_scores"] == router["exactness"]["questions"],
+            "sharded_identical": all(e["identical_ids_and_order"] == e["questions"] and e["bit_identical_scores"] == e["questions"]
+                                     for e in router["exactness"].values()),
             "router_p99_overhead_le_10pct": router["p99_overhead_c32"] <= 0.10,
         },
     }  # fmt: skip
@@ -362,7 +504,7 @@ def main() -> int:
     print(json.dumps({"recommended": result["recommended"], "target_21m_768": result["target_21m_768"], "targets": result["targets"],
                       "recommended_vs_flat_c32": side and {k: side[k] for k in ("qps_c32", "qps_ratio", "p99_ms", "p99_ratio")},
                       "router": {k: router[k] for k in ("exactness", "qps_c32", "p99_ms_c32", "p99_overhead_c32", "qps_ratio_c32",
-                                                        "p50_overhead_c1", "router_queries_per_fanout_c32")},
+                                                        "p50_overhead_c1", "router_queries_per_fanout_c32", "passages_from_shards", "cpu_ms_per_query_c32")},
                       "status": result["status"], "wall_seconds": result["wall_seconds"]}, indent=1))  # fmt: skip
     return 0
 

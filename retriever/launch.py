@@ -79,7 +79,7 @@ class RouterServer(ServerProcess):
     stop_timeout = 15.0
 
     def __init__(self, shards: list[list[str]], host: str = "127.0.0.1", port: int | None = None, *, deadline_ms: float = 2000.0,
-                 health_interval_s: float = 0.5, extra_args: list[str] | None = None, startup_timeout: float = 60.0,
+                 health_interval_s: float = 0.5, extra_args: list[str] | None = None, startup_timeout: float = 180.0,
                  log_path: str | Path | None = None):  # fmt: skip
         args = ["--host", host, "--deadline-ms", str(deadline_ms), "--health-interval-s", str(health_interval_s)]
         for replicas in shards:

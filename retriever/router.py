@@ -22,6 +22,10 @@ The router speaks the retrieval server's API (Search-R1's ``POST /retrieve``, ``
    (contiguous shards: the lower row, as FAISS orders ties), and keeps the top ``topk``. For Flat
    shards this is exactly the unsharded index's answer: ids, order and scores
    (``tests/retriever/test_router.py``).
+4. ``--docs DIR`` (the index the shards were split from, its fingerprint checked against theirs): the
+   shards answer row numbers and scores only (``/search`` with ``"documents": false``) and the router
+   reads the merged top-k passages from ``DIR``'s memory-mapped document store, once per query, instead
+   of every shard looking up, encoding and sending its top-k passages and the router decoding them all.
 
 **Partial results** (a shard down, all its replicas failing, or slower than the deadline): the router
 answers **200** with the merged hits of the shards that did answer and flags it, in the body
@@ -47,6 +51,8 @@ the unsharded index's fingerprint id (``source_fingerprint``).
 from __future__ import annotations
 
 import asyncio
+import base64
+import gc
 import heapq
 import itertools
 import json
@@ -59,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -96,6 +103,10 @@ class RouterConfig(ServerOptions):
     max_batch: int = option(64, help="--encode: most queries encoded together across requests")
     max_wait_ms: float = option(5.0, help="--encode: how long the first query of a batch may wait for company under concurrent traffic, in ms")
     regroup_wait_ms: float = option(5.0, help="--encode: as `emapg serve --regroup-wait-ms`")
+    docs: str = option("", help="--encode: the index directory the shards were split from (`emapg index shard --index`; its "
+                                "fingerprint checked against theirs), or a copy of it: the shards then answer row numbers and "
+                                "scores only and the router reads the merged top-k passages from this directory's document "
+                                "store (memory-mapped), once per query; empty: the shards send the passages")  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
@@ -119,6 +130,8 @@ class RouterConfig(ServerOptions):
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.topk > self.max_topk:
             raise ConfigError(f"--topk {self.topk} exceeds --max-topk {self.max_topk}")
+        if self.docs and not self.encode:
+            raise ConfigError("--docs needs --encode: with --no-encode the shards' /retrieve sends the passages")
 
 
 @dataclass
@@ -226,6 +239,8 @@ class Router:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http: httpx.AsyncClient | None = None
         self.batcher = None  # --encode: a MicroBatcher over the query encoder, once loaded
+        self.docs = None  # --docs: the source index's DocStore, once opened
+        self.docs_fingerprint: str | None = None
         self.encoder = None
         self.ready = asyncio.Event()  # shards checked (and, with --encode, the encoder loaded)
         self.error: str | None = None
@@ -254,6 +269,8 @@ class Router:
 
         try:
             self.encoder = await asyncio.get_running_loop().run_in_executor(executor, load)
+            if self.cfg.docs:
+                self.open_docs()
         except Exception as e:  # noqa: BLE001 - reported through /health
             self.error = f"{type(e).__name__}: {e}"
             log.error("loading the query encoder failed: %s", self.error)
@@ -263,10 +280,27 @@ class Router:
             parts = max(1, round(share * self.encoder.parallel))
             return [[v] for v in self.encoder.encode_queries(queries, batch_size=64, parts=parts)]  # [v]: one "hit" per query
 
+        # as `emapg serve` does: the model, tokenizer and libraries, alive as long as the router, leave the collector's
+        # generations, so that no full collection traverses them while requests wait (the GIL held for ~0.5 s)
+        gc.freeze()
         self.batcher = MicroBatcher(encode, executor, self.cfg.max_batch, self.cfg.max_wait_ms / 1000, self.metrics,
                                     self.cfg.regroup_wait_ms / 1000, workers=self.encoder.parallel)  # fmt: skip
         self.batcher.start()
         self.ready.set()
+
+    def open_docs(self) -> None:
+        """--docs: open the source index's document store; ValueError unless it is the index the healthy shards were split from."""
+        from retriever.corpus import DocStore
+        from retriever.index_files import read_meta
+
+        meta = read_meta(self.cfg.docs)
+        self.docs_fingerprint = (meta.get("fingerprint") or {}).get("id")
+        for s in self.shards:
+            shard = self._shard_meta(s)
+            if shard and (shard.get("source_fingerprint") != self.docs_fingerprint or shard.get("rows_total") != meta["rows"]):
+                raise ValueError(f"--docs {self.cfg.docs} (fingerprint {self.docs_fingerprint}, {meta['rows']} rows) is not the index shard "
+                                 f"{s.index} was split from (fingerprint {shard.get('source_fingerprint')}, {shard.get('rows_total')} rows)")  # fmt: skip
+        self.docs = DocStore(self.cfg.docs)
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.cfg.max_connections * sum(len(s.replicas) for s in self.shards),
@@ -322,6 +356,7 @@ class Router:
         if not self.ready.is_set():
             return 503, {"status": "loading"}
         body["encoder"] = "router" if self.batcher is not None else "shards"
+        body["passages"] = "router" if self.docs is not None else "shards"  # --docs: read here
         return (503 if len(down) == len(self.shards) else 200), body
 
     @staticmethod
@@ -347,7 +382,7 @@ class Router:
             try:
                 status, data = await asyncio.wait_for(r.post(body, self.headers, path), timeout=left)
                 if status == 200:
-                    hits = _shard_hits(data, n_queries)
+                    hits = _shard_hits(data, n_queries) if self.docs is None else self._shard_rows(shard, data, n_queries)
                     shard.latency.observe(time.perf_counter() - t0)
                     return hits
                 outcome = f"http_{status}"
@@ -370,8 +405,6 @@ class Router:
     async def retrieve(self, queries: list[str], topk: int) -> tuple[list[list[dict]], dict | None]:
         deadline = time.monotonic() + self.cfg.deadline_ms / 1000
         if self.batcher is not None:  # encode once here; the shards search the vectors
-            import numpy as np
-
             items = np.stack([v[0] for v in await self.batcher.submit(queries, topk)]).astype("<f4")
         else:
             items = queries
@@ -388,7 +421,11 @@ class Router:
         if reasons:
             self.partial_responses += 1
             partial = {"missing_shards": [int(k) for k in reasons], "reasons": reasons}
-        return merge_hits(per_shard, topk), partial
+        merged = merge_hits(per_shard, topk)
+        if self.docs is not None:  # the passages of the merged top-k, read here once
+            docs = iter(self.docs.lookup(np.array([h["row"] for q in merged for h in q], dtype=np.int64)))
+            merged = [[{"document": next(docs), "score": h["score"]} for h in q] for q in merged]
+        return merged, partial
 
     def _start_fan_outs(self) -> None:
         jobs, self.waiting = self.waiting, []
@@ -402,12 +439,9 @@ class Router:
         try:
             topk = max(j.topk for j in group)
             if self.batcher is not None:
-                import base64
-
-                import numpy as np
-
                 q = group[0].items if len(group) == 1 else np.concatenate([j.items for j in group])
-                body = json.dumps({"vectors_b64": base64.b64encode(q.tobytes()).decode(), "dim": q.shape[1], "topk": topk}).encode()
+                ask = {"vectors_b64": base64.b64encode(q.tobytes()).decode(), "dim": q.shape[1], "topk": topk}
+                body = json.dumps(ask if self.docs is None else {**ask, "documents": False}).encode()
                 path = "/search"
             else:
                 body = json.dumps({"queries": [t for j in group for t in j.items], "topk": topk, "return_scores": True}).encode()
@@ -450,6 +484,26 @@ class Router:
             else:
                 per_shard.append(a)
         return per_shard, reasons, refusals
+
+    def _shard_rows(self, shard: Shard, data: bytes, n_queries: int) -> list[list[dict]]:
+        """--docs: a shard's ``{"rows", "scores"}`` answer as hits ``{"row": row in the source index, "score"}``
+        (``ValueError`` / ``KeyError`` / ``TypeError`` when it is not one, or the shard is not of the --docs index)."""
+        meta = self._shard_meta(shard)
+        if meta.get("source_fingerprint") != self.docs_fingerprint:
+            raise ValueError(f"shard {shard.index} was not split from --docs {self.cfg.docs}")
+        offset, rows_total = meta["row_offset"], len(self.docs)
+        answer = json.loads(data)
+        rows, scores = answer["rows"], answer["scores"]
+        if not (isinstance(rows, list) and isinstance(scores, list) and len(rows) == len(scores) == n_queries):
+            raise ValueError(f"the shard answered no rows/scores lists for {n_queries} queries")
+        hits = []
+        for r, sc in zip(rows, scores):
+            if len(r) != len(sc) or not all(type(i) is int and 0 <= offset + i < rows_total for i in r):
+                raise ValueError("a shard's rows are not row numbers of the --docs index")
+            if not all(isinstance(x, (int, float)) for x in sc):
+                raise TypeError("a shard's score is not a number")
+            hits.append([{"row": offset + i, "score": x} for i, x in zip(r, sc)])
+        return hits
 
     def render_metrics(self) -> str:
         out = ["# HELP router_shard_latency_seconds Per shard: latency of its answered requests.",

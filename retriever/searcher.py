@@ -247,6 +247,12 @@ class Searcher:
     def search_vectors(self, q: np.ndarray, topk: int) -> list[list[dict]]:
         """Encoded queries ``[B, dim]`` (e.g. from :mod:`retriever.router`) -> hits as :meth:`retrieve` returns them.
         No encoder, no BM25: the dense index only."""
+        idx, scores = self.search_rows(q, topk)
+        return self._hits(idx, scores)
+
+    def search_rows(self, q: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        """Encoded queries ``[B, dim]`` -> (rows int64 [B, k], scores float32 [B, k]) of the dense index, no passages
+        looked up (the router's ``--docs`` reads them itself); -1 marks a missing hit."""
         k = min(topk, len(self.store))
         t0 = time.perf_counter()
         if self.index_device == "cpu":
@@ -256,7 +262,7 @@ class Searcher:
                 scores, idx = self.index.search(np.ascontiguousarray(q, dtype=np.float32), k)
         with self._lock:
             self.stage_seconds["search"] += time.perf_counter() - t0
-        return self._hits(idx.astype(np.int64), scores)
+        return idx.astype(np.int64), scores
 
     def _hits(self, idx: np.ndarray, scores: np.ndarray) -> list[list[dict]]:
         t0 = time.perf_counter()

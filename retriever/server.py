@@ -552,7 +552,8 @@ def parse_retrieve_body(body: bytes, cfg: ServeConfig) -> tuple[list[str], int, 
 
 
 def parse_search_body(body: bytes, cfg: ServeConfig, dim: int):
-    """Check a /search body; the query vectors as float32 ``[B, dim]`` and topk (HTTPError with a message otherwise)."""
+    """Check a /search body; the query vectors as float32 ``[B, dim]``, topk and ``documents`` (default true;
+    false: answer row numbers and scores only) (HTTPError with a message otherwise)."""
     import base64
     import binascii
 
@@ -561,7 +562,7 @@ def parse_search_body(body: bytes, cfg: ServeConfig, dim: int):
     data = parse_json(body, '{"vectors_b64": "...", "dim": 384, "topk": 3}')
     if not isinstance(data, dict):
         raise HTTPError(422, "body must be a JSON object with 'vectors_b64', 'dim' and 'topk'")
-    check_fields(data, "body", ("vectors_b64", "dim", "topk"), required=("vectors_b64", "dim"))
+    check_fields(data, "body", ("vectors_b64", "dim", "topk", "documents"), required=("vectors_b64", "dim"))
     if as_int(data["dim"], "'dim'", 1, 1 << 16) != dim:
         raise HTTPError(422, f"'dim' is {data['dim']}, this index holds {dim}-d vectors")
     try:
@@ -576,7 +577,8 @@ def parse_search_body(body: bytes, cfg: ServeConfig, dim: int):
     if not np.isfinite(q).all():
         raise HTTPError(422, "'vectors_b64' holds a NaN or an infinity")
     topk = data.get("topk")
-    return q, cfg.topk if topk is None else as_int(topk, "'topk'", 1, cfg.max_topk)
+    documents = as_bool(data.get("documents", True), "'documents'")
+    return q, cfg.topk if topk is None else as_int(topk, "'topk'", 1, cfg.max_topk), documents
 
 
 def format_result(hits: list[list[dict]], return_scores: bool) -> dict:
@@ -702,12 +704,17 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
     async def search(request: Request):
         """Top-k passages for query vectors the caller encoded with this index's encoder (the router does:
         ``retriever.router``): ``{"vectors_b64": base64 of float32 [B, dim] little-endian, "dim", "topk"}``;
-        the answer has /retrieve's scored shape."""
+        the answer has /retrieve's scored shape; with ``"documents": false``, ``{"rows": [[row, ...]], "scores":
+        [[score, ...]]}`` instead: this index's row numbers, best first, no passages (the router's ``--docs``)."""
         body = await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout, hint="; send fewer vectors")
         if state.status != "ok":
             raise HTTPError(503, f"index is {state.status}{': ' + state.error if state.error else ''}; retry when GET /health returns 200")
-        q, topk = parse_search_body(body, cfg, state.searcher.meta["dim"])
+        q, topk, documents = parse_search_body(body, cfg, state.searcher.meta["dim"])
         # the loop's default thread pool: the server's own executor is taken by the long-running batch workers
+        if not documents:
+            rows, scores = await asyncio.to_thread(state.searcher.search_rows, q, topk)
+            found = rows >= 0
+            return json_response({"rows": [r[f].tolist() for r, f in zip(rows, found)], "scores": [s[f].tolist() for s, f in zip(scores, found)]})
         hits = await asyncio.to_thread(state.searcher.search_vectors, q, topk)
         return json_response(format_result(hits, True))
 
