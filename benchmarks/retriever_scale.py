@@ -175,23 +175,25 @@ def router_overhead(work: Path, index: Path, quick: bool, rounds: int | None = N
     shards = shard_index(ShardConfig(index=str(index), out=str(work / "shards"), shards=2, overwrite=True), log=lambda m: None)
     questions, _ = read_questions("nq", 200)
     args = ["--query-cache-size", "0"]
-    router_args = ["--docs", str(index)]
+    docs_args = ["--docs", str(index)]
     out: dict = {"shards": 2, "rows": [json.loads((d / "meta.json").read_text())["shard"]["row_offset"] for d in shards],
-                 "router_args": ["--docs", "<the unsharded index>"]}  # fmt: skip
+                 "router_args": [], "router_docs_args": ["--docs", "<the unsharded index>"]}  # fmt: skip
     with RetrieverServer(index, extra_args=args, omp_num_threads=1) as one, \
             RetrieverServer(shards[0], extra_args=args, omp_num_threads=1) as s0, \
             RetrieverServer(shards[1], extra_args=args, omp_num_threads=1) as s1, \
-            RouterServer([[s0.url], [s1.url]], extra_args=router_args) as router, \
-            RouterServer([[s0.url], [s1.url]]) as before:  # fmt: skip
-        sides = {"unsharded": one.url, "router": router.url, "router_passages_from_shards": before.url}
-        checked = ("router",) if quick else ("router", "router_passages_from_shards")  # --quick: within its 5 minutes (the merge is shared)
+            RouterServer([[s0.url], [s1.url]]) as router, \
+            RouterServer([[s0.url], [s1.url]], extra_args=docs_args) as docs:  # fmt: skip
+        # "router": the default router (the shards send their top-k passages); "router_docs": with --docs (the shards
+        # send rows and scores, the router reads the merged passages from the source index).
+        sides = {"unsharded": one.url, "router": router.url, "router_docs": docs.url}
+        checked = ("router",) if quick else ("router", "router_docs")  # --quick: within its 5 minutes (the merge is shared)
         out["exactness"] = {who: _exactness(one.url, sides[who], questions) for who in checked}
         seconds, default_rounds = (3.0, 3) if quick else (5.0, 4)
         rounds = rounds or default_rounds
         before_counts = _router_counters(router.url)
         before_one = _router_counters(one.url)
         pids = {"unsharded": one.proc.pid, "shard_0": s0.proc.pid, "shard_1": s1.proc.pid, "router": router.proc.pid,
-                "router_passages_from_shards": before.proc.pid}  # fmt: skip
+                "router_docs": docs.proc.pid}  # fmt: skip
         rounds_c32 = alternate(sides, questions, rounds=rounds, seconds=seconds, concurrency=32, pids=pids)
         after = _router_counters(router.url)
         out["latency_split_c32"] = {"unsharded": _latency_split(before_one, _router_counters(one.url)), "router": _latency_split(before_counts, after)}
@@ -207,15 +209,15 @@ def router_overhead(work: Path, index: Path, quick: bool, rounds: int | None = N
     out["p99_overhead_c32"] = round(p99["router"] / p99["unsharded"] - 1, 3)
     out["qps_ratio_c32"] = round(qps["router"] / qps["unsharded"], 3)
     out["p50_overhead_c1"] = round(c1["router"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)
-    out["passages_from_shards"] = {"p99_overhead_c32": round(p99["router_passages_from_shards"] / p99["unsharded"] - 1, 3),
-                                   "qps_ratio_c32": round(qps["router_passages_from_shards"] / qps["unsharded"], 3),
-                                   "p50_overhead_c1": round(c1["router_passages_from_shards"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)}  # fmt: skip
+    out["docs"] = {"p99_overhead_c32": round(p99["router_docs"] / p99["unsharded"] - 1, 3),
+                   "qps_ratio_c32": round(qps["router_docs"] / qps["unsharded"], 3),
+                   "p50_overhead_c1": round(c1["router_docs"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)}  # fmt: skip
     out["cpu_ms_per_query_c32"] = _cpu_per_side(rounds_c32)
     out["passage_cost_per_fanout"] = passage_cost(index)
-    out["note"] = (f"{os.cpu_count()} cores shared by everything: one `emapg serve` (unsharded) against `emapg router "
-                   f"{' '.join(out['router_args'])}` (encodes each query once, micro-batched; one /search per shard per joined "
-                   "batch; reads the merged passages itself) + 2 shard `emapg serve` processes, and the router as it was "
-                   "before (the shards send their top-k passages), plus the load generator; medians of "
+    out["note"] = (f"{os.cpu_count()} cores shared by everything: one `emapg serve` (unsharded) against `emapg router` "
+                   "(encodes each query once, micro-batched; one /search per shard per joined batch; the shards send their "
+                   "top-k passages) + 2 shard `emapg serve` processes, and `emapg router --docs <the unsharded index>` (docs: "
+                   "the shards send rows and scores, the router reads the merged passages itself), plus the load generator; medians of "
                    f"{rounds} alternating {seconds:g}-s windows each; cpu_ms_per_query_c32: CPU time per answered query of "
                    "every process, medians over each side's windows")  # fmt: skip
     return out
@@ -285,7 +287,7 @@ def _exactness(reference: str, url: str, questions: list[str]) -> dict:
 def _cpu_per_side(windows: list[dict]) -> dict:
     """Per side, the median CPU ms per answered query of the processes that served it (and their sum)."""
     serving = {"unsharded": ["unsharded"], "router": ["router", "shard_0", "shard_1"],
-               "router_passages_from_shards": ["router_passages_from_shards", "shard_0", "shard_1"]}  # fmt: skip
+               "router_docs": ["router_docs", "shard_0", "shard_1"]}  # fmt: skip
     out = {}
     for who, procs in serving.items():
         mine = [w["cpu_ms_per_query"] for w in windows if w["who"] == who and "cpu_ms_per_query" in w]
@@ -425,7 +427,7 @@ def router_only(work: Path, out: Path, t0: float, load_at_start: tuple) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: router[k] for k in ("exactness", "qps_c32", "p99_ms_c32", "p99_overhead_c32", "qps_ratio_c32", "p50_overhead_c1",
-                                             "router_queries_per_fanout_c32", "passages_from_shards", "cpu_ms_per_query_c32", "latency_split_c32",
+                                             "router_queries_per_fanout_c32", "docs", "cpu_ms_per_query_c32", "latency_split_c32",
                                              "passage_cost_per_fanout")}, indent=1))  # fmt: skip
     return 0
 
@@ -504,7 +506,7 @@ def main() -> int:
     print(json.dumps({"recommended": result["recommended"], "target_21m_768": result["target_21m_768"], "targets": result["targets"],
                       "recommended_vs_flat_c32": side and {k: side[k] for k in ("qps_c32", "qps_ratio", "p99_ms", "p99_ratio")},
                       "router": {k: router[k] for k in ("exactness", "qps_c32", "p99_ms_c32", "p99_overhead_c32", "qps_ratio_c32",
-                                                        "p50_overhead_c1", "router_queries_per_fanout_c32", "passages_from_shards", "cpu_ms_per_query_c32")},
+                                                        "p50_overhead_c1", "router_queries_per_fanout_c32", "docs", "cpu_ms_per_query_c32")},
                       "status": result["status"], "wall_seconds": result["wall_seconds"]}, indent=1))  # fmt: skip
     return 0
 
