@@ -39,9 +39,9 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return grouped.max(dim=1).values != grouped.min(dim=1).values
 
 
-def select_groups(ro: "SampledBatch", groups: list[int], group_size: int) -> "SampledBatch":
-    """The batch made of ``ro``'s groups ``groups`` (in that order), each trajectory with its outcome."""
-    return ro.take([g * group_size + j for g in groups for j in range(group_size)], groups)
+def select_groups(sampled: "SampledBatch", groups: list[int], group_size: int) -> "SampledBatch":
+    """The batch made of ``sampled``'s groups ``groups`` (in that order), each trajectory with its outcome."""
+    return sampled.take([g * group_size + j for g in groups for j in range(group_size)], groups)
 
 
 def concat_batches(parts: list["SampledBatch"]) -> "SampledBatch":

@@ -145,13 +145,13 @@ def stop_on_signals(on_signal: Callable[[int], None]):
             signal.signal(sig, handler)
 
 
-def sample_records(ro: SampledBatch, n: int) -> list[dict[str, Any]]:
+def sample_records(sampled: SampledBatch, n: int) -> list[dict[str, Any]]:
     """The first ``n`` trajectories of a batch as ``samples.jsonl`` rows."""
     return [
         {"group_id": g, "reward": float(r), "stop_reason": t.stop_reason, "searches": t.num_searches,
          "question": t.question, "response": t.response_text,
          "queries": list(t.queries), "retrieved_ids": [list(ids) for ids in t.retrieved_ids]}
-        for t, g, r in list(zip(ro.trajectories, ro.group_ids, ro.rewards.tolist()))[:n]
+        for t, g, r in list(zip(sampled.trajectories, sampled.group_ids, sampled.rewards.tolist()))[:n]
     ]
 
 
@@ -289,8 +289,8 @@ class Trainer:
         with self.engine_session.generating(tag=f"step-{self.step}") as engine:
             return self.produce(engine, prompts, step_seed(self.cfg.run.seed, self.step + 1, self.dist.rank))
 
-    def fill_informative(self, ro: SampledBatch) -> SampledBatch:
-        """``rollout.filter_groups``: ``ro`` with its groups of equal rewards replaced by informative groups of
+    def fill_informative(self, sampled: SampledBatch) -> SampledBatch:
+        """``rollout.filter_groups``: ``sampled`` with its groups of equal rewards replaced by informative groups of
         up to ``rollout.filter_max_rounds`` more prompt batches (:mod:`trainer.group_filter`); the ``reward/*``
         counts are those of the rows kept (from their outcomes: nothing is graded again)."""
         from trainer.group_filter import fill_informative
@@ -306,7 +306,7 @@ class Trainer:
         def all_full(full: bool) -> bool:  # one answer for all ranks: they draw from one prompt sampler
             return D.all_reduce_max(torch.tensor([0.0 if full else 1.0])).item() == 0
 
-        out, sums = fill_informative(ro, more, want=len(ro.prompts), group_size=cfg.rollout.n_samples,
+        out, sums = fill_informative(sampled, more, want=len(sampled.prompts), group_size=cfg.rollout.n_samples,
                                      max_rounds=cfg.rollout.filter_max_rounds, agree=all_full)
         return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, cfg), sampling=sums)
 
@@ -355,17 +355,17 @@ class Trainer:
         return dict(world_size=self.dist.world_size, grad_norms=result.grad_norms, updates=result.updates,
                     skipped=result.skipped, lr=self.policy.optimizer.param_groups[0]["lr"], kl_enabled=self.cfg.algorithm.kl.enabled)
 
-    def learn(self, ro: SampledBatch) -> tuple[dict[str, float], dict[str, float]]:
+    def learn(self, sampled: SampledBatch) -> tuple[dict[str, float], dict[str, float]]:
         """Consume a rollout batch: stored statistics, advantages, update, EMA blend; returns the step's
         metrics (timings included) and the rank-summed sums they came from."""
         from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
         cfg, alg = self.cfg, self.cfg.algorithm
-        batch = trajectory_batch(ro.trajectories, pad_id=self.pad_id)  # ids, masks, behaviour log-probs
+        batch = trajectory_batch(sampled.trajectories, pad_id=self.pad_id)  # ids, masks, behaviour log-probs
         plan = self.stats_plan(batch.size)  # once per step: the stored statistics and the update follow it
         t0 = time.perf_counter()
         timings = self.compute_stored_stats(batch, plan)
-        adv = grpo_advantages(ro.rewards, ro.group_ids, norm_by_std=alg.adv_std != "none",
+        adv = grpo_advantages(sampled.rewards, sampled.group_ids, norm_by_std=alg.adv_std != "none",
                               unbiased_std=alg.adv_std != "biased", eps=alg.adv_eps)
         batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
         result = self._update(batch, plan)
@@ -374,8 +374,8 @@ class Trainer:
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
         if result.updates > 0 and self.engine_session is not None:
             self.engine_session.weights_changed()
-        sums = rollout_sums(ro.rewards, cfg.rollout.n_samples, ro.trajectories, ro.stats, ro.reward_counts, batch)
-        for name, value in ro.sampling.items():
+        sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch)
+        for name, value in sampled.sampling.items():
             sums.add(name, value)
         sums.merge(result.sums)
         if "rollout/entropy_sum" not in sums:  # π_old's pass measured it
@@ -384,7 +384,7 @@ class Trainer:
         metrics = {**step_metrics(totals, **self._update_summary(result)), **timings, "ema/updated": float(ema_updated),
                    "time/generation": totals["rollout/generation_s"] / self.dist.world_size,
                    "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train}
-        self.last_samples = sample_records(ro, cfg.logging.log_samples)
+        self.last_samples = sample_records(sampled, cfg.logging.log_samples)
         finite = math.isfinite(metrics["loss/pg"]) and result.skipped == 0
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         metrics["actor/nonfinite_streak"] = float(self.nonfinite_streak)
@@ -394,13 +394,13 @@ class Trainer:
         """One full step (produce, then consume); returns its metrics (already reduced over ranks)."""
         t_step = time.perf_counter()
         prompts = self.sample_prompts()
-        ro = self.sample_batch(prompts)
-        while self.search_guard is not None and not self.search_guard.accept(ro.trajectories):
-            ro = self.sample_batch(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
+        sampled = self.sample_batch(prompts)
+        while self.search_guard is not None and not self.search_guard.accept(sampled.trajectories):
+            sampled = self.sample_batch(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
         if self.cfg.rollout.filter_groups:
-            ro = self.fill_informative(ro)
+            sampled = self.fill_informative(sampled)
         t_rollout = time.perf_counter() - t_step
-        metrics, totals = self.learn(ro)
+        metrics, totals = self.learn(sampled)
         if self.search_guard is not None:
             metrics.update(self.search_guard.step_metrics())
         t_total = time.perf_counter() - t_step

@@ -98,7 +98,7 @@ class PipelineTrainer(Protocol):
 
     def produce(self, engine: Engine, prompts: list[SampledPrompt], seed: int) -> SampledBatch: ...
 
-    def learn(self, ro: SampledBatch) -> tuple[dict[str, float], dict[str, float]]: ...
+    def learn(self, sampled: SampledBatch) -> tuple[dict[str, float], dict[str, float]]: ...
 
     def message(self, text: str) -> None: ...
 
@@ -224,15 +224,15 @@ class RolloutPipeline:
                     self._forget_weights_before(req.version)
                 # the global batch's seed is rank 0's: one producer generates every rank's share
                 seed = _seed(trainer, req.step)
-                ro = trainer.produce(engine, req.prompts, seed)
-                while self.search_guard is not None and not self._stop and not self.search_guard.accept(ro.trajectories):
+                sampled = trainer.produce(engine, req.prompts, seed)
+                while self.search_guard is not None and not self._stop and not self.search_guard.accept(sampled.trajectories):
                     self.search_dropped += 1  # its searches failed: never queued; the guard pauses or stops on an outage
-                    ro = trainer.produce(engine, req.prompts, seed)
+                    sampled = trainer.produce(engine, req.prompts, seed)
                 if self.search_guard is not None:
                     item.search = {**self.search_guard.step_metrics(), "async/search_dropped_batches": float(self.search_dropped)}
-                for t in ro.trajectories:
+                for t in sampled.trajectories:
                     t.weights_version = req.version
-                item.batch = ro
+                item.batch = sampled
             except BaseException as e:  # handed to the consumer, which stops the run with it
                 item.error = e
             self.clock.add(busy=time.perf_counter() - t0)
@@ -289,8 +289,8 @@ class RolloutPipeline:
         waited = time.perf_counter() - t0
         if payload[0] == "error":
             raise TrainingError(f"the rollout producer failed on step {step}: {payload[1]}")
-        _, ro, version, depth, search = payload
-        return _share(ro, self.trainer), version, depth, waited, search
+        _, sampled, version, depth, search = payload
+        return _share(sampled, self.trainer), version, depth, waited, search
 
     def train_step(self) -> dict[str, float]:
         """One step of an asynchronous run: wait for this step's batch, train on it, publish the new weights,
@@ -298,11 +298,11 @@ class RolloutPipeline:
         trainer = self.trainer
         t_step = time.perf_counter()
         step = trainer.step + 1
-        ro, version, depth, waited, search = self._next_batch(step)
+        sampled, version, depth, waited, search = self._next_batch(step)
         prompts = trainer.sample_prompts()  # advances the checkpointed sampler: the same prompts the producer drew
-        if [p.group_id for p in prompts] != [p.group_id for p in ro.prompts]:
-            raise RuntimeError(f"step {step}: the producer's prompts are not the step's ({ro.prompts[0].group_id} ...)")
-        metrics, totals = trainer.learn(ro)
+        if [p.group_id for p in prompts] != [p.group_id for p in sampled.prompts]:
+            raise RuntimeError(f"step {step}: the producer's prompts are not the step's ({sampled.prompts[0].group_id} ...)")
+        metrics, totals = trainer.learn(sampled)
         if trainer.step + 1 + self.s <= self.total:  # these weights generate batch step + 1 + s
             self._publish(trainer.step)
             if self.producer_rank:
@@ -334,15 +334,15 @@ def _seed(trainer: PipelineTrainer, step: int) -> int:
     return step_seed(trainer.cfg.run.seed, step, 0)
 
 
-def _share(ro: SampledBatch, trainer: PipelineTrainer) -> SampledBatch:
-    """This rank's groups of the global batch ``ro``; the reward counts stay on rank 0 (they are summed over
+def _share(sampled: SampledBatch, trainer: PipelineTrainer) -> SampledBatch:
+    """This rank's groups of the global batch ``sampled``; the reward counts stay on rank 0 (they are summed over
     ranks), the batch's wall times go to every rank (they are averaged over ranks)."""
     world = trainer.dist.world_size
     if world == 1:
-        return ro
+        return sampled
     n = trainer.cfg.rollout.n_samples
-    groups = D.shard_slice(len(ro.prompts), trainer.dist.rank, world)
+    groups = D.shard_slice(len(sampled.prompts), trainer.dist.rank, world)
     rows = slice(groups.start * n, groups.stop * n)
     first = trainer.dist.rank == 0
-    return replace(ro.take(range(rows.start, rows.stop), range(groups.start, groups.stop)),
-                   reward_counts={k: (v if first else 0.0) for k, v in ro.reward_counts.items()})
+    return replace(sampled.take(range(rows.start, rows.stop), range(groups.start, groups.stop)),
+                   reward_counts={k: (v if first else 0.0) for k, v in sampled.reward_counts.items()})

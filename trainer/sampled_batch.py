@@ -8,6 +8,7 @@ without importing the loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,14 +46,14 @@ class SampledBatch:
     def group_size(self) -> int:
         return len(self.trajectories) // len(self.prompts) if self.prompts else 0
 
-    @property
+    @cached_property
     def group_ids(self) -> list[str]:
         """Per trajectory, its group's id (group-major)."""
         return [p.group_id for p in self.prompts for _ in range(self.group_size)]
 
-    @property
+    @cached_property
     def rewards(self) -> torch.Tensor:
-        """``(N,)`` float32, group-major."""
+        """``(N,)`` float32, group-major (the outcomes' rewards; computed once per batch)."""
         return torch.tensor([o.reward for o in self.outcomes], dtype=torch.float32)
 
     def take(self, rows: list[int] | range, groups: list[int] | range) -> "SampledBatch":
