@@ -6,13 +6,10 @@ re-tokenized. The only text that is tokenized is the observation, once.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
-# The first complete <search>...</search> or <answer>...</answer>, matching tag names
-# (Search-R1's rule: regex with DOTALL, content stripped).
-_ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+from tasks.qa import find_tags
 
 STOP_STRINGS = ("</search>", "</answer>")
 
@@ -47,10 +44,10 @@ def parse_action(text: str, *, max_query_chars: int = 1000) -> Action:
     * Queries longer than ``max_query_chars`` characters are cut (the retriever has
       its own limits; a runaway generation should not become a 100 kB request).
     """
-    m = _ACTION_RE.search(text)
-    if m is None:
+    first = next(find_tags(text, ("search", "answer")), None)  # the first complete tag, names matching
+    if first is None:
         return Action("invalid", reason="no_tag")
-    kind, content = m.group(1), m.group(2).strip()
+    kind, content = first[0], first[1].strip()
     if kind == "search":
         # Control characters carry no meaning for retrieval and can break JSON logs.
         content = "".join(ch for ch in content if ch.isprintable() or ch in " \t\n").strip()

@@ -72,18 +72,18 @@ from agent.formats import AgentFormat, ToolCallFormat
 from agent.prompts import BuiltPrompt, build_prompt
 from agent.spans import Span
 from emapg.config import ConfigError, option
+from tasks.task import Task, get_task
 
 log = logging.getLogger(__name__)
 
 StopReason = Literal["answer", "max_turns", "length", "context", "error"]
-Task = Literal["search", "math"]
 
 
 @dataclass
 class RolloutConfig:
     """Settings of the rollout loop (defaults: the paper's search setting, ALGORITHM.md §3.1, §4)."""
 
-    task: Task = option("search", help="search: multi-turn Search-R1 loop; math: one turn, no tools")
+    task: Literal["search", "math"] = option("search", help="search: multi-turn Search-R1 loop; math: one turn, no tools")
     template: str | None = option(
         None, help="prompt template name (agent.prompts.TEMPLATES) or file path; default search_r1 / math by task"
     )
@@ -159,7 +159,7 @@ class RolloutConfig:
             from agent.toolcall_parsers import get_tool_parser
 
             get_tool_parser(self.tool_parser)
-            if self.task != "search":
+            if not get_task(self.task).searches:
                 raise ConfigError("rollout.format=tool_calls needs rollout.task=search (the math task has no tools)")
             if self.chat == "raw":
                 raise ConfigError("rollout.format=tool_calls needs the chat template (rollout.chat auto or chat, not raw)")
@@ -171,18 +171,14 @@ class RolloutConfig:
             from agent.external import load_agent
 
             load_agent(self.agent)
-            if self.task != "search":
+            if not get_task(self.task).searches:
                 raise ConfigError("rollout.agent needs rollout.task=search (its answer is scored by the QA metrics)")
             if self.agent_workers < 1:
                 raise ConfigError("rollout.agent_workers must be >= 1")
 
     @property
     def template_name(self) -> str:
-        if self.template:
-            return self.template
-        if self.task != "search":
-            return "math"
-        return "search_tools" if self.format == "tool_calls" else "search_r1"
+        return self.template or get_task(self.task).template(self.format)
 
 
 @dataclass
@@ -342,9 +338,10 @@ class _Loop:
 
     def __init__(self, engine: Engine, retriever, config: RolloutConfig) -> None:
         self.engine, self.retriever, self.cfg = engine, retriever, config
+        self.task: Task = get_task(config.task)
         self.tok = engine.tokenizer
         # rollout.format=tool_calls: prompts, turn reading and tool messages come from the chat template.
-        self.fmt = ToolCallFormat(self.tok, config) if config.task == "search" and config.format == "tool_calls" else None
+        self.fmt = ToolCallFormat(self.tok, config) if self.task.searches and config.format == "tool_calls" else None
         self.ctx_limit = config.max_context_tokens or engine.info.max_model_len
         if config.max_prompt_tokens >= self.ctx_limit:
             log.warning(
@@ -361,7 +358,7 @@ class _Loop:
     def turn_budget(self, t: Trajectory) -> tuple[int, StopReason | None]:
         """Tokens the next turn may generate, or (0, reason) when none fit."""
         left, binding = self.room(t)
-        cap = self.cfg.max_tokens_per_turn if self.cfg.task == "search" else self.cfg.max_response_tokens
+        cap = self.cfg.max_tokens_per_turn if self.task.searches else self.cfg.max_response_tokens
         budget = min(cap, left)
         if budget >= 1:
             return budget, None
@@ -374,7 +371,7 @@ class _Loop:
             top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
             top_k=cfg.top_k if cfg.temperature > 0 else -1,
             max_tokens=budget,
-            stop=STOP_STRINGS if cfg.task == "search" and self.fmt is None else (),
+            stop=STOP_STRINGS if self.task.searches and self.fmt is None else (),
             seed=_derive_seed(cfg.seed, t.prompt_index, t.sample_index, t.num_turns),
             allowed_token_ids=tuple(cfg.allowed_token_ids) if cfg.allowed_token_ids else None,
         )
@@ -387,7 +384,7 @@ class _Loop:
     def on_generation(self, t: Trajectory, out: GenerationOutput, budget: int) -> Action | None:
         """Append the turn and decide what happens next; returns a search action to run, or None."""
         final = self.is_final_turn(t)
-        if self.cfg.task == "math":
+        if not self.task.searches:  # one turn, its whole text the answer
             t.append_model(out, "answer")
             t.stop_reason = "answer" if out.finish_reason == "stop" else self._cap_reason(t)
             return None
@@ -530,7 +527,7 @@ def run_rollouts(
     retriever=None,
     config: RolloutConfig | None = None,
     *,
-    task: Task | None = None,
+    task: str | None = None,
     batch_tag: str | None = None,
 ) -> list[Trajectory]:
     """Roll out ``config.n_samples`` trajectories per prompt; returns them prompt-major.
@@ -539,7 +536,7 @@ def run_rollouts(
         eval's ``Example``), dicts with "question", or prebuilt :class:`BuiltPrompt`.
     retriever: anything with ``retrieve(queries, topk=...) -> list[list[{"id","contents",...}]]``
         (``retriever.client.RetrieverClient``); required for the search task.
-    task: overrides ``config.task``.
+    task: overrides ``config.task`` (any name :func:`tasks.task.get_task` knows: search/qa, math).
     """
     return run_rollouts_with_stats(engine, prompts, retriever, config, task=task, batch_tag=batch_tag)[0]
 
@@ -550,17 +547,17 @@ def run_rollouts_with_stats(
     retriever=None,
     config: RolloutConfig | None = None,
     *,
-    task: Task | None = None,
+    task: str | None = None,
     batch_tag: str | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """:func:`run_rollouts` plus batch-level wall-clock accounting."""
     cfg = config or RolloutConfig()
-    if task is not None and task != cfg.task:
+    if task is not None and get_task(task) is not get_task(cfg.task):
         from dataclasses import replace
 
-        cfg = replace(cfg, task=task)
+        cfg = replace(cfg, task=get_task(task).rollout_name)
     cfg.validate()
-    if cfg.task == "search":
+    if get_task(cfg.task).searches:
         if retriever is None:
             raise ValueError("the search task needs a retriever")
         if inspect.iscoroutinefunction(getattr(retriever, "retrieve", None)):
@@ -604,7 +601,7 @@ def _per_search(searches: list[tuple[Trajectory, tuple[str, ...]]],
 
 def _drive_batched(loop: _Loop, trajs: list[Trajectory]) -> None:
     cfg = loop.cfg
-    max_rounds = cfg.max_turns + 1 if cfg.task == "search" else 1
+    max_rounds = cfg.max_turns + 1 if loop.task.searches else 1
     for _ in range(max_rounds):
         active, budgets = [], []
         for t in trajs:

@@ -29,13 +29,11 @@ class PairedItems:
 
 
 def _items(run_dir: Path, dataset: str) -> dict[str, dict[str, Any]]:
-    from emapg.jsonl import read_jsonl_repairing
-    from eval.runner import ITEMS_DIR
+    from eval.items import items_file, read_items
 
-    path = Path(run_dir) / ITEMS_DIR / f"{dataset}.jsonl"
-    records = read_jsonl_repairing(path)
+    records = read_items(Path(run_dir), dataset)
     if not records:
-        raise ValueError(f"{path}: no evaluated questions")
+        raise ValueError(f"{items_file(Path(run_dir), dataset)}: no evaluated questions")
     return {r["id"]: r for r in records}
 
 

@@ -27,6 +27,7 @@ from typing import Literal
 
 from emapg.config import ConfigError, from_dict, option, to_dict
 from tasks.math import DEFAULT_GRADER, Grader
+from tasks.task import get_task
 
 Suite = Literal["qa", "math"]
 
@@ -70,7 +71,7 @@ class EvalProtocol:
                      "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.format == "tool_calls" and self.suite != "qa":
+        if self.format == "tool_calls" and not get_task(self.suite).searches:
             raise ConfigError("format tool_calls is for the qa suite (math has no tools)")
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(f"n={self.n} samples at temperature 0 would all be identical; set temperature > 0")

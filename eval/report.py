@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tasks.task import get_task
+
 __all__ = [
     "PAPER_REFERENCE",
     "COUNT_METRICS",
@@ -220,21 +222,16 @@ def plot_passk(runs: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
 
 def _header(results: dict[str, Any]) -> list[str]:
     p = results["protocol"]
+    task = get_task(results["suite"])
     lines = [
         f"- model: `{results['model']}`",
         f"- suite: {results['suite']}, engine: {results.get('engine', '?')}, protocol: `{p['name']}` "
         f"(n={p['n']}, T={p['temperature']}, top_p={p['top_p']}, max_tokens={p['max_tokens']}, seed={p['seed']}"
-        + (f", max_turns={p['max_turns']}, topk={p['retrieval_topk']}" if results["suite"] == "qa" else "")
+        + (f", max_turns={p['max_turns']}, topk={p['retrieval_topk']}" if task.searches else "")
         + (f", format={p['format']} (parser {p['tool_parser']})" if p.get("format", "tags") != "tags" else "")
         + ")",
     ]
-    if results["suite"] == "math":
-        lines.append(f"- grader: `{results['grader']}` (per-item timeout {p['grade_timeout']} s; timeouts count as wrong)")
-    elif p.get("format", "tags") == "tool_calls":
-        lines.append("- scoring: SQuAD-normalised exact match of the final plain-text answer (the turn without a tool "
-                     "call), the paper's metric on the tool-call format")
-    else:
-        lines.append("- scoring: SQuAD-normalised exact match of the response's last `<answer>` (the paper's reward)")
+    lines.append(task.scoring_line(p, results["grader"]))
     if results.get("retriever"):
         lines.append(f"- retriever: {results['retriever']}")
     lines.append(f"- written: {results['timestamp']}; average = unweighted mean over datasets")
@@ -327,7 +324,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     for label, r in zip(_unique_labels(runs), runs):
         p = r["protocol"]
         lines.append(f"- **{label}**: `{r['model']}`, protocol `{p['name']}` (n={p['n']}, T={p['temperature']}), "
-                     f"{'grader `' + r['grader'] + '`, ' if suite == 'math' else ''}{r['timestamp']}"
+                     f"{'grader `' + r['grader'] + '`, ' if get_task(suite).grader_setting else ''}{r['timestamp']}"
                      + (f"; {sum(r['contamination']['excluded'].values())} question(s) it was trained on left out"
                         if (r.get("contamination") or {}).get("excluded") else ""))
     lines += ["", comparison_table(runs, metric, reference), ""]

@@ -2,9 +2,9 @@
 
 Evaluation goes through the training stack itself (``provision.engines.build_engine`` and
 ``agent.rollout.run_rollouts``), so a score means what the training reward means: QA is
-the Search-R1 multi-turn loop against a real retrieval server, scored by
-:func:`tasks.qa.qa_scores`; math is one turn scored by :func:`tasks.math.grade_many` -- the training
-rewards' own functions (:mod:`tasks`), on the text the model generated.
+the Search-R1 multi-turn loop against a real retrieval server, math is one turn; both are scored by the
+task's own graders (:class:`tasks.task.Task`, the training rewards' functions) on the text the model
+generated (:mod:`eval.scoring`). The per-item files are :mod:`eval.items`.
 
 Layout of ``out_dir``::
 
@@ -31,7 +31,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -39,21 +39,16 @@ from typing import Any, Literal
 from agent.engines import EngineKind
 from emapg.errors import UserError
 from emapg.config import ConfigError, option
-from emapg.jsonl import append_jsonl, read_jsonl_repairing
+from emapg.jsonl import append_jsonl
 from eval.contamination import check_contamination
+from eval.items import ITEMS_DIR, append_items, ordered, read_items
 from eval.protocols import EvalProtocol, protocol_dict
 from eval.provenance import eval_protocol_card
+from eval.scoring import notes, score_items
+from tasks.task import Grading, get_task
 
 
 RUN_FILE = "run.json"
-ITEMS_DIR = "items"
-
-QA_METRICS = ("em", "f1", "cover_em", "retrieval_recall", "has_answer", "searches", "turns", "response_tokens")
-MATH_METRICS = ("answered", "timeouts", "response_tokens")  # plus pass@k for k in default_ks(n)
-# Totals over a dataset's samples, reported next to the metrics: a score is only as good as
-# the rollouts behind it (a crashed engine or a dead retriever must not pass as a low score).
-QA_TOTALS = ("rollout_errors", "search_failures")
-MATH_TOTALS = ("rollout_errors",)
 
 
 @dataclass
@@ -119,139 +114,12 @@ class EvalConfig:
                 raise ConfigError(f"engine_urls: {url!r} is not an http(s) URL")
 
 
-# --------------------------------------------------------------------------- per-item files
+# --------------------------------------------------------------------------- batches
 
 
 def _batch_seed(seed: int, dataset: str, batch_index: int) -> int:
     digest = hashlib.blake2b(f"{seed}/{dataset}/{batch_index}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
-# --------------------------------------------------------------------------- scoring
-
-
-def _observation_texts(traj, tokenizer) -> list[str]:
-    """The retrieved text the model was shown (each successful search's observation)."""
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in traj.span_ids("observation", "information")]
-
-
-def _sample_record(traj, tokenizer) -> dict[str, Any]:
-    return {
-        "response": traj.response_text,
-        "stop_reason": traj.stop_reason,
-        "turns": traj.num_turns,
-        "searches": traj.num_searches,
-        "queries": list(traj.queries),
-        "retrieved_ids": [list(ids) for ids in traj.retrieved_ids],
-        "search_failures": traj.search_failures,
-        "invalid_actions": traj.invalid_actions,
-        "response_tokens": len(traj.response_ids),
-        "model_tokens": traj.num_model_tokens,
-        "error": traj.error,
-    }
-
-
-def score_qa(example, trajs: Sequence, tokenizer) -> dict[str, Any]:
-    """Per-item record for a QA example from its trajectories (one per sample).
-
-    Scores read the model's own turns (``Trajectory.scored_text``), as the training reward does.
-    """
-    from tasks.qa import extract_answer, qa_scores
-
-    samples = []
-    for t in trajs:
-        rec = _sample_record(t, tokenizer)
-        rec["prediction"] = extract_answer(t.scored_text)
-        rec["scores"] = qa_scores(t.scored_text, example.answers, _observation_texts(t, tokenizer))
-        samples.append(rec)
-    keys = samples[0]["scores"].keys()
-    scores = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in keys}
-    scores["searches"] = sum(s["searches"] for s in samples) / len(samples)
-    scores["turns"] = sum(s["turns"] for s in samples) / len(samples)
-    scores["response_tokens"] = sum(s["response_tokens"] for s in samples) / len(samples)
-    scores["rollout_errors"] = sum(s["stop_reason"] == "error" for s in samples)
-    scores["search_failures"] = sum(s["search_failures"] for s in samples)
-    return _item_record(example, trajs, tokenizer, samples, scores)
-
-
-def score_math_batch(examples: Sequence, trajs_per_item: Sequence[Sequence], tokenizer, protocol: EvalProtocol,
-                     pool) -> list[dict[str, Any]]:
-    """Per-item records for math examples; all samples of the batch are graded in one pool call."""
-    from tasks.math import grade_many
-
-    flat = [(ex, t) for ex, trajs in zip(examples, trajs_per_item) for t in trajs]
-    grades = grade_many([t.model_text for _, t in flat], [ex.answers for ex, _ in flat],
-                        timeout=protocol.grade_timeout, grader=protocol.grader, pool=pool)
-    out, i = [], 0
-    for ex, trajs in zip(examples, trajs_per_item):
-        samples = []
-        for t in trajs:
-            g = grades[i]
-            i += 1
-            rec = _sample_record(t, tokenizer)
-            rec.update(prediction=g.extracted, correct=g.correct, grade_reason=g.reason)
-            samples.append(rec)
-        n, c = len(samples), sum(s["correct"] for s in samples)
-        scores = {
-            "n_samples": n,
-            "n_correct": c,
-            "accuracy": c / n,
-            "answered": sum(s["prediction"] is not None for s in samples) / n,
-            "timeouts": sum(s["grade_reason"] == "timeout" for s in samples),
-            "rollout_errors": sum(s["stop_reason"] == "error" for s in samples),
-            "response_tokens": sum(s["response_tokens"] for s in samples) / n,
-        }
-        out.append(_item_record(ex, trajs, tokenizer, samples, scores))
-    return out
-
-
-def _item_record(example, trajs, tokenizer, samples, scores) -> dict[str, Any]:
-    first = samples[0]
-    return {
-        "id": example.id,
-        "dataset": example.data_source,
-        "question": example.question,
-        "golds": list(example.answers),
-        "prompt": tokenizer.decode(trajs[0].prompt_ids, skip_special_tokens=False),
-        "prediction": first["prediction"],
-        "response": first["response"],
-        "searches": first["searches"],
-        "turns": first["turns"],
-        "scores": scores,
-        "samples": samples,
-    }
-
-
-def aggregate(suite: str, records: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    """Dataset-level metrics from per-item records (means over items; pass@k for math)."""
-    if not records:
-        raise ValueError("no records to aggregate")
-    out: dict[str, Any] = {"n_items": len(records)}
-    if suite == "qa":
-        for m in QA_METRICS:
-            out[m] = sum(r["scores"][m] for r in records) / len(records)
-        for m in QA_TOTALS:
-            out[m] = sum(r["scores"][m] for r in records)
-        return out
-    from eval.passk import default_ks, mean_pass_at_k
-
-    counts = [r["scores"]["n_correct"] for r in records]
-    ns = [r["scores"]["n_samples"] for r in records]
-    for k in default_ks(n):
-        out[f"pass@{k}"] = mean_pass_at_k(counts, ns, k)
-    out["answered"] = sum(r["scores"]["answered"] for r in records) / len(records)
-    out["timeouts"] = sum(r["scores"]["timeouts"] for r in records)
-    out["response_tokens"] = sum(r["scores"]["response_tokens"] for r in records) / len(records)
-    out["rollout_errors"] = sum(r["scores"]["rollout_errors"] for r in records)
-    return out
-
-
-def metric_names(suite: str, n: int) -> list[str]:
-    if suite == "qa":
-        return list(QA_METRICS + QA_TOTALS)
-    from eval.passk import default_ks
-
-    return [f"pass@{k}" for k in default_ks(n)] + list(MATH_METRICS + MATH_TOTALS)
 
 
 # --------------------------------------------------------------------------- setup helpers
@@ -332,8 +200,9 @@ def _make_engine(cfg: EvalConfig):
 def _rollout_config(p: EvalProtocol, mode: str, seed: int):
     from agent.rollout import RolloutConfig
 
+    task = get_task(p.suite)
     return RolloutConfig(
-        task="search" if p.suite == "qa" else "math",
+        task=task.rollout_name,
         template="search_tools" if p.format == "tool_calls" and p.template == "search_r1" else p.template,
         format=p.format,
         tool_parser=p.tool_parser,
@@ -341,7 +210,7 @@ def _rollout_config(p: EvalProtocol, mode: str, seed: int):
         max_turns=p.max_turns,
         max_tokens_per_turn=p.max_tokens,
         max_obs_tokens=p.max_obs_tokens,
-        max_response_tokens=p.max_response_tokens if p.suite == "qa" else p.max_tokens,
+        max_response_tokens=p.max_response_tokens if task.searches else p.max_tokens,
         max_prompt_tokens=p.max_prompt_tokens,
         prompt_truncation="truncate_question",
         topk=p.retrieval_topk,
@@ -369,21 +238,21 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     ``on_batch(dataset, items_done)`` is called after every batch is written (for callers
     that show progress their own way).
     """
-    from tasks.datasets import MATH_DATASETS, QA_DATASETS, load_dataset, task_of
+    from tasks.datasets import load_dataset, task_of
 
     cfg.validate()
     cfg.protocol.validate()
     p = cfg.protocol
-    suite = p.suite
-    datasets = list(cfg.datasets) or list(QA_DATASETS if suite == "qa" else MATH_DATASETS)
+    task = get_task(p.suite)
+    datasets = list(cfg.datasets) or list(task.datasets)
     for ds in datasets:
-        task = task_of(ds)
-        if task is not None and task != suite:
-            raise UserError(f"dataset {ds!r} belongs to the {task} suite, not {suite}")
+        owner = task_of(ds)
+        if owner is not None and owner != task.name:
+            raise UserError(f"dataset {ds!r} belongs to the {owner} suite, not {task.name}")
     if len(set(datasets)) != len(datasets):
         raise UserError(f"datasets listed twice: {datasets}")
-    if cfg.replay is not None and suite != "qa":
-        raise UserError("--replay answers searches; the math suite makes none")
+    if cfg.replay is not None and not task.searches:
+        raise UserError(f"--replay answers searches; the {task.name} suite makes none")
     # Load every dataset before the (slow) engine, so a bad name fails fast.
     examples = {ds: load_dataset(ds, path=cfg.data_paths.get(ds), limit=cfg.limit, seed=cfg.data_seed) for ds in datasets}
     for ds, exs in examples.items():
@@ -397,7 +266,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / ITEMS_DIR).mkdir(exist_ok=True)
-    done = {ds: read_jsonl_repairing(out_dir / ITEMS_DIR / f"{ds}.jsonl") for ds in datasets}
+    done = {ds: read_items(out_dir, ds) for ds in datasets}
     # The engine kind is part of the fingerprint; check against the requested one first so a
     # mismatch fails before the model loads (a vLLM -> hf fallback is re-checked below).
     _check_resume(out_dir, _fingerprint(cfg, cfg.engine))
@@ -413,7 +282,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     try:
         if n_todo:
             # The retriever first: it is quick to check, the engine is not (vLLM: a minute).
-            if suite == "qa":
+            if task.searches:
                 retriever, retriever_desc, index_fp, index_fps = _open_recorded_retriever(cfg)
                 _check_index(out_dir, index_fp)
             engine, engine_kind = _make_engine(cfg)
@@ -421,7 +290,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
             (out_dir / RUN_FILE).write_text(json.dumps({"fingerprint": _fingerprint(cfg, engine_kind), "retriever": retriever_desc,
                                                         "index_fingerprint": index_fp, "retriever_fingerprints": index_fps,
                                                         "started": _now()}, indent=2) + "\n")
-            if suite == "math":
+            if not task.searches:  # math: one grader pool for the run
                 from tasks.math import GraderPool
 
                 pool = GraderPool(workers=cfg.grader_workers)
@@ -446,18 +315,18 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         if engine is not None:
             engine.close()
 
-    records = {ds: _ordered(read_jsonl_repairing(out_dir / ITEMS_DIR / f"{ds}.jsonl"), examples[ds]) for ds in datasets}
+    records = {ds: ordered(read_items(out_dir, ds), examples[ds]) for ds in datasets}
     parts = {ds: contamination.split(ds, recs) for ds, recs in records.items()}  # (unseen, trained on)
-    per_ds = {ds: aggregate(suite, unseen, p.n) for ds, (unseen, _) in parts.items() if unseen}
-    trained_on = {ds: aggregate(suite, seen, p.n) for ds, (_, seen) in parts.items() if seen}
-    names = metric_names(suite, p.n)
+    per_ds = {ds: task.aggregate(unseen, p.n) for ds, (unseen, _) in parts.items() if unseen}
+    trained_on = {ds: task.aggregate(seen, p.n) for ds, (_, seen) in parts.items() if seen}
+    names = task.metric_names(p.n)
     results = {
         "name": cfg.name or out_dir.resolve().name,
         "model": cfg.model,
-        "suite": suite,
+        "suite": task.name,
         "engine": engine_kind,
         "protocol": protocol_dict(p),
-        "grader": p.grader if suite == "math" else "squad_em_last_answer",
+        "grader": task.scorer(p.grader),
         "retriever": retriever_desc,
         # provenance (eval.provenance): the index that answered the searches and the protocol card
         "fingerprint": index_fp,
@@ -466,11 +335,11 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         "limit": cfg.limit,
         "data_seed": cfg.data_seed,
         "timestamp": _now(),
-        "primary_metric": "em" if suite == "qa" else "pass@1",
+        "primary_metric": task.primary_metric,
         "metric_names": names,
         "datasets": per_ds,
         # unweighted mean over datasets (the paper's "average"); totals are summed
-        "average": {m: sum(v[m] for v in per_ds.values()) / (1 if m in QA_TOTALS + MATH_TOTALS else len(per_ds))
+        "average": {m: sum(v[m] for v in per_ds.values()) / (1 if m in task.totals else len(per_ds))
                     for m in names},
         # questions the model was trained on (eval.contamination): none scored here, or scored apart below
         "contamination": contamination.summary(),
@@ -486,42 +355,15 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     from eval.report import write_run_report
 
-    notes = _notes(suite, records)
-    if notes:
-        print(notes.replace("**", ""), file=sys.stderr)
-    write_run_report(results, out_dir, notes=notes)
+    warnings = notes(task, records)
+    if warnings:
+        print(warnings.replace("**", ""), file=sys.stderr)
+    write_run_report(results, out_dir, notes=warnings)
     return results
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def _ordered(records: list[dict], examples: list) -> list[dict]:
-    """Records of this run's questions, in dataset order (an items file may hold more if
-    an earlier run used a larger --limit with another fingerprint; never mixed in)."""
-    by_id = {r["id"]: r for r in records}
-    missing = [ex.id for ex in examples if ex.id not in by_id]
-    if missing:
-        raise RuntimeError(f"{len(missing)} questions have no result (first: {missing[0]})")
-    return [by_id[ex.id] for ex in examples]
-
-
-def _notes(suite: str, records: dict[str, list[dict]]) -> str | None:
-    """Warnings for the report: rollouts that failed, searches that failed, grading timeouts."""
-    def total(key: str) -> int:
-        return sum(r["scores"].get(key, 0) for recs in records.values() for r in recs)
-
-    notes = []
-    if total("rollout_errors"):
-        notes.append(f"**Warning:** {total('rollout_errors')} sample(s) ended with a rollout error (see `error` in "
-                     "items/*.jsonl) and score 0.")
-    if suite == "qa" and total("search_failures"):
-        notes.append(f"**Warning:** {total('search_failures')} search(es) failed (retriever unreachable or erroring); "
-                     "the model was told the search failed.")
-    if suite == "math" and total("timeouts"):
-        notes.append(f"Grading: {total('timeouts')} sample(s) hit the per-item grading timeout and count as incorrect.")
-    return "\n\n".join(notes) or None
 
 
 def _model_path(cfg: EvalConfig) -> str | None:
@@ -607,11 +449,9 @@ def _run_batch(cfg, batch: list[tuple[str, Any]], seed: int, tag: str, engine, r
     for ds in dict.fromkeys(d for d, _ in batch):
         idx = [i for i, (d, _) in enumerate(batch) if d == ds]
         exs, ts = [batch[i][1] for i in idx], [per_item[i] for i in idx]
-        if p.suite == "qa":
-            records = [score_qa(ex, t, engine.tokenizer) for ex, t in zip(exs, ts)]
-        else:
-            records = score_math_batch(exs, ts, engine.tokenizer, p, pool)
-        append_jsonl(out_dir / ITEMS_DIR / f"{ds}.jsonl", records)
+        records = score_items(get_task(p.suite), exs, ts, engine.tokenizer,
+                              Grading(grader=p.grader, timeout=p.grade_timeout, workers=cfg.grader_workers), pool)
+        append_items(out_dir, ds, records)
         written[ds] = len(records)
     return written
 

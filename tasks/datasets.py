@@ -38,7 +38,8 @@ from typing import Any, Literal
 from emapg.errors import UserError
 from emapg.paths import BUNDLED_CORPUS, DATA_DIR  # noqa: F401 (BUNDLED_CORPUS: re-exported)
 
-Task = Literal["qa", "math"]
+#: A dataset's task, as the registry names it (:func:`tasks.task.get_task` maps it to the task object).
+DatasetTask = Literal["qa", "math"]
 
 QA_DATASETS: tuple[str, ...] = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 MATH_DATASETS: tuple[str, ...] = ("aime2024", "amc", "math500", "minerva", "olympiadbench")
@@ -73,12 +74,12 @@ class DatasetInfo:
     """A registered dataset: its task, bundled files per split, and what each split really is."""
 
     name: str
-    task: Task
+    task: DatasetTask
     files: dict[str, str]  # split -> path relative to data/
     upstream_split: dict[str, str]  # split -> the upstream split / sample the file holds
 
 
-def _info(name: str, task: Task, **splits: tuple[str, str]) -> DatasetInfo:
+def _info(name: str, task: DatasetTask, **splits: tuple[str, str]) -> DatasetInfo:
     return DatasetInfo(name, task, files={s: f for s, (f, _) in splits.items()},
                        upstream_split={s: u for s, (_, u) in splits.items()})
 
@@ -202,7 +203,7 @@ def load_dataset(
     return examples if limit is None else _sample(examples, limit, seed)
 
 
-def task_of(name: str) -> Task | None:
+def task_of(name: str) -> DatasetTask | None:
     """``"qa"`` or ``"math"`` for a registered name, else None (see ``Example.meta["task"]``)."""
     info = REGISTRY.get(name)
     return info.task if info is not None else None
@@ -300,7 +301,7 @@ def _select_source(records: list[tuple[int, dict]], label: str) -> list[tuple[in
     return records
 
 
-def _to_example(n: int, row: dict, label: str, task: Task | None, meta: dict, origin: str) -> Example:
+def _to_example(n: int, row: dict, label: str, task: DatasetTask | None, meta: dict, origin: str) -> Example:
     where = f"{origin} row {n}"
     question = _question(row, where)
     answers = _answers(row, where)

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from tasks.datasets import QA_DATASETS, REGISTRY, load_dataset
 from tasks.qa import normalize_answer
+from tasks.task import QA, get_task
 
 
 def question_key(question: str) -> str:
@@ -30,7 +31,7 @@ def question_key(question: str) -> str:
 
 def qa_eval_sets() -> tuple[str, ...]:
     """Every registered QA dataset with a bundled test split."""
-    return tuple(name for name, info in REGISTRY.items() if info.task == "qa" and "test" in info.files)
+    return tuple(name for name, info in REGISTRY.items() if get_task(info.task) is QA and "test" in info.files)
 
 
 def evaluation_questions(datasets: Iterable[str] | None = None) -> dict[str, str]:

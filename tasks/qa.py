@@ -29,13 +29,15 @@ Answer extraction departs from the paper in where it looks, not in what it finds
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 __all__ = [
     "normalize_answer",
+    "find_tags",
     "extract_answer",
     "exact_match",
     "cover_exact_match",
@@ -45,7 +47,6 @@ __all__ = [
     "qa_scores",
 ]
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
@@ -58,6 +59,19 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
+@functools.lru_cache(maxsize=None)
+def _tags_re(names: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile(rf"<({'|'.join(map(re.escape, names))})>(.*?)</\1>", re.DOTALL)
+
+
+def find_tags(text: str, names: tuple[str, ...] = ("answer",)) -> Iterator[tuple[str, str]]:
+    """Every complete ``<name>…</name>`` in ``text`` whose name is one of ``names``, in order, as (name, content
+    unstripped): the one reader of the model's tags, for its answer here and its action in the agent loop
+    (:func:`agent.actions.parse_action`). Search-R1's rule: a non-greedy DOTALL match, tag names matching,
+    so ``<search> x </answer>`` is no tag and ``<answer><answer>x</answer>`` holds ``"<answer>x"``."""
+    return ((m.group(1), m.group(2)) for m in _tags_re(tuple(names)).finditer(text))
+
+
 def extract_answer(text: str, *, paper_prompt_included: bool = False) -> str | None:
     """Content (stripped) of the last ``<answer>…</answer>`` in ``text``; ``None`` if absent.
 
@@ -66,7 +80,7 @@ def extract_answer(text: str, *, paper_prompt_included: bool = False) -> str | N
     Matching is the paper's non-greedy DOTALL regex, so ``<answer><answer>x</answer>`` yields
     ``"<answer>x"`` and an unclosed ``<answer>`` yields nothing.
     """
-    matches = _ANSWER_RE.findall(text)
+    matches = [content for _, content in find_tags(text)]
     if len(matches) < (2 if paper_prompt_included else 1):
         return None
     return matches[-1].strip()

@@ -127,7 +127,7 @@ def project_modules(root: Path) -> dict[str, Path]:
 
 
 def _owner(name: str, modules: dict[str, Path]) -> str | None:
-    """The project module an imported name lives in (``trainer.rollouts.Rollouts`` -> ``trainer.rollouts``)."""
+    """The project module an imported name lives in (``trainer.sampled_batch.SampledBatch`` -> ``trainer.sampled_batch``)."""
     while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None

@@ -1,4 +1,4 @@
-"""Rollout results as padded tensors, and micro-batch slices of them.
+"""Sampled trajectories as padded tensors (:func:`trajectory_batch`), and micro-batch slices of them.
 
 Layout (verl's): every row is a left-padded prompt followed by a right-padded
 response, ``input_ids (N, P + T)``; the response occupies the last ``T`` columns.
@@ -12,8 +12,9 @@ together (fixed counts, or length-sorted runs within a padded-token budget).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -21,7 +22,13 @@ from torch import Tensor
 from trainer import distributed as D
 
 if TYPE_CHECKING:
+    from agent.rollout import Trajectory
     from trainer.config import AlgorithmConfig
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The one padding rule: the tokenizer's pad token, else its EOS token, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 @dataclass
@@ -74,6 +81,31 @@ class MicroBatch:
     @property
     def labels(self) -> Tensor:
         return self.input_ids[:, -self.response_width :]
+
+
+def trajectory_batch(trajectories: Sequence[Trajectory], *, pad_id: int) -> TokenBatch:
+    """The one conversion of sampled trajectories into a token batch: ids, attention and loss masks
+    (:func:`build_token_batch`) and the engine's sampling log-probs as the ``behavior_logp`` stored
+    statistic (:func:`behavior_logp_rows`)."""
+    batch = build_token_batch([list(t.prompt_ids) for t in trajectories], [list(t.response_ids) for t in trajectories],
+                              [list(t.loss_mask) for t in trajectories], pad_id=pad_id)
+    batch.stored["behavior_logp"] = behavior_logp_rows(trajectories, batch.response_width)
+    return batch
+
+
+def behavior_logp_rows(trajectories: Sequence[Trajectory], response_width: int) -> Tensor:
+    """The engine's sampling log-probs (:attr:`agent.rollout.Trajectory.sampling_logprobs`) as the
+    ``(N, T)`` ``behavior_logp`` stored statistic (:mod:`trainer.algo.behavior`), 0 past a row's end.
+
+    A row whose log-probs do not match its response (a prompt that could not be built keeps an empty
+    response) is all zeros; its loss mask is 0 there anyway.
+    """
+    out = torch.zeros(len(trajectories), response_width)
+    for i, t in enumerate(trajectories):
+        row = t.sampling_logprobs
+        if 0 < len(row) == len(t.response_ids) <= response_width:
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
 
 
 def build_token_batch(

@@ -19,6 +19,7 @@ from typing import Literal
 from agent.engines import EngineKind
 from agent.rollout import RolloutConfig as AgentRolloutConfig
 from emapg.config import ConfigError, option
+from tasks.task import get_task
 from trainer.guard import GuardConfig
 from trainer.algo import DEFAULT_CHUNK_SIZE
 
@@ -146,9 +147,10 @@ class DataConfig:
 
 
 @dataclass
-class TrainRolloutConfig(AgentRolloutConfig):
-    """The agent loop's settings (:class:`agent.rollout.RolloutConfig`; ``n_samples`` is the GRPO
-    group size, ``task`` picks search or math) plus the generation engine the trainer runs."""
+class SamplingConfig(AgentRolloutConfig):
+    """How the trainer samples its batch (the ``rollout:`` section): the agent loop's settings
+    (:class:`agent.rollout.RolloutConfig`; ``n_samples`` is the GRPO group size, ``task`` picks search or math),
+    the generation engine the trainer runs, and the generation schedule (dynamic sampling, staleness)."""
 
     engine: EngineKind = option(
         "hf", help="generation engine: vllm (colocated with the trainer), hf (transformers), or remote (`emapg engine serve` servers at engine_urls)"
@@ -392,7 +394,7 @@ class TrainConfig:
     run: RunConfig = option(default_factory=RunConfig, help="run bookkeeping")
     model: ModelConfig = option(default_factory=ModelConfig, help="the policy")
     data: DataConfig = option(default_factory=DataConfig, help="training prompts")
-    rollout: TrainRolloutConfig = option(default_factory=TrainRolloutConfig, help="generation and the agent loop")
+    rollout: SamplingConfig = option(default_factory=SamplingConfig, help="generation and the agent loop")
     retriever: RetrieverConfig = option(default_factory=RetrieverConfig, help="search backend (search task)")
     algorithm: AlgorithmConfig = option(default_factory=AlgorithmConfig, help="loss, advantages, KL and EMA anchor")
     optim: OptimConfig = option(default_factory=OptimConfig, help="optimizer and schedule")
@@ -409,7 +411,7 @@ class TrainConfig:
                 f"algorithm.mini_batch_size ({mini}) must divide the rollout batch "
                 f"data.prompts_per_step * rollout.n_samples = {batch}"
             )
-        if self.rollout.task == "search" and not self.retriever.urls and not self.retriever.index_dir:
+        if get_task(self.rollout.task).searches and not self.retriever.urls and not self.retriever.index_dir:
             raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
 
     @property

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainer.rollouts import Rollouts
+    from trainer.sampled_batch import SampledBatch
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -39,27 +39,24 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return grouped.max(dim=1).values != grouped.min(dim=1).values
 
 
-def select_groups(ro: "Rollouts", groups: list[int], group_size: int) -> "Rollouts":
-    """The rollout batch made of ``ro``'s groups ``groups`` (in that order)."""
-    rows = [g * group_size + j for g in groups for j in range(group_size)]
-    return replace(ro, prompts=[ro.prompts[g] for g in groups], trajectories=[ro.trajectories[r] for r in rows],
-                   group_ids=[ro.group_ids[r] for r in rows], rewards=ro.rewards[rows] if rows else ro.rewards[:0])
+def select_groups(sampled: "SampledBatch", groups: list[int], group_size: int) -> "SampledBatch":
+    """The batch made of ``sampled``'s groups ``groups`` (in that order), each trajectory with its outcome."""
+    return sampled.take([g * group_size + j for g in groups for j in range(group_size)], groups)
 
 
-def concat_rollouts(parts: list["Rollouts"]) -> "Rollouts":
-    """One batch of ``parts``' rows in order, with their rollout stats (wall times, calls) summed and their
-    reward counts summed."""
+def concat_batches(parts: list["SampledBatch"]) -> "SampledBatch":
+    """One batch of ``parts``' rows in order (each trajectory with its outcome), with their rollout stats
+    (wall times, calls) summed and their reward counts summed."""
     first = parts[0]
     counts: dict[str, float] = {}
     for p in parts:
         for k, v in p.reward_counts.items():
             counts[k] = counts.get(k, 0.0) + v
     return replace(first, prompts=[x for p in parts for x in p.prompts], trajectories=[x for p in parts for x in p.trajectories],
-                   group_ids=[x for p in parts for x in p.group_ids], rewards=torch.cat([p.rewards for p in parts]),
-                   reward_counts=counts, stats=summed_stats(parts))
+                   outcomes=[x for p in parts for x in p.outcomes], reward_counts=counts, stats=summed_stats(parts))
 
 
-def summed_stats(parts: list["Rollouts"]) -> Any:
+def summed_stats(parts: list["SampledBatch"]) -> Any:
     """The parts' ``agent.rollout.RolloutStats`` summed field by field (wall times and call counts)."""
     stats = replace(parts[0].stats)
     for p in parts[1:]:
@@ -68,8 +65,8 @@ def summed_stats(parts: list["Rollouts"]) -> Any:
     return stats
 
 
-def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, want: int, group_size: int,
-                     max_rounds: int, agree: Callable[[bool], bool] = bool) -> tuple["Rollouts", dict[str, float]]:
+def fill_informative(first: "SampledBatch", more: Callable[[int], "SampledBatch"], *, want: int, group_size: int,
+                     max_rounds: int, agree: Callable[[bool], bool] = bool) -> tuple["SampledBatch", dict[str, float]]:
     """Keep ``want`` groups whose rewards differ: ``first``'s, then those of ``more(1)``, ``more(2)``, ...
     (at most ``max_rounds`` calls); short of ``want``, top up with the earliest uninformative groups.
     ``agree(full)`` turns this rank's "full" into the data-parallel ranks' common answer (all full), so every
@@ -77,7 +74,7 @@ def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, wa
 
     Returns the batch -- ``want`` groups in sampling order, informative ones first, then the top-up; its
     ``stats`` are those of every batch generated (the step's generation work); its ``reward_counts`` are
-    NOT recounted for the kept rows (the caller re-scores them) -- and the ``filter/*`` sums: sampled
+    NOT recounted for the kept rows (the caller counts their kept outcomes; nothing is graded again) -- and the ``filter/*`` sums: sampled
     groups and trajectories, the reward sum over them, informative groups kept, informative groups among
     all sampled and among the first round's, extra rounds generated."""
     batches = [first]
@@ -96,7 +93,7 @@ def fill_informative(first: "Rollouts", more: Callable[[int], "Rollouts"], *, wa
         rounds += 1
         batches.append(more(rounds))
     chosen = kept[:want] + spare[: max(0, want - len(kept))]
-    rows = concat_rollouts([select_groups(batches[b], [g], group_size) for b, g in chosen])
+    rows = concat_batches([select_groups(batches[b], [g], group_size) for b, g in chosen])
     out = replace(rows, stats=summed_stats(batches), reward_counts={})
     sampled = sum(len(x.rewards) for x in batches)
     sums = {

@@ -3,10 +3,12 @@
 One step, top to bottom (every rank does the same on its share of the prompts):
 
 1. sample ``data.prompts_per_step`` prompts, each with a run-unique group id;
-2. *produce* (:meth:`Trainer.rollout`): the engine session syncs new weights, ``rollout.n_samples``
+2. *produce* (:meth:`Trainer.sample_batch`): the engine session syncs new weights, ``rollout.n_samples``
    trajectories per prompt (the GRPO group) come from :func:`agent.rollout.run_rollouts`
-   (search: the real retriever over HTTP), scored by :mod:`tasks.rewards`;
-3. *consume* (:meth:`Trainer.learn`): π_old's and the anchor's statistics as the KL kind needs
+   (search: the real retriever over HTTP), each graded once by its task (:mod:`tasks.task`) into a
+   :class:`trainer.sampled_batch.SampledBatch`;
+3. *consume* (:meth:`Trainer.learn`): the batch as tensors (:func:`trainer.batch.trajectory_batch`), the
+   step's stored-statistics plan, π_old's and the anchor's statistics as the KL kind needs
    them (:mod:`trainer.stored_stats`), GRPO advantages per group, the PPO update
    (:mod:`trainer.step`: mini-batches of ``algorithm.mini_batch_size``, gradient accumulation,
    loss normalised over the whole mini-batch on all ranks, clipping, AdamW, NaN/inf updates
@@ -42,9 +44,9 @@ import torch
 from emapg.config import ConfigError, to_dict
 from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOptions, build_engine
 from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions
+from tasks.task import get_task
 from trainer import distributed as D
-from trainer.batch import TokenBatch, build_token_batch
-from trainer.algo.behavior import behavior_logp_rows
+from trainer.batch import TokenBatch, pad_id_of, trajectory_batch
 from trainer.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
@@ -52,7 +54,7 @@ from trainer.errors import TrainingError
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
-from trainer.rollouts import Rollouts, generate, score, step_seed
+from trainer.sampled_batch import SampledBatch, generate, grade, reward_counts, step_seed
 from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
 from trainer.stored_stats import StatsPlan, compute_stored_stats, on_policy_single_update, plan_stored_stats
@@ -111,7 +113,7 @@ def find_resume(resume_from: str | Path | None, run_dir: Path) -> Path | None:
 def open_run_retriever(cfg: TrainConfig, dist: D.DistInfo) -> Any:
     """The search task's retriever (:func:`provision.retrievers.open_retriever`): ``retriever.urls``, or a
     server rank 0 launches on ``retriever.index_dir`` for the run, its URL broadcast to every rank."""
-    if cfg.rollout.task != "search":
+    if not get_task(cfg.rollout.task).searches:
         return None
     if not cfg.retriever.urls and int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)) < dist.world_size:
         raise ConfigError("multi-node training needs retriever.urls (servers every node can reach), not index_dir")
@@ -143,13 +145,13 @@ def stop_on_signals(on_signal: Callable[[int], None]):
             signal.signal(sig, handler)
 
 
-def sample_records(ro: Rollouts, n: int) -> list[dict[str, Any]]:
+def sample_records(sampled: SampledBatch, n: int) -> list[dict[str, Any]]:
     """The first ``n`` trajectories of a batch as ``samples.jsonl`` rows."""
     return [
         {"group_id": g, "reward": float(r), "stop_reason": t.stop_reason, "searches": t.num_searches,
          "question": t.question, "response": t.response_text,
          "queries": list(t.queries), "retrieved_ids": [list(ids) for ids in t.retrieved_ids]}
-        for t, g, r in list(zip(ro.trajectories, ro.group_ids, ro.rewards.tolist()))[:n]
+        for t, g, r in list(zip(sampled.trajectories, sampled.group_ids, sampled.rewards.tolist()))[:n]
     ]
 
 
@@ -282,20 +284,21 @@ class Trainer:
         """The global batch of prompts of this step (the same on every rank), then this rank's share."""
         return self.sampler.next_share(self.cfg.data.prompts_per_step, self.step + 1, self.dist.rank, self.dist.world_size)
 
-    def rollout(self, prompts: list[SampledPrompt]) -> Rollouts:
-        """Produce: ``n_samples`` trajectories per prompt with the current weights, scored; retried on failure."""
+    def sample_batch(self, prompts: list[SampledPrompt]) -> SampledBatch:
+        """Produce: ``n_samples`` trajectories per prompt with the current weights, graded; retried on failure."""
         with self.engine_session.generating(tag=f"step-{self.step}") as engine:
             return self.produce(engine, prompts, step_seed(self.cfg.run.seed, self.step + 1, self.dist.rank))
 
-    def fill_informative(self, ro: Rollouts) -> Rollouts:
-        """``rollout.filter_groups``: ``ro`` with its groups of equal rewards replaced by informative groups of
-        up to ``rollout.filter_max_rounds`` more prompt batches (:mod:`trainer.group_filter`), re-scored."""
+    def fill_informative(self, sampled: SampledBatch) -> SampledBatch:
+        """``rollout.filter_groups``: ``sampled`` with its groups of equal rewards replaced by informative groups of
+        up to ``rollout.filter_max_rounds`` more prompt batches (:mod:`trainer.group_filter`); the ``reward/*``
+        counts are those of the rows kept (from their outcomes: nothing is graded again)."""
         from trainer.group_filter import fill_informative
 
         cfg = self.cfg
         base_seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)
 
-        def more(round_: int) -> Rollouts:
+        def more(round_: int) -> SampledBatch:
             prompts = [SampledPrompt(p.example, f"{p.group_id}.{round_}") for p in self.sample_prompts()]
             with self.engine_session.generating(tag=f"step-{self.step}-fill{round_}") as engine:
                 return self.produce(engine, prompts, (base_seed + 7_919 * round_) % (2**31 - 1))
@@ -303,14 +306,13 @@ class Trainer:
         def all_full(full: bool) -> bool:  # one answer for all ranks: they draw from one prompt sampler
             return D.all_reduce_max(torch.tensor([0.0 if full else 1.0])).item() == 0
 
-        out, sums = fill_informative(ro, more, want=len(ro.prompts), group_size=cfg.rollout.n_samples,
+        out, sums = fill_informative(sampled, more, want=len(sampled.prompts), group_size=cfg.rollout.n_samples,
                                      max_rounds=cfg.rollout.filter_max_rounds, agree=all_full)
-        _, counts = score(out.trajectories, out.prompts, cfg, self.tokenizer)  # the counts of the rows kept
-        return replace(out, reward_counts=counts, sampling=sums)
+        return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, cfg), sampling=sums)
 
-    def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> Rollouts:
-        """Generate on ``engine`` with ``seed`` (retried on failure: weights and prompts unchanged) and score.
-        The synchronous step calls it in :meth:`rollout`; the pipeline's producer thread (:mod:`trainer.pipeline`) too."""
+    def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> SampledBatch:
+        """Generate on ``engine`` with ``seed`` (retried on failure: weights and prompts unchanged) and grade.
+        The synchronous step calls it in :meth:`sample_batch`; the pipeline's producer thread (:mod:`trainer.pipeline`) too."""
 
         cfg = self.cfg
         last: Exception | None = None
@@ -323,27 +325,27 @@ class Trainer:
                 self._warn(f"rollout attempt {attempt + 1} failed: {type(e).__name__}: {e}")
         else:
             raise TrainingError(f"rollout failed {cfg.run.rollout_retries + 1} times; last error: {last}") from last
-        group_ids = [p.group_id for p in prompts for _ in range(cfg.rollout.n_samples)]
-        rewards, counts = score(trajectories, prompts, cfg, engine.tokenizer)
-        return Rollouts(prompts, trajectories, group_ids, torch.tensor(rewards, dtype=torch.float32), counts, stats)
+        outcomes = grade(trajectories, prompts, cfg)
+        return SampledBatch(prompts, trajectories, outcomes, reward_counts(trajectories, outcomes, cfg), stats)
 
     def stats_plan(self, n: int) -> StatsPlan:
         """The stored-statistics plan for ``n`` rows on this rank."""
         return plan_stored_stats(self.cfg, on_policy=on_policy_single_update(self.cfg, n, self.dist.world_size),
                                  fuse=self.fuse_on_policy_topk and not self.fsdp)
 
-    def compute_stored_stats(self, batch: TokenBatch) -> dict[str, float]:
-        """π_old's and the anchor's statistics into ``batch.stored``; returns their wall times."""
-        return compute_stored_stats(batch, self.stats_plan(batch.size), self.policy, self.cfg, self.dist.device)
+    def compute_stored_stats(self, batch: TokenBatch, plan: StatsPlan | None = None) -> dict[str, float]:
+        """π_old's and the anchor's statistics into ``batch.stored`` (``plan``: the step's, default
+        :meth:`stats_plan`); returns their wall times."""
+        return compute_stored_stats(batch, plan or self.stats_plan(batch.size), self.policy, self.cfg, self.dist.device)
 
-    def update(self, batch: TokenBatch) -> dict[str, float]:
+    def update(self, batch: TokenBatch, plan: StatsPlan | None = None) -> dict[str, float]:
         """The PPO update on ``batch`` (stored statistics and ``advantages`` in ``batch.stored``) and the
         LR schedule's step; its metrics, reduced over ranks."""
-        result = self._update(batch)
+        result = self._update(batch, plan or self.stats_plan(batch.size))
         return update_metrics(result.sums.reduce(), **self._update_summary(result))
 
-    def _update(self, batch: TokenBatch) -> UpdateResult:
-        result = ppo_update(batch, self.policy, self.stats_plan(batch.size), self.cfg, self.dist, warn=self._warn)
+    def _update(self, batch: TokenBatch, plan: StatsPlan) -> UpdateResult:
+        result = ppo_update(batch, self.policy, plan, self.cfg, self.dist, warn=self._warn)
         with warnings.catch_warnings():  # the schedule advances per step even when every update was skipped
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
             self.policy.scheduler.step()
@@ -353,28 +355,27 @@ class Trainer:
         return dict(world_size=self.dist.world_size, grad_norms=result.grad_norms, updates=result.updates,
                     skipped=result.skipped, lr=self.policy.optimizer.param_groups[0]["lr"], kl_enabled=self.cfg.algorithm.kl.enabled)
 
-    def learn(self, ro: Rollouts) -> tuple[dict[str, float], dict[str, float]]:
+    def learn(self, sampled: SampledBatch) -> tuple[dict[str, float], dict[str, float]]:
         """Consume a rollout batch: stored statistics, advantages, update, EMA blend; returns the step's
         metrics (timings included) and the rank-summed sums they came from."""
         from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
         cfg, alg = self.cfg, self.cfg.algorithm
-        batch = build_token_batch([list(t.prompt_ids) for t in ro.trajectories], [list(t.response_ids) for t in ro.trajectories],
-                                  [list(t.loss_mask) for t in ro.trajectories], pad_id=self.pad_id)
-        batch.stored["behavior_logp"] = behavior_logp_rows(ro.trajectories, batch.response_width)  # trainer.algo.behavior
+        batch = trajectory_batch(sampled.trajectories, pad_id=self.pad_id)  # ids, masks, behaviour log-probs
+        plan = self.stats_plan(batch.size)  # once per step: the stored statistics and the update follow it
         t0 = time.perf_counter()
-        timings = self.compute_stored_stats(batch)
-        adv = grpo_advantages(ro.rewards, ro.group_ids, norm_by_std=alg.adv_std != "none",
+        timings = self.compute_stored_stats(batch, plan)
+        adv = grpo_advantages(sampled.rewards, sampled.group_ids, norm_by_std=alg.adv_std != "none",
                               unbiased_std=alg.adv_std != "biased", eps=alg.adv_eps)
         batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
-        result = self._update(batch)
+        result = self._update(batch, plan)
         t_train = time.perf_counter() - t0
         self.step += 1
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
         if result.updates > 0 and self.engine_session is not None:
             self.engine_session.weights_changed()
-        sums = rollout_sums(ro.rewards, cfg.rollout.n_samples, ro.trajectories, ro.stats, ro.reward_counts, batch)
-        for name, value in ro.sampling.items():
+        sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch)
+        for name, value in sampled.sampling.items():
             sums.add(name, value)
         sums.merge(result.sums)
         if "rollout/entropy_sum" not in sums:  # π_old's pass measured it
@@ -383,7 +384,7 @@ class Trainer:
         metrics = {**step_metrics(totals, **self._update_summary(result)), **timings, "ema/updated": float(ema_updated),
                    "time/generation": totals["rollout/generation_s"] / self.dist.world_size,
                    "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train}
-        self.last_samples = sample_records(ro, cfg.logging.log_samples)
+        self.last_samples = sample_records(sampled, cfg.logging.log_samples)
         finite = math.isfinite(metrics["loss/pg"]) and result.skipped == 0
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         metrics["actor/nonfinite_streak"] = float(self.nonfinite_streak)
@@ -393,13 +394,13 @@ class Trainer:
         """One full step (produce, then consume); returns its metrics (already reduced over ranks)."""
         t_step = time.perf_counter()
         prompts = self.sample_prompts()
-        ro = self.rollout(prompts)
-        while self.search_guard is not None and not self.search_guard.accept(ro.trajectories):
-            ro = self.rollout(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
+        sampled = self.sample_batch(prompts)
+        while self.search_guard is not None and not self.search_guard.accept(sampled.trajectories):
+            sampled = self.sample_batch(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
         if self.cfg.rollout.filter_groups:
-            ro = self.fill_informative(ro)
+            sampled = self.fill_informative(sampled)
         t_rollout = time.perf_counter() - t_step
-        metrics, totals = self.learn(ro)
+        metrics, totals = self.learn(sampled)
         if self.search_guard is not None:
             metrics.update(self.search_guard.step_metrics())
         t_total = time.perf_counter() - t_step
@@ -409,8 +410,7 @@ class Trainer:
 
     @property
     def pad_id(self) -> int:
-        tok = self.tokenizer
-        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        return pad_id_of(self.tokenizer)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict[str, float]]:

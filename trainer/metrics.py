@@ -65,7 +65,7 @@ class MetricSums:
 def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any], stats: Any,
                  reward_counts: Mapping[str, float], batch: TokenBatch) -> MetricSums:
     """Reward, length, search and time sums of this rank's rollout batch (group-major ``rewards`` ``(N,)``)."""
-    from trainer.rollouts import trajectory_stats
+    from trainer.sampled_batch import trajectory_stats
 
     t = trajectory_stats(trajectories, stats)
     grouped = rewards.view(-1, group_size)

@@ -31,7 +31,7 @@ run whose retriever recovered); (2) rank 0's producer holds the global batch, so
 collective (a producer thread cannot join one) and every rank receives the same decision with the batch;
 (3) regeneration starts as soon as a batch fails, not when the trainer reaches its step.
 
-Because v(k) is fixed and each step's sampling seed is fixed (:func:`trainer.rollouts.step_seed`), a run
+Because v(k) is fixed and each step's sampling seed is fixed (:func:`trainer.sampled_batch.step_seed`), a run
 is deterministic for a given s. **Resume**: the queue is not checkpointed; a run resumed at step r
 regenerates batches r + 1 … r + 1 + s from the checkpoint's weights (k₀ = r) and continues the
 schedule, so two resumes of one checkpoint produce the same run; it is not bit-identical to the
@@ -71,7 +71,7 @@ import torch
 from trainer import distributed as D
 from trainer.data import PromptSampler, SampledPrompt
 from trainer.errors import TrainingError
-from trainer.rollouts import Rollouts, step_seed
+from trainer.sampled_batch import SampledBatch, step_seed
 from trainer.search_health import SearchOutageGuard
 
 if TYPE_CHECKING:
@@ -96,9 +96,9 @@ class PipelineTrainer(Protocol):
 
     def sample_prompts(self) -> list[SampledPrompt]: ...
 
-    def produce(self, engine: Engine, prompts: list[SampledPrompt], seed: int) -> Rollouts: ...
+    def produce(self, engine: Engine, prompts: list[SampledPrompt], seed: int) -> SampledBatch: ...
 
-    def learn(self, ro: Rollouts) -> tuple[dict[str, float], dict[str, float]]: ...
+    def learn(self, sampled: SampledBatch) -> tuple[dict[str, float], dict[str, float]]: ...
 
     def message(self, text: str) -> None: ...
 
@@ -125,7 +125,7 @@ class _Produced:
     step: int
     version: int
     prompts: list[SampledPrompt]
-    rollouts: Rollouts | None = None
+    batch: SampledBatch | None = None
     error: BaseException | None = None
     search: dict[str, float] = field(default_factory=dict)  # the outage guard's metrics of this batch
 
@@ -224,15 +224,15 @@ class RolloutPipeline:
                     self._forget_weights_before(req.version)
                 # the global batch's seed is rank 0's: one producer generates every rank's share
                 seed = _seed(trainer, req.step)
-                ro = trainer.produce(engine, req.prompts, seed)
-                while self.search_guard is not None and not self._stop and not self.search_guard.accept(ro.trajectories):
+                sampled = trainer.produce(engine, req.prompts, seed)
+                while self.search_guard is not None and not self._stop and not self.search_guard.accept(sampled.trajectories):
                     self.search_dropped += 1  # its searches failed: never queued; the guard pauses or stops on an outage
-                    ro = trainer.produce(engine, req.prompts, seed)
+                    sampled = trainer.produce(engine, req.prompts, seed)
                 if self.search_guard is not None:
                     item.search = {**self.search_guard.step_metrics(), "async/search_dropped_batches": float(self.search_dropped)}
-                for t in ro.trajectories:
+                for t in sampled.trajectories:
                     t.weights_version = req.version
-                item.rollouts = ro
+                item.batch = sampled
             except BaseException as e:  # handed to the consumer, which stops the run with it
                 item.error = e
             self.clock.add(busy=time.perf_counter() - t0)
@@ -267,9 +267,9 @@ class RolloutPipeline:
                 self._cond.wait(0.5)
             return self._results.pop(step), depth
 
-    def _next_batch(self, step: int) -> tuple[Rollouts, int, int, float, dict[str, float]]:
+    def _next_batch(self, step: int) -> tuple[SampledBatch, int, int, float, dict[str, float]]:
         """Rank 0: the batch of ``step`` (regenerated while too stale); every rank: its share. Returns
-        (rollouts, version, queue depth, seconds waited, the outage guard's metrics)."""
+        (the sampled batch, version, queue depth, seconds waited, the outage guard's metrics)."""
         t0 = time.perf_counter()
         payload = None
         if self.producer_rank:
@@ -279,7 +279,7 @@ class RolloutPipeline:
                     payload = ("error", f"{type(item.error).__name__}: {item.error}")
                     break
                 if not is_stale(step, item.version, self.s):
-                    payload = ("ok", item.rollouts, item.version, depth, item.search)
+                    payload = ("ok", item.batch, item.version, depth, item.search)
                     break
                 self.dropped += 1  # too old to train on: the same prompts again, with the newest published weights
                 with self._cond:
@@ -289,8 +289,8 @@ class RolloutPipeline:
         waited = time.perf_counter() - t0
         if payload[0] == "error":
             raise TrainingError(f"the rollout producer failed on step {step}: {payload[1]}")
-        _, ro, version, depth, search = payload
-        return _share(ro, self.trainer), version, depth, waited, search
+        _, sampled, version, depth, search = payload
+        return _share(sampled, self.trainer), version, depth, waited, search
 
     def train_step(self) -> dict[str, float]:
         """One step of an asynchronous run: wait for this step's batch, train on it, publish the new weights,
@@ -298,11 +298,11 @@ class RolloutPipeline:
         trainer = self.trainer
         t_step = time.perf_counter()
         step = trainer.step + 1
-        ro, version, depth, waited, search = self._next_batch(step)
+        sampled, version, depth, waited, search = self._next_batch(step)
         prompts = trainer.sample_prompts()  # advances the checkpointed sampler: the same prompts the producer drew
-        if [p.group_id for p in prompts] != [p.group_id for p in ro.prompts]:
-            raise RuntimeError(f"step {step}: the producer's prompts are not the step's ({ro.prompts[0].group_id} ...)")
-        metrics, totals = trainer.learn(ro)
+        if [p.group_id for p in prompts] != [p.group_id for p in sampled.prompts]:
+            raise RuntimeError(f"step {step}: the producer's prompts are not the step's ({sampled.prompts[0].group_id} ...)")
+        metrics, totals = trainer.learn(sampled)
         if trainer.step + 1 + self.s <= self.total:  # these weights generate batch step + 1 + s
             self._publish(trainer.step)
             if self.producer_rank:
@@ -334,17 +334,15 @@ def _seed(trainer: PipelineTrainer, step: int) -> int:
     return step_seed(trainer.cfg.run.seed, step, 0)
 
 
-def _share(ro: Rollouts, trainer: PipelineTrainer) -> Rollouts:
-    """This rank's groups of the global batch ``ro``; the reward counts stay on rank 0 (they are summed over
+def _share(sampled: SampledBatch, trainer: PipelineTrainer) -> SampledBatch:
+    """This rank's groups of the global batch ``sampled``; the reward counts stay on rank 0 (they are summed over
     ranks), the batch's wall times go to every rank (they are averaged over ranks)."""
     world = trainer.dist.world_size
     if world == 1:
-        return ro
+        return sampled
     n = trainer.cfg.rollout.n_samples
-    groups = D.shard_slice(len(ro.prompts), trainer.dist.rank, world)
+    groups = D.shard_slice(len(sampled.prompts), trainer.dist.rank, world)
     rows = slice(groups.start * n, groups.stop * n)
     first = trainer.dist.rank == 0
-    return replace(
-        ro, prompts=ro.prompts[groups], trajectories=ro.trajectories[rows], group_ids=ro.group_ids[rows],
-        rewards=ro.rewards[rows], reward_counts={k: (v if first else 0.0) for k, v in ro.reward_counts.items()},
-    )  # fmt: skip
+    return replace(sampled.take(range(rows.start, rows.stop), range(groups.start, groups.stop)),
+                   reward_counts={k: (v if first else 0.0) for k, v in sampled.reward_counts.items()})

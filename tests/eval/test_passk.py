@@ -5,7 +5,7 @@ from math import comb
 
 import pytest
 
-from eval.passk import default_ks, mean_pass_at_k, pass_at_k, pass_at_k_curve
+from tasks.passk import default_ks, mean_pass_at_k, pass_at_k, pass_at_k_curve
 
 
 def _brute(n: int, c: int, k: int) -> float:

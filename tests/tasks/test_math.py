@@ -162,12 +162,12 @@ def test_one_default_grader_for_training_evaluation_and_grade_many():
 
     from eval.protocols import EvalProtocol
     from tasks.math import DEFAULT_GRADER, grade_answer
-    from tasks.rewards import compute_rewards, math_rewards
+    from tasks.task import MATH, Grading
     from trainer.config import RewardConfig
 
-    assert DEFAULT_GRADER == "mathd_or_math_verify" == RewardConfig().math_grader == EvalProtocol().grader
-    for func, param in ((grade_many, "grader"), (grade_answer, "grader"), (math_reward, "grader"),
-                        (math_rewards, "grader"), (compute_rewards, "math_grader")):
+    assert DEFAULT_GRADER == "mathd_or_math_verify" == RewardConfig().math_grader == EvalProtocol().grader == Grading().grader
+    assert inspect.signature(MATH.grade).parameters["grading"].default == Grading()  # the training reward's grading
+    for func, param in ((grade_many, "grader"), (grade_answer, "grader"), (math_reward, "grader")):
         assert inspect.signature(func).parameters[param].default == DEFAULT_GRADER, func.__name__
     # and it is the grader that runs: only the mathd check accepts a unit on one side
     (res,) = grade_many(["so \\boxed{2\\text{ cm}}"], ["2"], workers=1)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from emapg.config import ConfigError, from_dict
-from trainer.batch import MicroBatch
-from trainer.algo.behavior import (behavior_log_ratio, behavior_logp_rows, behavior_weights, kl_old_logp,
+from trainer.batch import MicroBatch, behavior_logp_rows
+from trainer.algo.behavior import (behavior_log_ratio, behavior_weights, kl_old_logp,
                               masked_is, mismatch_stats, truncated_is)
 from trainer.config import AlgorithmConfig, KLConfig
 from trainer.algo.grpo import LossAggregation

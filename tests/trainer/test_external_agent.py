@@ -76,15 +76,15 @@ def test_a_user_reward_function_replaces_the_qa_metrics():
     from agent.rollout import Trajectory
     from tasks.datasets import Example
     from trainer.data import SampledPrompt
-    from trainer.rollouts import score
+    from trainer.sampled_batch import grade
 
     cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml",
                       ["rollout.n_samples=2", "rollout.agent_reward=examples.search_agent:contains_gold"])
     prompts = [SampledPrompt(Example("1", "capital of france?", ["Paris"], "nq"), "g")]
     trajs = [Trajectory("a", "g", 0, 0, "q", "1", [1], final_answer="It is Paris.", stop_reason="answer", format="external"),
              Trajectory("b", "g", 0, 1, "q", "1", [1], final_answer="Lyon", stop_reason="answer", format="external")]
-    assert score(trajs, prompts, cfg, None)[0] == [1.0, 0.0]
+    assert [o.reward for o in grade(trajs, prompts, cfg)] == [1.0, 0.0]
     cfg.rollout.agent_reward = None  # the QA metrics: exact match of the final answer
-    assert score(trajs, prompts, cfg, None)[0] == [0.0, 0.0]
+    assert [o.reward for o in grade(trajs, prompts, cfg)] == [0.0, 0.0]
     with pytest.raises(ConfigError, match="rollout.agent_reward"):
         RolloutConfig(agent_reward="examples.search_agent:missing").validate()

@@ -14,7 +14,8 @@ from trainer.config import TrainConfig
 from trainer.data import SampledPrompt
 from trainer.group_filter import fill_informative, informative_groups
 from trainer.loop import Trainer
-from trainer.rollouts import Rollouts
+from tasks.task import Outcome
+from trainer.sampled_batch import SampledBatch as Rollouts
 
 N = 3  # group size
 
@@ -23,8 +24,8 @@ def batch(tag: str, group_rewards: list[list[float]]) -> Rollouts:
     """A rollout batch whose trajectories are labelled '<tag><group>.<j>' (rewards group-major)."""
     prompts = [SampledPrompt(SimpleNamespace(answers=[]), f"{tag}{g}") for g in range(len(group_rewards))]
     trajs = [SimpleNamespace(label=f"{tag}{g}.{j}") for g, rs in enumerate(group_rewards) for j in range(len(rs))]
-    return Rollouts(prompts, trajs, [p.group_id for p in prompts for _ in range(N)],
-                    torch.tensor([r for rs in group_rewards for r in rs]), {"x": 1.0}, RolloutStats(wall_s=1.0, engine_calls=1))
+    return Rollouts(prompts, trajs, [Outcome(float(r)) for rs in group_rewards for r in rs], {"x": 1.0},
+                    RolloutStats(wall_s=1.0, engine_calls=1))
 
 
 def labels(ro: Rollouts) -> list[str]:

@@ -170,7 +170,7 @@ def _sync_check(tmp_path, model_dir, engine: str) -> None:
         assert _engine_matches_policy(trainer) < 1e-4
         trainer.train_step()  # the policy moves; the engine still holds the old weights
         assert _engine_matches_policy(trainer) > 1e-3
-        trainer.rollout(trainer.sample_prompts())  # the next rollout syncs first
+        trainer.sample_batch(trainer.sample_prompts())  # the next rollout syncs first
         assert _engine_matches_policy(trainer) < 1e-4
     finally:
         trainer.close()

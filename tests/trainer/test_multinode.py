@@ -71,14 +71,14 @@ def _sigterm_worker(rank: int, world: int, port: int, out: str, model_dir: str) 
     trainer = Trainer(_cfg(f"{out}/run", model_dir, "run.total_steps=4", "run.save_every=0")).setup()
     try:
         if rank == 1:  # preempted in the middle of step 2 (during its rollouts), on one rank only
-            rollout = trainer.rollout
+            sample_batch = trainer.sample_batch
 
             def preempted(prompts):
                 if trainer.step == 1:
                     os.kill(os.getpid(), signal.SIGTERM)
-                return rollout(prompts)
+                return sample_batch(prompts)
 
-            trainer.rollout = preempted
+            trainer.sample_batch = preempted
         history = trainer.train()
     finally:
         trainer.close()

@@ -38,7 +38,7 @@ never sampled). The Top-k head is computed exactly at every visited prefix and n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
+from typing import Callable, Literal, Mapping, Protocol
 
 import torch
 from torch import Tensor
@@ -228,18 +228,3 @@ def behavior_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "behavior/masked_frac": s["behavior/masked"] / n,
         "behavior/weight_mean": s["behavior/weight_sum"] / n,
     }
-
-
-def behavior_logp_rows(trajectories: Sequence[Any], response_width: int) -> Tensor:
-    """The engine's sampling log-probs (:attr:`agent.rollout.Trajectory.sampling_logprobs`) as the
-    ``(N, T)`` ``behavior_logp`` stored statistic, 0 past a row's end.
-
-    A row whose log-probs do not match its response (a prompt that could not be built keeps an empty
-    response) is all zeros; its loss mask is 0 there anyway.
-    """
-    out = torch.zeros(len(trajectories), response_width)
-    for i, t in enumerate(trajectories):
-        row = t.sampling_logprobs
-        if 0 < len(row) == len(t.response_ids) <= response_width:
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out

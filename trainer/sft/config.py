@@ -14,6 +14,7 @@ from typing import Literal
 
 from agent.rollout import RolloutConfig
 from emapg.config import ConfigError, option
+from tasks.task import get_task
 from trainer.config import LoraConfig, RetrieverConfig
 from trainer.algo import DEFAULT_CHUNK_SIZE
 
@@ -110,7 +111,7 @@ class SFTConfig:
     optim: SFTOptimConfig = option(default_factory=SFTOptimConfig, help="optimizer and schedule")
 
     def validate(self) -> None:
-        if self.rollout.task != "search":
+        if not get_task(self.rollout.task).searches:
             raise ConfigError("rollout.task must be search: emapg sft fine-tunes search agents")
         if self.rollout.n_samples != 1:
             raise ConfigError("rollout.n_samples must be 1 for supervised trajectories")

@@ -35,7 +35,7 @@ from agent.rollout import Trajectory
 from emapg.atomic import write_folder_atomic, write_text_atomic
 from emapg.config import to_dict
 from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions, read_trained_questions
-from trainer.batch import build_token_batch
+from trainer.batch import build_token_batch, pad_id_of
 from trainer.model_forward import causal_lm_token_stats
 from trainer.sft.config import SFTConfig
 
@@ -107,7 +107,7 @@ def fine_tune(cfg: SFTConfig, model_path: str, train: list[Trajectory], heldout:
         from trainer.lora import apply_lora
 
         model = apply_lora(model, cfg.model.lora, base_model_name_or_path=cfg.model.policy)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad_id = pad_id_of(tokenizer)
     kw = dict(pad_id=pad_id, chunk_size=cfg.model.chunk_size, device=device)
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]

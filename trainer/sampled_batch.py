@@ -1,5 +1,5 @@
-"""The trainer's side of rollouts: the scored batch (:class:`Rollouts`), each step's sampling seed, calling the
-agent loop, scoring, summarising.
+"""The trainer's batch of sampled groups (:class:`SampledBatch`): each step's sampling seed, calling the agent
+loop (:mod:`agent.rollout`, the multi-turn rollout), grading each trajectory once, summarising.
 
 Kept apart from the loop so that tests, benchmarks, the pipeline and the group filter use the same code
 without importing the loop.
@@ -8,11 +8,13 @@ without importing the loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tasks.rewards import compute_rewards
+from tasks.task import Grading, Outcome, get_task
+from trainer.batch import pad_id_of
 from trainer.data import SampledPrompt
 
 if TYPE_CHECKING:
@@ -25,16 +27,39 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 @dataclass
-class Rollouts:
-    """One rank's rollout batch after scoring: what the producer hands the update consumer."""
+class SampledBatch:
+    """One rank's batch of sampled groups, graded: what the producer hands the update consumer.
+
+    Each trajectory's :class:`tasks.task.Outcome` (its reward and why) is kept with it, so a batch that is cut,
+    joined or shared (dynamic sampling, the pipeline's ranks) is never graded again; a group's id is its
+    prompt's (:attr:`trainer.data.SampledPrompt.group_id`).
+    """
 
     prompts: list[SampledPrompt]  # one per group
-    trajectories: list[Trajectory]  # group-major
-    group_ids: list[str]
-    rewards: torch.Tensor  # (N,)
-    reward_counts: dict[str, float]
+    trajectories: list[Trajectory]  # group-major, len(prompts) * group size
+    outcomes: list[Outcome]  # one per trajectory
+    reward_counts: dict[str, float]  # the reward/* sums of the batch (trainer.metrics)
     stats: RolloutStats
     sampling: dict[str, float] = field(default_factory=dict)  # rollout.filter_groups: the filter/* sums (trainer.group_filter)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.trajectories) // len(self.prompts) if self.prompts else 0
+
+    @cached_property
+    def group_ids(self) -> list[str]:
+        """Per trajectory, its group's id (group-major)."""
+        return [p.group_id for p in self.prompts for _ in range(self.group_size)]
+
+    @cached_property
+    def rewards(self) -> torch.Tensor:
+        """``(N,)`` float32, group-major (the outcomes' rewards; computed once per batch)."""
+        return torch.tensor([o.reward for o in self.outcomes], dtype=torch.float32)
+
+    def take(self, rows: list[int] | range, groups: list[int] | range) -> "SampledBatch":
+        """The batch made of trajectories ``rows`` of prompts ``groups`` (same stats and counts)."""
+        return replace(self, prompts=[self.prompts[g] for g in groups], trajectories=[self.trajectories[r] for r in rows],
+                       outcomes=[self.outcomes[r] for r in rows])
 
 
 def generate(
@@ -58,7 +83,7 @@ def generate(
     if errors and len(errors) == len(trajs):
         # The agent isolates failures per trajectory; all of them failing means the batch crashed.
         raise RuntimeError(f"every trajectory of the batch failed, e.g.: {errors[0].error}")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_id_of(tokenizer)
     for t in trajs:
         if not t.prompt_ids:  # the prompt could not be built (e.g. too long): keep the slot, train on nothing
             t.prompt_ids = [pad]
@@ -68,27 +93,31 @@ def generate(
     return trajs, stats
 
 
-def score(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any, tokenizer: Any) -> tuple[list[float], dict[str, float]]:
-    """Rewards of every trajectory against its prompt's gold answers (errored trajectories score 0).
+def grade(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any) -> list[Outcome]:
+    """Every trajectory's outcome against its prompt's gold answers (errored trajectories score 0), by the task
+    (:meth:`tasks.task.Task.grade`) or the user's ``rollout.agent_reward``.
 
-    Only what the model generated is scored (``Trajectory.scored_text``: its turns, or its final plain answer
+    Only what the model generated is graded (``Trajectory.scored_text``: its turns, or its final plain answer
     in the tool-call format), never observation text.
     """
     n = cfg.rollout.n_samples
-    golds = [prompts[i // n].example.answers for i in range(len(trajectories))]
-    texts = [t.scored_text if t.stop_reason != "error" else "" for t in trajectories]
-    r = cfg.reward
     if getattr(cfg.rollout, "agent_reward", None):  # the user's reward function (agent/external.py)
         from agent.external import user_rewards
 
         answers = [t.final_answer if t.stop_reason != "error" else None for t in trajectories]
-        rewards, counts = user_rewards(cfg.rollout.agent_reward, [prompts[i // n].example for i in range(len(trajectories))], answers), {}
-    else:
-        rewards, counts = compute_rewards(
-            cfg.rollout.task, texts, golds, math_timeout=r.math_timeout, math_workers=r.math_workers, math_grader=r.math_grader
-        )
-    counts = dict(counts, rollout_errors=float(sum(t.stop_reason == "error" for t in trajectories)))
-    return rewards, counts
+        rewards = user_rewards(cfg.rollout.agent_reward, [prompts[i // n].example for i in range(len(trajectories))], answers)
+        return [Outcome(float(r), a) for r, a in zip(rewards, answers)]
+    golds = [prompts[i // n].example.answers for i in range(len(trajectories))]
+    texts = [t.scored_text if t.stop_reason != "error" else "" for t in trajectories]
+    r = cfg.reward
+    return get_task(cfg.rollout.task).grade(texts, golds, Grading(r.math_grader, r.math_timeout, r.math_workers))
+
+
+def reward_counts(trajectories: list[Trajectory], outcomes: list[Outcome], cfg: Any) -> dict[str, float]:
+    """The ``reward/*`` counts of graded trajectories: the task's (math: timeouts, errors, no answer; none
+    under ``rollout.agent_reward``) and the rollouts that failed."""
+    counts = {} if getattr(cfg.rollout, "agent_reward", None) else get_task(cfg.rollout.task).counts(outcomes)
+    return dict(counts, rollout_errors=float(sum(t.stop_reason == "error" for t in trajectories)))
 
 
 def trajectory_stats(trajectories: list[Trajectory], stats: RolloutStats) -> dict[str, float]:
