@@ -348,7 +348,7 @@ def test_retriever_load_benchmark_writes_its_ratios(tmp_path):
 def test_retriever_load_reads_the_batch_and_request_tails_from_real_metrics():
     """The tail fields come from a real /metrics text: of 4 batches taking 0.09, 0.12, 0.14 and 0.2 s,
     3 took over 100 ms and 1 over 150 ms; of 5 requests, 2 over 150 ms (counted between two scrapes)."""
-    from retriever.server import Metrics
+    from retriever.metrics import Metrics
 
     rl = _load_script("retriever_load", ROOT / "benchmarks" / "retriever_load.py")
     m = Metrics()
