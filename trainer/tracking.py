@@ -145,7 +145,7 @@ class Tracker:
         """Append a few decoded trajectories to ``samples.jsonl`` (for reading what the policy does)."""
         if not self.enabled or not samples:
             return
-        append_jsonl(self.run_dir / SAMPLES_FILE, [{"step": step, **s} for s in samples], escape_non_ascii=True)
+        append_jsonl(self.run_dir / SAMPLES_FILE, [{"step": step, **s} for s in samples], escape_non_ascii=True, durable=False)
 
     def message(self, text: str) -> None:
         """A line above the progress bar (or on stderr)."""
