@@ -1,8 +1,9 @@
 """Time per training step of two source trees side by side: is a restructuring no slower?
 
 Runs ``benchmarks/train_step.py`` of each tree (``--before``, ``--after``: two checkouts, e.g. a
-``git archive main`` copy and this worktree) one round at a time, alternating before / after, so load
-from other processes on the machine hits both sides alike. Each call is the tree's own benchmark in
+``git archive main`` copy and this worktree) one round at a time, both sides back to back in each round,
+the side that goes first alternating from round to round (before, after; after, before; ...), so load from
+other processes on the machine, and the order, hit both sides alike. Each call is the tree's own benchmark in
 its own processes, importing that tree's code (``PYTHONPATH`` is the tree). A round's figure per mode
 is train_step.py's: the median of its steps after the warm-up. The ratio after / before is taken round
 by round (both sides measured back to back) and reported as the median over rounds with its min / max;
@@ -66,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", required=True, help="the tree measured first in each round (e.g. a copy of main)")
     p.add_argument("--after", default=str(ROOT), help="the tree measured second in each round (default: this one)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs before, then after")
+    p.add_argument("--rounds", type=int, default=4, help="rounds; each runs both sides, which goes first alternating")
     p.add_argument("--modes", default="ours_grpo,ours_emapg", help="train_step.py modes (comma-separated; ours_grpo first)")
     p.add_argument("--quick", action="store_true", help="train_step.py's quick sizes")
     p.add_argument("--out", help="result JSON (default benchmarks/results/train_step_compare.json)")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[dict]] = {side: [] for side in SIDES}
     start = time.perf_counter()
     for rnd in range(args.rounds):
-        for side in SIDES:
+        for side in SIDES if rnd % 2 == 0 else SIDES[::-1]:
             print(f"[round {rnd + 1}/{args.rounds}] {side}: {trees[side]}", flush=True)
             rounds[side].append(run_round(trees[side], args, tmp / f"{side}-{rnd}.json"))
     result = {
