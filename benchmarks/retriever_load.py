@@ -333,7 +333,7 @@ def ceiling(server: RetrieverServer, index_dir: Path, bf16: bool, qs: list[str],
     """Single-query traffic at 32 clients vs the same server's batch-of-32 throughput vs the encoder alone."""
     from retriever.searcher import Searcher
 
-    from retriever.server import default_encode_threads
+    from retriever.encoder import default_encode_threads
 
     searcher = Searcher(index_dir, device="cpu", bf16=bf16, query_cache_size=0, encode_threads=default_encode_threads())  # as the servers
     per_round = []

@@ -22,15 +22,22 @@ log = logging.getLogger(__name__)
 __all__ = ["append_jsonl", "read_jsonl", "read_jsonl_repairing"]
 
 
-def append_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
-    """Append ``records`` in one write, flushed to disk (nothing is written for an empty list)."""
+def append_jsonl(path: str | Path, records: list[dict[str, Any]], *, escape_non_ascii: bool = False,
+                 durable: bool = True) -> None:
+    """Append ``records`` in one write, flushed to disk (nothing is written for an empty list).
+
+    Text is written as UTF-8; ``escape_non_ascii`` writes ``\\uXXXX`` escapes instead (``json.dumps``' default,
+    the form of the trainer's ``guard.jsonl`` and ``samples.jsonl``). ``durable=False`` skips the fsync (tens of
+    ms on a busy disk) for a per-step log whose last records an OS crash may take (``samples.jsonl``); a killed
+    process still leaves at most a torn last line."""
     if not records:
         return
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    payload = "".join(json.dumps(r, ensure_ascii=escape_non_ascii) + "\n" for r in records).encode()
     with open(path, "ab") as f:
         f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read_jsonl(path: str | Path) -> list[Any]:

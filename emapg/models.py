@@ -152,12 +152,17 @@ def merged_adapter_folder(adapter_dir: str | Path, *, option: str | None = None)
     """
     import hashlib
 
+    from emapg.digest import update_with_file
+
     adapter_dir = Path(adapter_dir)
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():
         raise UnknownModelError(f"{option + ': ' if option else ''}{adapter_dir} is not a peft adapter folder (no {weights.name})")
-    records = b"".join((adapter_dir / name).read_bytes() for name in RECORD_FILES if (adapter_dir / name).is_file())
-    digest = hashlib.sha256((adapter_dir / ADAPTER_CONFIG).read_bytes() + weights.read_bytes() + records).hexdigest()[:12]
+    records = [adapter_dir / name for name in RECORD_FILES if (adapter_dir / name).is_file()]
+    h = hashlib.sha256()  # of the config, the weights and the record files, concatenated
+    for path in [adapter_dir / ADAPTER_CONFIG, weights, *records]:
+        update_with_file(h, path)
+    digest = h.hexdigest()[:12]
     adapter_base_model(adapter_dir)  # an unknown base is a UserError before the build starts
     target = cache_dir() / "models" / f"merged-{adapter_dir.name}-{digest}"
     return _atomic_build(target, lambda tmp: merge_adapter_folder(adapter_dir, tmp))

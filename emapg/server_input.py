@@ -19,6 +19,9 @@ One strict path from bytes to checked values, shared by ``retriever/server.py`` 
   an HTTP/1.1 request without ``Host`` is refused (400, as RFC 9112 requires; h11 does it itself,
   httptools does not).
 
+* :func:`openapi_body`: the OpenAPI ``requestBody`` of a route whose body a pydantic model documents (the
+  handlers parse the body themselves, at least as strictly).
+
 What a connection may cost before its request arrives (header deadline, idle connections) is
 bounded below the app, in :mod:`emapg.connection_guard`.
 
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from pydantic import BaseModel
     from starlette.requests import Request
     from starlette.responses import Response
 
@@ -405,3 +409,21 @@ def serve_directly(app: FastAPI, method: str, path: str, handler: Callable[[Requ
                 await self.app(scope, receive, send)
 
     app.add_middleware(DirectRoute)
+
+
+def _inline(node: Any, defs: dict) -> Any:
+    """A JSON schema with its ``$defs`` references replaced by the definitions (``#/$defs/...`` does not
+    resolve once the schema sits inside an OpenAPI document)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline(defs[node["$ref"].rsplit("/", 1)[1]], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` for a route whose JSON body ``model`` documents (required; its ``$defs`` inlined)."""
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _inline(schema, schema.get("$defs", {}))}}}}

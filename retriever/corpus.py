@@ -24,7 +24,6 @@ of Search-R1's per-document lookups into an HF ``datasets`` object.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import zlib
 from array import array
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from emapg.atomic import save_npy_atomic
+from emapg.digest import file_digest
 
 CONTENTS_FILE = "docs.bin"
 OFFSETS_FILE = "docs.offsets.npy"
@@ -221,11 +221,7 @@ def iter_corpus(path: str | Path, limit: int | None = None) -> Iterator[Passage]
 
 def file_checksum(path: str | Path, algo: str = "sha256") -> str:
     """Checksum of the corpus file's bytes (compressed bytes for .gz): ``"sha256:<hex>"``."""
-    h = hashlib.new(algo)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return f"{algo}:{h.hexdigest()}"
+    return f"{algo}:{file_digest(path, algo)}"
 
 
 def write_docstore(passages: Iterator[Passage], out_dir: str | Path) -> int:

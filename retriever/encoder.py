@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -144,6 +145,14 @@ def make_spec(
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.min(np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
+
+
+def default_encode_threads() -> int:
+    """``--encode-threads 0``: as many concurrent CPU forwards as fit the cores at torch's intra-op thread count."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, torch.get_num_threads()))
 
 
 def resolve_devices(device: str) -> list[str]:

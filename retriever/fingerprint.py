@@ -23,6 +23,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from emapg.digest import file_digest
+
 __all__ = ["FINGERPRINT_VERSION", "index_fingerprint", "fingerprint_of", "model_files_sha256"]
 
 FINGERPRINT_VERSION = 1
@@ -31,20 +33,12 @@ _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".txt", ".model"
 _SKIP = {"README.md", ".gitattributes"}
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @lru_cache(maxsize=16)
 def _folder_digest(folder: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
     """sha256 over (name, sha256) of the listed files; ``stamp`` (names, sizes, mtimes) keys the cache."""
     h = hashlib.sha256()
     for name, _, _ in stamp:
-        h.update(f"{name}\0{_sha256_file(Path(folder) / name)}\n".encode())
+        h.update(f"{name}\0{file_digest(Path(folder) / name)}\n".encode())
     return "sha256:" + h.hexdigest()
 
 

@@ -74,7 +74,8 @@ from emapg.server_input import HTTPError, guarded, install_error_handlers, json_
 from emapg.servers import ServerOptions, help_of
 
 from retriever.client import normalize_url
-from retriever.server import LATENCY_BUCKETS, Histogram, Metrics, parse_retrieve_body
+from retriever.metrics import LATENCY_BUCKETS, Histogram, Metrics
+from retriever.schema import parse_retrieve_body
 
 log = logging.getLogger("retriever.router")
 
@@ -247,9 +248,9 @@ class Router:
 
     async def load_encoder(self, executor) -> None:
         """--encode: wait for a healthy shard, load the encoder its fingerprint names, check its weights, start batching."""
-        from retriever.encoder import Encoder, EncoderSpec
+        from retriever.batcher import MicroBatcher
+        from retriever.encoder import Encoder, EncoderSpec, default_encode_threads
         from retriever.fingerprint import model_files_sha256
-        from retriever.server import MicroBatcher, default_encode_threads
 
         while True:
             await self.checked.wait()

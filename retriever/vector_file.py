@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from emapg.digest import update_with_file
+
 FORMAT = "emapg-vectors-uint8/1"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -67,9 +69,7 @@ def encoder_weights_sha256(model_dir: str | Path) -> str:
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
+        update_with_file(h, p)
     return "sha256:" + h.hexdigest()
 
 

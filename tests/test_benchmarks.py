@@ -321,6 +321,26 @@ def test_train_step_sizes_per_config():
     assert (quick["prompts"], quick["group"], quick["length"]) == (4, 4, 32)
 
 
+def test_train_step_compare_takes_after_over_before_round_by_round(capsys):
+    tc = _load_script("train_step_compare_bench", ROOT / "benchmarks" / "train_step_compare.py")
+
+    def one_round(grpo_s: float, rss: float) -> dict:  # train_step.py's JSON of a one-round run
+        return {"results": {"ours_grpo": {"round_medians_s": [grpo_s], "peak_rss_mb": rss}}}
+
+    rounds = {"before": [one_round(2.0, 100.0), one_round(4.0, 120.0), one_round(3.0, 110.0)],
+              "after": [one_round(1.0, 90.0), one_round(4.4, 130.0), one_round(3.3, 100.0)]}
+    r = tc.compare(rounds, ["ours_grpo"])["ours_grpo"]
+    assert r["ratio_rounds"]["per_round"] == pytest.approx([0.5, 1.1, 1.1])
+    assert r["after_over_before_step_time_ratio"] == pytest.approx(1.1) and r["ratio_rounds"]["min"] == pytest.approx(0.5)
+    assert (r["before_peak_rss_mb"], r["after_peak_rss_mb"]) == (120.0, 130.0)
+    with pytest.raises(SystemExit):
+        tc.parse_args(["--before", str(ROOT), "--modes", "ours_emapg"])
+    assert "--modes must start with ours_grpo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tc.parse_args(["--before", str(ROOT / "nowhere")])
+    assert "no benchmarks/train_step.py there" in capsys.readouterr().err
+
+
 def test_retriever_load_benchmark_writes_its_ratios(tmp_path):
     """``benchmarks/retriever_load.py`` on a 32-passage index with windows of a fraction of a second:
     the contract keys (batched/unbatched and single/batch-of-32 at 32 clients) are numbers, every
@@ -348,7 +368,7 @@ def test_retriever_load_benchmark_writes_its_ratios(tmp_path):
 def test_retriever_load_reads_the_batch_and_request_tails_from_real_metrics():
     """The tail fields come from a real /metrics text: of 4 batches taking 0.09, 0.12, 0.14 and 0.2 s,
     3 took over 100 ms and 1 over 150 ms; of 5 requests, 2 over 150 ms (counted between two scrapes)."""
-    from retriever.server import Metrics
+    from retriever.metrics import Metrics
 
     rl = _load_script("retriever_load", ROOT / "benchmarks" / "retriever_load.py")
     m = Metrics()

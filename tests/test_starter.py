@@ -40,22 +40,19 @@ def test_shipped_starter_is_a_small_peft_adapter_with_its_record():
     assert record["format_check"]["format_rate"] >= 0.9 and record["format_check"]["questions"] == 21
 
 
-def test_starter_answers_in_the_answer_format(retriever_server, retriever_index):
+def test_starter_answers_in_the_answer_format(retriever_client, retriever_index):
     """Greedy rollouts of the starter (transformers engine) with the CPU RL preset's loop, live retriever."""
     from agent.engines.hf_engine import HFEngine
-    from retriever.client import RetrieverClient
 
     path = resolve_model(STARTER)
     preset = load_config(TrainConfig, REPO / "configs/search_smollm2_cpu.yaml").rollout
     cfg = RolloutConfig(**{f.name: getattr(preset, f.name) for f in fields(RolloutConfig)})
     cfg.temperature = 0.0
     engine = HFEngine(path, max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
-    client = RetrieverClient(retriever_server.url)
     try:
         questions = [q["question"] for q in retriever_index.questions[:4]]  # bundled NQ test questions
-        trajs = run_rollouts(engine, questions, client, cfg)
+        trajs = run_rollouts(engine, questions, retriever_client, cfg)
     finally:
-        client.close()
         engine.close()
     answered = [t for t in trajs if extract_answer(t.model_text) is not None]
     assert len(answered) >= 3, [t.model_text for t in trajs]

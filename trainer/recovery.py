@@ -26,7 +26,6 @@ Rollback and reset act on a single process's unsharded policy (``GuardHook`` ref
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from emapg.config import ConfigError
-from emapg.jsonl import read_jsonl
+from emapg.jsonl import append_jsonl, read_jsonl
 from trainer.errors import TrainingError
 from trainer.guard import Guard, GuardConfig, GuardEvent
 
@@ -177,9 +176,8 @@ class GuardHook:
         trainer.message(f"[guard] {event.describe()} -> {event.detail}")
         if not trainer.dist.is_main:
             return
-        with open(Path(trainer.run_dir) / GUARD_FILE, "a") as f:
-            record = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(event).items()}
-            f.write(json.dumps(record) + "\n")  # NaN/inf as strings, as in metrics.jsonl
+        record = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(event).items()}
+        append_jsonl(Path(trainer.run_dir) / GUARD_FILE, [record], escape_non_ascii=True)  # NaN/inf as strings, as in metrics.jsonl
         if trainer.tracker is not None:
             trainer.tracker.log_scalars(trainer.step, {f"guard/{event.detector}": 1.0,
                                                        f"guard/action_{event.action}": 1.0})

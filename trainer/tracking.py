@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from emapg.jsonl import read_jsonl
+from emapg.jsonl import append_jsonl, read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -145,9 +145,7 @@ class Tracker:
         """Append a few decoded trajectories to ``samples.jsonl`` (for reading what the policy does)."""
         if not self.enabled or not samples:
             return
-        with open(self.run_dir / SAMPLES_FILE, "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **s}) + "\n")
+        append_jsonl(self.run_dir / SAMPLES_FILE, [{"step": step, **s} for s in samples], escape_non_ascii=True, durable=False)
 
     def message(self, text: str) -> None:
         """A line above the progress bar (or on stderr)."""

@@ -12,13 +12,9 @@ and the schema, ``/openapi.json`` and ``/docs``):
   A single ``params`` with ``seed=s`` gives prompt i the seed ``s + i`` (as the local engines).
   A log-prob that is not a finite number is sent as ``null``.
 * ``POST /score``: ``{"token_ids": [[ids]], "start": [int]}`` -> ``{"logprobs": [[float | null]]}``.
-* ``POST /weights/{sync_id}/bucket/{index}`` (a safetensors body), ``POST /weights/{sync_id}/commit``,
-  ``DELETE /weights/{sync_id}``: the http weight transport (agent/engines/staging.py). A commit with
-  ``"lora": {"r", "lora_alpha", "target_modules"}`` loads the staged tensors as LoRA adapters (peft names)
-  over the served base (``--max-lora-rank``); ``/health`` says ``serves_lora``/``max_lora_rank``.
-* ``POST /weights/collective/init`` (only to the addresses ``--collective-allow`` names) and
-  ``/weights/collective/receive``: the collective transport (agent/engines/collective.py); a receive with
-  ``"lora"`` (as a commit's) broadcasts only LoRA adapters and loads them as the served adapters' next version.
+* ``/weights/...``: the weight sync, over http (staged safetensors buckets, then a commit) or a collective
+  (agent/engines/weight_routes.py). A sync may carry LoRA adapters, served over the base (``--max-lora-rank``);
+  ``/health`` says ``serves_lora``/``max_lora_rank``.
 * ``POST /sleep``, ``POST /wake``; ``GET /metrics`` (JSON counters, refusals by reason).
 
 One worker thread owns the engine (agent/engines/engine_loop.py). Every body is parsed strictly
@@ -30,9 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
-import re
-import socket
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,21 +35,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.engines.base import MAX_LORA_RANK, MAX_LORA_TARGETS, check_prompts, lora_adapter_config, per_prompt_params
+from agent.engines.base import MAX_LORA_RANK, check_prompts, per_prompt_params
 from agent.engines.engine_loop import EngineLoop, EngineStepError, log
-from agent.engines.staging import WeightStaging, check_against_manifest, checkpoint_manifest, float32_bytes, lora_rank
-from agent.engines.wire import (
-    MAX_INT32, MAX_SEED, MAX_TEMPERATURE, check_bucket_meta, check_seeds, check_weights, finite_or_none, meta_bytes,
-    output_to_json, params_from_json, parse_prompts,
-)  # fmt: skip
+from agent.engines.staging import WeightStaging, checkpoint_manifest, float32_bytes
+from agent.engines.weight_routes import ServedWeights, add_weight_routes, allow_entry
+from agent.engines.wire import MAX_INT32, MAX_SEED, MAX_TEMPERATURE, check_seeds, finite_or_none, output_to_json, params_from_json, parse_prompts
 from emapg.config import ConfigError, option
-from emapg.server_input import (
-    HTTPError, as_float, as_int, as_list, as_text, check_fields, guarded, install_error_handlers, parse_json, read_body, show,
-)  # fmt: skip
+from emapg.server_input import HTTPError, as_int, as_list, check_fields, guarded, install_error_handlers, openapi_body, parse_json, read_body
 from emapg.servers import ServerOptions, help_of
-
-MAX_BUCKETS = 100_000
-SYNC_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(kw_only=True)
@@ -106,7 +92,7 @@ class EngineServeConfig(ServerOptions):
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"--seed must be between 0 and {MAX_SEED}")
         for entry in self.collective_allow:
-            _allow_entry(entry)
+            allow_entry(entry)
         if self.openai_max_sessions < 1 or self.openai_max_calls_per_session < 1:
             raise ConfigError("--openai-max-sessions and --openai-max-calls-per-session must be at least 1")
         from agent.formats import tool_chat_template
@@ -141,47 +127,6 @@ class EngineServeConfig(ServerOptions):
                     max_lora_rank=self.max_lora_rank)
 
 
-# ----------------------------------------------------------------------------- collective address allow-list
-
-
-def _allow_entry(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str:
-    """A ``--collective-allow`` entry: a network (an IP is a /32 or /128), else a host name (resolved when used)."""
-    try:
-        return ipaddress.ip_network(entry, strict=False)
-    except ValueError:
-        if not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", entry):
-            raise ConfigError(f"--collective-allow {entry!r} is neither an IP address, a CIDR network nor a host name") from None
-        return entry
-
-
-def _resolve(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
-        raise HTTPError(422, f"collective init: cannot resolve host {show(host)} ({e})") from None
-    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-
-
-def allowed_address(host: str, allow: list[str]) -> str:
-    """The address of ``host`` to connect to, if ``allow`` permits one of them; HTTPError 403 otherwise.
-
-    The check is on the resolved addresses, and the server connects to the address it checked (not the
-    name again), so a name that resolves differently the second time cannot redirect it.
-    """
-    if not allow:
-        raise HTTPError(403, "collective weight sync is off on this server (start it with --collective-allow ADDRESS...)", "forbidden")
-    networks = []
-    for entry in map(_allow_entry, allow):
-        if isinstance(entry, str):
-            networks += [ipaddress.ip_network(a) for a in _resolve(entry)]
-        else:
-            networks.append(entry)
-    for address in _resolve(host):
-        if any(address.version == n.version and address in n for n in networks):
-            return str(address)
-    raise HTTPError(403, f"collective init to {show(host)} refused: this server joins weight-sync groups only at {allow} (--collective-allow)")
-
-
 # ----------------------------------------------------------------------------- API schema (OpenAPI, documentation)
 
 
@@ -213,112 +158,6 @@ class ScoreBody(_Strict):
     start: list[Annotated[int, Field(ge=1)]] = Field(..., description="per sequence, the first position scored (>= 1)")
 
 
-class LoraBody(_Strict):
-    r: int = Field(..., ge=1, le=MAX_LORA_RANK)
-    lora_alpha: float = Field(..., gt=0)
-    target_modules: list[str] = Field(..., min_length=1, max_length=MAX_LORA_TARGETS)
-
-
-class CommitBody(_Strict):
-    buckets: int = Field(..., ge=1, le=MAX_BUCKETS)
-    tensors: int | None = Field(None, ge=1)
-    tag: str | int | None = None
-    lora: LoraBody | None = None
-
-
-class CollectiveInitBody(_Strict):
-    host: str = Field(..., min_length=1, max_length=255)
-    port: int = Field(..., ge=1, le=65535)
-    world_size: int = Field(..., ge=2, le=65536)
-    rank_offset: int = Field(..., ge=1)
-    backend: Literal["gloo", "nccl"]
-    group: str = Field(..., min_length=1, max_length=200)
-    timeout_s: float | None = Field(None, gt=0, le=86400)
-
-
-class BucketMeta(_Strict):
-    dtype: Literal["float32", "bfloat16", "float16"]
-    tensors: list[tuple[str, list[int]]] = Field(..., min_length=1)
-
-
-class CollectiveReceiveBody(_Strict):
-    sync_id: str = Field(..., pattern=SYNC_ID.pattern)
-    buckets: list[BucketMeta] = Field(..., min_length=1)
-    tag: str | int | None = None
-    lora: LoraBody | None = None
-
-
-def _inline(node: Any, defs: dict) -> Any:
-    """A JSON schema with its ``$defs`` references replaced by the definitions (``#/$defs/...`` does not
-    resolve once the schema sits inside an OpenAPI document)."""
-    if isinstance(node, dict):
-        if "$ref" in node:
-            return _inline(defs[node["$ref"].rsplit("/", 1)[1]], defs)
-        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
-    if isinstance(node, list):
-        return [_inline(v, defs) for v in node]
-    return node
-
-
-def _body_doc(model: type[BaseModel]) -> dict:
-    schema = model.model_json_schema()
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _inline(schema, schema.get("$defs", {}))}}}}
-
-
-SAFETENSORS_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
-
-
-# ----------------------------------------------------------------------------- request checks
-
-
-def check_sync_id(sync_id: Any, where: str = "sync id") -> str:
-    if not isinstance(sync_id, str) or not SYNC_ID.fullmatch(sync_id):
-        raise HTTPError(422, f"{where} must be 1-128 characters of letters, digits and ._:-, got {show(sync_id)}")
-    return sync_id
-
-
-def parse_tag(tag: Any) -> str | int | None:
-    """A sync's label (``weights_tag`` in /health): a short string, an integer, or null."""
-    if tag is None or isinstance(tag, str):
-        return None if tag is None else as_text(tag, "'tag'", max_chars=200, nonempty=False)
-    return as_int(tag, "'tag'", -MAX_SEED, MAX_SEED)
-
-
-def parse_lora(value: Any, info: Any) -> dict:
-    """A commit's ``lora`` config (:func:`agent.engines.base.lora_adapter_config`), and the engine must serve that rank."""
-    try:
-        lora = lora_adapter_config(value)
-    except ValueError as e:
-        raise HTTPError(422, f"'lora': {e}") from None
-    problem = info.lora_problem(lora["r"])
-    if problem:
-        raise HTTPError(422, f"cannot serve LoRA adapters: {problem} (start it with --max-lora-rank {lora['r']})", "lora_unsupported")
-    return lora
-
-
-def check_sync_kind(shapes: dict[str, tuple[int, ...]], lora: dict | None) -> None:
-    """A sync of LoRA adapters comes with its ``lora`` config (of the adapters' rank), a sync of model weights without."""
-    rank = lora_rank(shapes)
-    if (lora is None) != (rank is None) or (lora is not None and rank != lora["r"]):
-        raise HTTPError(422, "a sync of LoRA adapters needs a matching 'lora' config (r = the adapters' rank), "
-                             "and a sync of model weights none", "weights_mismatch")
-
-
-def load_bucket(body: bytes, index: int) -> dict:
-    """A safetensors body -> checked tensors (worker thread: parsing and the finite check touch every byte)."""
-    from safetensors.torch import load as load_safetensors
-
-    try:
-        tensors = load_safetensors(body)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise HTTPError(422, f"bucket {index} is not a valid safetensors body ({type(e).__name__}: {e})") from None
-    try:
-        check_weights(tensors)
-    except ValueError as e:
-        raise HTTPError(422, f"bucket {index}: {e}", "invalid_weights") from None
-    return tensors
-
-
 # ----------------------------------------------------------------------------- app
 
 
@@ -337,8 +176,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     # A LoRA run's adapter folder is served on its base: syncs are checked against the base's tensors.
     manifest = checkpoint_manifest(adapter_base_model(model_dir) if is_adapter_folder(model_dir) else model_dir)
     max_staged = cfg.max_staged_mb << 20 if cfg.max_staged_mb else float32_bytes(manifest) if manifest else 64 << 30
-    staging = WeightStaging(manifest, max_staged)
-    state: dict[str, Any] = {"version": 0, "tag": None, "collective_timeout": 600.0, "receiver": None}
+    weights = ServedWeights(WeightStaging(manifest, max_staged), manifest)
     requests: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
 
@@ -396,7 +234,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
                                                     cfg.openai_session_ttl_s, cfg.tool_parser, cfg.tool_chat_template))
 
     # ------------------------------------------------------------------ generation
-    @app.post("/generate", openapi_extra=_body_doc(GenerateBody))
+    @app.post("/generate", openapi_extra=openapi_body(GenerateBody))
     @endpoint
     async def generate(request: Request):
         """Token ids in, token ids + sampling log-probs + finish/stop reason out."""
@@ -420,9 +258,9 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
                 raise HTTPError(422, f"params[{i}].allowed_token_ids has ids outside the vocabulary (size {engine.vocab_size})")
         outputs = [output_to_json(o) for o in await run(loop_.generate(prompts, plist))]
         note_nonfinite([o["logprobs"] for o in outputs])
-        return {"outputs": outputs, "weights_version": state["version"]}
+        return {"outputs": outputs, "weights_version": weights.version}
 
-    @app.post("/score", openapi_extra=_body_doc(ScoreBody))
+    @app.post("/score", openapi_extra=openapi_body(ScoreBody))
     @endpoint
     async def score(request: Request):
         """log p(token_t | tokens_<t) for t >= start[i] under the served weights (raw model, temperature 1)."""
@@ -468,115 +306,9 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         await run(loop_.call(do))
         return {"asleep": False}
 
-    # ------------------------------------------------------------------ http weight transport
-    def committed(tag: str | int | None) -> dict:
-        state["version"] += 1
-        state["tag"] = tag
-        log.info("weights version %d (%s)", state["version"], state["tag"])
-        return {"weights_version": state["version"], "tag": state["tag"]}
-
-    @app.post("/weights/{sync_id}/bucket/{index}", openapi_extra=SAFETENSORS_BODY)
-    @endpoint
-    async def weights_bucket(request: Request, sync_id: str, index: int):
-        """Stage one bucket (a safetensors body) of sync ``sync_id``; a new sync id discards older staged buckets."""
-        ready_engine()
-        check_sync_id(sync_id)
-        if not 0 <= index < MAX_BUCKETS:
-            raise HTTPError(422, f"bucket index must be between 0 and {MAX_BUCKETS - 1}, got {index}")
-        body = await read_body(request, cfg.max_bucket_bytes, timeout_s=cfg.body_timeout, hint=" (--max-bucket-mb)")
-        tensors = await asyncio.to_thread(load_bucket, body, index)
-        return staging.stage(sync_id, index, tensors)
-
-    @app.post("/weights/{sync_id}/commit", openapi_extra=_body_doc(CommitBody))
-    @endpoint
-    async def weights_commit(request: Request, sync_id: str):
-        """Load a fully staged sync into the engine (``{"buckets": N, "tensors": M, "tag": ...}``) and bump the version."""
-        engine = ready_engine()
-        check_sync_id(sync_id)
-        data = await json_body(request, ("buckets", "tensors", "tag", "lora"), ("buckets",))
-        n = as_int(data["buckets"], "'buckets'", 1, MAX_BUCKETS)
-        n_tensors = None if data.get("tensors") is None else as_int(data["tensors"], "'tensors'", 1, 1 << 24)
-        tag = parse_tag(data.get("tag"))
-        lora = None if data.get("lora") is None else parse_lora(data["lora"], engine.info)
-        sd = staging.take(sync_id, n, n_tensors)
-        check_sync_kind({k: tuple(v.shape) for k, v in sd.items()}, lora)
-        await run(loop_.call(lambda: engine.load_weights(sd) if lora is None else engine.load_lora(sd, lora)))
-        return committed(tag)
-
-    @app.delete("/weights/{sync_id}")
-    @endpoint
-    async def weights_abort(request: Request, sync_id: str):
-        """Discard the staged buckets of sync ``sync_id`` (nothing is loaded)."""
-        return {"discarded": staging.discard(sync_id)}
-
-    # ------------------------------------------------------------------ collective weight transport
-    @app.post("/weights/collective/init", openapi_extra=_body_doc(CollectiveInitBody))
-    @endpoint
-    async def collective_init(request: Request):
-        """Join the trainer's weight-sync process group (``{host, port, world_size, rank_offset, backend, group, timeout_s}``)."""
-        engine = ready_engine()
-        d = await json_body(request, ("host", "port", "world_size", "rank_offset", "backend", "group", "timeout_s"),
-                            ("host", "port", "world_size", "rank_offset", "backend", "group"))  # fmt: skip
-        host = as_text(d["host"], "'host'", max_chars=255)
-        port = as_int(d["port"], "'port'", 1, 65535)
-        world = as_int(d["world_size"], "'world_size'", 2, 65536)
-        offset = as_int(d["rank_offset"], "'rank_offset'", 1, world - 1)
-        if d["backend"] not in ("gloo", "nccl"):
-            raise HTTPError(422, f"'backend' must be \"gloo\" or \"nccl\", got {show(d['backend'])}")
-        backend = d["backend"]
-        group = as_text(d["group"], "'group'", max_chars=200)
-        timeout_s = 600.0 if d.get("timeout_s") is None else as_float(d["timeout_s"], "'timeout_s'", 1e-3, 86400.0)
-        address = await asyncio.to_thread(allowed_address, host, cfg.collective_allow)
-        state["collective_timeout"] = timeout_s
-        if hasattr(engine, "collective_init"):  # vLLM: every worker joins
-            ranks = await run(loop_.call(lambda: engine.collective_init(address, port, world, offset, backend, group, timeout_s)))
-        else:
-            from agent.engines.collective import CollectiveReceiver
-
-            receiver = state["receiver"] = state["receiver"] or CollectiveReceiver()
-            await run(loop_.call(lambda: receiver.join(address, port, world, offset, backend, group, timeout_s)))
-            ranks = [offset]
-        return {"ranks": ranks}
-
-    @app.post("/weights/collective/receive", openapi_extra=_body_doc(CollectiveReceiveBody))
-    @endpoint
-    async def collective_receive(request: Request):
-        """Receive one broadcast sync (``{sync_id, buckets: [{dtype, tensors: [[name, shape]]}], tag, lora}``) and load it
-        (``lora``: the buckets are LoRA adapters, served over the base from now on)."""
-        engine = ready_engine()
-        d = await json_body(request, ("sync_id", "buckets", "tag", "lora"), ("sync_id", "buckets"))
-        sync_id = check_sync_id(d["sync_id"], "'sync_id'")
-        try:
-            meta = check_bucket_meta(d["buckets"], MAX_BUCKETS)
-        except ValueError as e:
-            raise HTTPError(422, str(e)) from None
-        tag = parse_tag(d.get("tag"))
-        names = [n for b in meta for n, _ in b["tensors"]]
-        if len(set(names)) != len(names):
-            raise HTTPError(422, "a tensor name appears twice in 'buckets'")
-        lora = None if d.get("lora") is None else parse_lora(d["lora"], engine.info)
-        shapes = {n: tuple(s) for b in meta for n, s in b["tensors"]}
-        check_against_manifest(shapes, manifest, complete=True)
-        check_sync_kind(shapes, lora)
-        if meta_bytes(meta) > staging.max_bytes:
-            raise HTTPError(413, f"the sync describes {meta_bytes(meta)} bytes, more than the limit of {staging.max_bytes} (--max-staged-mb)")
-        timeout_s = state["collective_timeout"]
-        if hasattr(engine, "collective_receive"):  # vLLM: the workers receive
-            await run(loop_.call(lambda: engine.collective_receive(meta, sync_id, timeout_s, lora=lora)))
-        else:
-            receiver = state["receiver"]
-            if receiver is None or receiver.pg is None:
-                raise HTTPError(409, "no weight-sync group: POST /weights/collective/init first")
-
-            def do():
-                weights = receiver.receive(meta, sync_id, engine.device)  # refuses non-finite values
-                if lora is None:
-                    engine.load_weights(weights)
-                else:
-                    engine.load_lora(weights, lora)
-
-            await run(loop_.call(do))
-        return committed(tag)
+    # ------------------------------------------------------------------ weight sync (agent/engines/weight_routes.py)
+    add_weight_routes(app, weights, endpoint=endpoint, json_body=json_body, ready_engine=ready_engine, run=run, call=loop_.call,
+                      max_bucket_bytes=cfg.max_bucket_bytes, body_timeout=cfg.body_timeout, collective_allow=cfg.collective_allow)
 
     # ------------------------------------------------------------------ status
     @app.get("/health")
@@ -591,11 +323,11 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         info = loop_.engine.info
         return {
             "status": "ok", "engine": info.kind, "model": str(model_dir), "max_model_len": info.max_model_len,
-            "vocab_size": loop_.engine.vocab_size, "weights_version": state["version"], "weights_tag": state["tag"],
+            "vocab_size": loop_.engine.vocab_size, "weights_version": weights.version, "weights_tag": weights.tag,
             "asleep": loop_.asleep, "supports_sleep": info.supports_sleep, "continuous_batching": info.continuous_batching,
             "collective_ranks": int(info.extra.get("tensor_parallel_size", 1)), "max_bucket_bytes": cfg.max_bucket_bytes,
             "max_body_bytes": cfg.max_body_bytes, "max_prompts_per_request": cfg.max_prompts_per_request,
-            "max_staged_bytes": staging.max_bytes, "serves_lora": info.serves_lora, "max_lora_rank": info.max_lora_rank,
+            "max_staged_bytes": weights.staging.max_bytes, "serves_lora": info.serves_lora, "max_lora_rank": info.max_lora_rank,
         }  # fmt: skip
 
     @app.get("/metrics")
@@ -604,7 +336,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         """JSON counters: requests by endpoint and status, refusals by reason, prompts, generated tokens, engine steps,
         in-flight prompts, staged weight bytes."""
         return {"requests": dict(requests), "errors": dict(errors), **dict(loop_.counters), "in_flight": loop_.in_flight,
-                "weights_version": state["version"], "staged_bytes": staging.nbytes}  # fmt: skip
+                "weights_version": weights.version, "staged_bytes": weights.staging.nbytes}  # fmt: skip
 
     return app
 

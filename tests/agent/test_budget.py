@@ -21,13 +21,12 @@ def test_remaining_budget_and_the_binding_cap(prompt, response, max_response, co
     assert remaining_budget(prompt, response, max_response, context) == expected
 
 
-def test_a_real_rollout_at_the_tie_stops_for_length(untied_tiny_dir, retriever_server):
+def test_a_real_rollout_at_the_tie_stops_for_length(untied_tiny_dir, retriever_client):
     """Response cap and context window run out together ("length"), or the window one token earlier
     ("context"), whichever stop decision ends the trajectory (mid-turn, observation check, turn start)."""
     from agent.engines import make_engine
     from agent.prompts import build_prompt
     from agent.rollout import RolloutConfig, run_rollouts
-    from retriever.client import RetrieverClient
 
     engine = make_engine("hf", untied_tiny_dir, max_model_len=1024)
     question = "who wrote hamlet"
@@ -36,6 +35,5 @@ def test_a_real_rollout_at_the_tie_stops_for_length(untied_tiny_dir, retriever_s
         for window, reason in ((prompt_len + max_response, "length"), (prompt_len + max_response - 1, "context")):
             cfg = RolloutConfig(max_turns=6, max_tokens_per_turn=12, max_obs_tokens=40, max_response_tokens=max_response,
                                 max_prompt_tokens=prompt_len, max_context_tokens=window, seed=2)
-            with RetrieverClient(retriever_server.url) as client:
-                (t,) = run_rollouts(engine, [question], client, cfg)
+            (t,) = run_rollouts(engine, [question], retriever_client, cfg)
             assert t.stop_reason == reason and len(t.prompt_ids) + len(t.response_ids) <= window

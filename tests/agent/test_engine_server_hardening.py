@@ -27,7 +27,7 @@ from agent.engines.engine_loop import EngineLoop, EngineStepError
 from agent.engines.hf_engine import HFEngine
 from agent.engines.launch import EngineServer
 from agent.engines.remote import RemoteEngine
-from agent.engines.server import allowed_address
+from agent.engines.weight_routes import allowed_address
 from agent.engines.wire import params_to_json
 from app.cli import main as emapg_main
 from emapg.server_input import HTTPError

@@ -32,20 +32,13 @@ def noise(untied_tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def client(retriever_server):
-    c = RetrieverClient(retriever_server.url, timeout=20, retries=1)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def questions(retriever_index):
     return [q["question"] for q in retriever_index.questions[:6]]
 
 
-def test_searcher_runs_max_turns_then_a_final_turn_without_search(searcher, client, questions):
+def test_searcher_runs_max_turns_then_a_final_turn_without_search(searcher, retriever_client, questions):
     rec = Recorder(searcher)
-    trajs = run_rollouts(rec, questions, client, RolloutConfig(**FAST))
+    trajs = run_rollouts(rec, questions, retriever_client, RolloutConfig(**FAST))
     check_token_exact(trajs, rec.calls)
     tok = searcher.tokenizer
     for t in trajs:
@@ -67,16 +60,16 @@ def test_searcher_runs_max_turns_then_a_final_turn_without_search(searcher, clie
     assert len({t.group_id for t in trajs}) == len(questions)
 
 
-def test_answerer_stops_with_the_answer(answerer, client, questions):
-    trajs = run_rollouts(answerer, questions, client, RolloutConfig(**FAST))
+def test_answerer_stops_with_the_answer(answerer, retriever_client, questions):
+    trajs = run_rollouts(answerer, questions, retriever_client, RolloutConfig(**FAST))
     for t in trajs:
         assert (t.stop_reason, t.final_answer, t.num_searches, t.num_turns) == ("answer", "Paris", 0, 1)
         assert t.response_text == ANSWER_SCRIPT and t.loss_mask == [1] * len(t.response_ids)
 
 
-def test_invalid_actions_get_the_corrective_message(noise, client, questions):
+def test_invalid_actions_get_the_corrective_message(noise, retriever_client, questions):
     rec = Recorder(noise)
-    trajs = run_rollouts(rec, questions[:3], client, RolloutConfig(**{**FAST, "max_obs_tokens": 128}, max_turns=2))
+    trajs = run_rollouts(rec, questions[:3], retriever_client, RolloutConfig(**{**FAST, "max_obs_tokens": 128}, max_turns=2))
     check_token_exact(trajs, rec.calls)
     for t in trajs:
         assert t.stop_reason == "max_turns" and t.num_searches == 0 and t.invalid_actions == 2
@@ -86,23 +79,23 @@ def test_invalid_actions_get_the_corrective_message(noise, client, questions):
         assert all(t.response_ids[s.start : s.end] == expected for s in obs)
 
 
-def test_response_and_context_caps(searcher, noise, client, questions):
-    trajs = run_rollouts(noise, questions[:2], client, RolloutConfig(**{**FAST, "max_response_tokens": 60}))
+def test_response_and_context_caps(searcher, noise, retriever_client, questions):
+    trajs = run_rollouts(noise, questions[:2], retriever_client, RolloutConfig(**{**FAST, "max_response_tokens": 60}))
     for t in trajs:
         assert t.stop_reason == "length" and len(t.response_ids) <= 60
-    trajs = run_rollouts(searcher, questions[:2], client, RolloutConfig(**FAST, max_context_tokens=300, max_prompt_tokens=250))
+    trajs = run_rollouts(searcher, questions[:2], retriever_client, RolloutConfig(**FAST, max_context_tokens=300, max_prompt_tokens=250))
     for t in trajs:
         assert t.stop_reason == "context" and len(t.prompt_ids) + len(t.response_ids) <= 300
         assert t.num_searches <= 1
 
 
-def test_one_bad_prompt_does_not_crash_the_batch(searcher, client, questions):
+def test_one_bad_prompt_does_not_crash_the_batch(searcher, retriever_client, questions):
     prompts = [questions[0], "", "x" * 20000, questions[1]]
-    trajs = run_rollouts(searcher, prompts, client, RolloutConfig(**FAST, max_turns=1))
+    trajs = run_rollouts(searcher, prompts, retriever_client, RolloutConfig(**FAST, max_turns=1))
     assert [t.stop_reason for t in trajs] == ["max_turns", "error", "error", "max_turns"]
     assert "empty question" in trajs[1].error and "PromptTooLong" in trajs[2].error
     # the same over-long question fits when the policy allows truncating it
-    ok = run_rollouts(searcher, ["x " * 3000], client, RolloutConfig(**FAST, max_turns=1, max_prompt_tokens=1000, prompt_truncation="truncate_question"))[0]
+    ok = run_rollouts(searcher, ["x " * 3000], retriever_client, RolloutConfig(**FAST, max_turns=1, max_prompt_tokens=1000, prompt_truncation="truncate_question"))[0]
     assert ok.stop_reason == "max_turns" and ok.prompt_truncated_tokens > 0 and len(ok.prompt_ids) <= 1000
 
 
@@ -132,22 +125,22 @@ def test_retrieval_failures_become_observations(searcher, questions, fault_proxy
     assert summarize(trajs)["rollout/search_failures"] == total
 
 
-def test_async_driver_gives_the_same_trajectories(searcher, noise, client, questions):
+def test_async_driver_gives_the_same_trajectories(searcher, noise, retriever_client, questions):
     for engine in (searcher, noise):
         cfg = RolloutConfig(**FAST, max_turns=2)
-        a = run_rollouts(engine, questions[:4], client, cfg, batch_tag="x")
-        b, stats = run_rollouts_with_stats(engine, questions[:4], client, RolloutConfig(**FAST, max_turns=2, mode="async"), batch_tag="x")
+        a = run_rollouts(engine, questions[:4], retriever_client, cfg, batch_tag="x")
+        b, stats = run_rollouts_with_stats(engine, questions[:4], retriever_client, RolloutConfig(**FAST, max_turns=2, mode="async"), batch_tag="x")
         assert [t.response_ids for t in a] == [t.response_ids for t in b]
         assert [t.stop_reason for t in a] == [t.stop_reason for t in b]
         assert stats.wall_s >= stats.generation_s > 0
 
 
-def test_group_sampling(noise, client, questions):
-    trajs = run_rollouts(noise, questions[:2], client, RolloutConfig(**FAST, max_turns=0, n_samples=3))
+def test_group_sampling(noise, retriever_client, questions):
+    trajs = run_rollouts(noise, questions[:2], retriever_client, RolloutConfig(**FAST, max_turns=0, n_samples=3))
     assert [(t.prompt_index, t.sample_index) for t in trajs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert len({t.group_id for t in trajs}) == 2 and len({t.uid for t in trajs}) == 6
     assert len({tuple(t.response_ids) for t in trajs[:3]}) == 3  # different seeds per sample
-    again = run_rollouts(noise, questions[:2], client, RolloutConfig(**FAST, max_turns=0, n_samples=3))
+    again = run_rollouts(noise, questions[:2], retriever_client, RolloutConfig(**FAST, max_turns=0, n_samples=3))
     assert [t.response_ids for t in again] == [t.response_ids for t in trajs]  # seeded
     assert trajs[0].group_id != again[0].group_id  # group ids are unique per call
 
@@ -172,13 +165,13 @@ def test_async_retriever_is_refused(noise):
         run_rollouts(noise, ["q"], CoroutineRetriever(), RolloutConfig())
 
 
-def test_smollm2_prompted_rollout_is_token_exact(smollm2_dir, client, questions):
+def test_smollm2_prompted_rollout_is_token_exact(smollm2_dir, retriever_client, questions):
     """A real instruct model, prompted with the Search-R1 template through its own chat template."""
     engine = make_engine("hf", smollm2_dir, max_model_len=2048)
-    prompt = engine.tokenizer.decode(run_rollouts(engine, questions[:1], client, RolloutConfig(max_turns=0, max_tokens_per_turn=1))[0].prompt_ids)
+    prompt = engine.tokenizer.decode(run_rollouts(engine, questions[:1], retriever_client, RolloutConfig(max_turns=0, max_tokens_per_turn=1))[0].prompt_ids)
     assert prompt.count("<|im_start|>user\nAnswer the given question.") == 1 and prompt.endswith("<|im_start|>assistant\n")
     rec = Recorder(engine)
-    trajs = run_rollouts(rec, questions[:2], client, RolloutConfig(max_turns=1, max_tokens_per_turn=40, max_obs_tokens=200, temperature=0.0))
+    trajs = run_rollouts(rec, questions[:2], retriever_client, RolloutConfig(max_turns=1, max_tokens_per_turn=40, max_obs_tokens=200, temperature=0.0))
     check_token_exact(trajs, rec.calls)
     for t in trajs:
         assert t.stop_reason in ("answer", "max_turns") and t.error is None

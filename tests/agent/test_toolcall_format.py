@@ -14,7 +14,6 @@ from agent.teacher_forcing import ReplayRetriever, ScriptedTrajectory, replay_tr
 from agent.rollout import RolloutConfig, run_rollouts, run_rollouts_with_stats
 from agent.toolcall_parsers import HermesParser, ToolCall, get_tool_parser
 from emapg.config import ConfigError, from_dict
-from retriever.client import RetrieverClient
 from tasks.qa import qa_reward
 from tests.fixtures.agent import Recorder, check_token_exact
 
@@ -24,13 +23,6 @@ FAST = dict(format="tool_calls", max_tokens_per_turn=24, max_obs_tokens=160, tem
 @pytest.fixture(scope="module")
 def searcher(tool_searcher_dir):
     return make_engine("hf", tool_searcher_dir, max_model_len=2048)
-
-
-@pytest.fixture(scope="module")
-def client(retriever_server):
-    c = RetrieverClient(retriever_server.url, timeout=20, retries=1)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +106,10 @@ def test_a_template_without_tools_is_refused_naming_the_model_and_the_option(tin
 # ----------------------------------------------------------------------------- the loop, token-exact
 
 
-def test_searcher_is_token_exact_and_its_tool_messages_are_the_templates(searcher, client, questions):
+def test_searcher_is_token_exact_and_its_tool_messages_are_the_templates(searcher, retriever_client, questions):
     rec = Recorder(searcher)
     cfg = RolloutConfig(**{**FAST, "max_obs_tokens": 800}, max_turns=2, topk=1)
-    trajs = run_rollouts(rec, questions, client, cfg)
+    trajs = run_rollouts(rec, questions, retriever_client, cfg)
     check_token_exact(trajs, rec.calls)  # model spans = sampled ids (mask 1), observations masked (0)
     tok = searcher.tokenizer
     fmt = ToolCallFormat(tok, cfg)
@@ -129,7 +121,7 @@ def test_searcher_is_token_exact_and_its_tool_messages_are_the_templates(searche
         assert t.final_answer is None and t.scored_text == ""
         # The whole context is, as text, exactly what the chat template renders for this conversation.
         messages = [{"role": "user", "content": fmt.build_prompt(t.question).text}]
-        hits = client.retrieve(t.queries, topk=1)
+        hits = retriever_client.retrieve(t.queries, topk=1)
         for i, s in enumerate(s for s in t.spans if s.role == "model"):
             messages.append({"role": "assistant", "content": tok.decode(t.response_ids[s.start : s.end]).removesuffix("<|im_end|>")})
             if i < 2:
@@ -144,18 +136,18 @@ def test_searcher_is_token_exact_and_its_tool_messages_are_the_templates(searche
             assert t.response_ids[s.start : s.end] == tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_answerer_is_scored_on_its_plain_answer(tool_answerer_dir, client, questions):
+def test_answerer_is_scored_on_its_plain_answer(tool_answerer_dir, retriever_client, questions):
     engine = make_engine("hf", tool_answerer_dir, max_model_len=2048)
-    for t in run_rollouts(engine, questions[:2], client, RolloutConfig(**FAST)):
+    for t in run_rollouts(engine, questions[:2], retriever_client, RolloutConfig(**FAST)):
         assert (t.stop_reason, t.final_answer, t.num_searches, t.num_turns) == ("answer", "Paris", 0, 1)
         assert t.loss_mask == [1] * len(t.response_ids) and t.scored_text == "<answer>Paris</answer>"
         assert qa_reward(t.scored_text, ["Paris"]) == 1.0 and qa_reward(t.scored_text, ["London"]) == 0.0
 
 
-def test_malformed_calls_are_counted_invalid_and_answered_by_a_tool_message(tool_broken_dir, client, questions):
+def test_malformed_calls_are_counted_invalid_and_answered_by_a_tool_message(tool_broken_dir, retriever_client, questions):
     engine = make_engine("hf", tool_broken_dir, max_model_len=2048)
     rec = Recorder(engine)
-    trajs = run_rollouts(rec, questions[:2], client, RolloutConfig(**FAST, max_turns=2))
+    trajs = run_rollouts(rec, questions[:2], retriever_client, RolloutConfig(**FAST, max_turns=2))
     check_token_exact(trajs, rec.calls)
     for t in trajs:
         assert t.stop_reason == "max_turns" and t.invalid_actions == 2 and t.num_searches == 0
@@ -165,20 +157,20 @@ def test_malformed_calls_are_counted_invalid_and_answered_by_a_tool_message(tool
         assert "<tool_response>\nError: the tool call is not valid JSON" in text and text.endswith("<|im_start|>assistant\n")
 
 
-def test_budgets_truncate_tool_results_inside_the_template(searcher, client, questions):
-    trajs = run_rollouts(searcher, questions[:2], client, RolloutConfig(**{**FAST, "max_obs_tokens": 60}, max_turns=1))
+def test_budgets_truncate_tool_results_inside_the_template(searcher, retriever_client, questions):
+    trajs = run_rollouts(searcher, questions[:2], retriever_client, RolloutConfig(**{**FAST, "max_obs_tokens": 60}, max_turns=1))
     for t in trajs:
         (obs,) = [s for s in t.spans if s.role == "observation"]
         text = searcher.tokenizer.decode(t.response_ids[obs.start : obs.end])
         assert obs.end - obs.start <= 60 and t.obs_truncations == 1
         assert text.endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")  # the structure survives
-    for t in run_rollouts(searcher, questions[:2], client, RolloutConfig(**{**FAST, "max_response_tokens": 100})):
+    for t in run_rollouts(searcher, questions[:2], retriever_client, RolloutConfig(**{**FAST, "max_response_tokens": 100})):
         assert t.stop_reason == "length" and len(t.response_ids) <= 100
 
 
-def test_async_driver_gives_the_same_trajectories(searcher, client, questions):
-    a = run_rollouts(searcher, questions[:3], client, RolloutConfig(**FAST, max_turns=2), batch_tag="x")
-    b, _ = run_rollouts_with_stats(searcher, questions[:3], client, RolloutConfig(**FAST, max_turns=2, mode="async"), batch_tag="x")
+def test_async_driver_gives_the_same_trajectories(searcher, retriever_client, questions):
+    a = run_rollouts(searcher, questions[:3], retriever_client, RolloutConfig(**FAST, max_turns=2), batch_tag="x")
+    b, _ = run_rollouts_with_stats(searcher, questions[:3], retriever_client, RolloutConfig(**FAST, max_turns=2, mode="async"), batch_tag="x")
     assert [t.response_ids for t in a] == [t.response_ids for t in b]
     assert [t.loss_mask for t in a] == [t.loss_mask for t in b]
 

@@ -14,7 +14,6 @@ from agent.engines import SamplingParams, make_engine
 from agent.prompts import build_prompt
 from agent.rollout import RolloutConfig, run_rollouts
 from agent.scripted import SEARCH_SCRIPT, scripted_state_dict
-from retriever.client import RetrieverClient
 from tests.fixtures.agent import Recorder, check_token_exact
 
 pytest.importorskip("vllm")
@@ -98,28 +97,26 @@ def test_weight_sync_matches_trainer_logprobs(vllm_engine, untied_tiny_dir):
         assert synced == pytest.approx(trainer_logprobs(before[name].token_ids), abs=1e-4)
 
 
-def test_multi_turn_rollouts_are_token_exact_and_match_transformers(vllm_engine, untied_tiny_dir, searcher_dir, retriever_server, retriever_index):
+def test_multi_turn_rollouts_are_token_exact_and_match_transformers(vllm_engine, untied_tiny_dir, searcher_dir, retriever_client, retriever_index):
     questions = [q["question"] for q in retriever_index.questions[:6]]
-    client = RetrieverClient(retriever_server.url, timeout=20, retries=1)
     cfg = RolloutConfig(max_tokens_per_turn=24, max_obs_tokens=96, temperature=0.0)
     vllm_engine.load_weights(scripted_state_dict(untied_tiny_dir, SEARCH_SCRIPT))
     rec = Recorder(vllm_engine)
-    trajs = run_rollouts(rec, questions, client, cfg)
+    trajs = run_rollouts(rec, questions, retriever_client, cfg)
     check_token_exact(trajs, rec.calls)
     assert all(t.stop_reason == "max_turns" and t.num_searches == 4 for t in trajs)
-    hf_trajs = run_rollouts(make_engine("hf", searcher_dir, max_model_len=2048), questions, client, cfg)
+    hf_trajs = run_rollouts(make_engine("hf", searcher_dir, max_model_len=2048), questions, retriever_client, cfg)
     assert [t.response_ids for t in trajs] == [t.response_ids for t in hf_trajs]
     assert [t.retrieved_ids for t in trajs] == [t.retrieved_ids for t in hf_trajs]
     # continuous batching: the async driver over vLLM's step() gives the same trajectories
-    async_trajs = run_rollouts(vllm_engine, questions, client, RolloutConfig(**{**cfg.__dict__, "mode": "async"}))
+    async_trajs = run_rollouts(vllm_engine, questions, retriever_client, RolloutConfig(**{**cfg.__dict__, "mode": "async"}))
     assert [t.response_ids for t in async_trajs] == [t.response_ids for t in trajs]
     # sampled noise (T=1, top-p 0.95) over several turns: still token-exact, masks exact
     vllm_engine.load_weights(_state_dict(untied_tiny_dir))
     rec = Recorder(vllm_engine)
-    noisy = run_rollouts(rec, questions[:4], client, RolloutConfig(max_tokens_per_turn=24, max_obs_tokens=128, max_turns=2))
+    noisy = run_rollouts(rec, questions[:4], retriever_client, RolloutConfig(max_tokens_per_turn=24, max_obs_tokens=128, max_turns=2))
     check_token_exact(noisy, rec.calls)
     assert all(t.invalid_actions == 2 for t in noisy)
-    client.close()
 
 
 def test_long_seeded_batch_is_served(vllm_engine, untied_tiny_dir):

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from retriever.server import Metrics, MicroBatcher
+from retriever.batcher import MicroBatcher
+from retriever.metrics import Metrics
 
 NEVER_S = 60.0  # a max_wait no test may sit through
 DONE_S = 20.0  # generous bound for work that takes milliseconds
@@ -307,7 +308,7 @@ def test_a_workers_share_of_the_queries_in_flight(workers, idle, me, others, run
     """The rule by which a worker waits for and takes its part (MicroBatcher._share), case by case."""
     import time
 
-    from retriever.server import _WorkerState
+    from retriever.batcher import _WorkerState
 
     batcher = MicroBatcher(Worker(), ThreadPoolExecutor(1), max_batch=64, max_wait_s=0.005, metrics=Metrics(), workers=workers)
     now = time.monotonic()

@@ -70,7 +70,7 @@ def test_requests_ready_together_are_one_request_per_shard_and_each_gets_its_own
     import asyncio
 
     from retriever.router import Router, RouterConfig
-    from retriever.server import Metrics
+    from retriever.metrics import Metrics
 
     questions = [q["question"] for q in retriever_index.questions[:12]]
     topks = [1 + i % 4 for i in range(len(questions))]

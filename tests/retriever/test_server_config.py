@@ -15,10 +15,11 @@ import pytest
 
 from app.cli import main as emapg_main
 from emapg.paths import REPO_ROOT
+from retriever.batcher import MicroBatcher
 from retriever.client import RetrievalError, RetrieverClient
 from retriever.launch import RetrieverServer, ServerStartError, emapg_command, free_port
+from retriever.metrics import Metrics
 from retriever.searcher import EncoderMismatchError, check_encoder, rrf_fuse, same_encoder
-from retriever.server import Metrics, MicroBatcher
 
 
 def test_encoder_mismatch_is_refused_with_a_clear_error(retriever_index, capsys):

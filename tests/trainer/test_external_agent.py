@@ -14,7 +14,6 @@ from agent.engines import make_engine
 from agent.rollout import RolloutConfig, run_rollouts
 from emapg.config import ConfigError, load_config
 from emapg.paths import CONFIG_DIR
-from retriever.client import RetrieverClient
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
 
@@ -30,11 +29,10 @@ def test_the_agent_option_is_checked():
         RolloutConfig(agent=AGENT, task="math").validate()
 
 
-def test_external_rollouts_are_token_exact_sessions(tool_searcher_dir, retriever_server, retriever_index):
+def test_external_rollouts_are_token_exact_sessions(tool_searcher_dir, retriever_client, retriever_index):
     engine = make_engine("hf", tool_searcher_dir, max_model_len=2048)
-    client = RetrieverClient(retriever_server.url)
     questions = [q["question"] for q in retriever_index.questions[:2]]
-    trajs = run_rollouts(engine, questions, client, RolloutConfig(agent=AGENT, n_samples=2, max_tokens_per_turn=24,
+    trajs = run_rollouts(engine, questions, retriever_client, RolloutConfig(agent=AGENT, n_samples=2, max_tokens_per_turn=24,
                                                                   max_response_tokens=4096))
     tok = engine.tokenizer
     assert len(trajs) == 4 and len({t.group_id for t in trajs}) == 2
@@ -51,7 +49,6 @@ def test_external_rollouts_are_token_exact_sessions(tool_searcher_dir, retriever
                 assert all(lp <= 0 for lp in t.sampling_logprobs[s.start : s.end])
             else:
                 assert "<tool_response>\nDoc 1: " in tok.decode(ids)  # the example agent's own tool output, masked
-    client.close()
 
 
 def test_one_training_step_with_the_example_agent(tmp_path, tool_searcher_dir, retriever_server):

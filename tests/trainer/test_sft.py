@@ -25,32 +25,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def client(retriever_server):
-    from retriever.client import RetrieverClient
-
-    c = RetrieverClient(retriever_server.url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def test_replay_reproduces_a_real_rollout_token_for_token(searcher_dir, client, retriever_index):
+def test_replay_reproduces_a_real_rollout_token_for_token(searcher_dir, retriever_client, retriever_index):
     """A real engine's rollout, replayed from its model text, gives the same ids, mask and spans: no format drift."""
     from agent.engines.hf_engine import HFEngine
 
     engine = HFEngine(str(searcher_dir), max_model_len=1400)
     questions = [q["question"] for q in retriever_index.questions[:3]]
-    real = run_rollouts(engine, questions, client, ROLLOUT)
+    real = run_rollouts(engine, questions, retriever_client, ROLLOUT)
     assert all(t.num_searches == 2 for t in real)  # search, observation, search, observation, final turn
     scripts = [ScriptedTrajectory(t.question, [engine.tokenizer.decode(ids, skip_special_tokens=True)
                                                for ids in t.span_ids("model")]) for t in real]
-    replayed = replay_trajectories(engine.tokenizer, scripts, client, ROLLOUT, max_model_len=1400)
+    replayed = replay_trajectories(engine.tokenizer, scripts, retriever_client, ROLLOUT, max_model_len=1400)
     for a, b in zip(real, replayed):
         assert b.prompt_ids == a.prompt_ids
         assert b.response_ids == a.response_ids
@@ -59,12 +50,12 @@ def test_replay_reproduces_a_real_rollout_token_for_token(searcher_dir, client, 
         assert b.model_text == a.model_text and b.stop_reason == a.stop_reason
 
 
-def test_constructed_trajectories_mask_only_model_tokens(tokenizer, client, retriever_index):
+def test_constructed_trajectories_mask_only_model_tokens(tokenizer, retriever_client, retriever_index):
     from trainer.sft.data import construct_trajectories, observed_text
 
     examples = [Example(f"q{i}", q["question"], q["answers"], "nq_gold") for i, q in enumerate(retriever_index.questions[:24])]
     # These are evaluation questions, so the default exclusion would drop them all; here we test masks.
-    pairs, report = construct_trajectories({"nq_gold": examples}, tokenizer, client, ROLLOUT, max_model_len=1400, exclude={})
+    pairs, report = construct_trajectories({"nq_gold": examples}, tokenizer, retriever_client, ROLLOUT, max_model_len=1400, exclude={})
     assert report.questions == {"nq_gold": 24}
     assert 0 < report.total_kept == len(pairs) <= 24
     assert report.total_kept + report.answer_not_retrieved["nq_gold"] + report.errors["nq_gold"] == 24
@@ -83,7 +74,7 @@ def test_constructed_trajectories_mask_only_model_tokens(tokenizer, client, retr
         assert t.queries == [ex.question.strip()] and len(t.retrieved_ids[0]) == 3
 
 
-def test_constructed_set_contains_no_eval_question(tokenizer, client):
+def test_constructed_set_contains_no_eval_question(tokenizer, retriever_client):
     from tasks.heldout import heldout_questions, question_key
     from trainer.sft.data import construct_trajectories
 
@@ -94,7 +85,7 @@ def test_constructed_set_contains_no_eval_question(tokenizer, client):
     # the HotpotQA "train" rows drawn from dev that fall in the held-out split
     flagged = {question_key(ex.question) for ex in load_dataset("hotpotqa", split="heldout") if ex.meta.get("in_bundled_train")}
     assert flagged and all(k in evals for k in flagged)
-    pairs, report = construct_trajectories({"nq": nq_train + leaked, "hotpotqa": hotpot_train}, tokenizer, client,
+    pairs, report = construct_trajectories({"nq": nq_train + leaked, "hotpotqa": hotpot_train}, tokenizer, retriever_client,
                                            ROLLOUT, max_model_len=1400)
     assert report.eval_overlap["nq"] >= 5  # the planted test questions (case and "?" differ)
     assert report.eval_overlap["hotpotqa"] >= len(flagged)  # the dev rows bundled as "train"

@@ -24,22 +24,13 @@ ROLLOUT = dict(format="tool_calls", tool_chat_template="chatml_tools", max_turns
                max_obs_tokens=400, max_response_tokens=800, max_prompt_tokens=768, topk=2)
 
 
-@pytest.fixture(scope="module")
-def client(retriever_server):
-    from retriever.client import RetrieverClient
-
-    c = RetrieverClient(retriever_server.url)
-    yield c
-    c.close()
-
-
-def test_constructed_tool_call_trajectories(tiny_model_dir, client, retriever_index):
+def test_constructed_tool_call_trajectories(tiny_model_dir, retriever_client, retriever_index):
     from trainer.sft.data import construct_trajectories
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = RolloutConfig(**ROLLOUT)
     examples = [Example(f"q{i}", q["question"], q["answers"], "nq_gold") for i, q in enumerate(retriever_index.questions[:12])]
-    pairs, report = construct_trajectories({"nq_gold": examples}, tok, client, cfg, max_model_len=2048, exclude={})
+    pairs, report = construct_trajectories({"nq_gold": examples}, tok, retriever_client, cfg, max_model_len=2048, exclude={})
     assert 0 < report.total_kept == len(pairs)
     fmt = ToolCallFormat(tok, cfg)
     for t, ex in pairs:
