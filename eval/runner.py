@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from agent.engines import EngineKind
+from agent.engines import EngineKind, check_engine_urls
 from emapg.errors import UserError
 from emapg.config import ConfigError, option
 from emapg.jsonl import append_jsonl
@@ -105,13 +105,7 @@ class EvalConfig:
             raise ConfigError(f"grader_workers must be >= 1, got {self.grader_workers}")
         if self.retriever_retries < 0:
             raise ConfigError("retriever_retries must be >= 0")
-        if self.engine == "remote" and not self.engine_urls:
-            raise ConfigError("engine=remote needs engine_urls (servers started with `emapg engine serve`)")
-        if self.engine_urls and self.engine != "remote":
-            raise ConfigError(f"engine_urls is set but engine={self.engine}; use engine=remote")
-        for url in self.engine_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"engine_urls: {url!r} is not an http(s) URL")
+        check_engine_urls(self.engine, self.engine_urls, engine_key="engine", urls_key="engine_urls")
 
 
 # --------------------------------------------------------------------------- batches

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agent.engines import EngineKind
+from agent.engines import EngineKind, check_engine_urls
 from agent.rollout import RolloutConfig as AgentRolloutConfig
 from emapg.config import ConfigError, option
 from tasks.task import get_task
@@ -187,13 +187,7 @@ class SamplingConfig(AgentRolloutConfig):
             raise ConfigError("rollout.temperature must be > 0 for training (sampling); greedy decoding is for eval")
         if self.vllm_tensor_parallel_size < 1:
             raise ConfigError("rollout.vllm_tensor_parallel_size must be >= 1")
-        if self.engine == "remote" and not self.engine_urls:
-            raise ConfigError("rollout.engine=remote needs rollout.engine_urls (start servers with `emapg engine serve`)")
-        if self.engine_urls and self.engine != "remote":
-            raise ConfigError(f"rollout.engine_urls is set but rollout.engine={self.engine}; use rollout.engine=remote")
-        for url in self.engine_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"rollout.engine_urls: {url!r} is not an http(s) URL")
+        check_engine_urls(self.engine, self.engine_urls, engine_key="rollout.engine", urls_key="rollout.engine_urls")
         if self.weight_sync_bucket_mb < 1:
             raise ConfigError("rollout.weight_sync_bucket_mb must be >= 1")
         if self.max_staleness < 0:

@@ -20,6 +20,20 @@ EngineKind = Literal["hf", "vllm", "remote"]
 LocalEngineKind = Literal["vllm", "hf"]
 
 
+def check_engine_urls(engine: str, urls: list[str], *, engine_key: str, urls_key: str) -> None:
+    """A config's engine kind and server URLs agree: ``remote`` needs URLs, URLs need ``remote``, each an
+    http(s) URL (:class:`~emapg.config.ConfigError` naming the keys, ``engine_key``/``urls_key``, otherwise)."""
+    from emapg.config import ConfigError
+
+    if engine == "remote" and not urls:
+        raise ConfigError(f"{engine_key}=remote needs {urls_key} (start servers with `emapg engine serve`)")
+    if urls and engine != "remote":
+        raise ConfigError(f"{urls_key} is set but {engine_key}={engine}; use {engine_key}=remote")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{urls_key}: {url!r} is not an http(s) URL")
+
+
 def make_engine(kind: LocalEngineKind, model_path: str, **options) -> Engine:
     """Build an engine. Options go to ``VLLMEngine`` / ``HFEngine`` (e.g. max_model_len, seed)."""
     from emapg.models import resolve_model
@@ -36,4 +50,5 @@ def make_engine(kind: LocalEngineKind, model_path: str, **options) -> Engine:
     raise ValueError(f"unknown engine kind {kind!r}; choose 'vllm' or 'hf'")
 
 
-__all__ = ["Engine", "EngineInfo", "GenerationOutput", "SamplingParams", "make_engine", "EngineKind", "LocalEngineKind"]
+__all__ = ["Engine", "EngineInfo", "GenerationOutput", "SamplingParams", "make_engine", "check_engine_urls", "EngineKind",
+           "LocalEngineKind"]
