@@ -65,7 +65,7 @@ class EvalConfig:
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
     engine: EngineKind = option(
         "vllm", help="generation engine: vllm (falls back to hf, transformers, when vLLM is missing), hf, or remote "
-        "(running `emapg engine serve` servers at --engine-urls, given --model's weights first)")
+        "(running `emapg engine serve` servers at engine_urls, given --model's weights first)")
     engine_urls: list[str] = option(
         default_factory=list, help="remote: base URLs of running generation servers started with a model of --model's "
         "architecture; the run loads --model's weights into them before generating, so they serve exactly --model "

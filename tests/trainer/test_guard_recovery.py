@@ -36,11 +36,11 @@ class FaultyTrainer(Trainer):
     """The update after step ``INJECT`` runs at a learning rate that wrecks the policy (set just before it,
     so no checkpoint holds it; the LR schedule restores the normal rate right after the update)."""
 
-    def _update(self, batch):
+    def _update(self, batch, plan):
         if self.step == INJECT:
             for group in self.policy.optimizer.param_groups:
                 group["lr"] = 0.05
-        return super()._update(batch)
+        return super()._update(batch, plan)
 
 
 def run_with_fault(run_dir, policy, task, url, action: str):
