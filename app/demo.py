@@ -286,17 +286,20 @@ def _training_summary(steps: list[dict[str, float]], wall_s: float | None, group
     return out
 
 
-def _groups_per_step(preset: DemoPreset) -> int:
+def _train_config(preset: DemoPreset) -> Any:
+    """The training stage's config (its file and the preset's overrides)."""
     from trainer.config import TrainConfig
 
-    return load_config(TrainConfig, preset.train_config, list(preset.train_overrides)).data.prompts_per_step
+    return load_config(TrainConfig, preset.train_config, list(preset.train_overrides))
+
+
+def _groups_per_step(preset: DemoPreset) -> int:
+    return _train_config(preset).data.prompts_per_step
 
 
 def _engine_max_model_len(preset: DemoPreset) -> int:
     """The shared engine's context: the training run's prompt + response budget (evaluation needs less)."""
-    from trainer.config import TrainConfig
-
-    r = load_config(TrainConfig, preset.train_config, list(preset.train_overrides)).rollout
+    r = _train_config(preset).rollout
     return r.max_prompt_tokens + r.max_response_tokens
 
 
