@@ -51,6 +51,9 @@ from emapg.process_group import stop_process_group
 from emapg.servers import emapg_command
 from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
 
+ENGINE_STARTUP_S = 900  # the generation engine's start-up limit (vLLM on 2 cores: ~40 s; a first run compiles more)
+
+
 @dataclass(frozen=True)
 class DemoPreset:
     """What one demo run does."""
@@ -412,16 +415,21 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             print(f"retriever ready at {url} (log: {log_dir / 'retriever.log'})", flush=True)
             # One engine serves all three stages: both evaluations load their model's weights into it first
             # (`emapg eval --engine remote`), and training pushes the policy's weights before every rollout
-            # (rollout.engine=remote), instead of each stage starting its own engine.
-            engine = servers.enter_context(EngineServer(
+            # (rollout.engine=remote), instead of each stage starting its own engine. The starter's evaluation
+            # starts while the engine loads (both spend that time in single-threaded Python start-up) and
+            # waits for its /health.
+            engine = EngineServer(
                 preset.policy, engine=preset.engine, max_model_len=_engine_max_model_len(preset),
-                omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=log_dir / "engine.log",
-                env={k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "PYTHONUNBUFFERED")}))  # fmt: skip
+                omp_num_threads=os.cpu_count() or 1, startup_timeout=ENGINE_STARTUP_S, log_path=log_dir / "engine.log",
+                env={k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "PYTHONUNBUFFERED")})  # fmt: skip
+            servers.callback(engine.stop)
+            engine.launch()
             stages.logs["engine"] = str(log_dir / "engine.log")
             stages.seconds["servers"] = time.monotonic() - t
-            print(f"generation engine ready at {engine.url} (log: {log_dir / 'engine.log'})", flush=True)
+            print(f"generation engine starting at {engine.url} (log: {log_dir / 'engine.log'})", flush=True)
             eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--data-seed", "0", "--retriever-url", url,
-                           "--engine", "remote", "--engine-urls", engine.url, "--no-progress", *preset.eval_overrides]  # fmt: skip
+                           "--engine", "remote", "--engine-urls", engine.url, "--engine-wait", str(ENGINE_STARTUP_S),
+                           "--no-progress", *preset.eval_overrides]  # fmt: skip
             n_questions = preset.eval_limit * len(QA_DATASETS)
 
             def evaluate(label: str, model: str, name: str) -> None:
@@ -431,7 +439,12 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
 
             stages.banner(4, total, f"evaluating the starter policy on {preset.eval_limit} held-out questions x "
                                     f"{len(QA_DATASETS)} QA datasets")
-            evaluate("base", preset.policy, "starter")
+            try:
+                evaluate("base", preset.policy, "starter")
+            except UserError:
+                engine.wait_healthy()  # an engine that never came up is the cause to report (its log's tail)
+                raise
+            engine.wait_healthy()  # returns at once: the evaluation ran on it
 
             stages.banner(5, total, f"training with EMA-PG for {preset.train_steps} steps on the answerable training pool "
                                     f"({sum(pool.values())} questions, none held out)")

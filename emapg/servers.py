@@ -244,6 +244,7 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
+        self._launched_at = 0.0
 
     @property
     def url(self) -> str:
@@ -267,12 +268,35 @@ class ServerProcess:
                     raise
         return self
 
-    def _start_once(self) -> None:
+    def launch(self) -> Self:
+        """Start the process and return at once, without waiting for it to become healthy
+        (:meth:`wait_healthy` does), so the caller can start its clients meanwhile. No port retry:
+        a port taken between probing and binding surfaces in :meth:`wait_healthy`'s error."""
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        if self.port is None:
+            self.port = free_port(self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
+        self._popen()
+        self._launched_at = time.monotonic()
+        return self
+
+    def _popen(self) -> None:
         cmd = [*emapg_command(), *self.subcommand, *self.args, "--port", str(self.port)]
         env = {**self.env, LAUNCHER_PID_ENV: str(os.getpid())}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(REPO_ROOT))
-        deadline = time.monotonic() + self.startup_timeout
+
+    def _start_once(self) -> None:
+        self._popen()
+        self._launched_at = time.monotonic()
+        self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        """Wait (up to ``startup_timeout`` from the launch) until ``/health`` answers 200; a process that exits
+        first, or a timeout, is a :class:`ServerStartError` quoting the log's tail (after a timeout the process is stopped)."""
+        if self.proc is None:
+            raise RuntimeError("server not started")
+        deadline = self._launched_at + self.startup_timeout
         headers = {"X-API-Key": self.api_key} if self.api_key else {}
         with httpx.Client(timeout=2.0, headers=headers) as http:
             while True:

@@ -71,6 +71,7 @@ class EvalConfig:
         "architecture; the run loads --model's weights into them before generating, so they serve exactly --model "
         "(the CLI reads their API key from EMAPG_ENGINE_API_KEY)")
     engine_api_key: str | None = option(None, help="remote: API key of the generation servers, if they need one (the CLI reads EMAPG_ENGINE_API_KEY)")
+    engine_wait: float = option(60.0, ge=0, help="remote: seconds to wait at start-up for the servers' /health (they may still be loading)")
     batch_size: int = option(32, help="questions per rollout batch (each batch is one resumable unit)")
     batch_across_datasets: bool = option(
         False, help="form the rollout batches over all datasets in order instead of within each: fewer, fuller batches "
@@ -185,7 +186,7 @@ def _make_engine(cfg: EvalConfig):
     remote = None
     if kind == "remote":
         remote = RemoteOptions(tuple(cfg.engine_urls), api_key=cfg.engine_api_key,
-                               wait_s=60.0, load_model=True)
+                               wait_s=cfg.engine_wait, load_model=True)
     spec = EngineSpec(kind, path, max_model_len=_max_model_len(path, cfg.protocol.max_model_len), seed=cfg.protocol.seed,
                       remote=remote)
     return build_engine(spec), kind

@@ -96,6 +96,24 @@ def test_launcher_reports_the_servers_error(tmp_path):
         RetrieverServer(tmp_path, startup_timeout=60).start()
 
 
+def test_launch_returns_before_the_server_is_healthy_and_wait_healthy_waits(retriever_index, tmp_path):
+    """launch() gives the URL at once (clients can start meanwhile); wait_healthy() returns once /health
+    answers, and reports a server that exits instead, with its log's tail."""
+    server = RetrieverServer(retriever_index.index_dir, omp_num_threads=1, device="cpu", log_path=tmp_path / "ok.log")
+    try:
+        server.launch()
+        url = server.url  # known before the server answers (its start-up takes seconds: imports, the index)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=1)
+        server.wait_healthy()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+    failing = RetrieverServer(tmp_path, startup_timeout=60, log_path=tmp_path / "bad.log").launch()
+    with pytest.raises(ServerStartError, match=r"exited with code 2(.|\n)*not an index directory"):
+        failing.wait_healthy()
+
+
 def test_a_failing_request_does_not_fail_its_batch_mates():
     """Real batcher and worker thread; the process function fails on one query, as a bad input would."""
     calls: list[list[str]] = []
