@@ -73,13 +73,15 @@ def mode_settings(args: argparse.Namespace) -> dict[str, Any]:
             "config": CONFIG_DIR / "demo_search_smollm2.yaml", "index_limit": None, "engine": "vllm", "protocol": {}, "extra": []}
 
 
-def evaluate(model: str, out: Path, url: str, settings: dict[str, Any], per_dataset: int) -> Path:
+def evaluate(model: str, out: Path, url: str, engine_url: str, settings: dict[str, Any], per_dataset: int) -> Path:
+    """Greedy held-out evaluation of ``model`` on the shared engine server (its weights loaded into it first)."""
     from eval.protocols import get_protocol
     from eval.runner import EvalConfig, run_eval
 
     cfg = EvalConfig(model=model, out=str(out), protocol=get_protocol("qa_quick", **settings["protocol"]),
-                     datasets=list(qa_sets()), limit=per_dataset, data_seed=0, engine=settings["engine"], retriever_url=url,
-                     progress=False, name=out.name, batch_across_datasets=True, batch_size=per_dataset * len(qa_sets()))
+                     datasets=list(qa_sets()), limit=per_dataset, data_seed=0, engine="remote", engine_urls=[engine_url],
+                     retriever_url=url, progress=False, name=out.name, batch_across_datasets=True,
+                     batch_size=per_dataset * len(qa_sets()))
     run_eval(cfg)
     check_heldout(out)
     return out
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
         os.environ.setdefault(k, v)
 
+    from agent.engines.launch import EngineServer
     from emapg.config import load_config
     from eval.learning import compare_learning
     from eval.significance import paired_bootstrap
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "learning_search", "mode": settings["mode"], "policy": settings["policy"], "steps": steps,
         "eval_steps": [0, *eval_steps], "seeds": list(args.seeds), "train_set": args.train_set, "train_questions": pool_sources,
         "filter_groups": args.filter_groups, "overrides": args.override,
+        "engine": f"one `emapg engine serve --engine {settings['engine']}` shared by every run and evaluation",
         "rollout": {"group_size": base_cfg.rollout.n_samples, "prompts_per_step": groups_per_step,
                     "temperature": base_cfg.rollout.temperature},
         "heldout": {"datasets": list(qa_sets()), "per_dataset": per_dataset, "questions": per_dataset * len(qa_sets()),
@@ -229,16 +233,23 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {alg: {} for alg in ALGOS},
     }
     final_dirs: dict[str, list[Path]] = {alg: [] for alg in ALGOS}
-    with open_retriever(index_dir=index_dir, log_path=work / "retriever.log") as retriever:
+    # One generation engine server for every run and evaluation (as `make demo`): each evaluation loads its
+    # checkpoint's weights into it, each training run pushes its policy's weights before every rollout; the
+    # engine starts once instead of once per run and per evaluation (vLLM: ~40 s each, 13 times by default).
+    r = base_cfg.rollout
+    with open_retriever(index_dir=index_dir, log_path=work / "retriever.log") as retriever, \
+            EngineServer(settings["policy"], engine=settings["engine"], max_model_len=r.max_prompt_tokens + r.max_response_tokens,
+                         omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=work / "engine.log") as engine:  # fmt: skip
         url = retriever.urls[0]
-        start_dir = evaluate(settings["policy"], work / "eval_start", url, settings, per_dataset)
+        start_dir = evaluate(settings["policy"], work / "eval_start", url, engine.url, settings, per_dataset)
         em_start = pooled_em(start_dir, start_dir)
         print(f"[learning_search] starter: held-out pooled EM {em_start:.1f}", flush=True)
         for seed in args.seeds:
             for alg, algo_overrides in ALGOS.items():
                 run_dir = work / f"{alg}-seed{seed}"
                 overrides = [f"model.policy={settings['policy']}", f"data.train={args.train_set}", "data.split=train",
-                             f"retriever.urls=[{url}]", "retriever.index_dir=null", f"run.output_dir={run_dir}",
+                             f"retriever.urls=[{url}]", "retriever.index_dir=null", "rollout.engine=remote",
+                             f"rollout.engine_urls=[{engine.url}]", f"run.output_dir={run_dir}",
                              f"run.seed={seed}", f"run.total_steps={steps}", f"run.save_every={eval_every}",
                              f"run.keep_last={len(eval_steps) + 1}", "logging.progress=false",
                              f"algorithm.ema.period={max(2, steps // 10)}",
@@ -250,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 ems = [em_start]
                 for s in eval_steps:
                     ckpt = run_dir / step_dir_name(s)
-                    ems.append(pooled_em(start_dir, evaluate(str(ckpt / "policy"), run_dir / f"eval_step{s}", url, settings,
+                    ems.append(pooled_em(start_dir, evaluate(str(ckpt / "policy"), run_dir / f"eval_step{s}", url, engine.url, settings,
                                                              per_dataset)))
                     shutil.rmtree(ckpt, ignore_errors=True)  # fp32 policy + anchor + optimizer: ~2 GB each
                 metrics = read_metrics(run_dir)
