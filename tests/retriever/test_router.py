@@ -61,6 +61,11 @@ def test_sharded_flat_equals_one_flat_index(retriever_index, retriever_server, s
                     assert [h["score"] for h in a] == pytest.approx([h["score"] for h in b], rel=1e-6, abs=1e-6)
         metrics = httpx.get(router.url + "/metrics").text
         assert 'router_shard_latency_seconds_count{shard="0"}' in metrics and 'router_shard_latency_seconds_count{shard="1"}' in metrics
+        assert "router_fanout_round_trip_seconds" in metrics
+        if mode != "no-encode":  # the batch workers wait for the clients they answered: 5 ms plus the fan-out's round trip
+            wait = float(metrics.split("\nrouter_regroup_wait_seconds ")[1].split()[0])
+            rtt = float(metrics.split("\nrouter_fanout_round_trip_seconds ")[1].split()[0])
+            assert wait == pytest.approx(0.005 + min(rtt, 0.05), abs=2e-6)
         with RetrieverClient(router.url) as client:  # what training and evaluation use
             hits = client.retrieve(questions[:8], topk=3)
         assert [[h["id"] for h in q] for q in hits] == [[h["document"]["id"] for h in q[:3]] for q in _post(retriever_server.url, questions[:8], 3).json()["result"]]
@@ -178,3 +183,31 @@ def test_shard_search_endpoint_checks_its_vectors(shard_servers):
                          ({"vectors_b64": base64.b64encode(np.full(384, np.nan, "<f4").tobytes()).decode(), "dim": 384}, "NaN")):  # fmt: skip
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 422 and needle in r.text, (body.keys(), r.text)
+
+
+def test_the_regroup_wait_follows_the_fanout_round_trip_within_its_bound():
+    """--encode: a batch worker waits for the clients it just answered for regroup_wait_ms plus the moving average
+    of the fan-out round trip (weight 0.2 for the newest), the fan-out's part at most 50 ms; off: regroup_wait_ms."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from retriever.batcher import MicroBatcher
+    from retriever.metrics import Metrics
+    from retriever.router import Router, RouterConfig
+
+    def router(follows: bool) -> Router:
+        r = Router(RouterConfig(shard=["http://127.0.0.1:9"], regroup_wait_ms=5.0, regroup_follows_fanout=follows), Metrics())
+        r.batcher = MicroBatcher(lambda q, k, s: [], ThreadPoolExecutor(1), 64, 0.005, Metrics(), 0.005, workers=2)
+        return r
+
+    r = router(True)
+    r._fanout_answered(0.020)
+    assert (r.fanout_rtt_s, r.batcher.regroup_wait_s) == pytest.approx((0.020, 0.025))
+    r._fanout_answered(0.040)  # 0.020 + 0.2 * (0.040 - 0.020)
+    assert (r.fanout_rtt_s, r.batcher.regroup_wait_s) == pytest.approx((0.024, 0.029))
+    for _ in range(40):
+        r._fanout_answered(2.0)  # a slow shard: the wait is bounded
+    assert r.fanout_rtt_s > 1.9 and r.batcher.regroup_wait_s == pytest.approx(0.055)
+    assert "router_regroup_wait_seconds 0.055000" in r.render_metrics()
+    fixed = router(False)
+    fixed._fanout_answered(0.030)
+    assert (fixed.fanout_rtt_s, fixed.batcher.regroup_wait_s) == pytest.approx((0.030, 0.005))
