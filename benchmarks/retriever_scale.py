@@ -38,6 +38,7 @@ JSON: ``rungs`` (name, recall_at_3, bytes_per_passage, qps_c32, ...), ``recommen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -162,9 +163,11 @@ def _latency_split(before: dict[str, float], after: dict[str, float]) -> dict[st
     return out
 
 
-def router_overhead(work: Path, index: Path, quick: bool, rounds: int | None = None) -> dict:
+def router_overhead(work: Path, index: Path, quick: bool, rounds: int | None = None, fixed_regroup: bool = False,
+                    seconds: float | None = None) -> dict:
     """Exactness and c = 32 / c = 1 load of the same index as 2 shards + ``emapg router`` against one ``emapg serve``;
-    side by side, the router as it was before ``--docs`` / ``--fanouts-in-flight`` (the shards send the passages)."""
+    side by side, ``emapg router --docs`` and, with ``fixed_regroup``, the router with the server's fixed regroup wait
+    (``--no-regroup-follows-fanout``, as it was before the wait followed the fan-out's round trip)."""
     import httpx
 
     from retriever.launch import RetrieverServer, RouterServer
@@ -182,18 +185,22 @@ def router_overhead(work: Path, index: Path, quick: bool, rounds: int | None = N
             RetrieverServer(shards[0], extra_args=args, omp_num_threads=1) as s0, \
             RetrieverServer(shards[1], extra_args=args, omp_num_threads=1) as s1, \
             RouterServer([[s0.url], [s1.url]]) as router, \
-            RouterServer([[s0.url], [s1.url]], extra_args=docs_args) as docs:  # fmt: skip
+            RouterServer([[s0.url], [s1.url]], extra_args=docs_args) as docs, \
+            contextlib.ExitStack() as more:  # fmt: skip
         # "router": the default router (the shards send their top-k passages); "router_docs": with --docs (the shards
         # send rows and scores, the router reads the merged passages from the source index).
         sides = {"unsharded": one.url, "router": router.url, "router_docs": docs.url}
-        checked = ("router",) if quick else ("router", "router_docs")  # --quick: within its 5 minutes (the merge is shared)
-        out["exactness"] = {who: _exactness(one.url, sides[who], questions) for who in checked}
-        seconds, default_rounds = (3.0, 3) if quick else (5.0, 4)
-        rounds = rounds or default_rounds
-        before_counts = _router_counters(router.url)
-        before_one = _router_counters(one.url)
         pids = {"unsharded": one.proc.pid, "shard_0": s0.proc.pid, "shard_1": s1.proc.pid, "router": router.proc.pid,
                 "router_docs": docs.proc.pid}  # fmt: skip
+        if fixed_regroup:
+            fixed = more.enter_context(RouterServer([[s0.url], [s1.url]], extra_args=["--no-regroup-follows-fanout"]))
+            sides["router_fixed_regroup"], pids["router_fixed_regroup"] = fixed.url, fixed.proc.pid
+        checked = ("router",) if quick else ("router", "router_docs")  # --quick: within its 5 minutes (the merge is shared)
+        out["exactness"] = {who: _exactness(one.url, sides[who], questions) for who in checked}
+        default_seconds, default_rounds = (3.0, 3) if quick else (5.0, 4)
+        rounds, seconds = rounds or default_rounds, seconds or default_seconds
+        before_counts = _router_counters(router.url)
+        before_one = _router_counters(one.url)
         rounds_c32 = alternate(sides, questions, rounds=rounds, seconds=seconds, concurrency=32, pids=pids)
         after = _router_counters(router.url)
         out["latency_split_c32"] = {"unsharded": _latency_split(before_one, _router_counters(one.url)), "router": _latency_split(before_counts, after)}
@@ -212,12 +219,19 @@ def router_overhead(work: Path, index: Path, quick: bool, rounds: int | None = N
     out["docs"] = {"p99_overhead_c32": round(p99["router_docs"] / p99["unsharded"] - 1, 3),
                    "qps_ratio_c32": round(qps["router_docs"] / qps["unsharded"], 3),
                    "p50_overhead_c1": round(c1["router_docs"]["p50_ms"] / c1["unsharded"]["p50_ms"] - 1, 3)}  # fmt: skip
+    if fixed_regroup:
+        out["fixed_regroup"] = {"p99_overhead_c32": round(p99["router_fixed_regroup"] / p99["unsharded"] - 1, 3),
+                                "qps_ratio_c32": round(qps["router_fixed_regroup"] / qps["unsharded"], 3),
+                                "router_args": ["--no-regroup-follows-fanout"]}  # fmt: skip
     out["cpu_ms_per_query_c32"] = _cpu_per_side(rounds_c32)
     out["passage_cost_per_fanout"] = passage_cost(index)
     out["note"] = (f"{os.cpu_count()} cores shared by everything: one `emapg serve` (unsharded) against `emapg router` "
                    "(encodes each query once, micro-batched; one /search per shard per joined batch; the shards send their "
                    "top-k passages) + 2 shard `emapg serve` processes, and `emapg router --docs <the unsharded index>` (docs: "
-                   "the shards send rows and scores, the router reads the merged passages itself), plus the load generator; medians of "
+                   "the shards send rows and scores, the router reads the merged passages itself), "
+                   + ("and `emapg router --no-regroup-follows-fanout` (fixed_regroup: the server's fixed 5 ms regroup wait), "
+                      if fixed_regroup else "")
+                   + "plus the load generator; medians of "
                    f"{rounds} alternating {seconds:g}-s windows each; cpu_ms_per_query_c32: CPU time per answered query of "
                    "every process, medians over each side's windows")  # fmt: skip
     return out
@@ -287,7 +301,8 @@ def _exactness(reference: str, url: str, questions: list[str]) -> dict:
 def _cpu_per_side(windows: list[dict]) -> dict:
     """Per side, the median CPU ms per answered query of the processes that served it (and their sum)."""
     serving = {"unsharded": ["unsharded"], "router": ["router", "shard_0", "shard_1"],
-               "router_docs": ["router_docs", "shard_0", "shard_1"]}  # fmt: skip
+               "router_docs": ["router_docs", "shard_0", "shard_1"],
+               "router_fixed_regroup": ["router_fixed_regroup", "shard_0", "shard_1"]}  # fmt: skip
     out = {}
     for who, procs in serving.items():
         mine = [w["cpu_ms_per_query"] for w in windows if w["who"] == who and "cpu_ms_per_query" in w]
@@ -420,14 +435,14 @@ def router_only(work: Path, out: Path, t0: float, load_at_start: tuple) -> int:
     index = cache_dir() / "indexes" / "wiki_mini-minilm-flat-from-vectors"  # what the ladder (run_ladder) builds from VECTORS
     if not (index / "meta.json").is_file():
         build_index(BuildConfig(corpus=str(CORPUS), out=str(index), vectors=str(VECTORS), device="cpu", progress=False), log=lambda m: None)
-    router = router_overhead(work, index, quick=True, rounds=6)
+    router = router_overhead(work, index, quick=True, rounds=6, fixed_regroup=True, seconds=5.0)
     result = {"mode": "router only", "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_start": load_at_start, "loadavg": os.getloadavg()},
               "index": str(index), "router": router, "wall_seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: router[k] for k in ("exactness", "qps_c32", "p99_ms_c32", "p99_overhead_c32", "qps_ratio_c32", "p50_overhead_c1",
-                                             "router_queries_per_fanout_c32", "docs", "cpu_ms_per_query_c32", "latency_split_c32",
+                                             "router_queries_per_fanout_c32", "docs", "fixed_regroup", "cpu_ms_per_query_c32", "latency_split_c32",
                                              "passage_cost_per_fanout")}, indent=1))  # fmt: skip
     return 0
 
@@ -463,7 +478,7 @@ def main() -> int:
     side = recommended_vs_flat(work, report, args.quick) if best else None
     print(json.dumps({"recommended_vs_flat_c32": side and {k: side[k] for k in ("qps_c32", "qps_ratio", "p99_ms", "p99_ratio")}}),
           file=sys.stderr, flush=True)  # fmt: skip
-    router = router_overhead(work, Path(report["source"]["index"]), args.quick)
+    router = router_overhead(work, Path(report["source"]["index"]), args.quick, fixed_regroup=not args.quick)
     result = {
         "mode": "quick" if args.quick else "full",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
