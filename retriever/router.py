@@ -52,8 +52,9 @@ the unsharded index's fingerprint id (``source_fingerprint``).
 their batch's fan-out to the shards, ~25 ms later than a server's clients; with the server's fixed 5 ms
 regroup wait a batch worker went on without them, and 32 clients settled into three groups of ~10.5 queries
 (smaller encoder batches cost more per query). The router therefore adds the fan-out's measured round trip
-(moving average, at most 50 ms) to the regroup wait: ~15.6 queries per batch and a p99 of +3% over one
-unsharded server instead of +26% (5-s windows, medians of 4, ``benchmarks/retriever_scale.py``).
+(moving average, at most 50 ms) to the regroup wait: ~15.7 queries per batch instead of ~11.5, 8-16% less CPU
+per query on the sharded side, and a p99 over one unsharded server of +6.5% and +14.4% in two runs instead of
++22.9% and +19.7% with the fixed wait (side by side, ``benchmarks/retriever_scale.py --router-only``).
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ class RouterConfig(ServerOptions):
     regroup_follows_fanout: bool = option(
         True, help="--encode: wait for the clients of a finished batch for regroup_wait_ms plus the moving average of the "
         "fan-out round trip (at most 50 ms more): those clients come back only after their batch's fan-out to the "
-        "shards, later than a server's clients do. At 32 clients on 2 cores a fixed 5 ms split them into batches of "
-        "~10.5 queries (p99 +26% over one unsharded server); following the fan-out, ~15.6 (+3%)")  # fmt: skip
+        "shards, later than a server's clients do. At 32 clients on 2 cores: batches of ~15.7 queries instead of ~11.5 "
+        "with a fixed 5 ms, p99 over one unsharded server +6.5% and +14.4% in two runs instead of +22.9% and +19.7%")  # fmt: skip
     docs: str = option("", help="--encode: the index directory the shards were split from (`emapg index shard --index`; its "
                                 "fingerprint checked against theirs), or a copy of it: the shards then answer row numbers and "
                                 "scores only and the router reads the merged top-k passages from this directory's document "
