@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -212,6 +213,7 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
              pool: dict[str, int], stages: _Stages) -> dict[str, Any]:
     """results.json of the report. Contract: ``base.pooled_em`` and ``trained.pooled_em`` (percent, over
     all held-out questions)."""
+    from eval.learning import miss_breakdown
     from trainer.tracking import read_metrics
 
     runs = {label: json.loads((out / f"eval_{label}" / "results.json").read_text()) for label in ("base", "trained")}
@@ -229,6 +231,7 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
         "heldout": {"datasets": list(QA_DATASETS), "per_dataset": preset.eval_limit, "data_seed": 0, "questions": pooled["n"],
                     "protocol": runs["base"]["protocol"]},
         "learning": learning,
+        "misses": {label: dataclasses.asdict(miss_breakdown(out / f"eval_{label}", list(QA_DATASETS))) for label in runs},
         "datasets": {name: {label: runs[label]["datasets"][name] for label in runs} for name in runs["base"]["datasets"]},
         "average": {label: runs[label]["average"] for label in runs},
         "models": {label: runs[label]["model"] for label in runs},
@@ -321,7 +324,7 @@ def _movement_lines(t: dict[str, Any]) -> list[str]:
 
 
 def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: str, examples: str, curves: str) -> str:
-    from eval.learning import learning_table, verdict
+    from eval.learning import MissBreakdown, learning_table, verdict
 
     t, d = results["training"], learning["pooled"]["difference"]
     lines = [
@@ -343,6 +346,12 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         f"Pooled over all {d['n']} questions: {results['base']['pooled_em']:.1f} -> {results['trained']['pooled_em']:.1f} "
         f"({d['mean']:+.1f} pp, {round(100 * d['confidence'])}% CI [{d['low']:+.1f}, {d['high']:+.1f}], "
         f"{d['method']}, {d['resamples']} resamples): {verdict(d)}.", "",
+        "## Where the misses are", "",
+        "Each question's answer: right; wrong although a gold answer was in the passages the model was shown (what "
+        "better reading, the skill RL can teach here, could fix); or wrong without it (another query, or a second "
+        "search for a multi-hop question, was needed).", "",
+        *[line for label, name in (("base", "starter"), ("trained", "trained")) for line in MissBreakdown(**results["misses"][label]).lines(name)],
+        "",
         "## Training curves (every step)", "",
         f"![training curves]({curves})", "",
         "The KL panel is the per-token mean of the KL *estimate* the loss used (Top-k reverse KL: exact head "

@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def check_heldout(eval_dir: Path) -> None:
 
 
 def pooled_em(start_dir: Path, run_dir: Path) -> float:
-    from eval.learning import compare_learning
+    from eval.learning import compare_learning, miss_breakdown
 
     return compare_learning(start_dir, run_dir, list(qa_sets()), resamples=1)["pooled"]["trained"]
 
@@ -312,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
             "informative_groups_per_train_min": statistics.mean(r["informative_groups_per_train_min"] for r in runs),
         }
     report["emapg_minus_grpo_end"] = difference(per_question_em(final_dirs["grpo"]), per_question_em(final_dirs["emapg"]))
+    # where the answers stand (right / wrong with a gold answer shown / wrong without it; searches made)
+    report["misses"] = {"start": asdict(miss_breakdown(start_dir, list(qa_sets()))),
+                        **{f"{alg}_end": [asdict(miss_breakdown(d, list(qa_sets()))) for d in final_dirs[alg]] for alg in ALGOS}}
     start_per_ds = compare_learning(start_dir, start_dir, list(qa_sets()), resamples=1)["datasets"]
     report["start_per_dataset"] = {ds: b["base"] for ds, b in start_per_ds.items()}
     report["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -124,3 +124,44 @@ def verdict(difference: dict[str, float]) -> str:
     if hi < 0:
         return f"the {level}% interval lies below zero: training made the pooled score worse beyond noise"
     return f"the {level}% interval contains zero: the difference cannot be told from noise at this sample size"
+
+
+@dataclass(frozen=True)
+class MissBreakdown:
+    """Where one QA evaluation's answers stand (each question's first sample: the greedy answer), pooled over
+    datasets: right; wrong although a gold answer was in the passages the model was shown (``retrieval_recall``:
+    what better reading could fix); wrong without it (the evidence never reached the model: another query or
+    another hop was needed); and how many searches the model made per question."""
+
+    questions: int
+    right: int
+    wrong_shown: int
+    wrong_not_shown: int
+    searches: dict[int, int]  # searches made -> questions
+
+    def lines(self, label: str) -> list[str]:
+        """Markdown bullets for a report."""
+        pct = lambda k: 100 * k / self.questions  # noqa: E731
+        searched = ", ".join(f"{n} search{'es' if n != 1 else ''}: {k}" for n, k in sorted(self.searches.items()))
+        return [f"- {label}: {self.right} right ({pct(self.right):.1f}%), **{self.wrong_shown} wrong although a gold answer "
+                f"was in the passages shown** ({pct(self.wrong_shown):.1f}%), {self.wrong_not_shown} wrong without it "
+                f"({pct(self.wrong_not_shown):.1f}%), of {self.questions}; searches per question: {searched}"]
+
+
+def miss_breakdown(run_dir: str | Path, datasets: list[str]) -> MissBreakdown:
+    """The :class:`MissBreakdown` of one ``emapg eval`` run of the QA suite (its ``items/<dataset>.jsonl``)."""
+    right = shown = not_shown = 0
+    searches: dict[int, int] = {}
+    for ds in datasets:
+        for record in _items(Path(run_dir), ds).values():
+            sample = (record.get("samples") or [record])[0]
+            scores = sample.get("scores") or record["scores"]
+            if scores["em"] >= 1.0:
+                right += 1
+            elif scores.get("retrieval_recall", 0.0) > 0:
+                shown += 1
+            else:
+                not_shown += 1
+            n = int(sample.get("searches", record.get("searches", 0)))
+            searches[n] = searches.get(n, 0) + 1
+    return MissBreakdown(right + shown + not_shown, right, shown, not_shown, dict(sorted(searches.items())))

@@ -62,6 +62,12 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     md = (report / "report.md").read_text()
     assert all(f"| {name} |" in md for name in QA_DATASETS) and "Example trajectories" in md
     assert "| **pooled** |" in md and "KL *estimate*" in md
+    for label in ("base", "trained"):  # where the misses are: every held-out question counted once
+        m = results["misses"][label]
+        assert m["right"] + m["wrong_shown"] + m["wrong_not_shown"] == m["questions"] == 2 * len(QA_DATASETS)
+        assert sum(m["searches"].values()) == m["questions"]
+        assert m["right"] == round(results[label]["pooled_em"] * m["questions"] / 100)  # greedy: one answer each
+    assert "## Where the misses are" in md and "wrong although a gold answer was in the passages shown" in md
     assert (report / "training_curves.png").is_file()
 
 

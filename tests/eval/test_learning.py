@@ -78,3 +78,26 @@ def test_compare_learning_refuses_different_questions(tmp_path):
     trained = _write_run(tmp_path, "trained", {"nq": [(1, 1)]})
     with pytest.raises(ValueError, match="different questions"):
         compare_learning(base, trained, ["nq"])
+
+
+def test_miss_breakdown_counts_each_questions_greedy_answer(tmp_path):
+    """Right / wrong with the gold shown / wrong without it, from each question's first sample; searches counted."""
+    from eval.learning import miss_breakdown
+
+    def sample(em, shown, searches):
+        return {"scores": {"em": em, "retrieval_recall": shown}, "searches": searches}
+
+    rows = {"nq": [[sample(1.0, 1.0, 1)], [sample(0.0, 1.0, 1), sample(1.0, 1.0, 1)], [sample(0.0, 0.0, 2)]],
+            "bamboogle": [[sample(0.0, 0.0, 1)], [sample(0.0, 1.0, 0)]]}
+    items = tmp_path / "run" / "items"
+    items.mkdir(parents=True)
+    for ds, questions in rows.items():
+        lines = [json.dumps({"id": f"{ds}-{i}", "scores": {"em": 0.5}, "samples": s}) + "\n" for i, s in enumerate(questions)]
+        (items / f"{ds}.jsonl").write_text("".join(lines))
+    b = miss_breakdown(tmp_path / "run", ["nq", "bamboogle"])
+    # nq-1's second sample is right, but the greedy (first) one is the answer that counts
+    assert (b.questions, b.right, b.wrong_shown, b.wrong_not_shown) == (5, 1, 2, 2)
+    assert b.searches == {0: 1, 1: 3, 2: 1}
+    line = b.lines("starter")[0]
+    assert "1 right (20.0%)" in line and "**2 wrong although a gold answer was in the passages shown** (40.0%)" in line
+    assert "0 searches: 1, 1 search: 3, 2 searches: 1" in line
