@@ -53,8 +53,8 @@ their batch's fan-out to the shards, ~25 ms later than a server's clients; with 
 regroup wait a batch worker went on without them, and 32 clients settled into three groups of ~10.5 queries
 (smaller encoder batches cost more per query). The router therefore adds the fan-out's measured round trip
 (moving average, at most 50 ms) to the regroup wait: ~15.7 queries per batch instead of ~11.5, 8-16% less CPU
-per query on the sharded side, and a p99 over one unsharded server of +6.5% and +14.4% in two runs instead of
-+22.9% and +19.7% with the fixed wait (side by side, ``benchmarks/retriever_scale.py --router-only``).
+per query on the sharded side, and a p99 over one unsharded server of +6.5%, +14.4% and +3.0% in three runs
+instead of +22.9%, +19.7% and +18.1% with the fixed wait (side by side, ``benchmarks/retriever_scale.py --router-only``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ class RouterConfig(ServerOptions):
         True, help="--encode: wait for the clients of a finished batch for regroup_wait_ms plus the moving average of the "
         "fan-out round trip (at most 50 ms more): those clients come back only after their batch's fan-out to the "
         "shards, later than a server's clients do. At 32 clients on 2 cores: batches of ~15.7 queries instead of ~11.5 "
-        "with a fixed 5 ms, p99 over one unsharded server +6.5% and +14.4% in two runs instead of +22.9% and +19.7%")  # fmt: skip
+        "with a fixed 5 ms, p99 over one unsharded server +6.5%, +14.4% and +3.0% in three runs instead of +22.9%, +19.7% "
+        "and +18.1%")  # fmt: skip
     docs: str = option("", help="--encode: the index directory the shards were split from (`emapg index shard --index`; its "
                                 "fingerprint checked against theirs), or a copy of it: the shards then answer row numbers and "
                                 "scores only and the router reads the merged top-k passages from this directory's document "
