@@ -100,7 +100,7 @@ def check_heldout(eval_dir: Path) -> None:
 
 
 def pooled_em(start_dir: Path, run_dir: Path) -> float:
-    from eval.learning import compare_learning, miss_breakdown
+    from eval.learning import compare_learning
 
     return compare_learning(start_dir, run_dir, list(qa_sets()), resamples=1)["pooled"]["trained"]
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from agent.engines.launch import EngineServer
     from emapg.config import load_config
-    from eval.learning import compare_learning
+    from eval.learning import compare_learning, miss_breakdown
     from eval.significance import paired_bootstrap
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever

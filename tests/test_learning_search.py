@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks.learning_search import ALGOS, per_question_em, plot
 from tasks.datasets import QA_DATASETS
 
@@ -34,3 +36,30 @@ def test_plot_draws_every_run(tmp_path):
     report = {"policy": "p", "heldout": {"questions": 14}, "runs": {"grpo": {"0": run, "1": run}, "emapg": {"0": run}}}
     img = imread(plot(report, tmp_path / "curves.png"))
     assert img.shape[0] > 100 and img.shape[1] > 300
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
+    """The whole benchmark on tiny-qwen2 (2 seeds x 2 algorithms x 2 steps, one shared engine server): a run must
+    not fail at its end, where the report is put together, after hours of default-mode training."""
+    import os
+    import subprocess
+    import sys
+
+    from emapg.paths import REPO_ROOT
+
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "ls.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "learning_search.py"), "--quick", "--out", str(out),
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["heldout_questions"] == 14
+    for alg in ("grpo", "emapg"):
+        r = report[alg]
+        assert r["seeds"] == [0, 1] and len(r["end_minus_start_ci"]) == 2
+        assert {"heldout_em_start", "heldout_em_end"} <= set(r)
+        assert len(report["misses"][f"{alg}_end"]) == 2
+    start = report["misses"]["start"]
+    assert start["right"] + start["wrong_shown"] + start["wrong_not_shown"] == start["questions"] == 14
