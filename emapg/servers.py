@@ -254,14 +254,15 @@ class ServerProcess:
         return f"http://{host}:{self.port}"
 
     def start(self) -> Self:
-        if self.proc is not None:
-            raise RuntimeError("server already started")
+        """:meth:`launch` and :meth:`wait_healthy`; with no fixed port, another free port when the one probed
+        was taken before the server bound it ("address already in use"), up to 3 tries."""
         fixed_port = self.port is not None
         for attempt in range(3):
             if not fixed_port:
-                self.port = free_port(self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
+                self.port = None
             try:
-                self._start_once()
+                self.launch()
+                self.wait_healthy()
                 return self
             except ServerStartError as e:
                 if fixed_port or "address already in use" not in str(e).lower() or attempt == 2:
@@ -276,20 +277,12 @@ class ServerProcess:
             raise RuntimeError("server already started")
         if self.port is None:
             self.port = free_port(self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
-        self._popen()
-        self._launched_at = time.monotonic()
-        return self
-
-    def _popen(self) -> None:
         cmd = [*emapg_command(), *self.subcommand, *self.args, "--port", str(self.port)]
         env = {**self.env, LAUNCHER_PID_ENV: str(os.getpid())}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(REPO_ROOT))
-
-    def _start_once(self) -> None:
-        self._popen()
         self._launched_at = time.monotonic()
-        self.wait_healthy()
+        return self
 
     def wait_healthy(self) -> None:
         """Wait (up to ``startup_timeout`` from the launch) until ``/health`` answers 200; a process that exits
