@@ -114,8 +114,8 @@ class RouterConfig(ServerOptions):
                                      "--no-encode forwards the text to every shard's /retrieve, so every shard encodes every query")  # fmt: skip
     encode_threads: int = option(0, help="--encode: CPU forward passes at once (0: CPU cores / OMP_NUM_THREADS), as `emapg serve`")
     max_batch: int = option(64, help="--encode: most queries encoded together across requests")
-    max_wait_ms: float = option(5.0, help="--encode: how long the first query of a batch may wait for company under concurrent traffic, in ms")
-    regroup_wait_ms: float = option(5.0, help="--encode: as `emapg serve --regroup-wait-ms`; the router adds the fan-out's "
+    max_wait_ms: float = option(5.0, ge=0, help="--encode: how long the first query of a batch may wait for company under concurrent traffic, in ms")
+    regroup_wait_ms: float = option(5.0, ge=0, help="--encode: as `emapg serve --regroup-wait-ms`; the router adds the fan-out's "
                                               "measured round trip (see regroup_follows_fanout)")  # fmt: skip
     regroup_follows_fanout: bool = option(
         True, help="--encode: wait for the clients of a finished batch for regroup_wait_ms plus the moving average of the "
