@@ -175,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                    "middle and the end; quick 1)")
     p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set (<= 100, the held-out split's "
                    "size; default 50, i.e. 350 questions; quick 2)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="training seeds (at least 2, except with --reduced)")
+    p.add_argument("--algorithms", nargs="+", choices=sorted(ALGOS), default=list(ALGOS),
+                   help="which algorithms to train (default both; the contract file needs both): one alone makes a "
+                   "dose-response run, e.g. --reduced --algorithms emapg --seeds 0 --steps 40 --eval-every 10")
     p.add_argument("--train-set", default=TRAIN_SET, help="training questions: qa_pool (the answerable pool) or "
                    "qa_pool_informative (its subset the starter solves sometimes; what make demo trains on)")
     p.add_argument("--policy", default=None, help="starter policy (default emapg.models.STARTER)")
@@ -188,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (2 if args.quick else 8)
     eval_every = args.eval_every or (1 if args.quick else max(1, steps // 2))
     per_dataset = args.per_dataset or (2 if args.quick else 50)
-    if len(args.seeds) < 2 and not args.quick:
-        p.error("give at least 2 seeds")
+    if len(args.seeds) < 2 and not (args.quick or args.reduced):
+        p.error("give at least 2 seeds (or --reduced for a one-seed run)")
+    algos = {alg: ov for alg, ov in ALGOS.items() if alg in args.algorithms}
+    if len(algos) < len(ALGOS) and Path(args.out).resolve() == (RESULTS / "learning_search.json").resolve():
+        p.error("--algorithms with one algorithm: give --out (benchmarks/results/learning_search.json holds both)")
     if not 1 <= per_dataset <= 100:
         p.error("--per-dataset must be in [1, 100]: the held-out split holds 100 questions per QA set")
     # OMP_NUM_THREADS is left to the caller (torch then uses every core for the training passes); forcing 1
@@ -230,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         "heldout": {"datasets": list(qa_sets()), "per_dataset": per_dataset, "questions": per_dataset * len(qa_sets()),
                     "data_seed": 0, "split": "subset of data/qa/heldout.json", "protocol": "qa_quick (greedy)"},
         "heldout_questions": per_dataset * len(qa_sets()),
-        "algorithms": {alg: " ".join(o for o in ov if not o.startswith("algorithm.name")) for alg, ov in ALGOS.items()},
-        "runs": {alg: {} for alg in ALGOS},
+        "algorithms": {alg: " ".join(o for o in ov if not o.startswith("algorithm.name")) for alg, ov in algos.items()},
+        "runs": {alg: {} for alg in algos},
     }
-    final_dirs: dict[str, list[Path]] = {alg: [] for alg in ALGOS}
+    final_dirs: dict[str, list[Path]] = {alg: [] for alg in algos}
     # One generation engine server for every run and evaluation (as `make demo`): each evaluation loads its
     # checkpoint's weights into it, each training run pushes its policy's weights before every rollout; the
     # engine starts once instead of once per run and per evaluation (vLLM: ~40 s each, 13 times by default).
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         em_start = pooled_em(start_dir, start_dir)
         print(f"[learning_search] starter: held-out pooled EM {em_start:.1f}", flush=True)
         for seed in args.seeds:
-            for alg, algo_overrides in ALGOS.items():
+            for alg, algo_overrides in algos.items():
                 run_dir = work / f"{alg}-seed{seed}"
                 overrides = [f"model.policy={settings['policy']}", f"data.train={args.train_set}", "data.split=train",
                              f"retriever.urls=[{url}]", "retriever.index_dir=null", "rollout.engine=remote",
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 "method": "paired bootstrap over held-out questions (per question: EM averaged over seeds), percentile interval"}
 
     start_q = per_question_em([start_dir])
-    for alg in ALGOS:
+    for alg in algos:
         runs = list(report["runs"][alg].values())
         end_q = per_question_em(final_dirs[alg])
         d = difference(start_q, end_q)
@@ -312,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
             "informative_frac_mean": statistics.mean(statistics.mean(r["informative_frac"]) for r in runs),
             "informative_groups_per_train_min": statistics.mean(r["informative_groups_per_train_min"] for r in runs),
         }
-    report["emapg_minus_grpo_end"] = difference(per_question_em(final_dirs["grpo"]), per_question_em(final_dirs["emapg"]))
+    if len(algos) == len(ALGOS):
+        report["emapg_minus_grpo_end"] = difference(per_question_em(final_dirs["grpo"]), per_question_em(final_dirs["emapg"]))
     # where the answers stand (right / wrong with a gold answer shown / wrong without it; searches made)
     report["misses"] = {"start": asdict(miss_breakdown(start_dir, list(qa_sets()))),
-                        **{f"{alg}_end": [asdict(miss_breakdown(d, list(qa_sets()))) for d in final_dirs[alg]] for alg in ALGOS}}
+                        **{f"{alg}_end": [asdict(miss_breakdown(d, list(qa_sets()))) for d in final_dirs[alg]] for alg in algos}}
     start_per_ds = compare_learning(start_dir, start_dir, list(qa_sets()), resamples=1)["datasets"]
     report["start_per_dataset"] = {ds: b["base"] for ds, b in start_per_ds.items()}
     report["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -328,16 +335,17 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nheld-out EM per dataset at step {steps} (mean over seeds {args.seeds}; start = the starter):")
-    print(f"{'dataset':<18}{'start':>8}{'grpo':>8}{'emapg':>8}")
+    print("".join([f"{'dataset':<18}{'start':>8}", *(f"{alg:>8}" for alg in algos)]))
     for ds in qa_sets():
-        print(f"{ds:<18}{report['start_per_dataset'][ds]:>8.1f}{report['grpo']['per_dataset_end'][ds]:>8.1f}{report['emapg']['per_dataset_end'][ds]:>8.1f}")
-    print(f"{'pooled':<18}{em_start:>8.1f}{report['grpo']['heldout_em_end']:>8.1f}{report['emapg']['heldout_em_end']:>8.1f}")
-    for alg in ALGOS:
+        print("".join([f"{ds:<18}{report['start_per_dataset'][ds]:>8.1f}", *(f"{report[alg]['per_dataset_end'][ds]:>8.1f}" for alg in algos)]))
+    print("".join([f"{'pooled':<18}{em_start:>8.1f}", *(f"{report[alg]['heldout_em_end']:>8.1f}" for alg in algos)]))
+    for alg in algos:
         d = report[alg]["end_minus_start"]
         print(f"{alg} end - start: {d['mean']:+.1f} pp (95% CI [{d['low']:+.1f}, {d['high']:+.1f}], n={d['n']})")
-    d = report["emapg_minus_grpo_end"]
-    print(f"EMA-PG - GRPO at step {steps}: {d['mean']:+.1f} pp (95% CI [{d['low']:+.1f}, {d['high']:+.1f}], n={d['n']}); "
-          f"mode {settings['mode']}, wall {report['wall_s'] / 60:.1f} min")
+    if "emapg_minus_grpo_end" in report:
+        d = report["emapg_minus_grpo_end"]
+        print(f"EMA-PG - GRPO at step {steps}: {d['mean']:+.1f} pp (95% CI [{d['low']:+.1f}, {d['high']:+.1f}], n={d['n']})")
+    print(f"mode {settings['mode']}, wall {report['wall_s'] / 60:.1f} min")
     print(f"wrote {out} and {report['plot']}")
     return 0
 

@@ -63,3 +63,30 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
         assert len(report["misses"][f"{alg}_end"]) == 2
     start = report["misses"]["start"]
     assert start["right"] + start["wrong_shown"] + start["wrong_not_shown"] == start["questions"] == 14
+
+
+@pytest.mark.slow
+def test_one_algorithm_run_reports_only_that_algorithm(tmp_path):
+    """``--algorithms emapg`` (a dose-response run): only EMA-PG is trained and reported, with no EMA-PG - GRPO row."""
+    import os
+    import subprocess
+    import sys
+
+    from emapg.paths import REPO_ROOT
+
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "one.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "learning_search.py"), "--quick", "--algorithms", "emapg",
+                           "--seeds", "0", "--out", str(out), "--work", str(tmp_path / "work")], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"emapg"} and "grpo" not in report and "emapg_minus_grpo_end" not in report
+    assert report["emapg"]["seeds"] == [0] and len(report["misses"]["emapg_end"]) == 1
+
+
+def test_one_algorithm_may_not_overwrite_the_contract_file():
+    from benchmarks.learning_search import main
+
+    with pytest.raises(SystemExit):
+        main(["--algorithms", "emapg", "--reduced", "--seeds", "0"])
