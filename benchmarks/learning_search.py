@@ -146,19 +146,23 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             ax_em.plot(run["eval_steps"], run["heldout_em"], style, marker="o", color=colors[alg], label=label)
             marker = "o" if len(run["train_steps"]) <= 30 else None
             ax_r.plot(run["train_steps"], run["train_reward"], style, color=colors[alg], label=label, marker=marker, markersize=3)
+            if run.get("sampled_reward"):  # every trajectory sampled, filtered rounds included: not selected by reward
+                ax_r.plot(run["train_steps"], run["sampled_reward"], style, color=colors[alg], alpha=0.35,
+                          label=f"{label}, all sampled")
             if run.get("informative_frac"):
                 ax_i.plot(run["train_steps"], run["informative_frac"], style, color=colors[alg], label=label, marker=marker,
                           markersize=3)
     ax_em.set_title(f"held-out EM, pooled over {report['heldout']['questions']} questions (7 QA sets)")
     ax_em.set_ylabel("EM (%)")
-    ax_r.set_title("train reward (mean EM of the sampled trajectories)")
+    ax_r.set_title("train reward (EM; pale: every trajectory sampled)")
     ax_i.set_title("groups with differing rewards (first prompt batch)")
     ax_i.set_ylim(-0.02, 1.02)
     for ax in (ax_em, ax_r, ax_i):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"GRPO (K3, frozen reference) vs EMA-PG (Top-k reverse KL, EMA anchor) from {report['policy']}, "
+    names = {"grpo": "GRPO (K3, frozen reference)", "emapg": "EMA-PG (Top-k reverse KL, EMA anchor)"}
+    fig.suptitle(f"{' vs '.join(names[a] for a in report['runs'])} from {report['policy']}, "
                  f"trained on {report.get('train_set', TRAIN_SET)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
