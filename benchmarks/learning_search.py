@@ -131,6 +131,15 @@ def trained_informative_groups(row: dict[str, float], groups_per_step: int) -> f
     return float(frac) * groups_per_step
 
 
+def keep_policy_only(ckpt: Path) -> None:
+    """Remove a checkpoint's training state (optimizer, anchor, sharded state), keeping ``policy/`` (weights, tokenizer)
+    and the manifest/provenance files beside it, so the trained weights stay evaluable after the run."""
+    for f in ckpt.iterdir():
+        if f.name == "policy" or (f.is_file() and f.suffix in (".json", ".yaml", ".txt")):
+            continue
+        shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink()
+
+
 def plot(report: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
@@ -190,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="turn dynamic sampling (rollout.filter_groups, the demo config's setting) off for both algorithms")
     p.add_argument("--override", action="append", default=[], help="a dotted training override for both algorithms (repeatable)")
     p.add_argument("--out", default=str(RESULTS / "learning_search.json"))
+    p.add_argument("--keep-final", action="store_true", help="keep each run's last checkpoint's policy/ folder (its weights, "
+                   "for e.g. greedy_vs_sampled.py --trained; the optimizer and anchor are removed); needs --work")
     p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed)")
     args = p.parse_args(argv)
     steps = args.steps or (2 if args.quick else 8)
@@ -200,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     algos = {alg: ov for alg, ov in ALGOS.items() if alg in args.algorithms}
     if len(algos) < len(ALGOS) and Path(args.out).resolve() == (RESULTS / "learning_search.json").resolve():
         p.error("--algorithms with one algorithm: give --out (benchmarks/results/learning_search.json holds both)")
+    if args.keep_final and not args.work:
+        p.error("--keep-final needs --work (the default work folder is removed at the end)")
     if not 1 <= per_dataset <= 100:
         p.error("--per-dataset must be in [1, 100]: the held-out split holds 100 questions per QA set")
     # OMP_NUM_THREADS is left to the caller (torch then uses every core for the training passes); forcing 1
@@ -274,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                     ckpt = run_dir / step_dir_name(s)
                     ems.append(pooled_em(start_dir, evaluate(str(ckpt / "policy"), run_dir / f"eval_step{s}", url, engine.url, settings,
                                                              per_dataset)))
-                    shutil.rmtree(ckpt, ignore_errors=True)  # fp32 policy + anchor + optimizer: ~2 GB each
+                    if args.keep_final and s == eval_steps[-1]:
+                        keep_policy_only(ckpt)
+                    else:
+                        shutil.rmtree(ckpt, ignore_errors=True)  # fp32 policy + anchor + optimizer: ~2 GB each
                 metrics = read_metrics(run_dir)
                 final_dir = run_dir / f"eval_step{eval_steps[-1]}"
                 final_dirs[alg].append(final_dir)

@@ -67,7 +67,9 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
 
 @pytest.mark.slow
 def test_one_algorithm_run_reports_only_that_algorithm(tmp_path):
-    """``--algorithms emapg`` (a dose-response run): only EMA-PG is trained and reported, with no EMA-PG - GRPO row."""
+    """``--algorithms emapg`` (a dose-response run): only EMA-PG is trained and reported, with no EMA-PG - GRPO row.
+    ``--keep-final`` keeps the last checkpoint's weights (not its optimizer or anchor), and greedy_vs_sampled.py scores
+    that real checkpoint against the model it started from."""
     import os
     import subprocess
     import sys
@@ -77,12 +79,31 @@ def test_one_algorithm_run_reports_only_that_algorithm(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "one.json"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "learning_search.py"), "--quick", "--algorithms", "emapg",
-                           "--seeds", "0", "--out", str(out), "--work", str(tmp_path / "work")], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                           "--seeds", "0", "--out", str(out), "--work", str(tmp_path / "work"), "--keep-final"],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"emapg"} and "grpo" not in report and "emapg_minus_grpo_end" not in report
     assert report["emapg"]["seeds"] == [0] and len(report["misses"]["emapg_end"]) == 1
+
+    run = tmp_path / "work" / "emapg-seed0"
+    assert not (run / "step_1").exists()  # not the last: removed
+    kept = run / "step_2"
+    assert not (kept / "optimizer.pt").exists() and not (kept / "anchor.safetensors").exists() and not (kept / "state").exists()
+    assert list((kept / "policy").glob("*.safetensors")) and (kept / "policy" / "trained_questions.json").is_file()
+
+    gvs = tmp_path / "gvs.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "greedy_vs_sampled.py"), "--quick", "--trained",
+                           str(kept / "policy"), "--per-dataset", "1", "--out", str(gvs)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    g = json.loads(gvs.read_text())
+    assert g["trained"] == str(kept / "policy") and g["sampled"]["n"] == 2
+    for decoding in ("greedy", "sampled"):
+        r = g["results"][decoding]
+        assert r["questions"] == 7 and set(r["per_dataset"]) == set(QA_DATASETS)
+        d = r["trained_minus_start"]
+        assert d["low"] <= d["mean"] <= d["high"] and abs(d["mean"] - (r["trained"] - r["start"])) < 1e-9
 
 
 def test_one_algorithm_may_not_overwrite_the_contract_file():
