@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from emapg.config import load_config
     from emapg.models import STARTER
     from emapg.paths import CONFIG_DIR
-    from eval.learning import compare_learning
+    from eval.learning import answer_changes, compare_learning
     from eval.protocols import get_protocol
     from eval.runner import EvalConfig, run_eval
     from provision.indexes import ensure_bundled_index
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             "trained_minus_start": {k: d[k] for k in ("mean", "low", "high", "confidence", "method")},
             "per_dataset": {ds: {"start": b["base"], "trained": b["trained"]} for ds, b in cmp["datasets"].items()},
         }
+    # which greedy answers changed, by kind of question (yes/no, an option the question names, open)
+    report["results"]["greedy"]["answer_changes"] = asdict(answer_changes(dirs[("start", "greedy")], dirs[("trained", "greedy")], datasets))
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     out_path = Path(args.out)
@@ -138,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         d = r["trained_minus_start"]
         print(f"{decoding:<10}{r['questions']:>5}{r['start']:>8.1f}{r['trained']:>9.1f}   "
               f"{d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]")
+    changes = report["results"]["greedy"]["answer_changes"]
+    print(f"greedy answers changed: {changes['changed']} of {changes['questions']} (wrong -> right {changes['gained']}, "
+          f"right -> wrong {changes['lost']})")
     print(f"wall {report['wall_s'] / 60:.1f} min; wrote {out_path}")
     return 0
 

@@ -169,7 +169,10 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     for ax in (ax_em, ax_r, ax_i):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+        else:  # e.g. the informative fraction of runs that logged none
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes, color="gray")
     names = {"grpo": "GRPO (K3, frozen reference)", "emapg": "EMA-PG (Top-k reverse KL, EMA anchor)"}
     fig.suptitle(f"{' vs '.join(names[a] for a in report['runs'])} from {report['policy']}, "
                  f"trained on {report.get('train_set', TRAIN_SET)}", fontsize=10)
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from agent.engines.launch import EngineServer
     from emapg.config import load_config
-    from eval.learning import compare_learning, miss_breakdown
+    from eval.learning import answer_changes, compare_learning, miss_breakdown
     from eval.significance import paired_bootstrap
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         pool_sources[ex.meta.get("origin", ex.data_source)] = pool_sources.get(ex.meta.get("origin", ex.data_source), 0) + 1
     index_dir = ensure_bundled_index(settings["index_limit"])
     eval_steps = sorted({s for s in range(eval_every, steps + 1, eval_every)} | {steps})
-    base_cfg = load_config(TrainConfig, settings["config"], [])
+    base_cfg = load_config(TrainConfig, settings["config"], list(args.override))  # the settings runs train with
     groups_per_step = base_cfg.data.prompts_per_step
     report: dict[str, Any] = {
         "benchmark": "learning_search", "mode": settings["mode"], "policy": settings["policy"], "steps": steps,
@@ -343,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     # where the answers stand (right / wrong with a gold answer shown / wrong without it; searches made)
     report["misses"] = {"start": asdict(miss_breakdown(start_dir, list(qa_sets()))),
                         **{f"{alg}_end": [asdict(miss_breakdown(d, list(qa_sets()))) for d in final_dirs[alg]] for alg in algos}}
+    # how many greedy answers each run changed, and which (a pooled difference near zero can hide many that cancel)
+    report["answer_changes"] = {f"{alg}_end": [asdict(answer_changes(start_dir, d, list(qa_sets()))) for d in final_dirs[alg]]
+                                for alg in algos}
     start_per_ds = compare_learning(start_dir, start_dir, list(qa_sets()), resamples=1)["datasets"]
     report["start_per_dataset"] = {ds: b["base"] for ds, b in start_per_ds.items()}
     report["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -165,3 +165,74 @@ def miss_breakdown(run_dir: str | Path, datasets: list[str]) -> MissBreakdown:
             n = int(sample.get("searches", record.get("searches", 0)))
             searches[n] = searches.get(n, 0) + 1
     return MissBreakdown(right + shown + not_shown, right, shown, not_shown, dict(sorted(searches.items())))
+
+
+#: The kinds of question :func:`question_kind` tells apart: a yes/no answer; an answer that is one of the options
+#: the question itself names (comparison questions: "which film ..., A or B?", where choosing one of the two
+#: named options scores half the time without reading anything); every other question.
+QUESTION_KINDS = ("yes/no", "option in question", "open")
+
+
+def question_kind(question: str, golds: list[str]) -> str:
+    """One of :data:`QUESTION_KINDS` (SQuAD-normalised, whole-word containment of a gold answer in the question)."""
+    from tasks.qa import normalize_answer
+
+    answers = [normalize_answer(g) for g in golds]
+    if any(a in ("yes", "no") for a in answers):
+        return "yes/no"
+    padded = f" {normalize_answer(question)} "
+    return "option in question" if any(a and f" {a} " in padded for a in answers) else "open"
+
+
+@dataclass(frozen=True)
+class AnswerChanges:
+    """How a trained model's greedy answers (each question's first sample) differ from the starter's on the same
+    questions: how many changed at all, and the right/wrong transitions, pooled and per :func:`question_kind`.
+    A pooled difference near zero can hide many changes that cancel; this shows them."""
+
+    questions: int
+    changed: int  # the normalised answer text differs (or only one of the two gave an answer)
+    kept_right: int
+    lost: int  # right before, wrong after
+    gained: int  # wrong before, right after
+    kept_wrong: int
+    by_kind: dict[str, dict[str, int]]  # kind -> questions, start_right, trained_right, lost, gained
+
+    def lines(self) -> list[str]:
+        """Markdown bullets for a report."""
+        kinds = "; ".join(f"{k}: {v['questions']} questions, right {v['start_right']} → {v['trained_right']} "
+                          f"(lost {v['lost']}, gained {v['gained']})" for k, v in self.by_kind.items())
+        return [f"- greedy answers changed on {self.changed} of {self.questions} questions: {self.gained} wrong → right, "
+                f"{self.lost} right → wrong, {self.kept_right} right in both, {self.kept_wrong} wrong in both",
+                f"- by kind of question: {kinds}"]
+
+
+def answer_changes(base_dir: str | Path, trained_dir: str | Path, datasets: list[str]) -> AnswerChanges:
+    """The :class:`AnswerChanges` from the starter's to the trained model's evaluation of the same questions
+    (their ``items/<dataset>.jsonl``; the questions must be the same, as :func:`paired_items` requires)."""
+    from tasks.qa import normalize_answer
+
+    def first(record: dict[str, Any]) -> tuple[float, str | None]:
+        sample = (record.get("samples") or [record])[0]
+        prediction = sample.get("prediction", record.get("prediction"))
+        em = (sample.get("scores") or record["scores"])["em"]
+        return float(em), None if prediction is None else normalize_answer(prediction)
+
+    counts = {"changed": 0, "kept_right": 0, "lost": 0, "gained": 0, "kept_wrong": 0}
+    by_kind = {k: {"questions": 0, "start_right": 0, "trained_right": 0, "lost": 0, "gained": 0} for k in QUESTION_KINDS}
+    for ds, pairs in paired_items(base_dir, trained_dir, datasets).items():
+        a, b = _items(Path(base_dir), ds), _items(Path(trained_dir), ds)
+        for qid in pairs.ids:
+            (em_a, pred_a), (em_b, pred_b) = first(a[qid]), first(b[qid])
+            right_a, right_b = em_a >= 1.0, em_b >= 1.0
+            transition = ("kept_right" if right_b else "lost") if right_a else ("gained" if right_b else "kept_wrong")
+            counts[transition] += 1
+            counts["changed"] += pred_a != pred_b
+            kind = by_kind[question_kind(a[qid].get("question", ""), list(a[qid].get("golds") or []))]
+            kind["questions"] += 1
+            kind["start_right"] += right_a
+            kind["trained_right"] += right_b
+            kind["lost"] += transition == "lost"
+            kind["gained"] += transition == "gained"
+    return AnswerChanges(questions=sum(counts[k] for k in ("kept_right", "lost", "gained", "kept_wrong")),
+                         by_kind={k: v for k, v in by_kind.items() if v["questions"]}, **counts)

@@ -79,12 +79,17 @@ def test_one_algorithm_run_reports_only_that_algorithm(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "one.json"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "learning_search.py"), "--quick", "--algorithms", "emapg",
-                           "--seeds", "0", "--out", str(out), "--work", str(tmp_path / "work"), "--keep-final"],
+                           "--seeds", "0", "--out", str(out), "--work", str(tmp_path / "work"), "--keep-final",
+                           "--override", "rollout.temperature=0.9"],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"emapg"} and "grpo" not in report and "emapg_minus_grpo_end" not in report
     assert report["emapg"]["seeds"] == [0] and len(report["misses"]["emapg_end"]) == 1
+    (changes,) = report["answer_changes"]["emapg_end"]  # every held-out question in exactly one transition and one kind
+    assert changes["kept_right"] + changes["lost"] + changes["gained"] + changes["kept_wrong"] == changes["questions"] == 14
+    assert sum(k["questions"] for k in changes["by_kind"].values()) == 14 and 0 <= changes["changed"] <= 14
+    assert report["overrides"] == ["rollout.temperature=0.9"] and report["rollout"]["temperature"] == 0.9  # as trained
 
     run = tmp_path / "work" / "emapg-seed0"
     assert not (run / "step_1").exists()  # not the last: removed
@@ -104,6 +109,8 @@ def test_one_algorithm_run_reports_only_that_algorithm(tmp_path):
         assert r["questions"] == 7 and set(r["per_dataset"]) == set(QA_DATASETS)
         d = r["trained_minus_start"]
         assert d["low"] <= d["mean"] <= d["high"] and abs(d["mean"] - (r["trained"] - r["start"])) < 1e-9
+    changes = g["results"]["greedy"]["answer_changes"]
+    assert changes["questions"] == 7 and sum(k["questions"] for k in changes["by_kind"].values()) == 7
 
 
 def test_one_algorithm_may_not_overwrite_the_contract_file():

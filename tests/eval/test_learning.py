@@ -101,3 +101,44 @@ def test_miss_breakdown_counts_each_questions_greedy_answer(tmp_path):
     line = b.lines("starter")[0]
     assert "1 right (20.0%)" in line and "**2 wrong although a gold answer was in the passages shown** (40.0%)" in line
     assert "0 searches: 1, 1 search: 3, 2 searches: 1" in line
+
+
+def test_question_kind_tells_yes_no_options_named_in_the_question_and_open_questions():
+    from eval.learning import question_kind
+
+    assert question_kind("Are both films from the same country?", ["Yes"]) == "yes/no"
+    assert question_kind("Which film came first, Once A Gentleman or The Girl In White?", ["Once a gentleman"]) == "option in question"
+    # whole words only, after SQuAD normalisation: "Art" is not named in "Who painted Arthur's portrait?"
+    assert question_kind("Who painted Arthur's portrait?", ["Art"]) == "open"
+    assert question_kind("Where does US highway 1 start?", ["Key West, Florida", ""]) == "open"
+
+
+def test_answer_changes_counts_transitions_changed_answers_and_kinds(tmp_path):
+    """Each question's first sample is its greedy answer; an answer that changes only in case or punctuation has
+    not changed, nor has no answer twice; questions either run scored apart as trained on are left out."""
+    from eval.learning import answer_changes
+
+    def write(name, answers, excluded=()):
+        items = tmp_path / name / "items"
+        items.mkdir(parents=True)
+        rows = []
+        for i, (question, golds, prediction, em) in enumerate(answers):
+            rows.append({"id": f"nq-{i}", "question": question, "golds": golds, "scores": {"em": 0.5},
+                         "samples": [{"prediction": prediction, "scores": {"em": em}}, {"prediction": "x", "scores": {"em": 1.0}}]})
+        (items / "nq.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / name / "results.json").write_text(json.dumps({"contamination": {"excluded_ids": {"nq": list(excluded)}}}))
+        return tmp_path / name
+
+    qs = [("Ulm or Bonn, which is older?", ["Ulm"]), ("Same country?", ["yes"]), ("Who wrote it?", ["Woody Allen"]),
+          ("Capital?", ["Amqui"]), ("Year?", ["1999"]), ("Trained on?", ["z"])]
+    base = write("base", [(*qs[0], "Ulm", 1.0), (*qs[1], "yes", 1.0), (*qs[2], "Woody Allen", 1.0), (*qs[3], "Paris", 0.0),
+                          (*qs[4], None, 0.0), (*qs[5], "z", 1.0)])
+    trained = write("trained", [(*qs[0], "Bonn", 0.0), (*qs[1], "Yes.", 1.0), (*qs[2], "Woody Allen", 1.0),
+                                (*qs[3], "Amqui", 1.0), (*qs[4], None, 0.0), (*qs[5], "y", 0.0)], excluded=["nq-5"])
+    c = answer_changes(base, trained, ["nq"])
+    assert (c.questions, c.changed, c.kept_right, c.lost, c.gained, c.kept_wrong) == (5, 2, 2, 1, 1, 1)
+    assert c.by_kind == {"yes/no": {"questions": 1, "start_right": 1, "trained_right": 1, "lost": 0, "gained": 0},
+                         "option in question": {"questions": 1, "start_right": 1, "trained_right": 0, "lost": 1, "gained": 0},
+                         "open": {"questions": 3, "start_right": 1, "trained_right": 2, "lost": 0, "gained": 1}}
+    assert "changed on 2 of 5 questions: 1 wrong → right, 1 right → wrong" in c.lines()[0]
+    assert "option in question: 1 questions, right 1 → 0 (lost 1, gained 0)" in c.lines()[1]
