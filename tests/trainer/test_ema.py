@@ -306,6 +306,10 @@ def _fsdp_worker(rank: int, world: int, port: int) -> None:
             with wrapped.swap_into():
                 out = root(x)
         assert torch.allclose(out, anchor_plain(x), atol=1e-6)
+        # Both ranks past their last collective before either tears gloo down: a rank that destroys the group
+        # while its peer is still in an all-gather can abort the peer ("terminate called without an active
+        # exception", SIGABRT), seen once in CI.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
