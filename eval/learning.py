@@ -148,14 +148,20 @@ class MissBreakdown:
                 f"({pct(self.wrong_not_shown):.1f}%), of {self.questions}; searches per question: {searched}"]
 
 
+def _greedy_sample(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A question record's first sample (its greedy answer) and that sample's scores (a record without
+    ``samples`` is its own single sample)."""
+    sample = (record.get("samples") or [record])[0]
+    return sample, sample.get("scores") or record["scores"]
+
+
 def miss_breakdown(run_dir: str | Path, datasets: list[str]) -> MissBreakdown:
     """The :class:`MissBreakdown` of one ``emapg eval`` run of the QA suite (its ``items/<dataset>.jsonl``)."""
     right = shown = not_shown = 0
     searches: dict[int, int] = {}
     for ds in datasets:
         for record in _items(Path(run_dir), ds).values():
-            sample = (record.get("samples") or [record])[0]
-            scores = sample.get("scores") or record["scores"]
+            sample, scores = _greedy_sample(record)
             if scores["em"] >= 1.0:
                 right += 1
             elif scores.get("retrieval_recall", 0.0) > 0:
@@ -213,10 +219,9 @@ def answer_changes(base_dir: str | Path, trained_dir: str | Path, datasets: list
     from tasks.qa import normalize_answer
 
     def first(record: dict[str, Any]) -> tuple[float, str | None]:
-        sample = (record.get("samples") or [record])[0]
+        sample, scores = _greedy_sample(record)
         prediction = sample.get("prediction", record.get("prediction"))
-        em = (sample.get("scores") or record["scores"])["em"]
-        return float(em), None if prediction is None else normalize_answer(prediction)
+        return float(scores["em"]), None if prediction is None else normalize_answer(prediction)
 
     counts = {"changed": 0, "kept_right": 0, "lost": 0, "gained": 0, "kept_wrong": 0}
     by_kind = {k: {"questions": 0, "start_right": 0, "trained_right": 0, "lost": 0, "gained": 0} for k in QUESTION_KINDS}
