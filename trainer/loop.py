@@ -55,6 +55,7 @@ from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_ad
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
 from trainer.sampled_batch import SampledBatch, generate, grade, reward_counts, step_seed
+from trainer.samples import sample_records
 from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
 from trainer.stored_stats import StatsPlan, compute_stored_stats, on_policy_single_update, plan_stored_stats
@@ -143,16 +144,6 @@ def stop_on_signals(on_signal: Callable[[int], None]):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def sample_records(sampled: SampledBatch, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` trajectories of a batch as ``samples.jsonl`` rows."""
-    return [
-        {"group_id": g, "reward": float(r), "stop_reason": t.stop_reason, "searches": t.num_searches,
-         "question": t.question, "response": t.response_text,
-         "queries": list(t.queries), "retrieved_ids": [list(ids) for ids in t.retrieved_ids]}
-        for t, g, r in list(zip(sampled.trajectories, sampled.group_ids, sampled.rewards.tolist()))[:n]
-    ]
 
 
 class Trainer:
@@ -384,7 +375,7 @@ class Trainer:
         metrics = {**step_metrics(totals, **self._update_summary(result)), **timings, "ema/updated": float(ema_updated),
                    "time/generation": totals["rollout/generation_s"] / self.dist.world_size,
                    "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train}
-        self.last_samples = sample_records(sampled, cfg.logging.log_samples)
+        self.last_samples = sample_records(sampled, cfg.logging.log_samples, tokenizer=self.tokenizer, advantages=adv)
         finite = math.isfinite(metrics["loss/pg"]) and result.skipped == 0
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         metrics["actor/nonfinite_streak"] = float(self.nonfinite_streak)

@@ -36,7 +36,14 @@ def test_math_run_trains_logs_and_checkpoints(tmp_path, tiny_model_dir):
     assert m["actor/updates"] == 2 and m["ema/updated"] == 1.0  # 8 trajectories / mini-batch 4
     run = tmp_path / "run"
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert len((run / "samples.jsonl").read_text().splitlines()) == 4
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    # what `emapg view` shows: the spans decoded whole, their token counts adding up, masks, golds, advantage
+    for s in samples:
+        assert s["golds"] and "advantage" in s and s["prompt"] and s["model_tokens"] <= s["response_tokens"]
+        assert sum(seg["tokens"] for seg in s["segments"]) == s["response_tokens"]
+        assert sum(seg["tokens"] for seg in s["segments"] if not seg["masked"]) == s["model_tokens"]
+        assert all(seg["masked"] == (seg["role"] == "observation") for seg in s["segments"])
     ckpt = run / "step_2"
     policy = load_file(str(ckpt / "policy" / "model.safetensors"))
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
