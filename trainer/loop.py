@@ -89,7 +89,7 @@ def engine_spec(cfg: TrainConfig, model_path: str, device: torch.device, bf16: b
         )  # fmt: skip
     return EngineSpec(
         r.engine, model_path, max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=cfg.run.seed,
-        dtype="bfloat16" if bf16 else "float32", device=str(device), remote=remote,
+        dtype="bfloat16" if bf16 and device.type == "cuda" else "float32", device=str(device), remote=remote,
         vllm=VLLMOptions(r.vllm_tensor_parallel_size, r.vllm_gpu_memory_utilization, r.vllm_sleep and device.type == "cuda"),
         max_lora_rank=cfg.model.lora.rank if serves_adapters(cfg.model.lora) else None,
     )  # fmt: skip
@@ -209,7 +209,8 @@ class Trainer:
             from trainer.provenance import train_provenance
 
             self.provenance = {**train_provenance(cfg, self.retriever, examples, self.model_path),
-                               "trained_questions": self.trained_questions.summary()}
+                               "trained_questions": self.trained_questions.summary(),
+                               "compute_precision": "bf16" if bf16 else "fp32"}  # what ran (run.precision=bf16 may fall back)
         if with_engine:
             spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
             engine = build_engine(spec)

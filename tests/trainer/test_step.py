@@ -141,7 +141,7 @@ def _batch(vocab: int, grouped: bool = False):
     return batch
 
 
-def _run_update(model_dir, *extra, corrupt=None, float64=False, grouped=False):
+def _run_update(model_dir, *extra, corrupt=None, float64=False, grouped=False, bf16=False):
     from trainer import distributed as D
     from trainer.policy import build_policy
     from trainer.step import ppo_update
@@ -149,7 +149,7 @@ def _run_update(model_dir, *extra, corrupt=None, float64=False, grouped=False):
 
     torch.manual_seed(0)
     cfg = _update_cfg(model_dir, *extra)
-    policy = build_policy(cfg, D.DistInfo(), str(model_dir), bf16=False)
+    policy = build_policy(cfg, D.DistInfo(), str(model_dir), bf16=bf16)
     if float64:  # the parameters in place (the optimizer keeps them); the anchor is cast to their dtype when used
         policy.model.double()
     with torch.no_grad():  # a distinct anchor, so the KL term has a gradient
@@ -348,3 +348,37 @@ def test_ppo_update_reports_the_norm_before_clipping(tiny_model_dir):
     _, clipped, _ = _run_update(tiny_model_dir, "optim.grad_clip=1e-6")
     _, free, _ = _run_update(tiny_model_dir, "optim.grad_clip=0")
     assert clipped.grad_norms == pytest.approx(free.grad_norms, rel=1e-6) and free.grad_norms[0] > 1e-6
+
+
+def test_bf16_autocast_update_on_cpu_matches_the_fp32_update(tiny_model_dir):
+    """``run.precision=bf16`` on a CPU: bf16 autocast over fp32 master weights. Stated tolerance against the fp32
+    reference on the same batch: the gradient norm within 5% and the weight step's direction (cosine over every
+    parameter) above 0.99; the master weights stay fp32 (AdamW with eps = 1, lr = 1: step ≈ 0.1·gradient)."""
+    from safetensors.torch import load_file
+
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    steps, norms = {}, {}
+    for bf16 in (False, True):
+        policy, result, _ = _run_update(tiny_model_dir, "optim.lr=1.0", "optim.eps=1.0", "optim.weight_decay=0", bf16=bf16)
+        assert result.updates == 1 and result.skipped == 0
+        state = policy.model.state_dict()
+        assert all(v.dtype == torch.float32 for v in state.values())
+        steps[bf16] = torch.cat([(state[k].detach() - initial[k]).flatten() for k in initial if k in state])
+        norms[bf16] = result.grad_norms[0]
+    assert norms[True] == pytest.approx(norms[False], rel=0.05)
+    cosine = torch.nn.functional.cosine_similarity(steps[True], steps[False], dim=0)
+    assert cosine > 0.99
+    assert not torch.equal(steps[True], steps[False])  # bf16 really ran: the steps differ by rounding
+
+
+def test_precision_bf16_on_cpu_runs_where_the_cpu_multiplies_bf16_natively():
+    from trainer.policy import use_bf16
+
+    cpu = torch.device("cpu")
+    cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["run.precision=bf16"])
+    assert use_bf16(cfg, cpu, native_cpu_bf16=True) is True
+    assert use_bf16(cfg, cpu, native_cpu_bf16=False) is False  # emulated bf16 is slower: fp32, with a warning
+    auto = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["run.precision=auto"])
+    assert use_bf16(auto, cpu, native_cpu_bf16=True) is False  # auto stays fp32 on CPU
+    fp32 = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["run.precision=fp32"])
+    assert use_bf16(fp32, cpu, native_cpu_bf16=True) is False
