@@ -42,6 +42,7 @@ COMMAND_PARSERS: dict[str, tuple[str, str]] = {
     "plot": ("trainer.plot", "parser"),
     "export": ("trainer.cli", "export_parser"),
     "demo": ("app.demo", "parser"),
+    "view": ("app.viewer.server", "parser"),
     "models": ("app.model_cli", "parser"),
     "config": ("app.config_cli", "parser"),
     "serve": ("retriever.cli", "serve_parser"),

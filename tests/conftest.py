@@ -21,6 +21,7 @@ pytest_plugins = [
     "tests.fixtures.agent",
     "tests.fixtures.trainer",
     "tests.fixtures.toolcalls",
+    "tests.fixtures.viewer",
 ]
 
 

@@ -1,0 +1,223 @@
+"""The folders ``emapg view`` opens, read and never written.
+
+A *training run* is a folder with ``metrics.jsonl`` or ``samples.jsonl`` (``emapg train``; the curves and each
+step's sampled trajectories); an *eval run* one with ``items/`` or ``run.json`` (``emapg eval``; one record
+per question); a folder holding runs one level down -- ``emapg demo``'s ``train/``, ``eval_base/``,
+``eval_trained/`` -- opens as all of them. Anything else is refused with one line (:class:`emapg.errors.UserError`).
+
+Files are re-read when they change (size and modification time), so a run still being written shows its new
+steps; a line cut by a kill mid-write is skipped (:func:`emapg.jsonl.read_jsonl`), never repaired: the viewer is
+read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from app.viewer.trajectory import render
+from emapg.errors import UserError
+from emapg.jsonl import read_jsonl
+
+METRICS_FILE, SAMPLES_FILE, GUARD_FILE = "metrics.jsonl", "samples.jsonl", "guard.jsonl"  # trainer.tracking's, trainer.recovery's
+RESULTS_FILE, ITEMS_DIR, EVAL_RUN_FILE = "results.json", "items", "run.json"  # eval.runner's, eval.items'
+
+Kind = Literal["train", "eval"]
+#: The eval-item filters: right, wrong, wrong although a gold answer was in the passages shown, wrong without it.
+OUTCOMES = ("right", "wrong", "shown_wrong", "not_shown_wrong")
+
+
+def run_kind(path: Path) -> Kind | None:
+    if (path / METRICS_FILE).is_file() or (path / SAMPLES_FILE).is_file():
+        return "train"
+    if (path / ITEMS_DIR).is_dir() or (path / EVAL_RUN_FILE).is_file():  # a demo's report/ has a results.json only
+        return "eval"
+    return None
+
+
+@dataclass
+class Run:
+    id: str
+    label: str
+    kind: Kind
+    path: Path
+    _cache: dict[str, tuple[tuple[int, int], Any]] = field(default_factory=dict, repr=False)
+
+    def _read(self, name: str, reader) -> Any:
+        """``reader(path)`` of a file under the run, re-read only when its size or mtime changed (None: absent)."""
+        path = self.path / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        key = (st.st_size, st.st_mtime_ns)
+        hit = self._cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = (key, reader(path))
+            self._cache[name] = hit
+        return hit[1]
+
+    # ------------------------------------------------------------------ training runs
+    def metrics(self) -> list[dict[str, Any]]:
+        return self._read(METRICS_FILE, read_jsonl) or []
+
+    def samples(self) -> list[dict[str, Any]]:
+        return self._read(SAMPLES_FILE, read_jsonl) or []
+
+    def guard_events(self) -> list[dict[str, Any]]:
+        return self._read(GUARD_FILE, read_jsonl) or []
+
+    def sample_steps(self) -> list[int]:
+        return sorted({int(s.get("step", 0)) for s in self.samples()})
+
+    def step_samples(self, step: int) -> list[dict[str, Any]]:
+        return [render(s) for s in self.samples() if int(s.get("step", 0)) == step]
+
+    # ------------------------------------------------------------------ eval runs
+    def results(self) -> dict[str, Any]:
+        return self._read(RESULTS_FILE, lambda p: json.loads(p.read_text())) or {}
+
+    def datasets(self) -> list[str]:
+        folder = self.path / ITEMS_DIR
+        return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+
+    def records(self, dataset: str) -> list[dict[str, Any]]:
+        if dataset not in self.datasets():  # only names found on disk reach a path
+            return []
+        return self._read(f"{ITEMS_DIR}/{dataset}.jsonl", read_jsonl) or []
+
+    def items(self) -> list[dict[str, Any]]:
+        """One summary per question of every dataset (what the filters and the comparison read)."""
+        return [item_summary(ds, r) for ds in self.datasets() for r in self.records(ds)]
+
+    def item(self, dataset: str, item_id: str) -> dict[str, Any] | None:
+        for r in self.records(dataset):
+            if str(r.get("id")) == item_id:
+                sample = (r.get("samples") or [{}])[0]
+                return {**render({**r, **sample, "golds": r.get("golds"), "question": r.get("question"),
+                                  "prompt": r.get("prompt")}), **item_summary(dataset, r)}
+        return None
+
+    # ------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "label": self.label, "kind": self.kind, "path": str(self.path),
+                               "updated": _mtime(self.path)}
+        if self.kind == "train":
+            metrics = self.metrics()
+            out.update(steps=len(metrics), last_step=int(metrics[-1].get("step", 0)) if metrics else 0,
+                       sample_steps=len(self.sample_steps()))
+        else:
+            items = self.items()
+            out.update(datasets=self.datasets(), questions=len(items), right=sum(i["right"] for i in items),
+                       model=str(self.results().get("model", "")))
+        return out
+
+
+def _mtime(path: Path) -> float:
+    """The newest modification time of the run's files (one level down, and items/): when it was last written."""
+    times = [path.stat().st_mtime]
+    for child in [*path.iterdir(), *((path / ITEMS_DIR).iterdir() if (path / ITEMS_DIR).is_dir() else [])]:
+        try:
+            times.append(child.stat().st_mtime)
+        except FileNotFoundError:
+            pass
+    return max(times)
+
+
+def _greedy(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A question's first sample (its greedy answer) and that sample's scores, as eval.learning reads them."""
+    sample = (record.get("samples") or [record])[0]
+    return sample, sample.get("scores") or record.get("scores") or {}
+
+
+def _score(scores: dict[str, Any]) -> float:
+    for key in ("em", "acc", "accuracy", "correct"):
+        if isinstance(scores.get(key), (int, float)):
+            return float(scores[key])
+    return 0.0
+
+
+def item_summary(dataset: str, record: dict[str, Any]) -> dict[str, Any]:
+    sample, scores = _greedy(record)
+    right = _score(scores) >= 1.0
+    shown = float(scores.get("retrieval_recall", 0.0) or 0.0) > 0
+    searches = int(sample.get("searches", record.get("searches", 0)) or 0)
+    prediction = sample.get("prediction", record.get("prediction"))
+    return {"dataset": dataset, "id": str(record.get("id")), "question": str(record.get("question", "")),
+            "golds": [str(g) for g in record.get("golds") or []], "prediction": None if prediction is None else str(prediction),
+            "right": right, "shown": shown, "searches": searches,
+            "outcome": "right" if right else ("shown_wrong" if shown else "not_shown_wrong")}
+
+
+def filter_items(items: list[dict[str, Any]], *, dataset: str | None = None, outcome: str | None = None,
+                 searches: int | None = None) -> list[dict[str, Any]]:
+    """The items of ``dataset``, with ``outcome`` (one of :data:`OUTCOMES`), that made ``searches`` searches;
+    None: any."""
+    def keep(i: dict[str, Any]) -> bool:
+        if dataset and i["dataset"] != dataset:
+            return False
+        if outcome == "wrong" and i["right"]:
+            return False
+        if outcome in ("right", "shown_wrong", "not_shown_wrong") and i["outcome"] != outcome:
+            return False
+        return searches is None or i["searches"] == searches
+
+    return [i for i in items if keep(i)]
+
+
+def compare(a: Run, b: Run) -> dict[str, Any]:
+    """Question by question, the greedy answers of two eval runs over the same questions: which flipped."""
+    from tasks.qa import normalize_answer
+
+    left = {(i["dataset"], i["id"]): i for i in a.items()}
+    rows = []
+    for i in b.items():
+        j = left.get((i["dataset"], i["id"]))
+        if j is None:
+            continue
+        change = ("gained" if i["right"] and not j["right"] else "lost" if j["right"] and not i["right"] else
+                  "changed" if normalize_answer(j["prediction"] or "") != normalize_answer(i["prediction"] or "") else "same")
+        rows.append({"dataset": i["dataset"], "id": i["id"], "question": i["question"], "golds": i["golds"],
+                     "a": {k: j[k] for k in ("prediction", "right", "shown", "searches")},
+                     "b": {k: i[k] for k in ("prediction", "right", "shown", "searches")}, "change": change})
+    counts = {c: sum(r["change"] == c for r in rows) for c in ("gained", "lost", "changed", "same")}
+    return {"a": a.summary(), "b": b.summary(), "rows": rows, "counts": counts,
+            "only_in_one": len(left) + len(b.items()) - 2 * len(rows)}
+
+
+def finite(value: Any) -> Any:
+    """JSON-safe: NaN and infinities (the trainer writes them as strings) become None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def open_runs(paths: list[str | os.PathLike]) -> list[Run]:
+    """The runs under ``paths`` (a run folder, or a folder holding runs one level down); a path that is neither
+    is a :class:`UserError`."""
+    found: list[tuple[Path, Kind, str]] = []
+    for raw in paths:
+        path = Path(raw).expanduser().resolve()
+        if not path.is_dir():
+            raise UserError(f"{raw}: no such folder")
+        kind = run_kind(path)
+        if kind is not None:
+            found.append((path, kind, path.name))
+            continue
+        children = [(c, run_kind(c)) for c in sorted(path.iterdir()) if c.is_dir()]
+        children = [(c, k) for c, k in children if k is not None]
+        if not children:
+            raise UserError(f"{raw} is not a run: no {METRICS_FILE} or {SAMPLES_FILE} (emapg train), no {ITEMS_DIR}/ or "
+                            f"{EVAL_RUN_FILE} (emapg eval), and no such folder inside it (emapg demo)")
+        found += [(c, k, f"{path.name}/{c.name}") for c, k in children]
+    runs, seen = [], set()
+    for path, kind, label in found:
+        if path in seen:
+            continue
+        seen.add(path)
+        runs.append(Run(id=str(len(runs)), label=label, kind=kind, path=path))
+    return runs
