@@ -12,13 +12,23 @@ The endpoint builds prompts so that an agent that sends its conversation back un
 context exactly (it reuses the recorded ids for the known prefix), so a plain tool-calling loop assembles
 into one trajectory.
 
-:class:`SessionStore` bounds memory: at most ``max_sessions`` sessions of at most ``max_calls`` calls; a
-session idle for ``ttl_s`` seconds is dropped when room is needed; a new session beyond the limit is
-refused (429) rather than evicting one an agent may still be using.
+:class:`SessionStore` bounds memory by count and by bytes: at most ``max_sessions`` sessions of at most
+``max_calls`` calls, holding at most ``max_bytes`` bytes (:func:`call_nbytes`: what the recorded ids,
+log-probs and messages take in this process) together. A session idle for ``ttl_s`` seconds is dropped
+when room is needed. Past any bound a call is refused (429, with ``Retry-After`` when waiting can help:
+the seconds until the least recently used idle session may be dropped) rather than a session evicted: a
+session an agent is still using must not lose calls, or its trajectory would be silently cut.
+
+Admission comes before work: :meth:`SessionStore.admit` takes a call's place (a new session's slot, a
+call of the session) before its prompt is built, :meth:`Admission.reserve` its largest possible size
+before it is sampled, :meth:`Admission.record` stores it after; so a refused call never costs a
+generation, and concurrent calls cannot overfill the store between admission and recording.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -26,7 +36,14 @@ from typing import Any, Callable, Literal
 
 from emapg.server_input import HTTPError
 
-__all__ = ["RecordedCall", "Session", "SessionStore", "Segment", "Assembly", "assemble"]
+__all__ = ["RecordedCall", "Session", "SessionStore", "Admission", "Segment", "Assembly", "assemble", "call_nbytes",
+           "expected_call_nbytes"]
+
+# What one element of a recorded list takes: the list's pointer and the object (an int above 256 is its own
+# 28-byte object; a float 24 bytes). Small ints are shared, so this overcounts a little, as a budget should.
+ID_BYTES = 8 + 28
+LOGPROB_BYTES = 8 + 24
+CALL_OVERHEAD = 1024  # the RecordedCall, its lists' headers, the session's list slot
 
 
 @dataclass
@@ -48,20 +65,56 @@ class RecordedCall:
                 "logprobs": self.logprobs, "finish_reason": self.finish_reason}
 
 
+def value_nbytes(value: Any) -> int:
+    """Bytes a JSON-like value (normalised messages, a reply) takes in this process: ``sys.getsizeof`` over
+    its containers, strings and numbers, walked iteratively (the endpoint bounds their depth anyway)."""
+    total, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        total += sys.getsizeof(node)
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return total
+
+
+def call_nbytes(call: RecordedCall) -> int:
+    """What a recorded call holds, as the byte budget counts it (ids and log-probs by :data:`ID_BYTES` and
+    :data:`LOGPROB_BYTES` each, texts and messages by :func:`value_nbytes`)."""
+    texts = [call.messages, call.reply, call.prompt_text, call.completion_text]
+    return (CALL_OVERHEAD + ID_BYTES * (len(call.prompt_ids) + len(call.completion_ids)) + LOGPROB_BYTES * len(call.logprobs)
+            + sum(value_nbytes(t) for t in texts if t is not None))  # fmt: skip
+
+
+def expected_call_nbytes(prompt_tokens: int, max_new_tokens: int, *, request_bytes: int, reply_bytes: int) -> int:
+    """The most a call can hold once sampled (reserved before sampling): its prompt, ``max_new_tokens`` sampled ids
+    and log-probs, what it keeps of the request (``request_bytes``: :func:`value_nbytes` of the messages or the prompt
+    text) and of the reply (``reply_bytes``: a bound on the returned text's size)."""
+    return (CALL_OVERHEAD + ID_BYTES * (prompt_tokens + max_new_tokens) + LOGPROB_BYTES * max_new_tokens
+            + request_bytes + reply_bytes)  # fmt: skip
+
+
 @dataclass
 class Session:
     id: str
     calls: list[RecordedCall] = field(default_factory=list)
     last_used: float = 0.0
+    nbytes: int = 0  # what its recorded calls hold (call_nbytes)
+    pending: int = 0  # calls admitted and not yet recorded or released
 
 
 class SessionStore:
-    """Sessions by id, bounded (module docstring). ``clock`` is injectable for tests of the TTL."""
+    """Sessions by id, bounded by count and bytes (module docstring). ``clock`` is injectable for tests of the TTL."""
 
-    def __init__(self, max_sessions: int, max_calls: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_sessions, self.max_calls, self.ttl_s, self.clock = max_sessions, max_calls, ttl_s, clock
+    def __init__(self, max_sessions: int, max_calls: int, ttl_s: float, max_bytes: int = 1 << 62,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_sessions, self.max_calls, self.ttl_s, self.max_bytes, self.clock = max_sessions, max_calls, ttl_s, max_bytes, clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.expired = 0
+        self.nbytes = 0  # recorded calls, all sessions
+        self.reserved = 0  # admitted calls' largest possible sizes, until they are recorded or released
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -69,34 +122,117 @@ class SessionStore:
     def get(self, sid: str) -> Session | None:
         return self._sessions.get(sid)
 
-    def record(self, sid: str, call: RecordedCall) -> Session:
-        """Append ``call`` to session ``sid`` (opened if new); 429 when no room."""
+    def admit(self, sid: str) -> Admission:
+        """Take a place for one call of session ``sid`` (opened if new), before any work on it; 429 when the store
+        has no room for a new session or the session none for another call. Release it (:meth:`Admission.release`,
+        a no-op once recorded) whatever happens."""
         session = self._sessions.get(sid)
         if session is None:
             self._drop_expired()
             if len(self._sessions) >= self.max_sessions:
                 raise HTTPError(429, f"{self.max_sessions} sessions are open (--openai-max-sessions); fetch and delete "
-                                     "finished ones (DELETE /v1/sessions/ID) or retry later", "too_many_sessions")
+                                     "finished ones (DELETE /v1/sessions/ID) or retry later", "too_many_sessions",
+                                retry_after=self._retry_after())  # fmt: skip
             session = self._sessions[sid] = Session(sid)
-        if len(session.calls) >= self.max_calls:
-            raise HTTPError(429, f"session {sid!r} already holds {self.max_calls} calls (--openai-max-calls-per-session)",
-                            "session_full")
-        session.calls.append(call)
-        session.last_used = self.clock()
-        self._sessions.move_to_end(sid)
-        return session
+        if len(session.calls) + session.pending >= self.max_calls:
+            raise HTTPError(429, f"session {sid!r} already holds {self.max_calls} calls (--openai-max-calls-per-session)"
+                                 f"{f', {session.pending} of them still running' if session.pending else ''}", "session_full")
+        session.pending += 1
+        self._touch(session)
+        return Admission(self, session)
 
     def pop(self, sid: str) -> Session | None:
-        return self._sessions.pop(sid, None)
+        """Forget session ``sid`` (its admitted calls still running are recorded nowhere)."""
+        session = self._sessions.pop(sid, None)
+        if session is not None:
+            self.nbytes -= session.nbytes
+        return session
+
+    def stats(self) -> dict[str, int]:
+        """For ``/metrics``: sessions, calls and bytes held, bytes reserved by running calls, and the bounds."""
+        return {"open": len(self._sessions), "calls": sum(len(s.calls) for s in self._sessions.values()),
+                "running_calls": sum(s.pending for s in self._sessions.values()), "bytes": self.nbytes,
+                "reserved_bytes": self.reserved, "max_bytes": self.max_bytes, "max_sessions": self.max_sessions,
+                "max_calls_per_session": self.max_calls, "expired": self.expired}  # fmt: skip
+
+    def _touch(self, session: Session) -> None:
+        session.last_used = self.clock()
+        self._sessions.move_to_end(session.id)
 
     def _drop_expired(self) -> None:
+        """Drop sessions idle for ``ttl_s`` (least recently used first; a session with a call running is not idle)."""
         now = self.clock()
-        while self._sessions:
-            sid, oldest = next(iter(self._sessions.items()))
-            if now - oldest.last_used < self.ttl_s:
-                break
-            del self._sessions[sid]
+        for sid, session in list(self._sessions.items()):
+            if now - session.last_used < self.ttl_s:
+                break  # the rest were used more recently
+            if session.pending:
+                continue
+            self.pop(sid)
             self.expired += 1
+
+    def _retry_after(self) -> int:
+        """Seconds until the least recently used idle session may be dropped (1 when every session has a call running)."""
+        now = self.clock()
+        idle = next((s for s in self._sessions.values() if not s.pending), None)
+        return 1 if idle is None else max(1, math.ceil(self.ttl_s - (now - idle.last_used)))
+
+
+class Admission:
+    """One admitted call's place in a :class:`SessionStore` (see :meth:`SessionStore.admit`)."""
+
+    def __init__(self, store: SessionStore, session: Session) -> None:
+        self.store, self.session = store, session
+        self.reserved = 0
+        self.open = True
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold ``nbytes`` (:func:`expected_call_nbytes`) of the byte budget for this call, before it is sampled;
+        413 when one such call exceeds the whole budget, 429 when the budget is in use (after dropping sessions idle
+        for the TTL)."""
+        store = self.store
+        if nbytes > store.max_bytes:
+            raise HTTPError(413, f"this call may record {nbytes} bytes (its prompt and max_tokens), more than the whole session "
+                                 f"memory budget of {store.max_bytes} bytes (--openai-session-memory-mb); lower max_tokens or "
+                                 "shorten the conversation", "session_call_too_large")  # fmt: skip
+        if store.nbytes + store.reserved + nbytes > store.max_bytes:
+            store._drop_expired()
+        if store.nbytes + store.reserved + nbytes > store.max_bytes:
+            raise HTTPError(429, f"the session memory budget is in use ({store.nbytes} bytes recorded in {len(store)} sessions, "
+                                 f"{store.reserved} reserved by running calls, of {store.max_bytes}: --openai-session-memory-mb); "
+                                 "fetch and delete finished sessions (DELETE /v1/sessions/ID) or retry later",
+                            "session_memory", retry_after=store._retry_after())  # fmt: skip
+        store.reserved += nbytes
+        self.reserved += nbytes
+
+    def record(self, call: RecordedCall) -> Session:
+        """Store the sampled ``call`` (its actual size replaces the reservation); the session is returned."""
+        if not self.open:
+            raise RuntimeError("this admission was already recorded or released")
+        store, session = self.store, self.session
+        nbytes = call_nbytes(call)
+        self._close()
+        session.calls.append(call)
+        if store._sessions.get(session.id) is session:  # not deleted while the call ran
+            session.nbytes += nbytes
+            store.nbytes += nbytes
+            store._touch(session)
+        return session
+
+    def release(self) -> None:
+        """Give the place back without recording (the call failed or was refused); a no-op once recorded. A session
+        opened by this call and left without calls is forgotten."""
+        if not self.open:
+            return
+        self._close()
+        session = self.session
+        if not session.calls and not session.pending and self.store._sessions.get(session.id) is session:
+            del self.store._sessions[session.id]
+
+    def _close(self) -> None:
+        self.open = False
+        self.store.reserved -= self.reserved
+        self.reserved = 0
+        self.session.pending -= 1
 
 
 @dataclass

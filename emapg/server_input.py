@@ -9,7 +9,10 @@ One strict path from bytes to checked values, shared by ``retriever/server.py`` 
 * :func:`parse_json`: UTF-8 JSON and nothing looser than the RFC: no ``NaN``/``Infinity``, no
   duplicate keys, no integer literal longer than :data:`MAX_INT_DIGITS` digits (Python's own
   limit of 4,300 digits would otherwise raise deep in the parser), no float that overflows,
-  no nesting deeper than the interpreter can parse.
+  no nesting deeper than the interpreter can parse. :func:`parse_json_field`: JSON held inside a string
+  field (tool-call arguments), as strict and also bounded in size and depth; :func:`check_json_value`:
+  the depth and Unicode of a parsed value a handler keeps whole (iterative: nothing recurses on it
+  unbounded). Both answer 422 naming the field.
 * ``as_int`` / ``as_float`` / ``as_bool`` / ``as_text`` / ``as_list`` / :func:`check_fields`: typed
   field readers. Booleans are never integers, integers are bounded, floats finite and in range,
   strings valid Unicode scalar values (a lone surrogate such as ``"\\ud800"`` is rejected here
@@ -25,8 +28,8 @@ One strict path from bytes to checked values, shared by ``retriever/server.py`` 
 What a connection may cost before its request arrives (header deadline, idle connections) is
 bounded below the app, in :mod:`emapg.connection_guard`.
 
-Every refusal is an :class:`HTTPError` carrying a status, a message that says what to fix, and a
-``reason`` label for ``/metrics``.
+Every refusal is an :class:`HTTPError` carrying a status, a message that says what to fix, a
+``reason`` label for ``/metrics`` and, for a capacity refusal a retry may pass, a ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
 
 MAX_INT_DIGITS = 30  # > 2**64 (20 digits); every integer field of both APIs is far smaller
 MAX_MESSAGE_CHARS = 1000
+MAX_JSON_DEPTH = 64  # nesting of JSON a handler keeps whole (tool arguments, schemas); real ones stay under 10
 
 # The reason label of a refusal when the handler gives none.
 DEFAULT_REASONS = {
@@ -67,14 +71,17 @@ class HTTPError(Exception):
     """A request the server refuses: answered with ``status`` and ``{"detail": message}``, counted as ``reason``.
 
     ``close``: also close the connection (its state is unknown, e.g. a body that stopped arriving).
+    ``retry_after``: seconds sent as ``Retry-After`` (a capacity refusal that a later retry may pass).
     """
 
-    def __init__(self, status: int, message: str, reason: str | None = None, *, close: bool = False):
+    def __init__(self, status: int, message: str, reason: str | None = None, *, close: bool = False,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.reason = reason or DEFAULT_REASONS.get(status, f"http_{status}")
         self.close = close
+        self.retry_after = retry_after
 
 
 class ClientGone(HTTPError):
@@ -125,6 +132,9 @@ async def read_body(request: Request, limit: int, *, timeout_s: float, hint: str
                     raise HTTPError(413, f"body exceeds the limit of {limit} bytes{hint}", close=True)
                 chunks.append(chunk)
     except TimeoutError:
+        from emapg.connection_guard import CLOSES
+
+        CLOSES.note("body_timeout", f"a request body did not arrive within {timeout_s:g} s ({size} bytes received)")
         expected = f" of {declared}" if declared else ""
         raise HTTPError(408, f"the body did not arrive within {timeout_s:g} s ({size} bytes{expected} received); "
                              "the connection is closed", close=True) from None  # fmt: skip
@@ -194,6 +204,48 @@ def parse_json(body: bytes, example: str = "") -> Any:
         raise HTTPError(400, f"body is not valid JSON for this server: {e}", "duplicate_key") from None
     except _BadConstant as e:
         raise HTTPError(400, f"body is not valid JSON: {e}") from None
+
+
+def parse_json_field(text: str, where: str, *, max_chars: int, max_depth: int | None = None) -> Any:
+    """JSON held in a string field (an OpenAI tool call's ``arguments``): as strict as a body (:func:`parse_json`),
+    at most ``max_chars`` characters and ``max_depth`` levels deep (default :data:`MAX_JSON_DEPTH`), its strings
+    valid Unicode (:func:`check_json_value`); every refusal a 422 naming ``where``."""
+    max_depth = MAX_JSON_DEPTH if max_depth is None else max_depth
+    text = as_text(text, where, max_chars=max_chars, nonempty=False)
+    try:
+        value = json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constants,
+                           object_pairs_hook=_unique_keys)  # fmt: skip
+    except RecursionError:  # deeper than the interpreter parses (thousands): the bound below says the same
+        raise _invalid(where, f"is nested more than {max_depth} levels deep; flatten it") from None
+    except (_BadNumber, _DuplicateKey, _BadConstant) as e:
+        raise _invalid(where, f"is not JSON this server accepts: {e}") from None
+    except ValueError as e:  # JSONDecodeError
+        raise _invalid(where, f"is not a JSON string ({str(e)[:120]})") from None
+    check_json_value(value, where, max_depth=max_depth)
+    return value
+
+
+def check_json_value(value: Any, where: str, *, max_depth: int | None = None) -> Any:
+    """``value`` (parsed JSON that a handler keeps whole: tool-call arguments, a tool's parameter schema) at most
+    ``max_depth`` levels deep (default :data:`MAX_JSON_DEPTH`; a scalar is level 0) with every string and key
+    valid Unicode. Iterative, so no depth the parser let through can make it (or the caller's later recursive
+    use, a chat template's ``tojson``, ``json.dumps``) recurse past the interpreter's limit. 422 naming ``where``."""
+    max_depth = MAX_JSON_DEPTH if max_depth is None else max_depth
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            as_text(node, f"{where} (a string in it)", max_chars=len(node), nonempty=False)
+        elif isinstance(node, (dict, list)):
+            if depth + 1 > max_depth:
+                raise _invalid(where, f"is nested more than {max_depth} levels deep; flatten it")
+            if isinstance(node, dict):
+                for key, item in node.items():
+                    as_text(key, f"{where} (a key in it)", max_chars=len(key), nonempty=False)
+                    stack.append((item, depth + 1))
+            else:
+                stack.extend((item, depth + 1) for item in node)
+    return value
 
 
 # ----------------------------------------------------------------------------- typed fields
@@ -301,7 +353,10 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def error_response(e: HTTPError) -> Response:
     message = e.message if len(e.message) <= MAX_MESSAGE_CHARS else e.message[: MAX_MESSAGE_CHARS - 3] + "..."
-    return json_response({"detail": message}, e.status, headers={"connection": "close"} if e.close else None)
+    headers = {"connection": "close"} if e.close else {}
+    if e.retry_after is not None:
+        headers["retry-after"] = str(max(1, int(e.retry_after)))
+    return json_response({"detail": message}, e.status, headers=headers or None)
 
 
 def check_host(request: Request) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import threading
 
+from emapg.connection_guard import CLOSES
+
 __all__ = ["LATENCY_BUCKETS", "BATCH_BUCKETS", "Histogram", "Metrics"]
 
 # Seconds. Finer between 50 and 250 ms, where a loaded CPU server's batches and requests sit: a p99
@@ -109,5 +111,8 @@ class Metrics:
             out += ["# HELP retriever_delivery_lag_seconds Per batch: results ready until the event loop hands them to their requests.",
                     "# TYPE retriever_delivery_lag_seconds histogram"]  # fmt: skip
             out += self.delivery_lag.render("retriever_delivery_lag_seconds")
-            return "\n".join(out) + "\n"
+        out += ["# HELP retriever_connection_closes_total Connections the server closed by cause (emapg.connection_guard).",
+                "# TYPE retriever_connection_closes_total counter"]  # fmt: skip
+        out += [f'retriever_connection_closes_total{{cause="{c}"}} {n}' for c, n in CLOSES.counts().items()]
+        return "\n".join(out) + "\n"
 

@@ -15,7 +15,9 @@ and the schema, ``/openapi.json`` and ``/docs``):
 * ``/weights/...``: the weight sync, over http (staged safetensors buckets, then a commit) or a collective
   (agent/engines/weight_routes.py). A sync may carry LoRA adapters, served over the base (``--max-lora-rank``);
   ``/health`` says ``serves_lora``/``max_lora_rank``.
-* ``POST /sleep``, ``POST /wake``; ``GET /metrics`` (JSON counters, refusals by reason).
+* ``POST /sleep``, ``POST /wake``; ``GET /metrics`` (JSON counters, refusals by reason, recorded sessions and their
+  byte budget, the request workers, connections closed by the guards).
+* ``/v1/...``: the OpenAI-compatible, recording endpoint (agent/engines/openai_endpoint.py).
 
 One worker thread owns the engine (agent/engines/engine_loop.py). Every body is parsed strictly
 (emapg/server_input.py) and every value checked before it reaches the engine, so a bad request gets
@@ -41,6 +43,8 @@ from agent.engines.staging import WeightStaging, checkpoint_manifest, float32_by
 from agent.engines.weight_routes import ServedWeights, add_weight_routes, allow_entry
 from agent.engines.wire import MAX_INT32, MAX_SEED, MAX_TEMPERATURE, check_seeds, finite_or_none, output_to_json, params_from_json, parse_prompts
 from emapg.config import ConfigError, option
+from emapg.connection_guard import CLOSES
+from emapg.request_workers import RequestWorkers
 from emapg.server_input import HTTPError, as_int, as_list, check_fields, guarded, install_error_handlers, openapi_body, parse_json, read_body
 from emapg.servers import ServerOptions, help_of
 
@@ -76,6 +80,20 @@ class EngineServeConfig(ServerOptions):
                                       "beyond it is refused (429) after sessions idle for --openai-session-ttl-s are dropped")  # fmt: skip
     openai_max_calls_per_session: int = option(256, help="OpenAI endpoint: most calls recorded in one session (429 beyond)")
     openai_session_ttl_s: float = option(3600.0, gt=0, help="OpenAI endpoint: seconds a session may sit idle before it may be dropped to make room")
+    openai_session_memory_mb: int = option(2048, ge=1, help="OpenAI endpoint: most MiB all recorded sessions may hold together "
+                                           "(ids, log-probs, messages; a 4,096-token call holds about 145 KiB); a call that "
+                                           "could pass it is refused (429 with Retry-After) before it is sampled, after sessions "
+                                           "idle for --openai-session-ttl-s are dropped: no session in use is evicted")  # fmt: skip
+    openai_max_messages: int = option(1024, ge=1, help="OpenAI endpoint: most messages in one chat request (413 beyond)")
+    openai_max_prompt_chars: int | None = option(None, ge=1, help="OpenAI endpoint: most characters of text (messages and "
+                                                 "tools, or the prompt) in one request, checked before templating and again "
+                                                 "on the rendered prompt before tokenizing (422 beyond); default: max_model_len "
+                                                 "x the vocabulary's longest token in bytes x 4, more than a prompt that fits "
+                                                 "the context can hold")  # fmt: skip
+    prep_workers: int = option(2, ge=1, help="threads that render chat templates and tokenize large OpenAI-endpoint requests "
+                                             "(over 16,384 characters) and encode large sessions, off the event loop")  # fmt: skip
+    prep_max_waiting: int = option(8, ge=0, help="large requests that may wait for a --prep-workers thread; one more is "
+                                                 "refused (503 with Retry-After: 1)")  # fmt: skip
     tool_parser: str = option("hermes", help="OpenAI endpoint: parser of the model's tool-call syntax (agent.toolcall_parsers)")
     tool_chat_template: str | None = option(None, help="OpenAI endpoint: chat template in place of the model's (chatml_tools, "
                                                        "bundled, for ChatML models without tool support; or a Jinja file)")  # fmt: skip
@@ -179,6 +197,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     weights = ServedWeights(WeightStaging(manifest, max_staged), manifest)
     requests: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
+    prep = RequestWorkers(cfg.prep_workers, cfg.prep_max_waiting, name="openai-prep")
 
     def count(route: str, status: int, reason: str | None, seconds: float) -> None:
         requests[f"{route.split('/')[1] if route.startswith('/') else route}:{status}"] += 1
@@ -191,6 +210,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         try:
             yield
         finally:
+            prep.close()
             await asyncio.to_thread(loop_.stop)
 
     app = FastAPI(title="ema-pg generation server", version="1", lifespan=lifespan,
@@ -230,8 +250,10 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
 
     app.state.sessions = add_openai_routes(
         app, endpoint=endpoint, json_body=json_body, ready_engine=ready_engine, run=run, generate=loop_.generate,
-        model_name=cfg.model, options=OpenAIOptions(cfg.openai_max_sessions, cfg.openai_max_calls_per_session,
-                                                    cfg.openai_session_ttl_s, cfg.tool_parser, cfg.tool_chat_template))
+        model_name=cfg.model, workers=prep,
+        options=OpenAIOptions(cfg.openai_max_sessions, cfg.openai_max_calls_per_session, cfg.openai_session_ttl_s, cfg.tool_parser,
+                              cfg.tool_chat_template, max_messages=cfg.openai_max_messages,
+                              max_prompt_chars=cfg.openai_max_prompt_chars, session_memory_bytes=cfg.openai_session_memory_mb << 20))  # fmt: skip
 
     # ------------------------------------------------------------------ generation
     @app.post("/generate", openapi_extra=openapi_body(GenerateBody))
@@ -334,9 +356,12 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     @endpoint
     async def metrics(request: Request):
         """JSON counters: requests by endpoint and status, refusals by reason, prompts, generated tokens, engine steps,
-        in-flight prompts, staged weight bytes."""
+        in-flight prompts, staged weight bytes; the OpenAI endpoint's recorded sessions (count, calls, bytes held and
+        reserved, the bounds: ``sessions``) and its preparation workers (``prep``); connections the guards closed, by
+        cause (``connection_closes``: header_timeout, idle_timeout, idle_cap, oversized_headers, body_timeout)."""
         return {"requests": dict(requests), "errors": dict(errors), **dict(loop_.counters), "in_flight": loop_.in_flight,
-                "weights_version": weights.version, "staged_bytes": weights.staging.nbytes}  # fmt: skip
+                "weights_version": weights.version, "staged_bytes": weights.staging.nbytes,
+                "sessions": app.state.sessions.stats(), "prep": prep.stats(), "connection_closes": CLOSES.counts()}  # fmt: skip
 
     return app
 

@@ -141,22 +141,28 @@ def test_sessions_are_bounded(server):
         assert _session(server, sid, "DELETE").status_code == 200
 
 
+def _record(store: SessionStore, sid: str, call: RecordedCall) -> None:
+    admission = store.admit(sid)
+    admission.reserve(0)
+    admission.record(call)
+
+
 def test_session_store_ttl_lru_and_call_limit():
     now = [0.0]
     store = SessionStore(max_sessions=2, max_calls=2, ttl_s=10.0, clock=lambda: now[0])
     call = RecordedCall("completion", [1], [2], [-0.1], "stop")
-    store.record("a", call)
+    _record(store, "a", call)
     now[0] = 5.0
-    store.record("b", call)
+    _record(store, "b", call)
     with pytest.raises(HTTPError) as e:
-        store.record("c", call)
-    assert e.value.status == 429
+        store.admit("c")
+    assert e.value.status == 429 and e.value.retry_after == 5  # "a" may be dropped in 5 s
     now[0] = 10.5  # "a" idle 10.5 s: dropped to make room; "b" (5.5 s) kept
-    store.record("c", call)
+    _record(store, "c", call)
     assert store.get("a") is None and store.get("b") is not None and store.expired == 1
-    store.record("c", call)
+    _record(store, "c", call)
     with pytest.raises(HTTPError, match="already holds 2 calls"):
-        store.record("c", call)
+        store.admit("c")
 
 
 def test_assembly_splits_when_a_prompt_extends_no_context():
