@@ -5,6 +5,7 @@ connections past the cap, oversized headers. The servers' own suites repeat the 
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from emapg.connection_guard import MAX_HEAD_BYTES, guarded_protocol
+from emapg.connection_guard import MAX_HEAD_BYTES, CloseCounter, guarded_protocol
 from emapg.servers import free_port
 from tests.fixtures.http_checks import hold_open, strict_json
 
@@ -35,8 +36,9 @@ class _Server:
     def __init__(self, base: type, header_timeout: float, max_idle: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.closes = CloseCounter()  # this server's own, so tests in one process do not share counts
         config = uvicorn.Config(_app, host="127.0.0.1", port=self.port, lifespan="off", log_level="warning",
-                                http=guarded_protocol(header_timeout, max_idle, base), timeout_keep_alive=60,
+                                http=guarded_protocol(header_timeout, max_idle, base, closes=self.closes), timeout_keep_alive=60,
                                 h11_max_incomplete_event_size=MAX_HEAD_BYTES)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -84,6 +86,8 @@ def test_headers_that_never_finish_are_closed_after_the_header_timeout(base):
         for name in ("pipelined_half", "kept_alive_idle"):
             assert results[name].status == 200, (name, results[name])  # the first answer, then the close
         assert httpx.get(s.url).json() == {"ok": True}  # real clients are served
+        counts = s.closes.counts()  # 408: the two trickling; closed without a word: silent, kept alive, pipelined half
+        assert counts["header_timeout"] == 2 and counts["idle_timeout"] == 3 and counts["idle_cap"] == 0, counts
 
 
 @pytest.mark.parametrize("base", BASES, ids=lambda b: b.__name__)
@@ -98,6 +102,7 @@ def test_idle_connections_past_the_cap_close_the_longest_idle(base):
             assert http.get("/").json() == {"ok": True}
         socks[0].settimeout(10)
         assert socks[0].recv(1) == b""  # closed by the server
+        assert s.closes.counts()["idle_cap"] == 1
         for sock in socks[1:]:
             sock.settimeout(0.3)
             with pytest.raises(socket.timeout):
@@ -112,3 +117,26 @@ def test_headers_larger_than_the_bound_are_refused(base):
         a = hold_open(s.url, HEAD + b"X-Big: " + b"a" * (MAX_HEAD_BYTES + 10), wait_s=15)
         assert a.closed and a.status == (431 if base is HttpToolsProtocol else 400), a  # h11 bounds it itself
         assert a.seconds < 10
+        assert s.closes.counts()["oversized_headers"] == 1  # counted by the guard under both parsers
+
+
+def test_closes_are_logged_at_info_once_per_cause_per_minute(caplog):
+    """A flood of stalled clients is one INFO line per cause per minute, saying how many closes it stands for."""
+    now = [0.0]
+    closes = CloseCounter(log_every_s=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.DEBUG, logger="emapg.connection_guard"):
+        for t in (0.0, 1.0, 2.0, 30.0):
+            now[0] = t
+            closes.note("header_timeout", f"at {t}")
+        closes.note("idle_cap", "one")
+        closes.note("idle_timeout", "routine")
+        now[0] = 61.0
+        closes.note("header_timeout", "at 61")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        (logging.INFO, "closed 1 connection(s) (header_timeout); latest: at 0.0"),
+        (logging.INFO, "closed 1 connection(s) (idle_cap); latest: one"),
+        (logging.DEBUG, "closed 1 connection(s) (idle_timeout); latest: routine"),
+        (logging.INFO, "closed 4 connection(s) (header_timeout) in the last 61 s; latest: at 61"),
+    ]
+    assert closes.counts() == {"header_timeout": 5, "idle_timeout": 1, "idle_cap": 1, "oversized_headers": 0, "body_timeout": 0}
