@@ -98,8 +98,8 @@ class Run:
         for r in self.records(dataset):
             if str(r.get("id")) == item_id:
                 sample = (r.get("samples") or [{}])[0]
-                return {**render({**r, **sample, "golds": r.get("golds"), "question": r.get("question"),
-                                  "prompt": r.get("prompt")}), **item_summary(dataset, r)}
+                return {**render({**r, **sample, "golds": r.get("golds"), "question": r.get("question"), "prompt": r.get("prompt"),
+                                  "prompt_tokens": None}), **item_summary(dataset, r)}
         return None
 
     # ------------------------------------------------------------------

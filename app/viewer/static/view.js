@@ -147,8 +147,8 @@ async function pageCurves() {
         shapes.push({type: "line", x0: g.step, x1: g.step, yref: "paper", y0: 0, y1: 1, line: {color: "#d93025", dash: "dot", width: 1}});
       }
       Plotly.react(div, traces, {title: {text: key, font: {size: 13}}, margin: {l: 50, r: 10, t: 32, b: 36}, shapes,
-        xaxis: {title: {text: "step"}}, showlegend: chosen.length > 1, legend: {orientation: "h", y: -0.25}},
-        {displaylogo: false, responsive: true});
+        xaxis: {title: {text: "step"}}, yaxis: {exponentformat: "e"}, showlegend: chosen.length > 1, legend: {orientation: "h", y: -0.25}},
+        {displaylogo: false, displayModeBar: false, responsive: true});
     }
   }
 
@@ -205,8 +205,8 @@ function trajectoryNode(t, extra) {
     el("span", {class: "badge"}, `${t.searches} search${t.searches === 1 ? "" : "es"}`),
     t.stop_reason ? el("span", {class: "badge"}, "stop: " + t.stop_reason) : null,
     el("span", {class: "badge"}, "format: " + t.format),
-    tokens.prompt_tokens !== null && tokens.prompt_tokens !== undefined ? el("span", {class: "badge"},
-      `tokens: prompt ${tokens.prompt_tokens}, response ${tokens.response_tokens}, model ${tokens.model_tokens}`) : null,
+    Object.values(tokens).some(v => v !== null && v !== undefined) ? el("span", {class: "badge"},
+      `tokens: prompt ${fmt(tokens.prompt_tokens)}, response ${fmt(tokens.response_tokens)}, model ${fmt(tokens.model_tokens)}`) : null,
     t.gold_shown ? el("span", {class: "badge right"}, "gold answer in the passages") : null,
     t.group_id ? el("span", {class: "muted"}, "group " + t.group_id) : null,
     extra || null);

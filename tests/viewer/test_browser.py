@@ -1,0 +1,229 @@
+"""``emapg view`` in a real browser: headless Chromium (Debian's ``chromium`` + ``chromium-driver``, driven by Selenium;
+nothing is downloaded at run time) loads every page over real tiny runs (tests/fixtures/viewer.py) served by the real
+command, and checks what a reader sees: curves drawn (several runs overlaid), trajectories with their turns, passages,
+gold answers and masks, the eval filters, the two-evaluation comparison, live updates without a reload, model output
+that stays inert, and a console without JavaScript errors. A screenshot of each page goes to the test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from emapg.servers import free_port
+from tests.fixtures.viewer import injected_sample
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+webdriver = pytest.importorskip("selenium.webdriver", reason="needs the selenium package (requirements/cpu.txt)")
+if not (CHROMIUM and CHROMEDRIVER):
+    pytest.skip("needs a browser: apt-get install chromium chromium-driver (Debian's packages; .ci/run installs them)",
+                allow_module_level=True)
+
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def served(viewer_runs, tmp_path_factory):
+    """``emapg view`` over a copy of the runs (the live test appends to it), on a free port."""
+    root = tmp_path_factory.mktemp("viewed")
+    for run in ("train_tags", "train_tools", "eval_b", "eval_injected"):
+        shutil.copytree(getattr(viewer_runs, run), root / run)
+    with (root / "train_tags" / "samples.jsonl").open("a") as f:  # a crafted step whose every text is an injection
+        f.write(json.dumps(injected_sample(99)) + "\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "view", str(root), "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(url + "/api/runs", timeout=5).raise_for_status()
+            break
+        except httpx.TransportError:
+            assert proc.poll() is None and time.monotonic() < deadline, "emapg view did not start"
+            time.sleep(0.2)
+    runs = {r["label"].split("/")[-1]: r["id"] for r in httpx.get(url + "/api/runs", timeout=5).json()}
+    yield url, root, runs
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000",
+                "--disable-extensions", "--no-first-run"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    driver = webdriver.Chrome(options=options, service=service)
+    driver.set_page_load_timeout(WAIT_S)
+    yield driver
+    driver.quit()
+
+
+def open_page(driver, url: str, shots: Path, name: str):
+    driver.get_log("browser")  # drop what earlier pages logged
+    driver.get(url)
+    WebDriverWait(driver, WAIT_S).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1"
+                                        or d.find_elements(By.ID, "error"))
+    assert not driver.find_elements(By.ID, "error"), driver.find_element(By.ID, "error").text
+    return driver
+
+
+def finish(driver, shots: Path, name: str) -> None:
+    """Screenshot the page, then fail on any console error (a CSP violation included) and any injection that ran."""
+    shots.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(shots / f"{name}.png"))
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == [], errors
+    assert driver.execute_script("return window.__pwned === undefined")
+
+
+def wait_for(driver, condition, message: str):
+    WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(lambda d: condition(d), message)
+
+
+def test_runs_page(served, browser, tmp_path):
+    url, _, runs = served
+    open_page(browser, url + "/", tmp_path, "runs")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#runs tr[data-run]")
+    assert len(rows) == len(runs) == 4
+    assert {r.find_elements(By.TAG_NAME, "td")[1].text for r in rows} == {"train", "eval"}
+    finish(browser, tmp_path, "runs")
+
+
+def test_curves_of_two_runs_overlaid_and_live(served, browser, tmp_path):
+    url, root, runs = served
+    open_page(browser, f"{url}/curves?runs={runs['train_tags']},{runs['train_tools']}", tmp_path, "curves")
+    wait_for(browser, lambda d: d.execute_script(
+        "return [...document.querySelectorAll('.chart')].filter(c => c.data && c.querySelector('svg .scatterlayer .trace')).length") >= 4,
+        "the curves were not drawn")
+    traces = browser.execute_script("const c = document.querySelector('.chart[data-key=\"reward/mean\"]');"
+                                    "return c.data.map(t => [t.name, t.x.length]);")
+    assert sorted(n for _, n in traces) == [2, 3] and len(traces) == 2  # both runs, every step each logged
+    assert browser.find_elements(By.CSS_SELECTOR, ".chart[data-key='kl/mean'] .scatterlayer path.js-line")
+    # a key turned on draws a new chart
+    before = len(browser.find_elements(By.CSS_SELECTOR, ".chart"))
+    box = browser.find_element(By.CSS_SELECTOR, "input[data-key='loss/pg']")
+    browser.execute_script("arguments[0].closest('details').open = true; arguments[0].click()", box)
+    wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".chart")) == before + 1, "no chart for the new key")
+    # live: a step appended to the run shows without a reload
+    metrics = root / "train_tags" / "metrics.jsonl"
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    with metrics.open("a") as f:
+        f.write(json.dumps({**last, "step": last["step"] + 1, "reward/mean": 0.75}) + "\n")
+    wait_for(browser, lambda d: d.execute_script(
+        "const c = document.querySelector('.chart[data-key=\"reward/mean\"]'); return Math.max(...c.data.map(t => t.x.length))") == 4,
+        "the new step did not appear")
+    finish(browser, tmp_path, "curves")
+
+
+def test_trajectories_of_a_step(served, browser, tmp_path):
+    url, _, runs = served
+    open_page(browser, f"{url}/samples?run={runs['train_tags']}&step=2", tmp_path, "samples")
+    cards = browser.find_elements(By.CSS_SELECTOR, ".trajectory")
+    assert len(cards) == 4
+    card = cards[0]
+    assert card.find_elements(By.CSS_SELECTOR, ".segment.model") and card.find_elements(By.CSS_SELECTOR, ".segment.observation.masked")
+    assert "masked out of the loss" in card.find_element(By.CSS_SELECTOR, ".segment.observation .label").text
+    assert "search query:" in card.text and "advantage" in card.text and "tokens: prompt" in card.text
+    assert card.find_elements(By.CSS_SELECTOR, ".passage")
+    browser.find_element(By.ID, "prev").click()  # step navigation
+    wait_for(browser, lambda d: Select(d.find_element(By.ID, "step-select")).first_selected_option.text == "1", "no step 1")
+    finish(browser, tmp_path, "samples")
+
+
+def test_tool_call_trajectories(served, browser, tmp_path):
+    url, _, runs = served
+    open_page(browser, f"{url}/samples?run={runs['train_tools']}", tmp_path, "samples_tool_calls")
+    card = browser.find_elements(By.CSS_SELECTOR, ".trajectory")[0]
+    assert "format: tool_calls" in card.text and "<tool_call>" in card.text and "search query: capital of France" in card.text
+    assert card.find_elements(By.CSS_SELECTOR, ".segment.observation .passage")
+    finish(browser, tmp_path, "samples_tool_calls")
+
+
+def test_injected_trajectory_stays_inert(served, browser, tmp_path):
+    url, _, runs = served
+    open_page(browser, f"{url}/samples?run={runs['train_tags']}&step=99", tmp_path, "injected")
+    card = browser.find_element(By.CSS_SELECTOR, ".trajectory")
+    for evil in ("<script>", "onerror=", "javascript:"):
+        assert evil in card.text  # shown as the characters it is
+    assert card.find_elements(By.CSS_SELECTOR, "script, img, a, iframe") == []
+    assert browser.find_elements(By.ID, "evil-link") == []
+    assert {m.text.lower() for m in card.find_elements(By.CSS_SELECTOR, "mark.gold")} == {"gold"}
+    finish(browser, tmp_path, "injected")
+
+
+ROWS = """return [...document.querySelectorAll('#items tr.item')].map(r => ({outcome: r.dataset.outcome,
+    dataset: r.dataset.dataset, searches: r.cells[6].textContent, text: r.textContent}))"""
+
+
+def test_eval_items_filters(served, browser, tmp_path):
+    url, _, runs = served
+    open_page(browser, f"{url}/eval?run={runs['eval_injected']}", tmp_path, "eval")
+    rows = lambda d: d.execute_script(ROWS)  # noqa: E731  (read in one go: the table is redrawn by each filter)
+    counts = lambda d: d.find_element(By.ID, "counts").text  # noqa: E731
+    assert len(rows(browser)) == 4 and counts(browser).startswith("4 of 4")
+    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("right")
+    wait_for(browser, lambda d: [r["outcome"] for r in rows(d)] == ["right"], "the right filter")
+    assert "<script>" in rows(browser)[0]["text"] and not browser.find_elements(By.CSS_SELECTOR, "#items script, #items img")
+    browser.find_element(By.CSS_SELECTOR, "#items tr.item").click()  # its trajectory, inert too
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#items .trajectory"), "no trajectory")
+    browser.save_screenshot(str(tmp_path / "eval_item.png"))
+    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("wrong")
+    wait_for(browser, lambda d: len(rows(d)) == 3 and all(r["outcome"] != "right" for r in rows(d)), "the wrong filter")
+    Select(browser.find_element(By.ID, "filter-dataset")).select_by_value("nq")
+    wait_for(browser, lambda d: [r["dataset"] for r in rows(d)] == ["nq", "nq"], "the dataset filter")
+    assert "dataset=nq" in browser.current_url and "outcome=wrong" in browser.current_url
+    Select(browser.find_element(By.ID, "filter-dataset")).select_by_value("")
+    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("shown_wrong")
+    wait_for(browser, lambda d: "outcome=shown_wrong" in d.current_url and "dataset" not in d.current_url
+             and all(r["outcome"] == "shown_wrong" for r in rows(d)), "the shown-but-wrong filter")
+    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("")
+    wait_for(browser, lambda d: len(rows(d)) == 4, "every question again")
+    searches = Select(browser.find_element(By.ID, "filter-searches"))
+    n = [o.text for o in searches.options][1]
+    searches.select_by_visible_text(n)
+    wait_for(browser, lambda d: "searches=" in d.current_url and rows(d) and all(r["searches"] == n for r in rows(d)), "searches filter")
+    finish(browser, tmp_path, "eval")
+
+
+def test_two_evaluations_compared(served, browser, tmp_path):
+    url, _, runs = served
+    open_page(browser, f"{url}/compare?a={runs['eval_b']}&b={runs['eval_injected']}", tmp_path, "compare")
+    pairs = lambda d: d.find_elements(By.CSS_SELECTOR, "#compare tr.pair")  # noqa: E731
+    assert len(pairs(browser)) == 4
+    assert "1 wrong → right, 0 right → wrong" in browser.find_element(By.ID, "compare-counts").text
+    Select(browser.find_element(By.ID, "compare-change")).select_by_value("flipped")
+    wait_for(browser, lambda d: len(pairs(d)) == 1, "the flipped filter")
+    assert pairs(browser)[0].get_attribute("data-change") == "gained" and "wrong → right" in pairs(browser)[0].text
+    finish(browser, tmp_path, "compare")
+
+
+def test_a_step_being_written_appears_without_a_reload(served, browser, tmp_path):
+    url, root, runs = served
+    open_page(browser, f"{url}/samples?run={runs['train_tools']}", tmp_path, "live")
+    assert browser.find_element(By.ID, "follow").is_selected()
+    samples = root / "train_tools" / "samples.jsonl"
+    row = json.loads(samples.read_text().splitlines()[-1])
+    with samples.open("a") as f:
+        f.write(json.dumps({**row, "step": 7, "question": "a question logged while the page was open"}) + "\n")
+    wait_for(browser, lambda d: "a question logged while the page was open" in d.find_element(By.ID, "trajectories").text,
+             "the new step did not show")
+    assert Select(browser.find_element(By.ID, "step-select")).first_selected_option.text == "7"
+    finish(browser, tmp_path, "live")
