@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from emapg.cpu import cpu_has_bf16  # noqa: E402
 from emapg.paths import cache_dir  # noqa: E402
 from retriever.index_builder import BuildConfig, build_index  # noqa: E402
 from retriever.index_files import META_FILE, read_meta
@@ -99,15 +100,6 @@ def cached_index(n_passages: int | None, max_length: int) -> tuple[Path, float |
         log=lambda m: None,
     )  # fmt: skip
     return out, None if shipped else res.passages_per_s
-
-
-def cpu_has_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags); without them torch emulates bf16 matmuls."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
 # ----------------------------------------------------------------------------- load harness

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from emapg.paths import CONFIG_DIR
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
-    from trainer.policy import cpu_native_bf16
+    from emapg.cpu import cpu_has_bf16
 
     started = time.perf_counter()
     rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"export {statistics.median(m['export_s']):.2f} s (bf16 ran: {m['compute_bf16']})", flush=True)
     report: dict[str, Any] = {"benchmark": "update_speed", "mode": "quick" if args.quick else "default", "policy": policy,
                               "config": config.name, "rows": len(sampled.trajectories),
-                              "tokens": runs["fp32"][0]["tokens"], "cpu_native_bf16": cpu_native_bf16(), "arms": {}}
+                              "tokens": runs["fp32"][0]["tokens"], "cpu_native_bf16": cpu_has_bf16(), "arms": {}}
     for arm, ms in runs.items():
         upd = [x for m in ms for x in m["update_s"]]
         exp = [x for m in ms for x in m["export_s"]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from eval.significance import paired_bootstrap
@@ -50,9 +51,26 @@ def _trained_on(run_dir: Path, dataset: str) -> set[str]:
     return set(((json.loads(path.read_text()).get("contamination") or {}).get("excluded_ids") or {}).get(dataset, []))
 
 
-def paired_items(base_dir: str | Path, trained_dir: str | Path, datasets: list[str], metric: str = "em") -> dict[str, PairedItems]:
+#: What :func:`paired_items` can pair per question: a score of the record (``em``, ``f1``, ...: with n samples per
+#: question, the mean over them -- mean@n), or ``pass``: 1.0 when any of the question's samples is an exact match
+#: (pass@n).
+PASS = "pass"
+
+
+def question_score(record: dict[str, Any], metric: str) -> float:
+    """One question's ``metric`` (:data:`PASS` or a key of its ``scores``) from its ``items/*.jsonl`` record."""
+    if metric == PASS:
+        samples = record.get("samples") or [record]
+        return float(any(float((s.get("scores") or {}).get("em", 0.0)) >= 1.0 for s in samples))
+    return float(record["scores"][metric])
+
+
+def paired_items(base_dir: str | Path, trained_dir: str | Path, datasets: list[str], metric: str = "em",
+                 only: Mapping[str, Iterable[str]] | None = None) -> dict[str, PairedItems]:
     """Per dataset, the questions both runs scored; they must be the same questions. Questions either run scored
-    apart as trained on (``--score-trained-apart``) are left out of both."""
+    apart as trained on (``--score-trained-apart``) are left out of both. ``only``: per dataset, the question ids to
+    keep (a slice such as the reader slice, :mod:`tasks.reader_slice`); a dataset it names no question of is left
+    out, and an id it names that the runs did not score is an error."""
     out = {}
     for ds in datasets:
         a, b = _items(Path(base_dir), ds), _items(Path(trained_dir), ds)
@@ -60,10 +78,20 @@ def paired_items(base_dir: str | Path, trained_dir: str | Path, datasets: list[s
             raise ValueError(f"{ds}: the two runs scored different questions ({len(set(a) ^ set(b))} not in both); "
                              "evaluate both on the same --limit and --data-seed")
         ids = sorted(set(a) - _trained_on(Path(base_dir), ds) - _trained_on(Path(trained_dir), ds))
+        if only is not None:
+            wanted = set(only.get(ds, ()))
+            missing = wanted - set(a)
+            if missing:
+                raise ValueError(f"{ds}: {len(missing)} question(s) of the slice were not evaluated, e.g. {sorted(missing)[:3]}")
+            ids = [i for i in ids if i in wanted]
+            if not ids:
+                continue
         if not ids:
             raise ValueError(f"{ds}: every question was trained on by one of the runs; nothing unseen to compare")
-        out[ds] = PairedItems(ids, [float(a[i]["scores"][metric]) for i in ids], [float(b[i]["scores"][metric]) for i in ids],
+        out[ds] = PairedItems(ids, [question_score(a[i], metric) for i in ids], [question_score(b[i], metric) for i in ids],
                               [_answered(a[i]) for i in ids], [_answered(b[i]) for i in ids])
+    if not out:
+        raise ValueError("no question of the slice was evaluated by both runs")
     return out
 
 
@@ -78,10 +106,11 @@ def _mean_pct(values: list[float]) -> float:
 
 
 def compare_learning(base_dir: str | Path, trained_dir: str | Path, datasets: list[str], *, metric: str = "em",
-                     seed: int = 0, resamples: int = 10_000) -> dict[str, Any]:
+                     seed: int = 0, resamples: int = 10_000, only: Mapping[str, Iterable[str]] | None = None) -> dict[str, Any]:
     """Base vs trained, in percent: per dataset and pooled over all questions, each with the paired
-    bootstrap interval of the difference, and the format rate (questions answered in ``<answer>``)."""
-    pairs = paired_items(base_dir, trained_dir, datasets, metric)
+    bootstrap interval of the difference, and the format rate (questions answered in ``<answer>``).
+    ``metric``: a per-question score (:func:`question_score`); ``only``: a slice of the questions (:func:`paired_items`)."""
+    pairs = paired_items(base_dir, trained_dir, datasets, metric, only)
 
     def block(p_base: list[float], p_trained: list[float], f_base: list[float], f_trained: list[float]) -> dict[str, Any]:
         return {"n": len(p_base), "base": _mean_pct(p_base), "trained": _mean_pct(p_trained),
@@ -92,6 +121,30 @@ def compare_learning(base_dir: str | Path, trained_dir: str | Path, datasets: li
     pooled = block(*([x for p in pairs.values() for x in getattr(p, f)]
                      for f in ("base", "trained", "base_answered", "trained_answered")))
     return {"metric": metric, "datasets": per_ds, "pooled": pooled}
+
+
+#: The sampled metrics :func:`compare_sampled` reports: per-question mean@n EM and token F1, and pass@n.
+SAMPLED_METRICS = {"mean_em": "em", "mean_f1": "f1", "pass": PASS}
+
+
+def compare_sampled(base_dir: str | Path, trained_dir: str | Path, datasets: list[str], *, seed: int = 0,
+                    resamples: int = 10_000, only: Mapping[str, Iterable[str]] | None = None) -> dict[str, Any]:
+    """Two evaluations with n samples per question at the training temperature (``emapg eval --n K --temperature T``),
+    paired by question: ``mean_em`` (mean@n exact match: each question's mean over its samples), ``mean_f1`` (mean@n
+    token F1) and ``pass`` (pass@n: an exact match among the n samples), each a :func:`compare_learning` block
+    (per dataset and pooled, with the paired bootstrap interval of the difference); ``samples`` per question."""
+    out: dict[str, Any] = {name: compare_learning(base_dir, trained_dir, datasets, metric=metric, seed=seed,
+                                                  resamples=resamples, only=only) for name, metric in SAMPLED_METRICS.items()}
+    out["samples"] = {"base": samples_per_question(base_dir, datasets), "trained": samples_per_question(trained_dir, datasets)}
+    return out
+
+
+def samples_per_question(run_dir: str | Path, datasets: list[str]) -> int:
+    """The number of samples each question of an evaluation has (they must all have the same)."""
+    counts = {len(r.get("samples") or [r]) for ds in datasets for r in _items(Path(run_dir), ds).values()}
+    if len(counts) != 1:
+        raise ValueError(f"{run_dir}: questions with different numbers of samples: {sorted(counts)}")
+    return counts.pop()
 
 
 def learning_table(comparison: dict[str, Any], labels: tuple[str, str] = ("starter", "trained")) -> str:

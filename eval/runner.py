@@ -62,6 +62,10 @@ class EvalConfig:
     data_paths: dict[str, str] = option(default_factory=dict, help="NAME=FILE: use FILE (jsonl/json/parquet; FlashRAG or Search-R1 layout) for dataset NAME; repeatable")
     limit: int | None = option(None, help="questions per dataset (a deterministic, seeded sample); None: all")
     data_seed: int = option(0, help="seed of the --limit sample")
+    slice: Literal["none", "reader"] = option(
+        "none", help="qa: evaluate only a recorded slice of the held-out split: reader = the held-out questions whose gold "
+        "answer the shipped starter was shown in its greedy evaluation (data/qa/reader_slice.json, eval.reader_slice; "
+        "where small-compute RL shows first); with --limit, a seeded sample (--data-seed) of at most that many slice questions per dataset")
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
     engine: EngineKind = option(
         "vllm", help="generation engine: vllm (falls back to hf, transformers, when vLLM is missing), hf, or remote "
@@ -100,6 +104,8 @@ class EvalConfig:
     def validate(self) -> None:
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if self.slice != "none" and self.data_paths:
+            raise ConfigError(f"slice={self.slice} picks its own questions of the bundled held-out split; drop data_paths")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.grader_workers < 1:
@@ -130,6 +136,7 @@ def _fingerprint(cfg: EvalConfig, engine_kind: str) -> dict[str, Any]:
         "limit": cfg.limit,
         "data_seed": cfg.data_seed,
         "data_paths": dict(cfg.data_paths),
+        "slice": cfg.slice,
         "batch_size": cfg.batch_size,
         "rollout_mode": cfg.rollout_mode,
         "replay": cfg.replay,
@@ -227,6 +234,26 @@ def _progress(total: int, initial: int, desc: str, enabled: bool):
 # --------------------------------------------------------------------------- the run
 
 
+def reader_slice_examples(examples: dict[str, list[Any]], *, limit: int | None = None, seed: int = 0) -> dict[str, list[Any]]:
+    """``slice=reader``: each dataset's examples cut to the recorded reader slice (:mod:`eval.reader_slice`); with
+    ``limit``, at most that many of them, a seeded choice (sha256 of seed and id), in file order."""
+    from eval.reader_slice import load_reader_slice
+
+    recorded = load_reader_slice()
+    out = {}
+    for ds, exs in examples.items():
+        if ds not in recorded.ids:
+            raise UserError(f"slice=reader: the reader slice has no dataset {ds!r} (it has {', '.join(recorded.ids)})")
+        wanted = set(recorded.ids[ds])
+        out[ds] = [ex for ex in exs if ex.id in wanted]
+        if len(out[ds]) != len(wanted):
+            raise UserError(f"slice=reader: {ds}: {len(wanted) - len(out[ds])} slice questions are not in the dataset file")
+        if limit is not None and len(out[ds]) > limit:
+            chosen = set(sorted(wanted, key=lambda i: hashlib.sha256(f"{seed}\x00{i}".encode()).digest())[:limit])
+            out[ds] = [ex for ex in out[ds] if ex.id in chosen]
+    return out
+
+
 def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """Evaluate ``cfg.model`` on ``cfg.datasets``; returns the ``results.json`` content.
 
@@ -249,7 +276,10 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     if cfg.replay is not None and not task.searches:
         raise UserError(f"--replay answers searches; the {task.name} suite makes none")
     # Load every dataset before the (slow) engine, so a bad name fails fast.
-    examples = {ds: load_dataset(ds, path=cfg.data_paths.get(ds), limit=cfg.limit, seed=cfg.data_seed) for ds in datasets}
+    if cfg.slice == "reader":
+        examples = reader_slice_examples({ds: load_dataset(ds) for ds in datasets}, limit=cfg.limit, seed=cfg.data_seed)
+    else:
+        examples = {ds: load_dataset(ds, path=cfg.data_paths.get(ds), limit=cfg.limit, seed=cfg.data_seed) for ds in datasets}
     for ds, exs in examples.items():
         if not exs:
             raise UserError(f"dataset {ds!r} has no questions")
@@ -327,6 +357,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         "fingerprint": index_fp,
         "retriever_fingerprints": index_fps,
         "protocol_card": eval_protocol_card(cfg, examples, model_path),
+        "slice": cfg.slice,
         "limit": cfg.limit,
         "data_seed": cfg.data_seed,
         "timestamp": _now(),

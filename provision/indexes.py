@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from emapg.cpu import cpu_has_bf16
 from emapg.paths import BUNDLED_CORPUS, BUNDLED_VECTORS, cache_dir
 
 __all__ = ["BUNDLED_CORPUS", "BUNDLED_VECTORS", "BundledIndex", "bundled_index", "ensure_bundled_index", "index_mismatches",
@@ -56,15 +57,6 @@ def shipped_vectors_usable(limit: int | None = None) -> bool:
                                    weights_sha256=encoder_weights_sha256(resolve_model(ENCODER)))
     except (ValueError, OSError, KeyError):
         return False
-
-
-def cpu_has_bf16() -> bool:
-    """bf16 matrix instructions (AVX512-BF16 / AMX), which make bf16 encoding faster than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def _on_gpu() -> bool:

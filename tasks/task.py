@@ -153,19 +153,33 @@ class QATask(Task):
             scores[k] = _mean(samples, k)
         scores["rollout_errors"] = sum(s["stop_reason"] == "error" for s in samples)
         scores["search_failures"] = sum(s["search_failures"] for s in samples)
+        scores["n_samples"] = len(samples)
+        scores["n_correct"] = sum(s["scores"]["em"] >= 1.0 for s in samples)  # exact matches among the samples
         return scores
 
     def aggregate(self, records, n) -> dict[str, Any]:
+        """Means over questions: with ``n`` > 1 samples per question ``em`` and ``f1`` are mean@n (each question's
+        mean over its samples), and ``pass@k`` (k = 2, 4, ..., n; unbiased, :mod:`tasks.passk`) is the share of
+        questions with an exact match among k of the samples."""
+        from tasks.passk import default_ks, mean_pass_at_k
+
         _some(records)
         out: dict[str, Any] = {"n_items": len(records)}
         for m in self.metrics:
             out[m] = _mean([r["scores"] for r in records], m)
         for m in self.totals:
             out[m] = sum(r["scores"][m] for r in records)
+        if n > 1:
+            counts = [r["scores"].get("n_correct", round(r["scores"]["em"] * n)) for r in records]
+            ns = [r["scores"].get("n_samples", n) for r in records]
+            for k in default_ks(n)[1:]:
+                out[f"pass@{k}"] = mean_pass_at_k(counts, ns, k)
         return out
 
     def metric_names(self, n: int) -> list[str]:
-        return list(self.metrics + self.totals)
+        from tasks.passk import default_ks
+
+        return list(self.metrics) + [f"pass@{k}" for k in default_ks(n)[1:]] + list(self.totals)
 
     def scorer(self, grader: str) -> str:
         return "squad_em_last_answer"

@@ -178,6 +178,13 @@ class SamplingConfig(AgentRolloutConfig):
     filter_max_rounds: int = option(
         3, help="rollout.filter_groups: extra prompt batches generated per step at most; a batch still short of informative "
         "groups is topped up with uninformative ones (same size every step)")
+    uniform_groups: Literal["topup", "drop"] = option(
+        "topup", help="what a step does with groups whose rewards are all equal (GRPO advantage 0): topup trains on them "
+        "(their KL term only; with rollout.filter_groups they top up a batch short of informative groups, so every step "
+        "has the same size); drop leaves them out, KL term included, so the update's cost goes only to groups with a "
+        "policy gradient -- with rollout.filter_groups extra rounds run until data.prompts_per_step informative groups "
+        "are kept, without it an extra round (at most rollout.filter_max_rounds) runs only while no group of the step is "
+        "informative (a step with none after them trains on one uniform group). Synchronous, one process")
     max_staleness: int = option(
         0, help="0: synchronous (generate, then train). s >= 1: a producer thread generates the next batches on the remote "
         "servers while the trainer updates; batch k is generated with the weights after step max(k0, k-1-s), k0 the step the run started at (trainer.pipeline)",
@@ -200,6 +207,10 @@ class SamplingConfig(AgentRolloutConfig):
             raise ConfigError("rollout.filter_groups works with synchronous training only (rollout.max_staleness=0)")
         if self.filter_groups and self.n_samples < 2:
             raise ConfigError("rollout.filter_groups needs rollout.n_samples >= 2 (a group of one never has differing rewards)")
+        if self.uniform_groups == "drop" and self.max_staleness:
+            raise ConfigError("rollout.uniform_groups=drop works with synchronous training only (rollout.max_staleness=0)")
+        if self.uniform_groups == "drop" and self.n_samples < 2:
+            raise ConfigError("rollout.uniform_groups=drop needs rollout.n_samples >= 2 (a group of one is always uniform)")
         if self.max_staleness and self.engine != "remote":
             raise ConfigError("rollout.max_staleness >= 1 needs rollout.engine=remote (generation servers the producer "
                               "keeps busy while the trainer updates)")
@@ -356,6 +367,10 @@ class OptimConfig:
 
 @dataclass
 class RewardConfig:
+    shuffle_control: bool = option(
+        False, help="a random-reward control for learning claims: each batch's rewards are permuted across its "
+        "trajectories (seeded by the step) before advantages and group filtering, so the run trains on rewards "
+        "unrelated to its answers at the same reward rate; a learning gain must beat this run's")
     math_timeout: float = option(10.0, gt=0, help="seconds allowed to grade one math answer (in a worker process)")
     math_workers: int = option(2, help="worker processes for math grading")
     math_grader: Literal["math_verify", "mathd_or_math_verify"] = option(

@@ -66,9 +66,13 @@ def summed_stats(parts: list["SampledBatch"]) -> Any:
 
 
 def fill_informative(first: "SampledBatch", more: Callable[[int], "SampledBatch"], *, want: int, group_size: int,
-                     max_rounds: int, agree: Callable[[bool], bool] = bool) -> tuple["SampledBatch", dict[str, float]]:
-    """Keep ``want`` groups whose rewards differ: ``first``'s, then those of ``more(1)``, ``more(2)``, ...
-    (at most ``max_rounds`` calls); short of ``want``, top up with the earliest uninformative groups.
+                     max_rounds: int, agree: Callable[[bool], bool] = bool, enough: int | None = None,
+                     topup: bool = True) -> tuple["SampledBatch", dict[str, float]]:
+    """Keep up to ``want`` groups whose rewards differ: ``first``'s, then those of ``more(1)``, ``more(2)``, ...
+    (at most ``max_rounds`` calls, and only while fewer than ``enough`` -- default ``want`` -- are kept); short of
+    ``want``, top up with the earliest uninformative groups (``topup``), or leave them out (``topup=False``:
+    ``rollout.uniform_groups=drop``; if no group is informative after every round, the earliest uniform group is
+    kept alone, so a step always has rows).
     ``agree(full)`` turns this rank's "full" into the data-parallel ranks' common answer (all full), so every
     rank generates the same number of rounds and their prompt samplers stay in step.
 
@@ -88,11 +92,11 @@ def fill_informative(first: "SampledBatch", more: Callable[[int], "SampledBatch"
             (kept if ok else spare).append((b, g))
         if b == 0:
             first_informative = len(kept)
-        if agree(len(kept) >= want) or rounds >= max_rounds:
+        if agree(len(kept) >= (want if enough is None else enough)) or rounds >= max_rounds:
             break
         rounds += 1
         batches.append(more(rounds))
-    chosen = kept[:want] + spare[: max(0, want - len(kept))]
+    chosen = kept[:want] + spare[: max(0, want - len(kept)) if topup else (0 if kept else 1)]
     rows = concat_batches([select_groups(batches[b], [g], group_size) for b, g in chosen])
     out = replace(rows, stats=summed_stats(batches), reward_counts={})
     sampled = sum(len(x.rewards) for x in batches)
@@ -103,6 +107,8 @@ def fill_informative(first: "SampledBatch", more: Callable[[int], "SampledBatch"
         "filter/informative_groups": float(min(len(kept), want)),
         "filter/sampled_informative_groups": float(len(kept)),
         "filter/first_round_informative_groups": float(first_informative),
+        "filter/first_round_groups": float(len(first.rewards) // group_size),
         "filter/rounds": float(rounds),
+        "filter/dropped_uniform_groups": float(0 if topup else len(spare) - (0 if kept else 1)),
     }
     return out, sums

@@ -54,7 +54,7 @@ from trainer.errors import TrainingError
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
-from trainer.sampled_batch import SampledBatch, generate, grade, reward_counts, step_seed
+from trainer.sampled_batch import SampledBatch, generate, grade, reward_counts, shuffled_outcomes, step_seed
 from trainer.samples import sample_records
 from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
@@ -172,6 +172,9 @@ class Trainer:
         :meth:`compute_stored_stats`/:meth:`update` themselves, e.g. ``benchmarks/gpu_step.py``)."""
         cfg = self.cfg
         self.dist = D.init_distributed(cfg.run.device, cfg.distributed.backend)
+        if cfg.rollout.uniform_groups == "drop" and self.dist.world_size > 1:
+            raise ConfigError("rollout.uniform_groups=drop trains a different number of rows on each rank; use topup "
+                              f"with {self.dist.world_size} processes")
         bf16 = use_bf16(cfg, self.dist.device)
         deterministic(cfg, self.dist.device)
         ckpt_path = find_resume(self.resume_from, self.run_dir)
@@ -298,8 +301,10 @@ class Trainer:
         def all_full(full: bool) -> bool:  # one answer for all ranks: they draw from one prompt sampler
             return D.all_reduce_max(torch.tensor([0.0 if full else 1.0])).item() == 0
 
+        drop = cfg.rollout.uniform_groups == "drop"
         out, sums = fill_informative(sampled, more, want=len(sampled.prompts), group_size=cfg.rollout.n_samples,
-                                     max_rounds=cfg.rollout.filter_max_rounds, agree=all_full)
+                                     max_rounds=cfg.rollout.filter_max_rounds, agree=all_full,
+                                     enough=None if cfg.rollout.filter_groups else 1, topup=not drop)
         return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, cfg), sampling=sums)
 
     def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> SampledBatch:
@@ -318,6 +323,8 @@ class Trainer:
         else:
             raise TrainingError(f"rollout failed {cfg.run.rollout_retries + 1} times; last error: {last}") from last
         outcomes = grade(trajectories, prompts, cfg)
+        if cfg.reward.shuffle_control:  # the random-reward control: rewards unrelated to the answers, same rate
+            outcomes = shuffled_outcomes(outcomes, seed)
         return SampledBatch(prompts, trajectories, outcomes, reward_counts(trajectories, outcomes, cfg), stats)
 
     def stats_plan(self, n: int) -> StatsPlan:
@@ -389,7 +396,7 @@ class Trainer:
         sampled = self.sample_batch(prompts)
         while self.search_guard is not None and not self.search_guard.accept(sampled.trajectories):
             sampled = self.sample_batch(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
-        if self.cfg.rollout.filter_groups:
+        if self.cfg.rollout.filter_groups or self.cfg.rollout.uniform_groups == "drop":
             sampled = self.fill_informative(sampled)
         t_rollout = time.perf_counter() - t_step
         metrics, totals = self.learn(sampled)

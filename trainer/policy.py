@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from emapg.config import ConfigError
+from emapg.cpu import cpu_has_bf16
 from trainer import distributed as D
 from trainer.batch import MicroBatch
 from trainer.config import LoraConfig, TrainConfig
@@ -33,7 +33,7 @@ from trainer.model_forward import activation_checkpointing_active, causal_lm_hid
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PolicyForward", "Policy", "build_policy", "use_bf16", "cpu_native_bf16", "linear_warmup_constant"]
+__all__ = ["PolicyForward", "Policy", "build_policy", "use_bf16", "linear_warmup_constant"]
 
 
 class PolicyForward(torch.nn.Module):
@@ -82,24 +82,11 @@ def linear_warmup_constant(warmup_steps: int):
     return factor
 
 
-def cpu_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16): there bf16 autocast speeds the
-    training passes up (measured 1.5-2.6x on the CI machines); elsewhere bf16 is emulated and slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux: ask oneDNN
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except Exception:  # noqa: BLE001 -- no oneDNN: no native bf16
-            return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def use_bf16(cfg: TrainConfig, dev: torch.device, *, native_cpu_bf16: bool | None = None) -> bool:
     """Whether training computes in bf16 (``run.precision``), after checking the device can.
 
     ``auto``: bf16 on CUDA, fp32 on CPU. ``bf16``: on CUDA always; on a CPU with native bf16 dot products
-    (:func:`cpu_native_bf16`, or ``native_cpu_bf16`` when given) bf16 autocast over fp32 master weights; on a CPU
+    (:func:`emapg.cpu.cpu_has_bf16`, or ``native_cpu_bf16`` when given) bf16 autocast over fp32 master weights; on a CPU
     without them fp32, with a warning that says so (emulated bf16 would be slower than fp32).
     """
     if cfg.run.device == "cuda" and dev.type != "cuda":
@@ -108,7 +95,7 @@ def use_bf16(cfg: TrainConfig, dev: torch.device, *, native_cpu_bf16: bool | Non
         return False
     if dev.type == "cuda":
         return True
-    native = cpu_native_bf16() if native_cpu_bf16 is None else native_cpu_bf16
+    native = cpu_has_bf16() if native_cpu_bf16 is None else native_cpu_bf16
     if not native:
         log.warning("run.precision=bf16: this CPU has no native bf16 dot products (avx512_bf16/amx_bf16); training in fp32")
     return native

@@ -113,6 +113,15 @@ def grade(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any
     return get_task(cfg.rollout.task).grade(texts, golds, Grading(r.math_grader, r.math_timeout, r.math_workers))
 
 
+def shuffled_outcomes(outcomes: list[Outcome], seed: int) -> list[Outcome]:
+    """``reward.shuffle_control``: the outcomes with their rewards permuted across the batch (seeded): the same
+    rewards at the same rate, each on another trajectory (answers and reasons stay with their own)."""
+    import numpy as np
+
+    order = np.random.default_rng([seed, 0x5EED]).permutation(len(outcomes))
+    return [replace(o, reward=outcomes[int(j)].reward) for o, j in zip(outcomes, order)]
+
+
 def reward_counts(trajectories: list[Trajectory], outcomes: list[Outcome], cfg: Any) -> dict[str, float]:
     """The ``reward/*`` counts of graded trajectories: the task's (math: timeouts, errors, no answer; none
     under ``rollout.agent_reward``) and the rollouts that failed."""

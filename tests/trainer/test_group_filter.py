@@ -61,7 +61,8 @@ def test_fill_keeps_informative_groups_in_sampling_order_and_stops_when_full():
                     "filter/sampled_reward_sum": float(first.rewards.sum() + extra[1].rewards.sum() + extra[2].rewards.sum()),
                     "filter/informative_groups": 4.0, "filter/rounds": 2.0,
                     "filter/sampled_informative_groups": 5.0,  # a1, b0, b2, c0, c1 (c1 generated, not needed)
-                    "filter/first_round_informative_groups": 1.0}
+                    "filter/first_round_informative_groups": 1.0, "filter/first_round_groups": 4.0,
+                    "filter/dropped_uniform_groups": 0.0}
 
 
 def test_fill_tops_up_with_the_earliest_uninformative_groups_when_rounds_run_out():
@@ -75,6 +76,46 @@ def test_fill_tops_up_with_the_earliest_uninformative_groups_when_rounds_run_out
     full = batch("z", [[0, 1, 0], [1, 0, 0]])
     out1, sums1 = fill_informative(full, lambda r: pytest.fail("not needed"), want=2, group_size=N, max_rounds=3)
     assert labels(out1) == labels(full) and torch.equal(out1.rewards, full.rewards) and sums1["filter/rounds"] == 0.0
+
+
+def test_drop_keeps_exactly_the_informative_groups_and_no_uniform_one():
+    """rollout.uniform_groups=drop: the groups whose rewards are all equal are left out (with their KL term); without
+    filter_groups (enough=1) no extra round runs while the first batch has an informative group."""
+    first = batch("a", [[0, 0, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]])
+    out, sums = fill_informative(first, lambda r: pytest.fail("no extra round: a group is informative"), want=4,
+                                 group_size=N, max_rounds=3, enough=1, topup=False)
+    assert [p.group_id for p in out.prompts] == ["a1", "a3"]
+    assert labels(out) == [f"a{g}.{j}" for g in (1, 3) for j in range(N)]
+    assert informative_groups(out.rewards, N).all()
+    assert sums["filter/informative_groups"] == 2.0 and sums["filter/dropped_uniform_groups"] == 2.0
+    assert sums["filter/rounds"] == 0.0 and sums["filter/first_round_groups"] == 4.0
+
+
+def test_drop_samples_more_only_while_nothing_is_informative():
+    first = batch("a", [[0, 0, 0], [1, 1, 1]])
+    rounds = {1: batch("b", [[0, 0, 0], [0, 0, 0]]), 2: batch("c", [[0, 0, 0], [0, 1, 0]]), 3: batch("d", [[0, 1, 0]] * 2)}
+    out, sums = fill_informative(first, rounds.__getitem__, want=2, group_size=N, max_rounds=3, enough=1, topup=False)
+    assert [p.group_id for p in out.prompts] == ["c1"] and sums["filter/rounds"] == 2.0
+    assert sums["filter/dropped_uniform_groups"] == 5.0  # a0, a1, b0, b1, c0
+    # nothing informative after every round: the earliest uniform group alone, so the step has rows
+    out0, sums0 = fill_informative(first, lambda r: batch("b", [[0, 0, 0], [1, 1, 1]]), want=2, group_size=N, max_rounds=1,
+                                   enough=1, topup=False)
+    assert [p.group_id for p in out0.prompts] == ["a0"] and sums0["filter/dropped_uniform_groups"] == 3.0
+    # with filter_groups (enough = want): rounds continue until want informative groups, and no top-up
+    out2, sums2 = fill_informative(first, rounds.__getitem__, want=2, group_size=N, max_rounds=3, topup=False)
+    assert [p.group_id for p in out2.prompts] == ["c1", "d0"] and sums2["filter/rounds"] == 3.0
+
+
+def test_shuffled_control_permutes_each_batch_rewards():
+    from trainer.sampled_batch import shuffled_outcomes
+
+    outcomes = [Outcome(float(i), answer=f"ans{i}") for i in range(16)]
+    a, b = shuffled_outcomes(outcomes, 7), shuffled_outcomes(outcomes, 8)
+    assert sorted(o.reward for o in a) == [o.reward for o in outcomes]  # a permutation: same rewards, same rate
+    assert [o.reward for o in a] != [o.reward for o in outcomes]  # really moved
+    assert [o.reward for o in a] != [o.reward for o in b]  # seeded per step
+    assert [o.reward for o in a] == [o.reward for o in shuffled_outcomes(outcomes, 7)]  # reproducible
+    assert [o.answer for o in a] == [o.answer for o in outcomes]  # answers stay with their trajectories
 
 
 def test_ranks_agree_on_the_rounds():
@@ -96,6 +137,9 @@ def test_config_rules():
     base = ["model.policy=tiny-qwen2", *FAST]
     with pytest.raises(ConfigError, match="rollout.filter_groups needs rollout.n_samples >= 2"):
         load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [*base, "rollout.filter_groups=true", "rollout.n_samples=1",
+                                                                      "algorithm.mini_batch_size=2"])
+    with pytest.raises(ConfigError, match="rollout.uniform_groups=drop needs rollout.n_samples >= 2"):
+        load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [*base, "rollout.uniform_groups=drop", "rollout.n_samples=1",
                                                                       "algorithm.mini_batch_size=2"])
     with pytest.raises(ConfigError, match="rollout.filter_max_rounds must be >= 0"):
         load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [*base, "rollout.filter_max_rounds=-1"])

@@ -1,0 +1,21 @@
+"""What this CPU can do that changes how we compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 dot products (AVX512-BF16 or AMX-BF16): there bf16 matrix products run faster than fp32
+    (the encoder's bf16 index build, the trainer's ``run.precision=bf16`` on CPU); elsewhere bf16 is emulated and
+    slower. Linux reads ``/proc/cpuinfo``; elsewhere oneDNN is asked."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        try:
+            import torch
+
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except Exception:  # noqa: BLE001 -- no oneDNN: no native bf16
+            return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,77 @@
+"""Record the reader slice (``data/qa/reader_slice.json``, :mod:`eval.reader_slice`): the held-out questions whose
+gold answer the shipped starter is shown when it answers greedily.
+
+One greedy evaluation (``qa_quick``) of the starter on the whole recorded held-out split (100 questions per QA
+set, ``data/qa/heldout.json``) through the real retriever over the bundled index; every question is recorded with
+its greedy searches' retrieved passage ids and whether it is in the slice (:data:`eval.reader_slice.RULE`), with
+the starter's digest. Run it again only when the starter is rebuilt (``tests/eval/test_reader_slice.py`` fails
+while the digest differs); never after looking at an RL result.
+
+    python scripts/build_reader_slice.py            # ~8 min on 2 cores (vLLM)
+    python scripts/build_reader_slice.py --quick    # smoke run: tiny-qwen2, 2 questions per set, hf engine, a temp file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2, 2 held-out questions per set, hf engine")
+    p.add_argument("--out", default=None, help="output file (default data/qa/reader_slice.json; quick: a temp folder)")
+    p.add_argument("--work", default=None, help="folder for the evaluation (default: a temp folder, removed)")
+    args = p.parse_args(argv)
+    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
+        os.environ.setdefault(k, v)
+
+    from emapg.atomic import write_text_atomic
+    from emapg.models import STARTER
+    from eval.protocols import get_protocol
+    from eval.reader_slice import READER_SLICE_FILE, slice_from_eval
+    from eval.runner import EvalConfig, run_eval
+    from provision.indexes import ensure_bundled_index
+    from provision.retrievers import open_retriever
+    from tasks.datasets import QA_DATASETS, heldout_ids
+
+    t0 = time.perf_counter()
+    policy = "tiny-qwen2" if args.quick else STARTER
+    per_dataset = 2 if args.quick else 100
+    work = Path(args.work or tempfile.mkdtemp(prefix="reader-slice-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else (work / READER_SLICE_FILE.name if args.quick else READER_SLICE_FILE)
+    protocol = get_protocol("qa_quick", **({"max_tokens": 24} if args.quick else {}))
+    with open_retriever(index_dir=ensure_bundled_index(2000 if args.quick else None), log_path=work / "retriever.log") as retriever:
+        cfg = EvalConfig(model=policy, out=str(work / "eval"), protocol=protocol, datasets=list(QA_DATASETS), limit=per_dataset,
+                         data_seed=0, engine="hf" if args.quick else "vllm", retriever_url=retriever.urls[0],
+                         batch_across_datasets=True, batch_size=per_dataset * len(QA_DATASETS), progress=True, name="reader_slice")
+        run_eval(cfg)
+    record = slice_from_eval(work / "eval", QA_DATASETS, starter=policy,
+                             protocol={k: getattr(protocol, k) for k in ("name", "max_turns", "max_tokens", "max_obs_tokens",
+                                                                         "retrieval_topk", "temperature")})
+    for ds, rows in record["questions"].items():
+        outside = {q["id"] for q in rows} - set(heldout_ids(ds))
+        if outside:
+            raise SystemExit(f"build_reader_slice: {ds}: {len(outside)} evaluated questions are not held out")
+    record["wall_s"] = round(time.perf_counter() - t0, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(record, indent=1) + "\n")
+    print(f"reader slice: {record['size']} of {record['heldout_questions']} held-out questions "
+          f"({', '.join(f'{ds} {len(v)}' for ds, v in record['ids'].items())}); wrote {out}")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
