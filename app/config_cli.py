@@ -1,7 +1,7 @@
 """``emapg config``: print a resolved config, or the reference of every option.
 
     emapg config show configs/search_smollm2_cpu.yaml trainer.lr=2e-6
-    emapg config reference            # markdown tables generated from the help texts (= the README's)
+    emapg config reference            # markdown tables generated from the help texts (= docs/configuration.md)
 
 An application module (the ``emapg`` command's top floor): no library module imports it.
 """

@@ -1,0 +1,69 @@
+"""The documentation site (mkdocs.yml, docs/): it builds with ``mkdocs build --strict`` (no broken link, anchor or nav
+entry), and its measured-performance tables are the ones ``scripts/gen_performance.py`` generates from
+``benchmarks/results/*.json`` (a page that disagrees with the JSON fails)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _gen():
+    spec = importlib.util.spec_from_file_location("gen_performance", REPO / "scripts" / "gen_performance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs", reason="needs mkdocs-material (requirements/cpu.txt)")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for page in ("tour", "retriever", "agent-formats", "training", "evaluation", "configuration", "performance", "learning",
+                 "troubleshooting"):
+        assert (tmp_path / "site" / page / "index.html").is_file(), page
+
+
+def test_a_broken_link_fails_the_build(tmp_path):
+    """The strict build is a real check: a copy of the site with one broken link does not build."""
+    pytest.importorskip("mkdocs", reason="needs mkdocs-material (requirements/cpu.txt)")
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    page = tmp_path / "docs" / "tour.md"
+    page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode != 0 and "no-such-page.md" in proc.stdout + proc.stderr
+
+
+def test_the_performance_tables_are_the_json():
+    gen = _gen()
+    assert gen.stale() == [], "run python scripts/gen_performance.py"
+    page = (REPO / "docs" / "performance.md").read_text()
+    assert "`kl_memory_full.json` `full_over_topk_peak_memory_ratio`" in page
+    assert all(f"`{p.name}`" in page for p in (REPO / "benchmarks" / "results").glob("*.json"))
+
+
+def test_a_page_that_disagrees_with_the_json_is_found(tmp_path):
+    gen = _gen()
+    results = tmp_path / "results"
+    shutil.copytree(REPO / "benchmarks" / "results", results, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    page = tmp_path / "performance.md"
+    page.write_text((REPO / "docs" / "performance.md").read_text())
+    assert gen.stale((page,), results) == []
+    data = json.loads((results / "rollout_throughput.json").read_text())
+    data["vllm_over_hf_tokens_per_s_ratio"] = 9.99  # a rerun of the benchmark, the page not regenerated
+    (results / "rollout_throughput.json").write_text(json.dumps(data))
+    assert gen.stale((page,), results) == [str(page)]
+    page.write_text(gen.render(page.read_text(), results))
+    assert "**9.99×**" in page.read_text() and gen.stale((page,), results) == []
