@@ -68,6 +68,7 @@ def eval_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(p, ProtocolPreset, flags=EVAL_FLAGS)
     add_config_arguments(p, EvalConfig, exclude=EVAL_EXCLUDE, flags=EVAL_FLAGS, hide_defaults=("protocol.",))
+    p.add_argument("--quiet", dest="progress", action="store_false", default=argparse.SUPPRESS, help="no progress (= --no-progress)")
     return p
 
 

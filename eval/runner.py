@@ -95,7 +95,7 @@ class EvalConfig:
         False, help="when the model's folder lists questions it was trained on (trained_questions.json, written by emapg "
         "train and emapg sft) and some are in this run: evaluate them but keep them out of the per-dataset metrics and "
         "averages, reported apart (results.json `trained_on`, report.md), instead of refusing to run")
-    progress: bool = option(True, help="show a progress bar (only on a terminal)")
+    progress: bool = option(True, help="show progress: a bar on a terminal, a line every 10 s when the output is not a terminal")
 
     def __post_init__(self) -> None:
         # Dataset names never contain commas ("hf:org/name:config@split" included), so "a,b" is two names.
@@ -226,9 +226,24 @@ def _rollout_config(p: EvalProtocol, mode: str, seed: int):
 
 
 def _progress(total: int, initial: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+    """A bar on a terminal, a line every 10 s (and at the end) otherwise, nothing when ``enabled`` is false."""
+    from emapg.progress import StepProgress
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="q", disable=not enabled or not sys.stderr.isatty())
+    return _Questions(StepProgress(f"eval {desc}", total, start=initial, mode="auto" if enabled else "off", unit="question",
+                                   min_interval_s=10.0))
+
+
+class _Questions:
+    """The ``update(n)``/``close()`` face of a :class:`emapg.progress.StepProgress` counting questions."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+
+    def update(self, n: int) -> None:
+        self.progress.advance(n)
+
+    def close(self) -> None:
+        self.progress.close()
 
 
 # --------------------------------------------------------------------------- the run

@@ -27,6 +27,8 @@ def _yaml_command_parser(prog: str, description: str, config_example: str, overr
     )
     p.add_argument("--config", required=True, help=f"YAML config (e.g. {config_example})")
     p.add_argument("overrides", nargs="*", help=f"dotted.key=value overrides, e.g. {overrides_example}")
+    p.add_argument("--quiet", action="store_true", help="no progress (by default a bar on a terminal, a line per step "
+                   "when the output is not a terminal)")
     return p
 
 
@@ -52,7 +54,7 @@ def main(argv: list[str]) -> int:
     from trainer.config import TrainConfig
     from trainer.data import load_prompts
 
-    cfg = load_config(TrainConfig, args.config, args.overrides)
+    cfg = load_config(TrainConfig, args.config, [*args.overrides, *(["logging.progress=false"] if args.quiet else [])])
     load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)  # fail fast on bad data
     if args.resume is None:  # (a resumed run loads its checkpoint's policy folder instead)
         from emapg.models import resolve_model
@@ -106,9 +108,21 @@ def sft_main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    from emapg.progress import StepProgress
     from trainer.sft.train import run_sft
 
-    result = run_sft(cfg)
+    bar: list[StepProgress] = []
+
+    def progress(step: int, total: int, loss: float) -> None:
+        if not bar:
+            bar.append(StepProgress("sft", total))
+        bar[0].update(step, f"loss={loss:.4f}")
+
+    try:
+        result = run_sft(cfg, progress=None if args.quiet else progress)
+    finally:
+        for b in bar:
+            b.close()
     print(f"held-out SFT loss {result.heldout_loss_before:.4f} -> {result.heldout_loss_after:.4f}; "
           f"policy folder: {result.output_dir / 'policy'}")
     return 0

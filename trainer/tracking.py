@@ -1,4 +1,4 @@
-"""Metrics sinks: ``metrics.jsonl`` (always), TensorBoard, wandb (optional), a rich progress bar.
+"""Metrics sinks: ``metrics.jsonl`` (always), TensorBoard, wandb (optional), progress (:mod:`emapg.progress`).
 
 Only rank 0 logs. Every record is a flat ``{"step": N, "<group>/<name>": value}``
 dict; the JSONL file is the source of truth for ``emapg plot`` and for tests.
@@ -99,24 +99,9 @@ class Tracker:
             self._start_progress(total_steps, start_step)
 
     def _start_progress(self, total: int, start: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from emapg.progress import StepProgress
 
-        console = Console(file=sys.stderr)
-        self._progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(bar_width=24),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[stats]}"),
-            console=console,
-            transient=False,
-            redirect_stdout=False,
-            redirect_stderr=False,
-        )
-        self._progress.start()
-        self._task = self._progress.add_task("train", total=total, completed=start, stats="")
+        self._progress = StepProgress("train", total, start=start)  # a bar on a terminal, a line per step otherwise
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -127,7 +112,7 @@ class Tracker:
         numbers = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.log_scalars(step, numbers)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, stats=format_stats(numbers))
+            self._progress.update(step, format_stats(numbers))
 
     def log_scalars(self, step: int, values: dict[str, float]) -> None:
         """Scalars to TensorBoard and wandb only: :meth:`log`'s, and extra ones of a step already logged (the
@@ -152,7 +137,7 @@ class Tracker:
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.console.print(text)
+            self._progress.message(text)
         else:
             print(text, file=sys.stderr)
 
@@ -160,7 +145,7 @@ class Tracker:
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.stop()
+            self._progress.close()
             self._progress = None
         if self._tb is not None:
             self._tb.close()
