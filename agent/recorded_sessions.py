@@ -37,7 +37,7 @@ from typing import Any, Callable, Literal
 from emapg.server_input import HTTPError
 
 __all__ = ["RecordedCall", "Session", "SessionStore", "Admission", "Segment", "Assembly", "assemble", "call_nbytes",
-           "expected_call_nbytes"]
+           "expected_call_nbytes", "value_nbytes"]
 
 # What one element of a recorded list takes: the list's pointer and the object (an int above 256 is its own
 # 28-byte object; a float 24 bytes). Small ints are shared, so this overcounts a little, as a budget should.
