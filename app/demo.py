@@ -52,6 +52,7 @@ from emapg.process_group import stop_process_group
 from emapg.servers import emapg_command
 from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
 
+SAMPLING_SEED = 1  # the sampled evaluation's seed: the same for the starter and the trained policy (paired samples)
 ENGINE_STARTUP_S = 900  # the generation engine's start-up limit (vLLM on 2 cores: ~40 s; a first run compiles more)
 
 
@@ -70,6 +71,8 @@ class DemoPreset:
     train_set: str
     train_overrides: tuple[str, ...] = ()
     eval_overrides: tuple[str, ...] = ()
+    sampled_n: int = 4  # samples per question of the sampled evaluation (mean@k at the training temperature)
+    sampled_overrides: tuple[str, ...] = ()
 
 
 PresetName = Literal["default", "tiny"]
@@ -84,9 +87,10 @@ PRESETS: dict[str, DemoPreset] = {
         eval_limit=15,
         engine="vllm",
         train_steps=8,
-        train_set="qa_pool_informative",
+        train_set="qa_pool",
         # greedy, 2 searches, 64 tokens per turn (as in training); all 105 questions in one vLLM batch
         eval_overrides=("--protocol", "qa_quick", "--batch-across-datasets", "--batch-size", "105"),
+        sampled_overrides=("--batch-size", "35"),  # 35 questions x 4 samples per vLLM batch
     ),
     # CI-sized: a 1.7M-parameter random model, a 2k-passage index; checks the plumbing, not learning.
     "tiny": DemoPreset(
@@ -96,9 +100,10 @@ PRESETS: dict[str, DemoPreset] = {
         eval_limit=2,
         engine="hf",
         train_steps=2,
-        train_set="qa_pool",  # a random model solves nothing: the curated subset is the starter's
+        train_set="qa_pool",
         train_overrides=("logging.progress=false", "logging.tensorboard=false"),
         eval_overrides=("--max-tokens", "32", "--max-turns", "2"),
+        sampled_n=2,
     ),
 }
 
@@ -123,6 +128,41 @@ def _count_lines(paths: list[Path]) -> int:
         except FileNotFoundError:
             pass
     return n
+
+
+class _StepLines:
+    """The training stage's progress per step, read from its ``metrics.jsonl``: the reward of the step's sampled
+    trajectories, its informative groups and the ETA -- as the bar's postfix on a terminal, and as one plain line
+    per step when the output is not a terminal (CI logs, ``make demo > log``), so a long stage never sits silent."""
+
+    def __init__(self, metrics: Path, total: int, groups_per_step: int, *, tty: bool | None = None) -> None:
+        self.metrics, self.total, self.groups = metrics, total, groups_per_step
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.rows: list[dict[str, float]] = []
+        self.postfix = ""
+
+    def __call__(self) -> int:
+        """Steps done so far (what drives the bar); prints the plain line of every new step."""
+        try:
+            lines = self.metrics.read_text().split("\n")[:-1]  # the last piece is empty or a line still being written
+        except FileNotFoundError:
+            return 0
+        for line in lines[len(self.rows):]:
+            self.rows.append(json.loads(line))
+            self.postfix = self.describe()
+            if not self.tty:
+                print(f"  train {self.postfix}", flush=True)
+        return len(self.rows)
+
+    def describe(self) -> str:
+        m = self.rows[-1]
+        reward = float(m.get("filter/sampled_reward_mean", m["reward/mean"]))
+        informative = float(m.get("filter/informative_groups", (1.0 - m["reward/zero_variance_groups"]) * self.groups))
+        first = float(m.get("filter/first_round_informative_frac", 1.0 - m["reward/zero_variance_groups"])) * self.groups
+        step_s = sum(float(r.get("time/step", 0.0)) for r in self.rows) / len(self.rows)
+        left = max(0, self.total - len(self.rows)) * step_s
+        return (f"step {len(self.rows)}/{self.total}: reward {reward:.2f}, informative groups {first:.0f}/{self.groups} "
+                f"(trained {informative:.0f}), {step_s:.0f} s/step, ETA {left / 60:.1f} min")
 
 
 class _Stages:
@@ -151,7 +191,7 @@ class _Stages:
     def run(self, name: str, args: list[str], *, progress: Callable[[], int] | None = None, total: int = 0,
             unit: str = "it") -> None:
         """``emapg ARGS`` with stdout/stderr in ``logs/<n>-<name>.log``; ``progress()`` (polled) drives a
-        bar to ``total``."""
+        bar to ``total`` (a :class:`_StepLines` also sets the bar's postfix)."""
         cmd = [*emapg_command(), *args]
         log = self.log_path(name)
         t = time.monotonic()
@@ -163,10 +203,9 @@ class _Stages:
             while (code := self.current.poll()) is None:
                 time.sleep(0.5)
                 if bar is not None:
-                    bar.n = min(progress(), total) if total else progress()
-                    bar.refresh()
+                    self._advance(bar, progress, total)
             if bar is not None:
-                bar.n = min(progress(), total) if total else progress()
+                self._advance(bar, progress, total)
                 bar.close()
         finally:
             self.kill()
@@ -174,6 +213,14 @@ class _Stages:
         if code != 0:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
             raise UserError(f"stage `emapg {' '.join(args[:2])}` failed with exit code {code}; its log is {log}:\n{tail}")
+
+    @staticmethod
+    def _advance(bar: Any, progress: Callable[[], int], total: int) -> None:
+        done = progress()
+        bar.n = min(done, total) if total else done
+        if getattr(progress, "postfix", ""):
+            bar.set_postfix_str(progress.postfix, refresh=False)  # type: ignore[attr-defined]
+        bar.refresh()
 
     def kill(self) -> None:
         proc, self.current = self.current, None
@@ -209,25 +256,55 @@ def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
     return "\n".join(blocks)
 
 
+def _sampled_learning(out: Path) -> dict[str, Any]:
+    """The sampled evaluations compared (:func:`eval.learning.compare_sampled`): over all the demo's held-out
+    questions, and over those of them in the reader slice (:mod:`eval.reader_slice`; none with the tiny preset's
+    questions is possible, then ``reader`` is None)."""
+    from eval.learning import compare_sampled, samples_per_question
+    from eval.reader_slice import load_reader_slice
+
+    base, trained = out / "eval_base_sampled", out / "eval_trained_sampled"
+    datasets = list(QA_DATASETS)
+    reader: dict[str, Any] | None
+    try:
+        reader = compare_sampled(base, trained, datasets, only=load_reader_slice().ids)
+    except ValueError:  # no question of the demo's sample is in the slice
+        reader = None
+    return {"samples": samples_per_question(base, datasets), "all": compare_sampled(base, trained, datasets), "reader": reader}
+
+
 def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, learning: dict[str, Any],
-             pool: dict[str, int], stages: _Stages) -> dict[str, Any]:
-    """results.json of the report. Contract: ``base.pooled_em`` and ``trained.pooled_em`` (percent, over
-    all held-out questions)."""
+             pool: dict[str, int], stages: _Stages, sampled: dict[str, Any]) -> dict[str, Any]:
+    """results.json of the report. Contract: ``base.pooled_em`` and ``trained.pooled_em`` (greedy EM, percent, over
+    all held-out questions), ``base.sampled_em`` and ``trained.sampled_em`` (sampled mean@k EM, percent, pooled over
+    the same questions), ``training.steps`` and ``training.trajectories_per_min``."""
     from eval.learning import miss_breakdown
     from trainer.tracking import read_metrics
 
     runs = {label: json.loads((out / f"eval_{label}" / "results.json").read_text()) for label in ("base", "trained")}
     steps = read_metrics(train_dir)
     pooled = learning["pooled"]
+    s_all, s_reader = sampled["all"], sampled["reader"]
+
+    def sampled_side(side: str) -> dict[str, Any]:
+        return {"sampled_em": s_all["mean_em"]["pooled"][side], "sampled_f1": s_all["mean_f1"]["pooled"][side],
+                f"pass_at_{sampled['samples']}": s_all["pass"]["pooled"][side],
+                "reader_sampled_em": s_reader["mean_em"]["pooled"][side] if s_reader else None}
+
     return {
         "preset": preset_name,
-        "primary_metric": "em",
+        "primary_metric": "sampled_em",
         "base": {"pooled_em": pooled["base"], "model": runs["base"]["model"], "average": runs["base"]["average"],
-                 "format_rate": pooled["format_rate"]["base"]},
+                 "format_rate": pooled["format_rate"]["base"], **sampled_side("base")},
         "trained": {"pooled_em": pooled["trained"], "model": runs["trained"]["model"],
-                    "average": runs["trained"]["average"], "format_rate": pooled["format_rate"]["trained"]},
-        "difference": {"pooled_em": pooled["difference"],
+                    "average": runs["trained"]["average"], "format_rate": pooled["format_rate"]["trained"], **sampled_side("trained")},
+        "difference": {"pooled_em": pooled["difference"], "sampled_em": s_all["mean_em"]["pooled"]["difference"],
+                       "sampled_f1": s_all["mean_f1"]["pooled"]["difference"], "pass": s_all["pass"]["pooled"]["difference"],
+                       "reader_sampled_em": s_reader["mean_em"]["pooled"]["difference"] if s_reader else None,
                        "datasets": {ds: b["difference"] for ds, b in learning["datasets"].items()}},
+        "sampled": {"samples": sampled["samples"], "temperature": _train_config(preset).rollout.temperature, "seed": SAMPLING_SEED,
+                    "all": s_all, "reader": s_reader,
+                    "reader_questions": s_reader["mean_em"]["pooled"]["n"] if s_reader else 0},
         "heldout": {"datasets": list(QA_DATASETS), "per_dataset": preset.eval_limit, "data_seed": 0, "questions": pooled["n"],
                     "protocol": runs["base"]["protocol"]},
         "learning": learning,
@@ -236,7 +313,8 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
         "average": {label: runs[label]["average"] for label in runs},
         "models": {label: runs[label]["model"] for label in runs},
         "training": {"steps": len(steps), "wall_s": stages.seconds.get("train"), "train_set": preset.train_set,
-                     "questions": pool, "metrics": steps, **_training_summary(steps, stages.seconds.get("train"), _groups_per_step(preset))},
+                     "questions": pool, "metrics": steps, **_training_summary(steps, stages.seconds.get("train"), _groups_per_step(preset),
+                                                                              _train_config(preset).rollout.n_samples)},
         "stage_seconds": stages.seconds,
         "logs": stages.logs,
     }
@@ -266,9 +344,10 @@ def _pool_sources(train_set: str) -> dict[str, int]:
     return counts
 
 
-def _training_summary(steps: list[dict[str, float]], wall_s: float | None, groups_per_step: int) -> dict[str, float]:
+def _training_summary(steps: list[dict[str, float]], wall_s: float | None, groups_per_step: int, group_size: int) -> dict[str, float]:
     """What moved during training: the sampled reward of the first and last steps (and of the first and second
-    halves), the share of informative groups, and informative groups trained per minute of the stage."""
+    halves), the share of informative groups, informative groups trained and trajectories sampled per minute of the
+    stage."""
     if not steps:
         return {}
 
@@ -288,7 +367,10 @@ def _training_summary(steps: list[dict[str, float]], wall_s: float | None, group
         "informative_frac_trained_mean": sum(map(informative_trained, steps)) / len(steps),
     }
     if wall_s:
-        out["informative_groups_per_min"] = sum(informative_trained(m) * groups_per_step for m in steps) / (wall_s / 60)
+        informative = sum(float(m.get("filter/informative_groups", informative_trained(m) * groups_per_step)) for m in steps)
+        sampled = sum(float(m.get("filter/sampled_trajectories", groups_per_step * group_size)) for m in steps)
+        out["informative_groups_per_min"] = informative / (wall_s / 60)
+        out["trajectories_per_min"] = sampled / (wall_s / 60)  # every trajectory generated and graded (dropped groups too)
     return out
 
 
@@ -319,7 +401,45 @@ def _movement_lines(t: dict[str, Any]) -> list[str]:
              f"{t['informative_frac_first_step']:.0%}; among the groups trained on, over all steps: "
              f"{t['informative_frac_trained_mean']:.0%}"]
     if "informative_groups_per_min" in t:
-        lines.append(f"- informative groups trained per minute of the training stage: {t['informative_groups_per_min']:.2f}")
+        lines.append(f"- informative groups trained per minute of the training stage: {t['informative_groups_per_min']:.2f}; "
+                     f"trajectories sampled per minute: {t['trajectories_per_min']:.1f}")
+    return lines
+
+
+def _sampled_lines(results: dict[str, Any]) -> list[str]:
+    """The report's lead: held-out sampled accuracy (mean@k at the training temperature) next to greedy, and the
+    reader slice, each with its paired interval."""
+    from eval.learning import verdict
+
+    smp, diff = results["sampled"], results["difference"]
+    k = smp["samples"]
+
+    def row(name: str, n: int, base: float, trained: float, d: dict[str, Any]) -> str:
+        return f"| {name} | {n} | {base:.1f} | {trained:.1f} | {d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}] |"
+
+    a = smp["all"]
+    rows = ["| held-out questions, metric | n | starter (%) | trained (%) | difference (pp, 95% CI) |", "|---|---:|---:|---:|---:|",
+            row(f"**all, sampled mean@{k} EM**", a["mean_em"]["pooled"]["n"], results["base"]["sampled_em"],
+                results["trained"]["sampled_em"], diff["sampled_em"]),
+            row(f"all, sampled mean@{k} token F1", a["mean_f1"]["pooled"]["n"], a["mean_f1"]["pooled"]["base"],
+                a["mean_f1"]["pooled"]["trained"], diff["sampled_f1"]),
+            row(f"all, pass@{k}", a["pass"]["pooled"]["n"], a["pass"]["pooled"]["base"], a["pass"]["pooled"]["trained"], diff["pass"]),
+            row("all, greedy EM", results["learning"]["pooled"]["n"], results["base"]["pooled_em"], results["trained"]["pooled_em"],
+                diff["pooled_em"])]
+    if smp["reader"]:
+        r = smp["reader"]["mean_em"]["pooled"]
+        rows.append(row(f"reader slice, sampled mean@{k} EM", r["n"], r["base"], r["trained"], r["difference"]))
+    lines = [f"Sampled at the training temperature (T = {smp['temperature']:g}, {k} samples per question, sampling seed "
+             f"{smp['seed']} for both policies, so the samples are paired), small-compute RL shows first: it sharpens the "
+             "answers the policy already samples before it flips a greedy answer. Greedy exact match is the paper's metric "
+             "and is reported beside it.", "", *rows, "",
+             f"Sampled mean@{k} EM over all {a['mean_em']['pooled']['n']} questions: {verdict(diff['sampled_em'])}."]
+    if smp["reader"]:
+        lines.append(f"The reader slice ({smp['reader_questions']} of these questions; `data/qa/reader_slice.json`) holds the "
+                     "held-out questions whose gold answer the starter was shown when it answered greedily: better reading, "
+                     "the skill RL can teach here, shows there first.")
+    else:
+        lines.append("None of these questions is in the reader slice (`data/qa/reader_slice.json`).")
     return lines
 
 
@@ -340,8 +460,10 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         *_movement_lines(t),
         f"- held-out evaluation: {results['heldout']['per_dataset']} questions x {len(QA_DATASETS)} QA test sets "
         f"= {results['heldout']['questions']} questions, the same for both policies, protocol "
-        f"`{results['heldout']['protocol']['name']}` (greedy)", "",
-        "## Starter vs trained (exact match)", "",
+        f"`{results['heldout']['protocol']['name']}`, greedy and sampled", "",
+        "## Held-out accuracy, sampled and greedy", "",
+        *_sampled_lines(results), "",
+        "## Starter vs trained per dataset (greedy exact match)", "",
         learning_table(learning), "",
         f"Pooled over all {d['n']} questions: {results['base']['pooled_em']:.1f} -> {results['trained']['pooled_em']:.1f} "
         f"({d['mean']:+.1f} pp, {round(100 * d['confidence'])}% CI [{d['low']:+.1f}, {d['high']:+.1f}], "
@@ -441,13 +563,20 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
                            "--no-progress", *preset.eval_overrides]  # fmt: skip
             n_questions = preset.eval_limit * len(QA_DATASETS)
 
+            train_temperature = _train_config(preset).rollout.temperature
+            sampled_args = ["--n", str(preset.sampled_n), "--temperature", str(train_temperature), "--top-p", "1.0",
+                            "--seed", str(SAMPLING_SEED), *preset.sampled_overrides]
+
             def evaluate(label: str, model: str, name: str) -> None:
-                items = [out / f"eval_{label}" / "items" / f"{ds}.jsonl" for ds in QA_DATASETS]
-                stages.run(f"eval_{label}", ["eval", "--model", model, "--out", str(out / f"eval_{label}"), "--name", name,
-                                             *eval_common], progress=lambda: _count_lines(items), total=n_questions, unit="q")
+                """Greedy, then sampled (mean@k at the training temperature) on the same held-out questions."""
+                for folder, extra in ((f"eval_{label}", []), (f"eval_{label}_sampled", sampled_args)):
+                    items = [out / folder / "items" / f"{ds}.jsonl" for ds in QA_DATASETS]
+                    stages.run(folder, ["eval", "--model", model, "--out", str(out / folder), "--name", name, *eval_common,
+                                        *extra], progress=lambda items=items: _count_lines(items), total=n_questions, unit="q")
 
             stages.banner(4, total, f"evaluating the starter policy on {preset.eval_limit} held-out questions x "
-                                    f"{len(QA_DATASETS)} QA datasets")
+                                    f"{len(QA_DATASETS)} QA datasets (greedy, then {preset.sampled_n} samples each at "
+                                    f"T = {train_temperature:g})")
             try:
                 evaluate("base", preset.policy, "starter")
             except UserError:
@@ -455,7 +584,7 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
                 raise
             engine.wait_healthy()  # returns at once: the evaluation ran on it
 
-            stages.banner(5, total, f"training with EMA-PG for {preset.train_steps} steps on the answerable training pool "
+            stages.banner(5, total, f"training with EMA-PG for {preset.train_steps} steps on {preset.train_set} "
                                     f"({sum(pool.values())} questions, none held out)")
             train_dir = out / "train"
             metrics = train_dir / "metrics.jsonl"
@@ -464,7 +593,8 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
                                  "retriever.index_dir=null", "rollout.engine=remote", f"rollout.engine_urls=[{engine.url}]",
                                  f"run.output_dir={train_dir}",
                                  f"run.total_steps={preset.train_steps}", *preset.train_overrides],
-                       progress=lambda: _count_lines([metrics]), total=preset.train_steps, unit="step")  # fmt: skip
+                       progress=_StepLines(metrics, preset.train_steps, _groups_per_step(preset)), total=preset.train_steps,
+                       unit="step")  # fmt: skip
             checkpoint = latest_checkpoint(train_dir)
             if checkpoint is None:
                 raise UserError(f"training finished without a checkpoint in {train_dir} (log: {stages.logs['train']})")
@@ -480,16 +610,21 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
         first_step = json.loads(metrics.read_text().splitlines()[0])
         panels = FILTERED_CURVES if "filter/sampled_reward_mean" in first_step else CURVES
         curves = plot_runs([train_dir], report / "training_curves.png", metrics=list(panels), labels=["EMA-PG"],
-                           title=f"training on bundled NQ + HotpotQA train ({preset.policy})")
+                           title=f"EMA-PG training on {preset.train_set} ({preset.policy})")
         learning = compare_learning(out / "eval_base", out / "eval_trained", list(QA_DATASETS))
-        results = _results(preset_name, preset, out, train_dir, learning, pool, stages)
+        sampled = _sampled_learning(out)
+        results = _results(preset_name, preset, out, train_dir, learning, pool, stages, sampled)
         (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         md = _report_md(results, learning, compare_md, _example_trajectories(out / "eval_trained"), curves.name)
         (report / "report.md").write_text(md)
         shutil.copy2(preset.train_config, report / "train_config.yaml")
         d = learning["pooled"]["difference"]
         print("\n" + learning_table(learning), flush=True)
-        print(f"\npooled EM {results['base']['pooled_em']:.1f} -> {results['trained']['pooled_em']:.1f} "
+        ds = sampled["all"]["mean_em"]["pooled"]["difference"]
+        print(f"\nheld-out sampled mean@{sampled['samples']} EM {results['base']['sampled_em']:.1f} -> "
+              f"{results['trained']['sampled_em']:.1f} ({ds['mean']:+.1f} pp, 95% CI [{ds['low']:+.1f}, {ds['high']:+.1f}]): "
+              f"{verdict(ds)}", flush=True)
+        print(f"held-out greedy EM {results['base']['pooled_em']:.1f} -> {results['trained']['pooled_em']:.1f} "
               f"({d['mean']:+.1f} pp, 95% CI [{d['low']:+.1f}, {d['high']:+.1f}]): {verdict(d)}", flush=True)
         elapsed = (time.monotonic() - stages.t0) / 60
         print(f"\ndemo finished in {elapsed:.1f} min. Report: {report / 'report.md'}", flush=True)

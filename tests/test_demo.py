@@ -40,9 +40,15 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
             scores = results["datasets"][name][label]
             assert scores["n_items"] == 2 and 0.0 <= scores["em"] <= 100.0
     assert results["training"]["steps"] == 2
-    # contract: pooled EM (percent over all held-out questions) of the starter and the trained policy
+    # contract: pooled EM (percent over all held-out questions) of the starter and the trained policy, greedy and
+    # sampled (mean@k at the training temperature), and the training stage's trajectories per minute
     for label in ("base", "trained"):
-        assert 0.0 <= results[label]["pooled_em"] <= 100.0
+        assert 0.0 <= results[label]["pooled_em"] <= 100.0 and 0.0 <= results[label]["sampled_em"] <= 100.0
+    assert results["sampled"]["samples"] == 2 and results["training"]["trajectories_per_min"] > 0
+    ds = results["difference"]["sampled_em"]
+    assert ds["n"] == 2 * len(QA_DATASETS) and ds["mean"] == pytest.approx(results["trained"]["sampled_em"] - results["base"]["sampled_em"])
+    sampled_items = [json.loads(line) for line in (out / "eval_base_sampled" / "items" / "nq.jsonl").read_text().splitlines()]
+    assert all(len(r["samples"]) == 2 for r in sampled_items)
     diff = results["difference"]["pooled_em"]
     assert diff["n"] == 2 * len(QA_DATASETS) and diff["low"] <= diff["mean"] <= diff["high"]
     assert diff["mean"] == pytest.approx(results["trained"]["pooled_em"] - results["base"]["pooled_em"])
@@ -56,7 +62,7 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     curves = [m["reward/mean"] for m in results["training"]["metrics"]]
     assert len(curves) == 2 and all("response/answered_frac" in m for m in results["training"]["metrics"])
     # every stage's own output went to a log file named in the report, not to the console
-    for name in ("models", "eval_base", "train", "eval_trained"):
+    for name in ("models", "eval_base", "eval_base_sampled", "train", "eval_trained", "eval_trained_sampled"):
         assert Path(results["logs"][name]).is_file() and Path(results["logs"][name]).stat().st_size > 0
     assert "Traceback" not in proc.stdout and "INFO" not in proc.stdout
     md = (report / "report.md").read_text()
@@ -68,6 +74,10 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
         assert sum(m["searches"].values()) == m["questions"]
         assert m["right"] == round(results[label]["pooled_em"] * m["questions"] / 100)  # greedy: one answer each
     assert "## Where the misses are" in md and "wrong although a gold answer was in the passages shown" in md
+    assert md.index("## Held-out accuracy, sampled and greedy") < md.index("## Starter vs trained per dataset")
+    assert "sampled mean@2 EM" in md and "qa_pool" in md
+    # with its output not a terminal, the training stage printed one plain line per step
+    assert proc.stdout.count("  train step ") == 2 and "ETA" in proc.stdout
     assert (report / "training_curves.png").is_file()
 
 

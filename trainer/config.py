@@ -371,6 +371,12 @@ class RewardConfig:
         False, help="a random-reward control for learning claims: each batch's rewards are permuted across its "
         "trajectories (seeded by the step) before advantages and group filtering, so the run trains on rewards "
         "unrelated to its answers at the same reward rate; a learning gain must beat this run's")
+    qa_reward: Literal["em", "f1", "em_f1"] = option(
+        "em", help="search task: the training reward of an answer -- em (exact match, the paper's), f1 (token F1: partial "
+        "credit, a denser signal), or em_f1 (their mean); evaluation always reports EM and F1")
+    no_answer_penalty: float = option(
+        0.0, ge=0, le=1, help="search task: subtracted from the reward of a trajectory that gives no answer (no <answer> "
+        "tag), so answering wrongly is never worse than not answering; 0: off")
     math_timeout: float = option(10.0, gt=0, help="seconds allowed to grade one math answer (in a worker process)")
     math_workers: int = option(2, help="worker processes for math grading")
     math_grader: Literal["math_verify", "mathd_or_math_verify"] = option(

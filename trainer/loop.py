@@ -95,6 +95,14 @@ def engine_spec(cfg: TrainConfig, model_path: str, device: torch.device, bf16: b
     )  # fmt: skip
 
 
+def training_signal(cfg: TrainConfig) -> dict[str, Any]:
+    """What the run learned from, beyond the algorithm: the reward's form, the random-reward control, what was done
+    with groups of equal rewards (recorded in the provenance, so a result names its levers)."""
+    r, ro = cfg.reward, cfg.rollout
+    return {"qa_reward": r.qa_reward if ro.task == "search" else None, "no_answer_penalty": r.no_answer_penalty,
+            "shuffle_control": r.shuffle_control, "uniform_groups": ro.uniform_groups, "filter_groups": ro.filter_groups}
+
+
 def find_resume(resume_from: str | Path | None, run_dir: Path) -> Path | None:
     """The checkpoint to resume from: ``None`` (no ``--resume``, or ``--resume`` on a fresh run folder),
     the latest of ``run_dir`` (``--resume``) or of a given folder (``--resume DIR``)."""
@@ -213,7 +221,8 @@ class Trainer:
 
             self.provenance = {**train_provenance(cfg, self.retriever, examples, self.model_path),
                                "trained_questions": self.trained_questions.summary(),
-                               "compute_precision": "bf16" if bf16 else "fp32"}  # what ran (run.precision=bf16 may fall back)
+                               "compute_precision": "bf16" if bf16 else "fp32",  # what ran (run.precision=bf16 may fall back)
+                               "training_signal": training_signal(cfg)}
         if with_engine:
             spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
             engine = build_engine(spec)

@@ -138,6 +138,7 @@ def filter_metrics(s: Mapping[str, float]) -> dict[str, float]:
             "filter/first_round_informative_frac": s["filter/first_round_informative_groups"] / max(s.get("filter/first_round_groups", groups), 1.0),
             "filter/informative_groups": s["filter/informative_groups"],  # trained groups with a policy gradient (count)
             "filter/dropped_uniform_groups": s.get("filter/dropped_uniform_groups", 0.0),  # rollout.uniform_groups=drop
+            "filter/sampled_trajectories": s["filter/sampled_trajectories"],  # generated and graded in the step (count)
             "filter/sampled_informative_frac": s["filter/sampled_informative_groups"] / max(s["filter/sampled_groups"], 1.0),
             "filter/sampled_per_trained_group": s["filter/sampled_groups"] / groups}
 

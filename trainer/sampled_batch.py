@@ -110,7 +110,25 @@ def grade(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any
     golds = [prompts[i // n].example.answers for i in range(len(trajectories))]
     texts = [t.scored_text if t.stop_reason != "error" else "" for t in trajectories]
     r = cfg.reward
-    return get_task(cfg.rollout.task).grade(texts, golds, Grading(r.math_grader, r.math_timeout, r.math_workers))
+    outcomes = get_task(cfg.rollout.task).grade(texts, golds, Grading(r.math_grader, r.math_timeout, r.math_workers))
+    if cfg.rollout.task == "search" and (getattr(r, "qa_reward", "em") != "em" or getattr(r, "no_answer_penalty", 0.0)):
+        outcomes = shaped_qa_outcomes(outcomes, golds, r.qa_reward, r.no_answer_penalty)
+    return outcomes
+
+
+def shaped_qa_outcomes(outcomes: list[Outcome], golds: list[list[str]], qa_reward: str, no_answer_penalty: float) -> list[Outcome]:
+    """``reward.qa_reward`` and ``reward.no_answer_penalty``: each QA outcome's reward (its exact match) replaced by
+    the token F1 of its answer (``f1``) or the mean of EM and F1 (``em_f1``), minus the penalty when it gave no answer."""
+    from tasks.qa import token_f1
+
+    out = []
+    for o, g in zip(outcomes, golds):
+        f1 = token_f1(o.answer, g)
+        reward = {"em": o.reward, "f1": f1, "em_f1": (o.reward + f1) / 2}[qa_reward]
+        if o.answer is None:
+            reward -= no_answer_penalty
+        out.append(replace(o, reward=reward))
+    return out
 
 
 def shuffled_outcomes(outcomes: list[Outcome], seed: int) -> list[Outcome]:

@@ -1,0 +1,74 @@
+"""The recorded reader slice (data/qa/reader_slice.json, eval.reader_slice): built from the shipped starter, inside the
+held-out split, disjoint from every training set, and its rule recomputed from the record on a sample."""
+
+import json
+
+import pytest
+
+from eval.reader_slice import READER_SLICE_FILE, RULE, in_slice, load_reader_slice, shown_text, starter_digest
+from tasks.datasets import QA_DATASETS, heldout_ids, load_dataset
+from tasks.heldout import question_key
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return load_reader_slice()
+
+
+def test_the_slice_is_recorded_with_its_rule_and_the_shipped_starters_digest(recorded):
+    from emapg.models import STARTER
+
+    assert json.loads(READER_SLICE_FILE.read_text())["rule"] == RULE
+    assert recorded.starter == STARTER
+    # rebuilt only with the starter: a new starter fails here until scripts/build_reader_slice.py runs again
+    assert recorded.starter_digest == starter_digest()
+    assert recorded.protocol["name"] == "qa_quick" and recorded.protocol["temperature"] == 0.0
+    assert set(recorded.ids) == set(QA_DATASETS)
+    for ds in QA_DATASETS:
+        rows = recorded.questions[ds]
+        assert {q["id"] for q in rows} == set(heldout_ids(ds))  # the whole held-out split was scored
+        assert recorded.ids[ds] == [q["id"] for q in rows if q["in_slice"]]
+    assert 50 <= recorded.size <= 700
+
+
+def test_the_slice_is_disjoint_from_every_training_set(recorded):
+    from emapg.models import STARTER_ADAPTER
+    from tasks.contamination import read_trained_questions
+
+    keys = {question_key(ex.question) for ds in QA_DATASETS for ex in load_dataset(ds, split="heldout")
+            if ex.id in set(recorded.ids[ds])}
+    assert len(keys) >= recorded.size - 5  # a few held-out questions share a text across sets
+    for train_set in ("qa_pool", "qa_pool_informative"):
+        assert not keys & {question_key(ex.question) for ex in load_dataset(train_set, split="train")}
+    starter_trained = read_trained_questions(STARTER_ADAPTER)
+    assert starter_trained is not None
+    slice_questions = [ex.question for ds in QA_DATASETS for ex in load_dataset(ds, split="heldout") if ex.id in set(recorded.ids[ds])]
+    assert not any(starter_trained.contains(q) for q in slice_questions)
+
+
+def test_the_rule_recomputed_from_the_record_gives_the_recorded_membership(recorded):
+    """For a sample of questions in and out of the slice: the passages the record names, formatted and cut to the
+    protocol's observation budget as the rollout showed them, contain a gold answer exactly for the slice's."""
+    from transformers import AutoTokenizer
+
+    from emapg.models import resolve_model
+    from emapg.paths import BUNDLED_CORPUS
+    from retriever.corpus import iter_corpus
+
+    sample = []
+    for ds in QA_DATASETS:
+        searched = [q for q in recorded.questions[ds] if q["retrieved_ids"]]
+        sample += [q for q in searched if q["in_slice"]][:2] + [q for q in searched if not q["in_slice"]][:2]
+    assert sum(q["in_slice"] for q in sample) >= 7 and sum(not q["in_slice"] for q in sample) >= 7
+    wanted = {pid for q in sample for ids in q["retrieved_ids"] for pid in ids}
+    passages = {p.id: p.contents for p in iter_corpus(BUNDLED_CORPUS) if p.id in wanted}
+    assert set(passages) == wanted
+    golds = {ex.id: ex.answers for ds in QA_DATASETS for ex in load_dataset(ds, split="heldout")}
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))  # the starter's own tokenizer
+    budget = recorded.protocol["max_obs_tokens"]
+    for q in sample:
+        searches = [[passages[pid] for pid in ids] for ids in q["retrieved_ids"]]
+        assert in_slice(searches, golds[q["id"]], tokenizer, budget) == q["in_slice"], q["id"]
+    # the budget matters: the observation is cut, so a passage's tail can be out of view
+    long = [[passages[pid] for pid in ids] for q in sample for ids in q["retrieved_ids"]][:1]
+    assert len(tokenizer(shown_text(long, tokenizer, budget)[0])["input_ids"]) <= budget + 2
