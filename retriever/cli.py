@@ -123,7 +123,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="emapg serve",
         description="Serve an index over HTTP. POST /retrieve is request/response compatible with Search-R1's retrieval server; "
-        "also GET /health, GET /metrics (Prometheus text) and /openapi.json. Concurrent requests are micro-batched together. "
+        "also GET /health, GET /metrics (Prometheus text) and /openapi.json; with --mcp, an MCP server (Model Context Protocol, "
+        "streamable HTTP) on /mcp with the tools search and search_batch over the same index. Concurrent requests are micro-batched together. "
         "API key: put it in a file (--api-key-file) or in $EMAPG_RETRIEVER_API_KEY; /health and /openapi.json stay open.",
     )
     add_config_arguments(p, ServeConfig)

@@ -19,7 +19,7 @@ from emapg.server_input import HTTPError, as_bool, as_int, as_text, check_fields
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["RetrieveRequest", "Document", "ScoredHit", "RetrieveResponse", "RequestLimits", "parse_retrieve_body",
+__all__ = ["RetrieveRequest", "Document", "ScoredHit", "RetrieveResponse", "RequestLimits", "parse_retrieve_body", "check_retrieve",
            "parse_search_body", "format_result"]
 
 
@@ -70,7 +70,11 @@ EXAMPLE = '{"queries": ["who wrote hamlet"], "topk": 3}'
 
 def parse_retrieve_body(body: bytes, cfg: RequestLimits) -> tuple[list[str], int, bool]:
     """Check a /retrieve body (strict JSON, strict types); raise :class:`HTTPError` with a fix-it message."""
-    data = parse_json(body, EXAMPLE)
+    return check_retrieve(parse_json(body, EXAMPLE), cfg)
+
+
+def check_retrieve(data: object, cfg: RequestLimits) -> tuple[list[str], int, bool]:
+    """Check a parsed /retrieve request (also what the MCP tools are given: ``retriever.mcp_server``), same limits."""
     if not isinstance(data, dict):
         raise HTTPError(422, f"body must be a JSON object with a 'queries' list, got a JSON {type(data).__name__}")
     check_fields(data, "body", ALLOWED_FIELDS)

@@ -85,6 +85,9 @@ class ServeConfig(ServerOptions):
                                         "1 one at a time, each split over the encoder threads")  # fmt: skip
     query_cache_size: int = option(4096, help="LRU of query embeddings: repeated queries (GRPO groups) skip the encoder; 0 disables")
     encoder: str | None = option(None, help="assert the index was built with this encoder; refuse to start otherwise")
+    mcp: bool = option(False, help="also answer the Model Context Protocol (MCP) on /mcp (streamable HTTP, stateless, JSON): tools "
+                                   "search(query, topk) and search_batch(queries, topk) over the same index, limits and API key as "
+                                   "/retrieve (docs/mcp.md)")  # fmt: skip
     mmap: bool = option(False, help="memory-map the index's codes instead of reading them into RAM (FAISS IO_FLAG_MMAP_IFC): "
                                     "server processes on one machine share one copy in the page cache; on-disk IVF "
                                     "indexes (built with --ondisk) are always mapped")  # fmt: skip
@@ -175,12 +178,22 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         state.executor = ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, cfg.encode_threads), thread_name_prefix="retriever-worker")
         loader = asyncio.get_running_loop().create_task(load_in_worker())
         try:
-            yield
+            if mcp_manager is not None:
+                async with mcp_manager.run():
+                    yield
+            else:
+                yield
         finally:
             loader.cancel()
             if state.batcher is not None:
                 await state.batcher.stop()
             state.executor.shutdown(wait=False, cancel_futures=True)
+
+    mcp_asgi = mcp_manager = None
+    if cfg.mcp:
+        from retriever.mcp_server import build_mcp
+
+        mcp_asgi, mcp_manager = build_mcp(state, cfg, metrics.count)
 
     app = FastAPI(
         title="ema-pg retriever",
@@ -215,6 +228,20 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         return json_response(format_result(hits, return_scores))
 
     serve_directly(app, "POST", "/retrieve", retrieve)
+    if mcp_asgi is not None:
+        from retriever.mcp_server import MCP_PATH
+
+        class MCPRoute:  # the MCP endpoint, past Starlette's router (its transport reads the ASGI messages itself)
+            def __init__(self, app):
+                self.app = app
+
+            async def __call__(self, scope, receive, send):
+                if scope["type"] == "http" and scope["path"].rstrip("/") == MCP_PATH:
+                    await mcp_asgi(scope, receive, send)
+                else:
+                    await self.app(scope, receive, send)
+
+        app.add_middleware(MCPRoute)
 
     @app.post("/search", responses={401: {"description": "API key"}, 413: {"description": "too large"},
                                     422: {"description": "invalid field"}, 503: {"description": "still loading"}})  # fmt: skip
@@ -280,5 +307,5 @@ def serve(cfg: ServeConfig) -> int:
     if cfg.hybrid_bm25 and not meta.get("bm25"):
         raise ValueError(f"--hybrid-bm25 needs a BM25 index: rebuild {cfg.index} with `emapg index build --bm25`")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    banner = f"serving {cfg.index} on http://{cfg.host}:{cfg.port} (max batch {cfg.max_batch}, max wait {cfg.max_wait_ms:.1f} ms)"
+    banner = f"serving {cfg.index} on http://{cfg.host}:{cfg.port}{' (MCP on /mcp)' if cfg.mcp else ''} (max batch {cfg.max_batch}, max wait {cfg.max_wait_ms:.1f} ms)"
     return run_uvicorn(create_app, cfg, log=log, exposes="query the index", banner=banner)
