@@ -3,14 +3,16 @@ when quiet.
 
 Output redirected to a file (CI, ``nohup``, ``make demo`` logs) gets one line per step -- ``train 3/8 [0:01:42] reward=...``
 -- where a bar would print nothing until the end; a terminal gets a ``rich`` bar with the same fields. Used by
-``emapg train`` (through :class:`trainer.tracking.Tracker`), ``emapg sft`` and ``emapg eval``.
+``emapg train`` (through :class:`trainer.tracking.Tracker`), ``emapg sft`` and ``emapg eval``. By default it writes to
+:func:`emapg.console.stream`: stderr, and the terminal's stderr while library output goes to the run's log.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Literal, TextIO
+
+from emapg import console
 
 Mode = Literal["auto", "bar", "lines", "off"]
 
@@ -36,7 +38,7 @@ class StepProgress:
     def __init__(self, label: str, total: int, *, start: int = 0, mode: Mode = "auto", stream: TextIO | None = None,
                  unit: str = "step", min_interval_s: float = 0.0) -> None:
         self.label, self.total, self.done, self.unit = label, total, start, unit
-        self.stream = stream or sys.stderr
+        self.stream = stream or console.stream()  # the terminal, also while library output goes to a log
         self.mode = resolve_mode(mode, self.stream)
         self.min_interval_s = min_interval_s
         self._t0 = time.monotonic()

@@ -63,6 +63,8 @@ def eval_parser() -> argparse.ArgumentParser:
         prog="emapg eval",
         description="Evaluate a model through the training rollout loop and engines. Writes DIR/items/<dataset>.jsonl "
         "(per question), DIR/results.json and DIR/report.md (+ plots). A rerun with the same settings resumes. "
+        "Library output (vLLM, transformers and torch logs and warnings, the engine's subprocesses) goes to "
+        "DIR/eval.log, appended to on each run; the console gets progress and the results table. "
         f"The retriever's API key, if it needs one, is read from ${API_KEY_ENV}. "
         "`emapg eval compare RUN_DIR... --out DIR` puts runs side by side with the paper's numbers.",
     )
@@ -111,15 +113,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
     except ConfigError as e:
         raise UserError(str(e)) from None
+    from emapg.console import library_output_to
     from eval.report import contamination_line, results_table
     from eval.runner import run_eval
 
-    results = run_eval(cfg)
+    log = os.path.join(cfg.out, "eval.log")
+    with library_output_to(log, title="emapg eval " + " ".join(argv), discard_unused=True):
+        results = run_eval(cfg)
+    if results.get("engine") not in (None, cfg.engine):  # e.g. vLLM could not be imported (the reason is in the log)
+        print(f"emapg eval: ran on the {results['engine']} engine, not {cfg.engine} (see {log})", file=sys.stderr)
     print(results_table(results))
     print(contamination_line(results).replace("**", ""))
     if results.get("trained_on"):
         print("\nscored apart (trained on; in no average above):\n" + results_table(results, part="trained_on"))
-    print(f"\nresults: {os.path.join(cfg.out, 'results.json')}  report: {os.path.join(cfg.out, 'report.md')}")
+    print(f"\nresults: {os.path.join(cfg.out, 'results.json')}  report: {os.path.join(cfg.out, 'report.md')}  log: {log}")
     return 0
 
 

@@ -10,7 +10,6 @@ Under ``torchrun`` every rank runs this same command.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,15 @@ from emapg.errors import UserError
 from emapg.config import ConfigError, add_config_arguments, config_from_args, load_config, option
 
 
-def _yaml_command_parser(prog: str, description: str, config_example: str, overrides_example: str) -> argparse.ArgumentParser:
+def _yaml_command_parser(prog: str, description: str, config_example: str, overrides_example: str,
+                         log_name: str) -> argparse.ArgumentParser:
     """``--config FILE`` plus ``dotted.key=value`` overrides: the shape of ``emapg train`` and ``emapg sft``."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description=f"{description} Every option can be overridden as dotted.key=value (see `emapg config reference`).",
+        description=f"{description} Every option can be overridden as dotted.key=value (see `emapg config reference`). "
+        f"Library output (transformers, torch, vLLM logs and warnings, subprocesses) goes to <run.output_dir>/{log_name} "
+        f"(under torchrun, rank N>0 writes {log_name.replace('.log', '.rankN.log')}), appended to on each run; "
+        "the console gets progress, our own messages and the final line.",
     )
     p.add_argument("--config", required=True, help=f"YAML config (e.g. {config_example})")
     p.add_argument("overrides", nargs="*", help=f"dotted.key=value overrides, e.g. {overrides_example}")
@@ -40,7 +43,7 @@ def _check_overrides(overrides: list[str]) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = _yaml_command_parser("emapg train", "Train a policy with EMA-PG or GRPO. Presets: configs/*.yaml.",
-                             "configs/search_tiny_cpu.yaml", "run.total_steps=20 optim.lr=1e-5")
+                             "configs/search_tiny_cpu.yaml", "run.total_steps=20 optim.lr=1e-5", "train.log")
     p.add_argument(
         "--resume", nargs="?", const="", default=None, metavar="DIR",
         help="continue from the latest checkpoint of the run (or of DIR: a run folder or a step_N folder)",
@@ -62,14 +65,17 @@ def main(argv: list[str]) -> int:
 
         # a model that does not exist, or settings it cannot honour (kl.topk, token budgets): one line, exit 2
         check_model_limits(cfg, resolve_model(cfg.model.policy, option="model.policy"))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars would break the training progress bar
-    from trainer.loop import TrainingError, train
+    from emapg.console import library_output_to, rank_log_name
+    from trainer.errors import TrainingError
 
     try:
-        history = train(cfg, resume=args.resume)
+        with library_output_to(cfg.output_path / rank_log_name("train"), title="emapg train " + " ".join(argv)):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # "Loading weights" bars: noise even in the log
+            from trainer.loop import train
+
+            history = train(cfg, resume=args.resume)
     except TrainingError as e:
         print(f"emapg train: {e}", file=sys.stderr)
         return 1
@@ -86,7 +92,7 @@ def sft_parser() -> argparse.ArgumentParser:
     return _yaml_command_parser(
         "emapg sft", "Fine-tune a policy on search-agent trajectories (observation tokens masked out of the loss), "
         "tokenised exactly as rollouts are. Presets: configs/sft_*.yaml.",
-        "configs/sft_smollm2_starter.yaml", "optim.lr=1e-4 model.lora.enabled=true")
+        "configs/sft_smollm2_starter.yaml", "optim.lr=1e-4 model.lora.enabled=true", "sft.log")
 
 
 def sft_main(argv: list[str]) -> int:
@@ -104,12 +110,8 @@ def sft_main(argv: list[str]) -> int:
         from trainer.sft.data import read_trajectory_file
 
         read_trajectory_file(cfg.data.path)  # a bad row: one line naming file and line, before any model loads
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    from emapg.console import library_output_to, rank_log_name
     from emapg.progress import StepProgress
-    from trainer.sft.train import run_sft
 
     bar: list[StepProgress] = []
 
@@ -118,11 +120,17 @@ def sft_main(argv: list[str]) -> int:
             bar.append(StepProgress("sft", total))
         bar[0].update(step, f"loss={loss:.4f}")
 
-    try:
-        result = run_sft(cfg, progress=None if args.quiet else progress)
-    finally:
-        for b in bar:
-            b.close()
+    with library_output_to(cfg.output_path / rank_log_name("sft"), title="emapg sft " + " ".join(argv)):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        from trainer.sft.train import run_sft
+
+        try:
+            result = run_sft(cfg, progress=None if args.quiet else progress)
+        finally:
+            for b in bar:
+                b.close()
     print(f"held-out SFT loss {result.heldout_loss_before:.4f} -> {result.heldout_loss_after:.4f}; "
           f"policy folder: {result.output_dir / 'policy'}")
     return 0

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+from emapg.console import echo
 from emapg.jsonl import append_jsonl, read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
@@ -133,13 +133,13 @@ class Tracker:
         append_jsonl(self.run_dir / SAMPLES_FILE, [{"step": step, **s} for s in samples], escape_non_ascii=True, durable=False)
 
     def message(self, text: str) -> None:
-        """A line above the progress bar (or on stderr)."""
+        """A line above the progress bar (or on the console's stderr: :func:`emapg.console.echo`)."""
         if not self.enabled:
             return
         if self._progress is not None:
             self._progress.message(text)
         else:
-            print(text, file=sys.stderr)
+            echo(text)
 
     def close(self) -> None:
         if not self.enabled:
