@@ -33,6 +33,7 @@ class Action:
     content: str = ""  # stripped query or answer; "" for invalid
     reason: str = ""  # why an action is invalid ("no_tag", "empty_query", ...)
     queries: tuple[str, ...] = ()  # search: every query of the turn (one here; one per call in the tool-call format)
+    calls: tuple = ()  # tool-call format with rollout.tools: every call of the turn, in order (agent.toolcall_parsers.ToolCall)
 
 
 def parse_action(text: str, *, max_query_chars: int = 1000) -> Action:

@@ -57,6 +57,10 @@ INVALID_CALL_MESSAGE = (
     "Error: {reason}. To search, call the search tool with {{\"query\": \"...\"}}; to finish, reply with the "
     "answer only, without a tool call."
 )
+TOOLS_INVALID_MESSAGE = (
+    "Error: {reason}. Call one of the tools with JSON arguments that match its schema; to finish, reply with the "
+    "answer only, without a tool call."
+)
 NO_ANSWER_MESSAGE = (
     "Your reply was cut off before it ended. Call the search tool, or reply with a short final answer."
 )
@@ -142,11 +146,14 @@ class ToolCallFormat:
     prompt and observation budgets).
     """
 
-    def __init__(self, tokenizer, cfg: Any) -> None:
+    def __init__(self, tokenizer, cfg: Any, toolbox: Any = None) -> None:
         self.tok, self.cfg = tokenizer, cfg
         self.parser = get_tool_parser(cfg.tool_parser)
         self.template = tool_chat_template(tokenizer, cfg.tool_chat_template)
-        self.tools = [SEARCH_TOOL]
+        # rollout.tools (agent/tools.py): the sources' schemas; the built-in search only when listed there
+        self.toolbox = toolbox
+        self.tools = list(toolbox.schemas) if toolbox is not None else [SEARCH_TOOL]
+        self.builtin_search = toolbox is None or toolbox.builtin_search
 
     # --- prompts
     def build_prompt(self, question: str) -> BuiltPrompt:
@@ -172,11 +179,16 @@ class ToolCallFormat:
                 return Action("invalid", reason=f"{len(parsed.calls)} tool calls in one turn (at most {MAX_CALLS_PER_TURN})")
             queries = []
             for call in parsed.calls:
+                if self.toolbox is not None and self.toolbox.offers(call.name):
+                    continue  # an MCP tool: its server checks the arguments against its schema
+                if self.toolbox is not None and (call.name != "search" or not self.builtin_search):
+                    return Action("invalid", reason=f"unknown tool {call.name!r} (the tools are {', '.join(self.toolbox.names())})")
                 query = _search_query(call)
                 if not isinstance(query, tuple):
                     return Action("invalid", reason=query)
                 queries.append(query[0][: self.cfg.max_query_chars])
-            return Action("search", queries[0], queries=tuple(queries))
+            calls = parsed.calls if self.toolbox is not None else ()
+            return Action("search", queries[0] if queries else "", queries=tuple(queries), calls=calls)
         if finish_reason != "stop":
             return Action("invalid", reason="cut off")
         return Action("answer", strip_reasoning(parsed.content))
@@ -187,8 +199,21 @@ class ToolCallFormat:
         return [self.parser.render(ToolCall("search", {"query": query})) + eos, answer + eos]
 
     # --- what the environment appends
-    def results_messages(self, hits: list[list[dict]] | None, n: int, failure: str) -> list[dict]:
-        """One ``tool`` message per call: the passages (Search-R1's ``Doc i(Title: …)`` lines) or the failure text."""
+    def results_messages(self, hits: list[list[dict]] | None, n: int, failure: str, *, calls: tuple = (),
+                         tool_results: list | tuple = ()) -> list[dict]:
+        """One ``tool`` message per call: the passages (Search-R1's ``Doc i(Title: …)`` lines) or the failure text;
+        with ``rollout.tools``, ``calls`` are the turn's calls in order, each built-in search answered from ``hits``
+        and each MCP call by the next of ``tool_results`` (:class:`agent.tools.ToolResult`)."""
+        if calls:
+            searches = iter(self.results_messages(hits, n, failure))
+            results = iter(tool_results)
+            out = []
+            for call in calls:
+                if self.toolbox is not None and self.toolbox.offers(call.name):
+                    out.append({"role": "tool", "name": call.name, "content": next(results).text})
+                else:
+                    out.append(next(searches))
+            return out
         if hits is None:
             return [{"role": "tool", "name": "search", "content": failure} for _ in range(n)]
         return [{"role": "tool", "name": "search", "content": format_passages(h).strip()} for h in hits]
@@ -197,6 +222,8 @@ class ToolCallFormat:
         """A turn with a malformed call gets a ``tool`` message saying why; a turn cut off, a ``user`` one."""
         if action.reason == "cut off":
             return [{"role": "user", "content": NO_ANSWER_MESSAGE}]
+        if self.toolbox is not None and self.toolbox.names() != ["search"]:
+            return [{"role": "tool", "name": "tool", "content": TOOLS_INVALID_MESSAGE.format(reason=action.reason)}]
         return [{"role": "tool", "name": "search", "content": INVALID_CALL_MESSAGE.format(reason=action.reason)}]
 
     def after_turn_ids(self, last_token: int | None, messages: list[dict], max_tokens: int) -> tuple[list[int], bool]:

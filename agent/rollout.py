@@ -131,6 +131,15 @@ class RolloutConfig:
     tool_chat_template: str | None = option(
         None, help="format=tool_calls: chat template to render tools with, in place of the tokenizer's (for models whose "
         "template has no tool support): chatml_tools (bundled, ChatML models such as SmolLM2) or a Jinja file")
+    tools: list[str] = option(
+        [], help="format=tool_calls: the agent's tool sources (docs/mcp.md): 'search' (the built-in search, answered by the "
+        "retriever), an MCP server's URL (http://HOST:PORT/mcp, e.g. `emapg serve --mcp`) or 'stdio:COMMAND ARGS' (an MCP "
+        "server launched over stdio); every tool an MCP server lists is offered with its own schema. Empty: the built-in "
+        "search alone")
+    tool_timeout_s: float = option(30.0, gt=0, help="rollout.tools: seconds an MCP tool call may take; a call past it is "
+                                                    "answered to the model as timed out and counted as a tool failure")
+    max_tool_output_chars: int = option(16000, ge=1, help="rollout.tools: characters of an MCP tool's output given to the model; "
+                                                    "a longer output is cut there, with a note, and counted as a tool failure")
     agent: str | None = option(
         None, help="an external agent, module:function (agent/external.py): called per trajectory with an openai client "
         "pointed at the policy's recording OpenAI endpoint, the task row and a session id; returns its final answer. "
@@ -163,6 +172,14 @@ class RolloutConfig:
                 raise ConfigError("rollout.format=tool_calls needs rollout.task=search (the math task has no tools)")
             if self.chat == "raw":
                 raise ConfigError("rollout.format=tool_calls needs the chat template (rollout.chat auto or chat, not raw)")
+        if self.tools:
+            from agent.tools import check_sources
+
+            if self.format != "tool_calls":
+                raise ConfigError("rollout.tools needs rollout.format=tool_calls (tools are declared through the chat template)")
+            if self.agent:
+                raise ConfigError("rollout.tools is the built-in agent's; an external agent (rollout.agent) brings its own tools")
+            check_sources(self.tools)
         if self.agent_reward:
             from agent.external import load_agent
 
@@ -221,6 +238,9 @@ class Trajectory:
     obs_truncations: int = 0
     error: str | None = None
     search_errors: list[str] = field(default_factory=list)  # why each failed search failed
+    tool_calls: dict[str, int] = field(default_factory=dict)  # rollout.tools: MCP tool calls by tool name
+    tool_failures: int = 0  # MCP tool calls that failed, hung, or answered more than rollout.max_tool_output_chars
+    tool_errors: list[str] = field(default_factory=list)  # "tool: why" of each failed MCP tool call
     response_text: str = ""
     model_text: str = ""
     timings: dict[str, float] = field(default_factory=lambda: {"generation_s": 0.0, "retrieval_s": 0.0})
@@ -341,7 +361,13 @@ class _Loop:
         self.task: Task = get_task(config.task)
         self.tok = engine.tokenizer
         # rollout.format=tool_calls: prompts, turn reading and tool messages come from the chat template.
-        self.fmt = ToolCallFormat(self.tok, config) if self.task.searches and config.format == "tool_calls" else None
+        self.tools = None
+        if config.tools and self.task.searches and config.format == "tool_calls":
+            from agent.tools import open_toolbox
+
+            self.tools = open_toolbox(config.tools, timeout_s=config.tool_timeout_s, max_output_chars=config.max_tool_output_chars)
+        self.fmt = ToolCallFormat(self.tok, config, self.tools) if self.task.searches and config.format == "tool_calls" else None
+        self.tool_results: dict[str, list] = {}  # uid -> the MCP results of its turn's calls, until the observation
         self.ctx_limit = config.max_context_tokens or engine.info.max_model_len
         if config.max_prompt_tokens >= self.ctx_limit:
             log.warning(
@@ -429,7 +455,32 @@ class _Loop:
         t.append_observation(ids, kind)
         t.obs_truncations += int(truncated)
 
-    # --- retrieval
+    # --- retrieval and tools
+    def execute(self, searches: list[tuple[Trajectory, Any]]) -> tuple[list[list[dict]] | None, str | None]:
+        """One round's tool work: the MCP calls of every turn (concurrently, on the toolbox's loop, kept in
+        ``tool_results`` for :meth:`on_search_result`) while the built-in searches go to the retriever in one batch."""
+        calls = [(t, c) for t, a in searches for c in getattr(a, "calls", ()) if self.tools is not None and self.tools.offers(c.name)]
+        pending = None
+        if calls:
+            import asyncio
+
+            pending = asyncio.run_coroutine_threadsafe(self.tools._call_all([(c.name, c.arguments) for _, c in calls]), self.tools._loop)
+        queries = [q for _, a in searches for q in _queries(a)]
+        hits, error = self.retrieve(queries) if queries else ([], None)
+        if pending is not None:
+            from concurrent.futures import TimeoutError as FutureTimeout
+
+            from agent.tools import ToolResult
+
+            try:
+                results = pending.result(self.tools.timeout_s + 5.0)
+            except FutureTimeout:
+                pending.cancel()
+                results = [ToolResult(f"Error: the tool {c.name} did not answer within {self.tools.timeout_s:g} s.", "timeout") for _, c in calls]
+            for (t, _), r in zip(calls, results):
+                self.tool_results.setdefault(t.uid, []).append(r)
+        return hits, error
+
     def retrieve(self, queries: list[str]) -> tuple[list[list[dict]] | None, str | None]:
         """One batched retrieval; (hits per query, None) or (None, error message)."""
         try:
@@ -441,10 +492,24 @@ class _Loop:
             log.warning("retrieval of %d queries failed: %s: %s", len(queries), type(e).__name__, e)
             return None, f"{type(e).__name__}: {e}"
 
-    def on_search_result(self, t: Trajectory, queries: tuple[str, ...], hits: list[list[dict]] | None,
+    def on_search_result(self, t: Trajectory, action: Any, hits: list[list[dict]] | None,
                          error: str | None) -> None:
         """Record the turn's searches (``hits``: one list per query, None when the retrieval failed) and append
-        the observation: one ``<information>`` block (tags), or one tool message per call (tool_calls)."""
+        the observation: one ``<information>`` block (tags), or one tool message per call (tool_calls; the
+        MCP calls' results are in ``tool_results``)."""
+        queries = _queries(action)
+        mcp_results = self.tool_results.pop(t.uid, [])
+        for call, r in zip([c for c in getattr(action, "calls", ()) if self.tools is not None and self.tools.offers(c.name)], mcp_results):
+            t.tool_calls[call.name] = t.tool_calls.get(call.name, 0) + 1
+            if r.error is not None:
+                t.tool_failures += 1
+                t.tool_errors.append(f"{call.name}: {r.error}")
+        if not queries:  # MCP calls only
+            messages = self.fmt.results_messages(None, 0, "", calls=getattr(action, "calls", ()), tool_results=mcp_results)
+            ids, truncated = self.fmt.after_turn_ids(t.response_ids[-1] if t.response_ids else None, messages,
+                                                     self.cfg.max_obs_tokens)
+            self.add_observation(t, ids, "tool", truncated)
+            return
         t.num_searches += len(queries)
         t.queries.extend(queries)
         if hits is None:
@@ -456,7 +521,8 @@ class _Loop:
             t.retrieved_ids.extend([str(h.get("id", "")) for h in hs] for hs in hits)
             kind = "information"
         if self.fmt is not None:
-            messages = self.fmt.results_messages(hits, len(queries), self.cfg.search_failure_message)
+            messages = self.fmt.results_messages(hits, len(queries), self.cfg.search_failure_message,
+                                                 calls=getattr(action, "calls", ()), tool_results=mcp_results)
             ids, truncated = self.fmt.after_turn_ids(t.response_ids[-1] if t.response_ids else None, messages,
                                                      self.cfg.max_obs_tokens)
         else:
@@ -557,7 +623,7 @@ def run_rollouts_with_stats(
 
         cfg = replace(cfg, task=get_task(task).rollout_name)
     cfg.validate()
-    if get_task(cfg.task).searches:
+    if get_task(cfg.task).searches and (not cfg.tools or "search" in cfg.tools):
         if retriever is None:
             raise ValueError("the search task needs a retriever")
         if inspect.iscoroutinefunction(getattr(retriever, "retrieve", None)):
@@ -587,15 +653,21 @@ def run_rollouts_with_stats(
     return trajs, loop.stats
 
 
-def _per_search(searches: list[tuple[Trajectory, tuple[str, ...]]],
+def _queries(action: Any) -> tuple[str, ...]:
+    """The built-in searches of a turn: an :class:`Action`'s ``queries`` (a bare tuple of queries is taken as is)."""
+    return action if isinstance(action, tuple) else action.queries
+
+
+def _per_search(searches: list[tuple[Trajectory, Any]],
                 hits: list[list[dict]] | None) -> list[list[list[dict]] | None]:
-    """Each search's share of one batched retrieval (its queries' hit lists, in order; None when it failed)."""
+    """Each turn's share of one batched retrieval (its queries' hit lists, in order; None when it failed)."""
     if hits is None:
         return [None] * len(searches)
     out, at = [], 0
-    for _, qs in searches:
-        out.append(hits[at : at + len(qs)])
-        at += len(qs)
+    for _, action in searches:
+        n = len(_queries(action))
+        out.append(hits[at : at + n])
+        at += n
     return out
 
 
@@ -631,20 +703,20 @@ def _drive_batched(loop: _Loop, trajs: list[Trajectory]) -> None:
                     raise out
                 action = loop.on_generation(t, out, budget)
                 if action is not None:
-                    searches.append((t, action.queries))
+                    searches.append((t, action))
             except Exception as e:
                 _Loop.fail(t, e)
         if not searches:
             continue
         t0 = time.perf_counter()
-        hits, error = loop.retrieve([q for _, qs in searches for q in qs])
+        hits, error = loop.execute(searches)
         dt = time.perf_counter() - t0
         loop.stats.retrieval_wait_s += dt
         loop.stats.retrieval_calls += 1
-        for (t, qs), own_hits in zip(searches, _per_search(searches, hits)):
+        for (t, action), own_hits in zip(searches, _per_search(searches, hits)):
             t.timings["retrieval_s"] += dt
             try:
-                loop.on_search_result(t, qs, own_hits, error)
+                loop.on_search_result(t, action, own_hits, error)
             except Exception as e:
                 _Loop.fail(t, e)
     for t in trajs:  # only reachable if every round left someone active (cannot happen for search)
@@ -698,13 +770,13 @@ def _drive_async(loop: _Loop, trajs: list[Trajectory]) -> None:
                     try:
                         action = loop.on_generation(t, out, budgets.pop(rid))
                         if action is not None:
-                            searches.append((t, action.queries))
+                            searches.append((t, action))
                         elif not t.done:
                             submit(t)  # invalid action: the corrective message is in, go again
                     except Exception as e:
                         _Loop.fail(t, e)
                 if searches:
-                    pending[pool.submit(loop.retrieve, [q for _, qs in searches for q in qs])] = (searches, time.perf_counter())
+                    pending[pool.submit(loop.execute, searches)] = (searches, time.perf_counter())
                     loop.stats.retrieval_calls += 1
                 ready = [f for f in pending if f.done()]
             else:
@@ -717,10 +789,10 @@ def _drive_async(loop: _Loop, trajs: list[Trajectory]) -> None:
                 batch, sent = pending.pop(fut)
                 hits, error = fut.result()
                 dt = time.perf_counter() - sent
-                for (t, qs), own_hits in zip(batch, _per_search(batch, hits)):
+                for (t, action), own_hits in zip(batch, _per_search(batch, hits)):
                     t.timings["retrieval_s"] += dt
                     try:
-                        loop.on_search_result(t, qs, own_hits, error)
+                        loop.on_search_result(t, action, own_hits, error)
                         if not t.done:
                             submit(t)
                     except Exception as e:
@@ -744,6 +816,12 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/mean_model_tokens": sum(t.num_model_tokens for t in trajs) / n,
         "rollout/obs_truncations": float(sum(t.obs_truncations for t in trajs)),
     }
+    tool_calls: Counter = Counter()
+    for t in trajs:
+        tool_calls.update(t.tool_calls)
+    if tool_calls:  # rollout.tools: MCP tool calls by tool, and failures
+        out["rollout/tool_failures"] = float(sum(t.tool_failures for t in trajs))
+        out.update({f"rollout/tool_calls/{name}": float(n) for name, n in sorted(tool_calls.items())})
     for reason in ("answer", "max_turns", "length", "context", "error"):
         out[f"rollout/stop_{reason}"] = reasons.get(reason, 0) / n
     return out

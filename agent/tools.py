@@ -1,0 +1,253 @@
+"""Tool sources of the agent (``rollout.tools``): the built-in search, and MCP servers (docs/mcp.md).
+
+A source is one string:
+
+* ``search`` -- the built-in search tool (:data:`agent.formats.SEARCH_TOOL`), answered by the rollout's retriever
+  (batched with every other search of the round, as without ``rollout.tools``);
+* ``http://HOST:PORT/mcp`` (or ``https://``) -- an MCP server over streamable HTTP, e.g. ``emapg serve --mcp``;
+* ``stdio:COMMAND ARGS`` -- an MCP server launched as a subprocess, spoken to over its stdin/stdout.
+
+Every tool an MCP server lists (``list_tools``) is offered to the model as an OpenAI-style function schema (its name,
+description and input schema), through the chat template's ``tools=`` (``rollout.format=tool_calls``). Two sources may
+not offer the same name.
+
+A call is dispatched with a deadline (``rollout.tool_timeout_s``) and a size limit (``rollout.max_tool_output_chars``).
+Whatever goes wrong -- the server errors, answers ``isError``, hangs past the deadline, answers more than the limit,
+has gone away -- the model gets a message that says so as the tool's result, the trajectory counts it
+(``Trajectory.tool_failures``, ``tool_errors``), and the batch goes on. An oversized output is cut at the limit, with
+a note, and counted as a failure.
+
+The MCP clients live on one event loop in a daemon thread per :class:`ToolBox`; the rollout drivers (threads) hand it
+calls with :meth:`ToolBox.call_many`, which runs them concurrently and waits at most the deadline (plus a second).
+A toolbox is opened once per process and set of sources (:func:`open_toolbox`) and closed at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import logging
+import shlex
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from emapg.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BUILTIN_SEARCH", "ToolResult", "ToolBox", "open_toolbox", "check_sources", "close_toolboxes"]
+
+BUILTIN_SEARCH = "search"
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One call's answer: ``text`` (what the model reads) and ``error`` (None when the call succeeded)."""
+
+    text: str
+    error: str | None = None
+
+
+def check_sources(sources: list[str]) -> None:
+    """ConfigError naming the entry when a source is none of the three forms (module docstring)."""
+    seen = set()
+    for s in sources:
+        if s in seen:
+            raise ConfigError(f"rollout.tools lists {s!r} twice")
+        seen.add(s)
+        if s == BUILTIN_SEARCH or s.startswith(("http://", "https://")):
+            continue
+        if s.startswith("stdio:"):
+            if not shlex.split(s[len("stdio:"):]):
+                raise ConfigError(f"rollout.tools: {s!r} names no command (stdio:COMMAND ARGS)")
+            continue
+        raise ConfigError(f"rollout.tools: {s!r} is not a tool source; use 'search' (the built-in search), an MCP server's "
+                          f"URL (http://HOST:PORT/mcp) or 'stdio:COMMAND ARGS' (an MCP server over stdio)")
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The first leaf of an exception group (the SDK's task groups wrap the cause)."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e
+
+
+def _schema(tool: Any) -> dict:
+    params = dict(tool.input_schema or {"type": "object", "properties": {}})
+    params.setdefault("type", "object")
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description or "", "parameters": params}}
+
+
+def _result_text(result: Any) -> str:
+    parts = []
+    for block in result.content or []:
+        text = getattr(block, "text", None)
+        parts.append(text if text is not None else json.dumps(block.model_dump(mode="json", exclude_none=True)))
+    if not parts and result.structured_content is not None:
+        parts.append(json.dumps(result.structured_content, ensure_ascii=False))
+    return "\n".join(parts)
+
+
+class ToolBox:
+    """The MCP servers of ``sources`` (the built-in ``search`` is the rollout's), connected; see the module docstring."""
+
+    def __init__(self, sources: list[str], *, timeout_s: float, max_output_chars: int, connect_timeout_s: float = 60.0) -> None:
+        check_sources(sources)
+        self.sources = list(sources)
+        self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
+        self.builtin_search = BUILTIN_SEARCH in sources
+        self.schemas: list[dict] = []
+        self._owner: dict[str, Any] = {}  # tool name -> client
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="emapg-mcp-tools", daemon=True)
+        self._thread.start()
+        self._closing: asyncio.Event | None = None
+        self._holder: asyncio.Future | None = None
+        ready: asyncio.Future = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
+        try:
+            ready.result(connect_timeout_s)
+        except FutureTimeout:
+            self.close()
+            raise ConfigError(f"rollout.tools: the MCP servers did not answer within {connect_timeout_s:.0f} s") from None
+        except Exception as e:
+            self.close()
+            raise ConfigError(f"rollout.tools: {_cause(e)}") from None
+
+    # --- the event loop's side
+    async def _open(self) -> None:
+        started: asyncio.Future = self._loop.create_future()
+        self._closing = asyncio.Event()
+        self._holder = asyncio.ensure_future(self._hold(started))
+        await started
+
+    async def _hold(self, started: asyncio.Future) -> None:
+        """Enter every client in one task (their contexts must be left by the task that entered them), list the
+        tools, then wait for :meth:`close`."""
+        from contextlib import AsyncExitStack
+
+        from mcp import Client, StdioServerParameters
+
+        from agent.formats import SEARCH_TOOL
+
+        try:
+            async with AsyncExitStack() as stack:
+                names: dict[str, str] = {}
+                if self.builtin_search:
+                    self.schemas.append(SEARCH_TOOL)
+                    names[BUILTIN_SEARCH] = "the built-in search"
+                for source in self.sources:
+                    if source == BUILTIN_SEARCH:
+                        continue
+                    if source.startswith("stdio:"):
+                        command, *args = shlex.split(source[len("stdio:"):])
+                        server: Any = StdioServerParameters(command=command, args=args)
+                    else:
+                        server = source
+                    try:
+                        client = await stack.enter_async_context(Client(server))
+                        tools = (await client.list_tools()).tools
+                    except Exception as e:  # noqa: BLE001 - said once, with the source
+                        e = _cause(e)
+                        raise RuntimeError(f"cannot reach the MCP server {source!r}: {type(e).__name__}: {e}") from None
+                    for tool in tools:
+                        if tool.name in names:
+                            raise RuntimeError(f"the tool {tool.name!r} of {source!r} is also offered by {names[tool.name]}")
+                        names[tool.name] = repr(source)
+                        self._owner[tool.name] = client
+                        self.schemas.append(_schema(tool))
+                started.set_result(None)
+                await self._closing.wait()
+        except BaseException as e:
+            if not started.done():
+                started.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            elif not isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                log.warning("closing the MCP tool clients: %s: %s", type(e).__name__, e)
+
+    async def _call(self, name: str, arguments: dict) -> ToolResult:
+        client = self._owner.get(name)
+        if client is None:
+            return ToolResult(f"Error: unknown tool {name!r}; the tools are {', '.join(self.names())}.", "unknown tool")
+        try:
+            result = await asyncio.wait_for(client.call_tool(name, arguments), self.timeout_s)
+        except asyncio.TimeoutError:
+            return ToolResult(f"Error: the tool {name} did not answer within {self.timeout_s:g} s.", "timeout")
+        except Exception as e:  # noqa: BLE001 - the server's or the transport's: the model is told, the batch goes on
+            return ToolResult(f"Error: the tool {name} failed: {type(e).__name__}: {e}"[:1000], f"{type(e).__name__}")
+        text = _result_text(result).strip()
+        reason = "tool error" if result.is_error else None
+        if result.is_error and not text.startswith("Error"):
+            text = f"Error: {text}"
+        if len(text) > self.max_output_chars:
+            text = f"{text[: self.max_output_chars]}\n[output cut: {len(text)} characters, the limit is {self.max_output_chars}]"
+            reason = reason or "oversized"
+        return ToolResult(text, reason)
+
+    async def _call_all(self, calls: list[tuple[str, dict]]) -> list[ToolResult]:
+        return list(await asyncio.gather(*(self._call(name, args) for name, args in calls)))
+
+    # --- the drivers' side
+    def names(self) -> list[str]:
+        return [s["function"]["name"] for s in self.schemas]
+
+    def offers(self, name: str) -> bool:
+        return name in self._owner
+
+    def call_many(self, calls: list[tuple[str, dict]]) -> list[ToolResult]:
+        """Run MCP tool calls ``(name, arguments)`` concurrently; one :class:`ToolResult` each, in order, within the
+        deadline (a call still running then is answered as timed out)."""
+        if not calls:
+            return []
+        fut = asyncio.run_coroutine_threadsafe(self._call_all(calls), self._loop)
+        try:
+            return fut.result(self.timeout_s + 5.0)
+        except FutureTimeout:
+            fut.cancel()
+            return [ToolResult(f"Error: the tool {n} did not answer within {self.timeout_s:g} s.", "timeout") for n, _ in calls]
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if self._closing is not None and self._holder is not None:
+            async def stop():
+                self._closing.set()
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._holder), 10)
+                except Exception:  # noqa: BLE001 - a server that will not close is left to its process group
+                    self._holder.cancel()
+
+            try:
+                asyncio.run_coroutine_threadsafe(stop(), self._loop).result(15)
+            except Exception:  # noqa: BLE001
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+_BOXES: dict[tuple, ToolBox] = {}
+_LOCK = threading.Lock()
+
+
+def open_toolbox(sources: list[str], *, timeout_s: float, max_output_chars: int) -> ToolBox:
+    """The process's :class:`ToolBox` for these sources and limits (connected once, closed at exit)."""
+    key = (tuple(sources), timeout_s, max_output_chars)
+    with _LOCK:
+        box = _BOXES.get(key)
+        if box is None:
+            box = _BOXES[key] = ToolBox(sources, timeout_s=timeout_s, max_output_chars=max_output_chars)
+        return box
+
+
+def close_toolboxes() -> None:
+    with _LOCK:
+        boxes = list(_BOXES.values())
+        _BOXES.clear()
+    for box in boxes:
+        box.close()
+
+
+atexit.register(close_toolboxes)

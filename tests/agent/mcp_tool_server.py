@@ -1,0 +1,34 @@
+"""A stdio MCP server for tests/agent/test_mcp_tools.py: a ``search`` tool (what the scripted tool caller calls) that
+behaves as argv[1] says -- ``ok`` (a passage), ``hang`` (never answers), ``big`` (100,000 characters), ``fail``
+(raises) -- and a second tool, ``lookup``. Run as ``python mcp_tool_server.py MODE``."""
+
+import asyncio
+import sys
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "ok"
+server = MCPServer("emapg-test-tools", log_level="ERROR")
+
+
+@server.tool()
+async def search(query: str) -> str:
+    """Search a tiny corpus."""
+    if MODE == "hang":
+        await asyncio.sleep(3600)
+    if MODE == "big":
+        return "x" * 100_000
+    if MODE == "fail":
+        raise ToolError("the index is on fire")
+    return f'Doc 1(Title: "Paris") Paris is the capital of France. (query: {query})'
+
+
+@server.tool()
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return key.upper()
+
+
+if __name__ == "__main__":
+    server.run("stdio")
