@@ -21,12 +21,12 @@ resumes (the builder's chunks are atomic).
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from emapg.console import echo
 from emapg.cpu import cpu_has_bf16
 from emapg.paths import BUNDLED_CORPUS, BUNDLED_VECTORS, cache_dir
 
@@ -117,7 +117,7 @@ def ensure_bundled_index(limit: int | None = None, *, dtype: str | None = None,
     from retriever.index_builder import build_index
     from retriever.index_files import META_FILE
 
-    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    say = log or echo  # our line: on the console, also while library output goes to the run's log
     want = bundled_index(limit, dtype=dtype)
     overwrite = False
     if (want.path / META_FILE).is_file():
