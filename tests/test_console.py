@@ -103,6 +103,44 @@ def test_train_console_has_the_progress_and_the_log_has_the_library_output(tmp_p
         assert marker in log, marker
 
 
+def test_sft_console_has_its_lines_and_the_log_has_the_library_output(tmp_path, tiny_model_dir):
+    import json
+
+    import yaml
+
+    from agent.actions import format_passages
+
+    rows = []
+    for i in range(8):
+        passages = format_passages([{"contents": f'"Doc {i}"\nquestion {i}? The answer is a{i}.'}])
+        rows.append({"question": f"question {i}?", "response": f"<search> question {i} </search>\n\n<information>"
+                     f"{passages}</information>\n\n<answer> a{i} </answer>"})
+    data = tmp_path / "trajs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"output_dir": str(run), "device": "cpu"}, "model": {"policy": str(tiny_model_dir)},
+        "data": {"source": "file", "path": str(data), "exclude_eval_questions": False, "heldout_fraction": 0.25},
+        "rollout": {"max_turns": 2, "max_tokens_per_turn": 96, "max_obs_tokens": 400, "max_response_tokens": 800,
+                    "max_prompt_tokens": 512},
+        "optim": {"epochs": 1, "batch_size": 2}}))
+    code = textwrap.dedent("""
+        import trainer.sft.train
+        trainer.sft.train.run_sft = noisy(trainer.sft.train.run_sft)
+        from app.cli import main
+        sys.exit(main(["sft", *sys.argv[1:]]))
+    """)
+    p = _run(code, "--config", config)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("held-out SFT loss") and f"policy folder: {run / 'policy'}" in p.stdout
+    assert "sft 3/3 steps" in p.stderr and "trainer.sft.train: held-out SFT loss before" in p.stderr  # our logger
+    assert _library_lines(p.stdout + p.stderr) == []
+    log = (run / "sft.log").read_text()
+    for marker in MARKERS:
+        assert marker in log, marker
+
+
 def test_our_loggers_reach_the_console_and_a_crash_is_in_the_log_and_on_the_console(tmp_path):
     log = tmp_path / "out" / "x.log"
     code = textwrap.dedent(f"""
