@@ -10,6 +10,9 @@ sent as the ``openai`` client does, ``Authorization: Bearer KEY``):
   model's own syntax by ``--tool-parser`` (agent/toolcall_parsers.py); a turn whose calls do not parse is
   returned as plain content, as vLLM does.
 * ``POST /v1/completions``: ``prompt`` (text, or token ids), the same sampling fields, ``logprobs: 0``.
+* ``POST /v1/responses``: the Responses API (``input`` items, flat function ``tools``, ``function_call_output``,
+  ``previous_response_id``, ``max_output_tokens``), translated to and served as a chat turn, recorded the same way
+  (agent/engines/responses_api.py).
 * ``GET /v1/models``; ``GET /v1/sessions/{id}`` (the recorded calls and their assembled trajectories,
   agent/recorded_sessions.py) and ``DELETE /v1/sessions/{id}`` (the same, then forgotten).
 
@@ -361,6 +364,39 @@ class ChatCompletionBody(_Sampling):
     top_logprobs: Literal[0] | None = None
 
 
+class InputItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["message", "function_call", "function_call_output"] | None = None
+
+
+class ResponseTool(_Strict):
+    type: Literal["function"]
+    name: Name
+    description: Text | None = None
+    parameters: dict | None = Field(None, description="a JSON schema (at most 64 levels deep)")
+    strict: bool | None = None
+
+
+class ResponsesBody(_Strict):
+    """``POST /v1/responses`` (documentation; agent/engines/responses_api.py checks the body at least as strictly)."""
+
+    model: Annotated[str, Field(max_length=1024)] | None = None
+    input: Annotated[str, Field(max_length=MAX_TEXT)] | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: Text | None = None
+    tools: Annotated[list[ResponseTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: Name | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0: greedy; else at least 1e-5")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32, description="-1: off (extension)")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="extension")
+    user: Annotated[str, Field(pattern=r"^[\x21-\x7e]{1,256}$")] | None = Field(None, description="the session id (or X-Session-Id)")
+    store: bool | None = None
+    stream: Literal[False] | None = None
+
+
 class CompletionBody(_Sampling):
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | \
         Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]], Field(min_length=1, max_length=1)]
@@ -499,27 +535,11 @@ def add_openai_routes(app: FastAPI, *, options: OpenAIOptions, endpoint: Callabl
         return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
                 "total_tokens": len(prompt_ids) + len(out.token_ids)}
 
-    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
-    @endpoint
-    async def chat_completions(request: Request):
-        """OpenAI chat completions (see the module docstring); a call with a session id is recorded."""
-        engine = ready_engine()
-        body = await json_body(request, CHAT_FIELDS, ("messages",))
-        # Everything cheap first (fields, types, sizes), then admission, then the work (templating, sampling).
-        _unsupported(body)
-        _only(body, "top_logprobs", (0,), "> 0 is not supported: the sampled tokens' log-probs come with logprobs true")
-        want_logprobs = False if body.get("logprobs") is None else as_bool(body["logprobs"], "'logprobs'")
-        if body.get("parallel_tool_calls") is not None:
-            as_bool(body["parallel_tool_calls"], "'parallel_tool_calls'")
-        choice = body.get("tool_choice", "auto")
-        if choice not in ("auto", "none", None):
-            raise HTTPError(422, f"'tool_choice' must be \"auto\" or \"none\" (forced calls are not supported), got {show(choice)}")
-        params = sampling_params(body, 1)
-        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = None if body.get(field) is None else as_int(body[field], f"'{field}'", 1, MAX_INT32)
-        sid = parse_session_id(request, body)
-        messages = parse_messages(body["messages"], options.max_messages)
-        tools = parse_tools(body["tools"]) if body.get("tools") else []
+    async def chat_call(engine, sid: str | None, messages: list[dict], tools: list[dict], choice: Any,
+                        params: SamplingParams, max_tokens: int | None) -> tuple[list[int], Any, dict, str]:
+        """One chat turn, recorded when ``sid`` is given (after the fields were checked): the character bound,
+        admission, templating (in the workers when large), the budget, the byte reservation, sampling, the reply
+        read by the tool parser. Returns (prompt ids, the engine's output, the reply message, the finish reason)."""
         chars = _size(messages) + _size(tools)
         limit = limits_of(engine)[1]
         check_chars(chars, limit, "the messages and tools hold")
@@ -547,6 +567,31 @@ def add_openai_routes(app: FastAPI, *, options: OpenAIOptions, endpoint: Callabl
         finally:
             if admission is not None:
                 admission.release()
+        return prompt_ids, out, reply, finish
+
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionBody))
+    @endpoint
+    async def chat_completions(request: Request):
+        """OpenAI chat completions (see the module docstring); a call with a session id is recorded."""
+        engine = ready_engine()
+        body = await json_body(request, CHAT_FIELDS, ("messages",))
+        # Everything cheap first (fields, types, sizes), then admission, then the work (templating, sampling).
+        _unsupported(body)
+        _only(body, "top_logprobs", (0,), "> 0 is not supported: the sampled tokens' log-probs come with logprobs true")
+        want_logprobs = False if body.get("logprobs") is None else as_bool(body["logprobs"], "'logprobs'")
+        if body.get("parallel_tool_calls") is not None:
+            as_bool(body["parallel_tool_calls"], "'parallel_tool_calls'")
+        choice = body.get("tool_choice", "auto")
+        if choice not in ("auto", "none", None):
+            raise HTTPError(422, f"'tool_choice' must be \"auto\" or \"none\" (forced calls are not supported), got {show(choice)}")
+        params = sampling_params(body, 1)
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = None if body.get(field) is None else as_int(body[field], f"'{field}'", 1, MAX_INT32)
+        sid = parse_session_id(request, body)
+        messages = parse_messages(body["messages"], options.max_messages)
+        tools = parse_tools(body["tools"]) if body.get("tools") else []
+        prompt_ids, out, reply, finish = await chat_call(engine, sid, messages, tools, choice, params, max_tokens)
+        tok = engine.tokenizer
         message = {"role": "assistant", "content": reply["content"] or None}
         if "tool_calls" in reply:
             message["tool_calls"] = [dict(c, function={"name": c["function"]["name"],
@@ -604,6 +649,64 @@ def add_openai_routes(app: FastAPI, *, options: OpenAIOptions, endpoint: Callabl
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": [{"index": 0, "text": text, "finish_reason": out.finish_reason, "logprobs": logprobs}],
                 "usage": usage(prompt_ids, out)}
+
+    from agent.engines.responses_api import (RESPONSES_FIELDS, ResponseStore, check_unsupported, output_items, parse_input,
+                                             parse_response_tools)  # fmt: skip
+
+    responses = ResponseStore(max_items=4 * options.max_sessions, max_bytes=max(options.session_memory_bytes // 4, 1 << 20))
+    app.state.responses = responses
+
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesBody))
+    @endpoint
+    async def create_response(request: Request):
+        """The OpenAI Responses API (agent/engines/responses_api.py): one chat turn, recorded like
+        /v1/chat/completions when the call has a session id; ``previous_response_id`` continues a stored response."""
+        engine = ready_engine()
+        body = await json_body(request, RESPONSES_FIELDS, ("input",))
+        check_unsupported(body)
+        if body.get("model") is not None:
+            as_text(body["model"], "'model'", max_chars=1024, nonempty=False)
+        choice = body.get("tool_choice", "auto")
+        if choice not in ("auto", "none", None):
+            raise HTTPError(422, f"'tool_choice' must be \"auto\" or \"none\" (forced calls are not supported), got {show(choice)}")
+        if body.get("parallel_tool_calls") is not None:
+            as_bool(body["parallel_tool_calls"], "'parallel_tool_calls'")
+        keep = True if body.get("store") is None else as_bool(body["store"], "'store'")
+        params = sampling_params(body, 1)
+        max_tokens = None if body.get("max_output_tokens") is None else as_int(body["max_output_tokens"], "'max_output_tokens'", 1, MAX_INT32)
+        sid = parse_session_id(request, body)
+        previous = None
+        if body.get("previous_response_id") is not None:
+            previous = as_text(body["previous_response_id"], "'previous_response_id'", max_chars=MAX_NAME)
+        new = parse_messages(parse_input(body, max_messages=options.max_messages, max_chars=MAX_TEXT, max_parts=MAX_PARTS),
+                             options.max_messages)  # fmt: skip
+        messages = new
+        if previous is not None:
+            before, reply_before = responses.get(previous)
+            if new and new[0]["role"] == "system" and before and before[0]["role"] == "system" and body.get("instructions") is not None:
+                before = [new[0], *before[1:]]  # this request's instructions replace the earlier ones
+                new = new[1:]
+            messages = [*before, reply_before, *new]
+            if len(messages) > options.max_messages:
+                raise HTTPError(413, f"the conversation has {len(messages)} messages, more than the limit of {options.max_messages}")
+        tools = parse_tools(parse_response_tools(body["tools"], MAX_TOOLS)) if body.get("tools") else []
+        prompt_ids, out, reply, finish = await chat_call(engine, sid, messages, tools, choice, params, max_tokens)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        if keep:
+            responses.put(response_id, messages, reply)
+        complete = out.finish_reason == "stop"
+        return {"id": response_id, "object": "response", "created_at": int(time.time()), "model": model_name,
+                "status": "completed" if complete else "incomplete",
+                "incomplete_details": None if complete else {"reason": "max_output_tokens"}, "error": None,
+                "instructions": body.get("instructions"), "previous_response_id": previous,
+                "output": output_items(reply, lambda prefix: f"{prefix}_{uuid.uuid4().hex[:24]}"),
+                "tools": [dict({"type": "function"}, **t["function"]) for t in tools], "tool_choice": choice or "auto",
+                "parallel_tool_calls": body.get("parallel_tool_calls", True), "temperature": params.temperature,
+                "top_p": params.top_p, "max_output_tokens": max_tokens, "store": keep, "metadata": body.get("metadata") or {},
+                "text": {"format": {"type": "text"}}, "truncation": "disabled", "user": body.get("user"),
+                "usage": {"input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": len(prompt_ids) + len(out.token_ids)}}
 
     @app.get("/v1/models")
     @endpoint

@@ -361,7 +361,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         cause (``connection_closes``: header_timeout, idle_timeout, idle_cap, oversized_headers, body_timeout)."""
         return {"requests": dict(requests), "errors": dict(errors), **dict(loop_.counters), "in_flight": loop_.in_flight,
                 "weights_version": weights.version, "staged_bytes": weights.staging.nbytes,
-                "sessions": app.state.sessions.stats(), "prep": prep.stats(), "connection_closes": CLOSES.counts()}  # fmt: skip
+                "sessions": app.state.sessions.stats(), "responses": app.state.responses.stats(), "prep": prep.stats(), "connection_closes": CLOSES.counts()}  # fmt: skip
 
     return app
 
