@@ -46,11 +46,19 @@ Targets (from issue #41): EMA-PG end − start on the reader slice's mean@4 EM >
 zero and every seed's point estimate above zero; the control's interval contains zero; trajectories per minute
 >= 2x the 2026-12-04 demo's 16 per 60-s step. Whatever comes out is committed and reported.
 
+Cost and resumption. Measured before the run: the starter's greedy pass over the 700 held-out questions took 8.7 min
+(vLLM, fp32, 2 cores), so a reader-slice scoring (181 questions x 4 samples) costs ~8 min and a 350-question greedy
+scoring ~4 min; with ~6 min of training per run the protocol takes ~3 hours, over the 150 min the issue hoped for.
+It runs seed-major (seed 0 of every arm, then seed 1, ...) in a resumable work folder (``--work``; a finished run is
+kept, an unfinished one trained again), writing the estimates from the finished runs after each run to
+``learning_search.partial.json`` (``"complete": false``); the contract file is written only when every run of the
+protocol has finished. Nothing in the protocol changes between invocations.
+
 Outputs: ``benchmarks/results/learning_search.json`` (contract keys: per arm ``reader_sampled_em_start``,
 ``reader_sampled_em_end``, ``reader_sampled_end_minus_start_ci``, ``heldout_em_start``, ``heldout_em_end``,
 ``seeds``; ``reader_questions``, ``heldout_questions``, ``trajectories_per_min``) and ``learning_search.png``.
 
-    python benchmarks/learning_search.py            # the protocol above (~150 min on 2 cores)
+    python benchmarks/learning_search.py --work runs/learning_search   # the protocol above (~3 h on 2 cores, resumable)
     python benchmarks/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 seeds, few questions
 """
 
@@ -250,6 +258,56 @@ def train_run(alg: str, seed: int, run_dir: Path, url: str, engine_url: str, set
     return read_metrics(run_dir), time.perf_counter() - t
 
 
+def summarise(report: dict[str, Any], algos: list[str], start_a: Path, start_b: Path, start_greedy: Path,
+              greedy_end: dict[str, list[Path]], reader_end: dict[str, list[Path]], trajectories_total: float,
+              train_s_total: float, *, complete: bool) -> dict[str, Any]:
+    """The report's estimates from the finished runs (``complete``: every run of the protocol finished)."""
+    from eval.learning import miss_breakdown
+
+    report["complete"] = complete
+    algos = [alg for alg in algos if reader_end[alg]]
+    sa, sb, sg = per_question([start_a]), per_question([start_b]), per_question([start_greedy])
+    report.update({"reader_questions": len(sa), "reader_sampled_em_start_seed_a": pct(sa), "reader_sampled_em_start_seed_b": pct(sb),
+                   "starter_seed_b_minus_seed_a": difference(sa, sb), "heldout_em_start": pct(sg)})
+    for alg in algos:
+        runs = list(report["runs"][alg].values())
+        end_a, end_g = per_question(reader_end[alg]), per_question(greedy_end[alg])
+        block: dict[str, Any] = {
+            "seeds": [int(k) for k in report["runs"][alg]],
+            "reader_sampled_em_start": pct(sa), "reader_sampled_em_end": pct(end_a),
+            "reader_sampled_end_minus_start": difference(sa, end_a),
+            "reader_sampled_em_end_per_seed": [x["reader_sampled_em_end"] for x in runs],
+            "reader_sampled_end_minus_start_per_seed": [x["reader_sampled_end_minus_start"] for x in runs],
+            "heldout_em_start": pct(sg), "heldout_em_end": pct(end_g), "heldout_end_minus_start": difference(sg, end_g),
+            "heldout_em_end_per_seed": [x["heldout_em_end"] for x in runs],
+            "trajectories_per_min": statistics.mean(x["trajectories_per_min"] for x in runs),
+            "informative_frac_mean": statistics.mean(statistics.mean(x["informative_frac"]) for x in runs),
+        }
+        block["reader_sampled_end_minus_start_ci"] = [block["reader_sampled_end_minus_start"]["low"],
+                                                      block["reader_sampled_end_minus_start"]["high"]]
+        for name, metric in (("f1", "f1"), ("pass", "pass")):
+            s0, s1 = per_question([start_a], metric), per_question(reader_end[alg], metric)
+            block[f"reader_sampled_{name}_start"], block[f"reader_sampled_{name}_end"] = pct(s0), pct(s1)
+            block[f"reader_sampled_{name}_end_minus_start"] = difference(s0, s1)
+        report[alg] = block
+    if {"grpo", "emapg"} <= set(algos):
+        report["emapg_minus_grpo_reader_sampled"] = difference(per_question(reader_end["grpo"]), per_question(reader_end["emapg"]))
+        report["emapg_minus_grpo_heldout"] = difference(per_question(greedy_end["grpo"]), per_question(greedy_end["emapg"]))
+    report["trajectories_per_min"] = 60 * trajectories_total / max(train_s_total, 1e-9)
+    report["demo_2026_12_04_trajectories_per_min"] = 16.0  # 16 trajectories per 60-s step (issue #41)
+    report["misses"] = {"start": asdict(miss_breakdown(start_greedy, list(qa_sets()))),
+                        **{f"{alg}_end": [asdict(miss_breakdown(d, list(qa_sets()))) for d in greedy_end[alg]] for alg in algos}}
+    report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    return report
+
+
+def write_report(report: dict[str, Any], out: Path, *, plot_too: bool = True) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if plot_too:
+        report["plot"] = str(plot(report, out.with_suffix(".png")))
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 on a 2k-passage index, 2 steps, 2 seeds, few questions")
@@ -265,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", default=[], help="a dotted training override for every arm (repeatable)")
     p.add_argument("--out", default=str(RESULTS / "learning_search.json"))
     p.add_argument("--keep-final", action="store_true", help="keep each run's last checkpoint's policy/ folder; needs --work")
-    p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed)")
+    p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed). A rerun with "
+                   "the same --work resumes: finished runs and evaluations are kept, an unfinished run is trained again; after "
+                   "every finished run the report so far is written beside --out as <name>.partial.json")
     args = p.parse_args(argv)
     steps = args.steps or (2 if args.quick else 12)
     seeds = args.seeds or ([0, 1] if args.quick else [0, 1, 2])
@@ -284,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from agent.engines.launch import EngineServer
     from emapg.config import load_config
-    from eval.learning import miss_breakdown
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
     from tasks.datasets import load_dataset
@@ -330,9 +389,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[learning_search] starter: held-out greedy EM {pct(per_question([start_greedy])):.1f}, reader slice mean@{SAMPLES} "
               f"EM {pct(per_question([start_a])):.1f} (seed A) / {pct(per_question([start_b])):.1f} (seed B) "
               f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
-        for seed in seeds:
+        for seed in seeds:  # seed-major: an interrupted benchmark has every arm at the same number of seeds
             for alg in algos:
                 run_dir = work / f"{alg}-seed{seed}"
+                done = run_dir / "run.json"
+                if done.is_file():  # finished in an earlier invocation with this --work
+                    run = json.loads(done.read_text())
+                    report["runs"][alg][str(seed)] = run
+                    greedy_end[alg].append(run_dir / "end_greedy")
+                    reader_end[alg].append(run_dir / "end_reader_a")
+                    train_s_total += run["train_s"]
+                    trajectories_total += run["trajectories_sampled"]
+                    print(f"[learning_search] {alg} seed {seed}: kept from {done}", flush=True)
+                    continue
+                shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run is trained again from the start
                 t_run = time.perf_counter()
                 metrics, t_train = train_run(alg, seed, run_dir, url, engine.url, settings, args, steps)
                 from trainer.checkpoint import step_dir_name
@@ -347,8 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(ckpt, ignore_errors=True)
                 greedy_end[alg].append(g)
                 reader_end[alg].append(a)
-                sampled = sum(float(m.get("filter/sampled_trajectories", m.get("rollout/trajectories", r.n_samples * base_cfg.data.prompts_per_step)))
-                              for m in metrics)
+                sampled = sum(float(m.get("filter/sampled_trajectories", r.n_samples * base_cfg.data.prompts_per_step)) for m in metrics)
                 train_s_total += t_train
                 trajectories_total += sampled
                 run = {
@@ -365,49 +434,22 @@ def main(argv: list[str] | None = None) -> int:
                     "heldout_end_minus_start": difference(per_question([start_greedy]), per_question([g])),
                 }
                 report["runs"][alg][str(seed)] = run
+                done.write_text(json.dumps(run, indent=1) + "\n")
+                partial = Path(args.out).with_suffix(".partial.json")
+                write_report(summarise(dict(report), algos, start_a, start_b, start_greedy, greedy_end, reader_end,
+                                       trajectories_total, train_s_total, complete=False), partial, plot_too=False)
                 d = run["reader_sampled_end_minus_start"]
                 print(f"[learning_search] {alg} seed {seed}: reader mean@{SAMPLES} EM {pct(per_question([start_a])):.1f} -> "
                       f"{run['reader_sampled_em_end']:.1f} ({d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]), held-out greedy "
                       f"{run['heldout_em_end']:.1f}; {run['trajectories_per_min']:.1f} trajectories/min "
                       f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
 
-    sa, sb, sg = per_question([start_a]), per_question([start_b]), per_question([start_greedy])
-    report.update({"reader_questions": len(sa), "reader_sampled_em_start_seed_a": pct(sa), "reader_sampled_em_start_seed_b": pct(sb),
-                   "starter_seed_b_minus_seed_a": difference(sa, sb), "heldout_em_start": pct(sg)})
-    for alg in algos:
-        runs = list(report["runs"][alg].values())
-        end_a, end_g = per_question(reader_end[alg]), per_question(greedy_end[alg])
-        block: dict[str, Any] = {
-            "seeds": seeds,
-            "reader_sampled_em_start": pct(sa), "reader_sampled_em_end": pct(end_a),
-            "reader_sampled_end_minus_start": difference(sa, end_a),
-            "reader_sampled_em_end_per_seed": [x["reader_sampled_em_end"] for x in runs],
-            "reader_sampled_end_minus_start_per_seed": [x["reader_sampled_end_minus_start"] for x in runs],
-            "heldout_em_start": pct(sg), "heldout_em_end": pct(end_g), "heldout_end_minus_start": difference(sg, end_g),
-            "heldout_em_end_per_seed": [x["heldout_em_end"] for x in runs],
-            "trajectories_per_min": statistics.mean(x["trajectories_per_min"] for x in runs),
-            "informative_frac_mean": statistics.mean(statistics.mean(x["informative_frac"]) for x in runs),
-        }
-        block["reader_sampled_end_minus_start_ci"] = [block["reader_sampled_end_minus_start"]["low"],
-                                                      block["reader_sampled_end_minus_start"]["high"]]
-        for name, metric in (("f1", "f1"), ("pass", "pass")):
-            s0, s1 = per_question([start_a], metric), per_question(reader_end[alg], metric)
-            block[f"reader_sampled_{name}_start"], block[f"reader_sampled_{name}_end"] = pct(s0), pct(s1)
-            block[f"reader_sampled_{name}_end_minus_start"] = difference(s0, s1)
-        report[alg] = block
-    if {"grpo", "emapg"} <= set(algos):
-        report["emapg_minus_grpo_reader_sampled"] = difference(per_question(reader_end["grpo"]), per_question(reader_end["emapg"]))
-        report["emapg_minus_grpo_heldout"] = difference(per_question(greedy_end["grpo"]), per_question(greedy_end["emapg"]))
-    report["trajectories_per_min"] = 60 * trajectories_total / max(train_s_total, 1e-9)
-    report["demo_2026_12_04_trajectories_per_min"] = 16.0  # 16 trajectories per 60-s step (issue #41)
-    report["misses"] = {"start": asdict(miss_breakdown(start_greedy, list(qa_sets()))),
-                        **{f"{alg}_end": [asdict(miss_breakdown(d, list(qa_sets()))) for d in greedy_end[alg]] for alg in algos}}
+    report = summarise(report, algos, start_a, start_b, start_greedy, greedy_end, reader_end, trajectories_total, train_s_total,
+                       complete=True)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
-    report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report["plot"] = str(plot(report, out.with_suffix(".png")))
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, out)
+    Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 
