@@ -83,6 +83,17 @@ def test_eval_console_has_the_results_and_the_log_has_the_library_output(tmp_pat
     assert log.count("===== ") == 2 and log.count("LIBCHILD err") == 2
 
 
+def test_eval_says_on_the_console_when_it_fell_back_from_vllm(tmp_path, tiny_model_dir):
+    """The reason (vLLM cannot be imported) is in the log; the console says which engine ran."""
+    out = tmp_path / "eval"
+    code = "sys.modules['vllm'] = None\nfrom app.cli import main\nsys.exit(main(['eval', *sys.argv[1:]]))"
+    p = _run(code, "--model", tiny_model_dir, "--suite", "math", "--protocol", "math_quick", "--n", 1, "--max-tokens", 8,
+             "--datasets", "aime2024", "--limit", 1, "--grader-workers", 1, "--engine", "vllm", "--no-progress", "--out", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.splitlines() == [f"emapg eval: ran on the hf engine, not vllm (see {out / 'eval.log'})"]
+    assert "vLLM is not available" in (out / "eval.log").read_text()
+
+
 def test_train_console_has_the_progress_and_the_log_has_the_library_output(tmp_path, tiny_model_dir):
     run = tmp_path / "run"
     code = textwrap.dedent("""
