@@ -133,8 +133,8 @@ class RolloutConfig:
         "template has no tool support): chatml_tools (bundled, ChatML models such as SmolLM2) or a Jinja file")
     tools: list[str] = option(
         [], help="format=tool_calls: the agent's tool sources (docs/mcp.md): 'search' (the built-in search, answered by the "
-        "retriever), an MCP server's URL (http://HOST:PORT/mcp, e.g. `emapg serve --mcp`) or 'stdio:COMMAND ARGS' (an MCP "
-        "server launched over stdio); every tool an MCP server lists is offered with its own schema. Empty: the built-in "
+        "retriever), 'calculator' (the bundled sandboxed calculator, agent/calculator.py), an MCP server's URL "
+        "(http://HOST:PORT/mcp, e.g. `emapg serve --mcp`) or 'stdio:COMMAND ARGS' (an MCP server launched over stdio); every tool an MCP server lists is offered with its own schema. Empty: the built-in "
         "search alone")
     tool_timeout_s: float = option(30.0, gt=0, help="rollout.tools: seconds an MCP tool call may take; a call past it is "
                                                     "answered to the model as timed out and counted as a tool failure")

@@ -5,7 +5,9 @@ A source is one string:
 * ``search`` -- the built-in search tool (:data:`agent.formats.SEARCH_TOOL`), answered by the rollout's retriever
   (batched with every other search of the round, as without ``rollout.tools``);
 * ``http://HOST:PORT/mcp`` (or ``https://``) -- an MCP server over streamable HTTP, e.g. ``emapg serve --mcp``;
-* ``stdio:COMMAND ARGS`` -- an MCP server launched as a subprocess, spoken to over its stdin/stdout.
+* ``stdio:COMMAND ARGS`` -- an MCP server launched as a subprocess, spoken to over its stdin/stdout;
+* ``calculator`` -- the bundled sandboxed calculator (agent/calculator.py: ``calculate(expression)``), an MCP server
+  over stdio (``python -m agent.calculator``).
 
 Every tool an MCP server lists (``list_tools``) is offered to the model as an OpenAI-style function schema (its name,
 description and input schema), through the chat template's ``tools=`` (``rollout.format=tool_calls``). Two sources may
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BUILTIN_SEARCH", "ToolResult", "ToolBox", "open_toolbox", "check_sources", "close_toolboxes"]
 
 BUILTIN_SEARCH = "search"
+CALCULATOR = "calculator"
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,14 @@ def check_sources(sources: list[str]) -> None:
         if s in seen:
             raise ConfigError(f"rollout.tools lists {s!r} twice")
         seen.add(s)
-        if s == BUILTIN_SEARCH or s.startswith(("http://", "https://")):
+        if s in (BUILTIN_SEARCH, CALCULATOR) or s.startswith(("http://", "https://")):
             continue
         if s.startswith("stdio:"):
             if not shlex.split(s[len("stdio:"):]):
                 raise ConfigError(f"rollout.tools: {s!r} names no command (stdio:COMMAND ARGS)")
             continue
-        raise ConfigError(f"rollout.tools: {s!r} is not a tool source; use 'search' (the built-in search), an MCP server's "
-                          f"URL (http://HOST:PORT/mcp) or 'stdio:COMMAND ARGS' (an MCP server over stdio)")
+        raise ConfigError(f"rollout.tools: {s!r} is not a tool source; use 'search' (the built-in search), 'calculator' (the bundled "
+                          f"calculator), an MCP server's URL (http://HOST:PORT/mcp) or 'stdio:COMMAND ARGS' (an MCP server over stdio)")
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -141,9 +144,13 @@ class ToolBox:
                 for source in self.sources:
                     if source == BUILTIN_SEARCH:
                         continue
-                    if source.startswith("stdio:"):
+                    if source == CALCULATOR:
+                        import sys
+
+                        server: Any = StdioServerParameters(command=sys.executable, args=["-m", "agent.calculator"])
+                    elif source.startswith("stdio:"):
                         command, *args = shlex.split(source[len("stdio:"):])
-                        server: Any = StdioServerParameters(command=command, args=args)
+                        server = StdioServerParameters(command=command, args=args)
                     else:
                         server = source
                     try:
