@@ -118,7 +118,8 @@ def library_output_to(path: str | os.PathLike[str], *, title: str = "", discard_
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         _console = console
-        root.setLevel(logging.INFO)
+        if root.level > logging.INFO:  # (NOTSET on the root: everything already)
+            root.setLevel(logging.INFO)
         root.addHandler(to_log)
         root.addHandler(own)
         logging.captureWarnings(True)
