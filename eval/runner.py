@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any, Literal
 
 from agent.engines import EngineKind, check_engine_urls
 from emapg.errors import UserError
+from emapg.console import echo
 from emapg.config import ConfigError, option
 from emapg.jsonl import append_jsonl
 from eval.contamination import check_contamination
@@ -189,7 +189,7 @@ def _make_engine(cfg: EvalConfig):
         path = resolve_model(cfg.model)
     except ValueError as e:
         raise UserError(f"--model {cfg.model!r}: {e}") from None
-    kind = available_kind(cfg.engine, warn=lambda text: print(f"emapg eval: {text}", file=sys.stderr))
+    kind = available_kind(cfg.engine, warn=lambda text: echo(f"emapg eval: {text}"))
     remote = None
     if kind == "remote":
         remote = RemoteOptions(tuple(cfg.engine_urls), api_key=cfg.engine_api_key,
@@ -398,7 +398,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
 
     warnings = notes(task, records)
     if warnings:
-        print(warnings.replace("**", ""), file=sys.stderr)
+        echo(warnings.replace("**", ""))  # on the console even while library output goes to the run's log
     write_run_report(results, out_dir, notes=warnings)
     return results
 
