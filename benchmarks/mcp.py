@@ -1,0 +1,171 @@
+"""MCP search vs the native ``/retrieve``, side by side on one ``emapg serve --mcp`` at c = 32.
+
+One server (the small MiniLM + FAISS Flat test index of tests/fixtures/retriever.py unless ``--index``), two routes to
+the same micro-batcher: ``POST /retrieve`` (one query per request) and ``POST /mcp`` with a JSON-RPC ``tools/call`` of
+the ``search`` tool (stateless streamable HTTP, JSON answers). Both are driven by the same lean closed-loop client
+(retriever/loadgen.py: one keep-alive connection per client, the next request as soon as the answer is in), so the
+difference is the server's cost of the MCP layer (JSON-RPC, the SDK's per-request transport and validation) and the
+larger answer (passages as text and as structured content). Rounds alternate which route goes first; the ratios are of
+the medians over the rounds. Before timing, the two routes' answers to the same questions are checked equal.
+
+Two servers, one after the other: the query cache off (``--query-cache-size 0``: every query is encoded, as in
+retriever_load.py's engine comparison; the top-level ``mcp_over_native_qps``/``_p99``), and on (the default: the
+questions repeat, so most answers skip the encoder and the protocol's own cost is most of the time;
+``mcp_over_native_qps_cached``).
+
+    python benchmarks/mcp.py            # 2 caches x 2 rounds x 2 routes x 8 s, about 1.5 minutes
+    python benchmarks/mcp.py --quick    # 1 round x 4 s each
+
+Writes ``benchmarks/results/mcp.json`` (``mcp_over_native_qps``, ``mcp_over_native_p99``, ``mcp_over_native_qps_cached``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from retriever.loadgen import LeanHTTPClient  # noqa: E402
+
+MCP_HEADERS = {"accept": "application/json, text/event-stream"}
+
+
+def native_request(query: str, topk: int) -> tuple[str, dict]:
+    return "/retrieve", {"queries": [query], "topk": topk, "return_scores": True}
+
+
+def mcp_request(query: str, topk: int) -> tuple[str, dict]:
+    return "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "search", "arguments": {"query": query, "topk": topk}}}
+
+
+async def _closed_loop(url: str, make, headers: dict, queries: list[str], concurrency: int, seconds: float, topk: int) -> dict:
+    warm, answered = 0, 0
+    all_warm = asyncio.Event()
+    window = {"start": float("inf"), "end": float("inf")}
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+
+    async def client(c: int) -> None:
+        nonlocal warm, answered
+        http = LeanHTTPClient(url, headers)
+        first, i = True, c
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= window["end"]:
+                    return
+                path, payload = make(queries[i % len(queries)], topk)
+                status, _ = await http.post(path, payload)
+                t1 = time.perf_counter()
+                i += concurrency
+                if first:
+                    first = False
+                    warm += 1
+                    if warm == concurrency:
+                        all_warm.set()
+                    continue
+                if window["start"] <= t0 and t1 <= window["end"]:
+                    latencies.append(t1 - t0)
+                    statuses[status] = statuses.get(status, 0) + 1
+                    answered += status == 200
+        finally:
+            await http.close()
+
+    tasks = [asyncio.create_task(client(c)) for c in range(concurrency)]
+    await asyncio.wait_for(all_warm.wait(), timeout=120)
+    window["start"] = time.perf_counter()
+    window["end"] = window["start"] + seconds
+    await asyncio.gather(*tasks)
+    lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
+    return {"qps": round(answered / seconds, 1), "requests": len(latencies), "p50_ms": round(float(np.percentile(lat, 50)), 1),
+            "p99_ms": round(float(np.percentile(lat, 99)), 1), "statuses": {str(k): v for k, v in sorted(statuses.items())}}
+
+
+def check_equal(url: str, queries: list[str], topk: int) -> int:
+    """The MCP search answers exactly what /retrieve answers (ids, passages, scores) for each query."""
+    import httpx
+
+    for q in queries:
+        native = httpx.post(url + "/retrieve", json={"queries": [q], "topk": topk, "return_scores": True}, timeout=30).json()["result"][0]
+        r = httpx.post(url + "/mcp", json=mcp_request(q, topk)[1], headers=MCP_HEADERS, timeout=30).json()
+        hits = r["result"]["structuredContent"]["hits"]
+        expected = [{"id": h["document"]["id"], "contents": h["document"]["contents"], "score": h["score"]} for h in native]
+        if hits != expected:
+            raise SystemExit(f"MCP and /retrieve disagree on {q!r}")
+    return len(queries)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--index", default=None, help="index directory (default: the small test index, built and cached)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--topk", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="1 round x 4 s")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "mcp.json"))
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.seconds = 1, 4.0
+
+    from retriever.launch import RetrieverServer
+    from tests.fixtures.retriever import build_small_index
+
+    small = build_small_index()
+    index = Path(args.index) if args.index else small.index_dir
+    queries = [q["question"] for q in small.questions]
+    runs, checked = {}, 0
+    for cache, cache_args in (("cache_off", ["--query-cache-size", "0"]), ("cache_on", [])):
+        rows: dict[str, list[dict]] = {"native": [], "mcp": []}
+        with RetrieverServer(index, omp_num_threads=int(os.environ.get("OMP_NUM_THREADS", "1")), topk=args.topk,
+                             extra_args=["--mcp", *cache_args]) as server:  # fmt: skip
+            checked += check_equal(server.url, queries[:20], args.topk)
+            for r in range(args.rounds):
+                order = [("native", native_request, {}), ("mcp", mcp_request, MCP_HEADERS)]
+                for name, make, headers in (order if r % 2 == 0 else order[::-1]):
+                    result = asyncio.run(_closed_loop(server.url, make, headers, queries, args.concurrency, args.seconds, args.topk))
+                    result["round"] = r
+                    rows[name].append(result)
+                    print(f"{cache} round {r} {name:6s} c={args.concurrency}: {result['qps']:7.1f} q/s  p50 {result['p50_ms']:6.1f} ms  "
+                          f"p99 {result['p99_ms']:6.1f} ms  {result['statuses']}", flush=True)
+        med = {name: {k: statistics.median(x[k] for x in rs) for k in ("qps", "p50_ms", "p99_ms")} for name, rs in rows.items()}
+        runs[cache] = {"median": med, "rounds": rows,
+                       "mcp_over_native_qps": round(med["mcp"]["qps"] / med["native"]["qps"], 3),
+                       "mcp_over_native_p99": round(med["mcp"]["p99_ms"] / med["native"]["p99_ms"], 3)}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "what": "emapg serve --mcp: the MCP search tool (JSON-RPC tools/call on /mcp, stateless, JSON) vs POST /retrieve on "
+                "the same server and index, closed loop at c=32, one query per request, same lean client; query cache off "
+                "(top-level ratios) and on (_cached)",
+        "mcp_over_native_qps": runs["cache_off"]["mcp_over_native_qps"],
+        "mcp_over_native_p99": runs["cache_off"]["mcp_over_native_p99"],
+        "mcp_over_native_qps_cached": runs["cache_on"]["mcp_over_native_qps"],
+        "mcp_over_native_p99_cached": runs["cache_on"]["mcp_over_native_p99"],
+        **runs, "answers_checked_equal": checked,
+        "setup": {"index": str(index), "rows": small.rows if args.index is None else None, "concurrency": args.concurrency,
+                  "seconds": args.seconds, "rounds": args.rounds, "topk": args.topk, "cpus": os.cpu_count(),
+                  "load_average": os.getloadavg(), "python": platform.python_version(),
+                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"MCP / native at c={args.concurrency}: q/s {report['mcp_over_native_qps']:.2f}x, p99 {report['mcp_over_native_p99']:.2f}x "
+          f"(query cache on: q/s {report['mcp_over_native_qps_cached']:.2f}x) -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
