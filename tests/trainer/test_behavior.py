@@ -271,3 +271,64 @@ def test_behavior_rows_and_config_checks():
         AlgorithmConfig(behavior_band=[1.2, 2.0]).validate()
     with pytest.raises(ConfigError, match="behavior_cap: expected a finite number >= 1, got 0.5"):  # the declared range
         from_dict(AlgorithmConfig, {"behavior_cap": 0.5})
+
+
+@pytest.mark.parametrize("level,correction", [("geometric", "mis"), ("sequence", "mis"), ("sequence", "tis")])
+def test_sequence_level_masks_and_truncation_by_enumeration(level, correction):
+    """All V² two-token sequences: geometric/sequence masking drops exactly the sequences whose ratio
+    (the geometric mean (ρ₁ρ₂)^½, or the product ρ₁ρ₂) leaves the band, sequence TIS clips the product at
+    the cap; the expected gradient is Σ_s μ(s)·w(s)·R(s)·∇log πθ(s) over what is kept; the metrics count the drops."""
+    from trainer.algo.behavior import drop_counts
+
+    g = torch.Generator().manual_seed(11)
+    n, low, high, cap = 4, 0.8, 1.25, 1.3
+    prox = torch.randn(1 + n, n, dtype=torch.float64, generator=g)
+    behav = prox + 0.5 * torch.randn(1 + n, n, dtype=torch.float64, generator=g)
+    reward = torch.randn(n, n, dtype=torch.float64, generator=g)
+    theta = prox.clone().requires_grad_(True)
+    lp_prox, lp_mu = torch.log_softmax(prox, -1), torch.log_softmax(behav, -1)
+    seqs = [(a, b) for a in range(n) for b in range(n)]
+    prox_t = torch.stack([torch.stack([lp_prox[0, a], lp_prox[1 + a, b]]) for a, b in seqs])  # (n², 2)
+    mu_t = torch.stack([torch.stack([lp_mu[0, a], lp_mu[1 + a, b]]) for a, b in seqs])
+    mask = torch.ones(n * n, 2, dtype=torch.float64)
+    bw = behavior_weights(correction, prox_t, mu_t, mask, level=level, cap=cap, band=(low, high))
+    lp = torch.log_softmax(theta, -1)
+    logp = torch.stack([torch.stack([lp[0, a], lp[1 + a, b]]) for a, b in seqs])
+    mu_seq = mu_t.sum(-1).exp()
+    got = torch.autograd.grad((mu_seq[:, None] * -(bw.weights * reward.flatten()[:, None] * logp)).sum(), theta)[0]
+    # independent: the ratio per sequence, the rule applied to it
+    rho = [math.exp(float(prox_t[i].sum() - mu_t[i].sum())) for i in range(n * n)]
+    rho = [r ** 0.5 for r in rho] if level == "geometric" else rho
+    if correction == "mis":
+        w = [r if low <= r <= high else 0.0 for r in rho]
+    else:
+        w = [min(r, cap) for r in rho]
+    lp = torch.log_softmax(theta, -1)
+    seq_logp = torch.stack([lp[0, a] + lp[1 + a, b] for a, b in seqs])
+    want = torch.autograd.grad(-(mu_seq * torch.tensor(w, dtype=torch.float64) * reward.flatten() * seq_logp).sum(), theta)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dropped = sum(1 for r in rho if not low <= r <= high) if correction == "mis" else 0
+    truncated = sum(1 for r in rho if r > cap) if correction == "tis" else 0
+    assert 0 < dropped + truncated < n * n  # the band and the cap bind on some sequences, not all
+    counts = drop_counts(bw, mask)
+    assert float(counts["behavior/sequences"]) == n * n
+    assert float(counts["behavior/masked_seqs"]) == dropped == float(counts["behavior/partly_masked_seqs"])
+    assert float(counts["behavior/truncated_seqs"]) == truncated
+    assert int(bw.masked.sum()) == 2 * dropped
+
+
+def test_token_band_masking_counts_tokens_and_sequences():
+    """IcePop-style token masking (mis, token level): each token outside the band is dropped alone; the
+    metrics count dropped tokens, sequences with a drop, and sequences dropped whole."""
+    from trainer.algo.behavior import behavior_correction, behavior_metrics
+
+    prox = torch.zeros(3, 3, dtype=torch.float64)
+    shift = torch.tensor([[0.0, 1.0, 0.0], [2.0, -2.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)  # ρ = e^−shift
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]], dtype=torch.float64)
+    term = behavior_correction(prox, {"behavior_logp": prox + shift}, mask, _alg("mis", behavior_band=[0.5, 2.0]))
+    assert term.weights.tolist() == [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    m = {k: float(v) for k, v in term.metrics.items()}
+    assert (m["behavior/masked"], m["behavior/sequences"], m["behavior/masked_seqs"], m["behavior/partly_masked_seqs"]) == (3, 3, 1, 2)
+    out = behavior_metrics(m)
+    assert out["behavior/masked_frac"] == pytest.approx(3 / 7)
+    assert out["behavior/masked_seq_frac"] == pytest.approx(1 / 3) and out["behavior/partly_masked_seq_frac"] == pytest.approx(2 / 3)

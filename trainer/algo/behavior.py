@@ -56,6 +56,7 @@ __all__ = [
     "BEHAVIOR_CORRECTIONS",
     "behavior_log_ratio",
     "behavior_weights",
+    "drop_counts",
     "kl_old_logp",
     "mismatch_stats",
     "no_correction",
@@ -156,6 +157,25 @@ def kl_old_logp(prox_logp: Tensor, weights: Tensor) -> Tensor:
     return prox_logp.detach() - torch.log(weights.clamp(min=torch.finfo(weights.dtype).tiny))
 
 
+def drop_counts(bw: BehaviorWeights, loss_mask: Tensor) -> dict[str, Tensor]:
+    """How many sequences (rows of ``(B, T)`` weights) a correction touched, as float sums.
+
+    ``behavior/sequences``: rows with a loss token; ``behavior/masked_seqs``: rows all of whose loss
+    tokens were dropped (the sequences ``sequence``/``geometric`` masking drops; at ``token`` level a
+    row whose every token left the band); ``behavior/partly_masked_seqs``: rows with at least one
+    dropped token; ``behavior/truncated_seqs``: rows with a truncated weight.
+    """
+    m = loss_mask.bool()
+    has = m.any(-1)
+    masked_n = bw.masked.sum(-1)
+    return {
+        "behavior/sequences": has.sum().to(torch.float32),
+        "behavior/masked_seqs": (has & (masked_n == m.sum(-1))).sum().to(torch.float32),
+        "behavior/partly_masked_seqs": (masked_n > 0).sum().to(torch.float32),
+        "behavior/truncated_seqs": bw.truncated.any(-1).sum().to(torch.float32),
+    }
+
+
 def mismatch_stats(prox_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:
     """Train–inference mismatch on the loss tokens of ``(B, T)`` log-probs (detached sums and a max).
 
@@ -203,7 +223,7 @@ def behavior_correction(prox_logp: Tensor, stored: Mapping[str, Tensor], loss_ma
     bw = behavior_weights(alg.behavior_correction, prox_logp, behav, loss_mask, level=alg.behavior_level,
                           cap=alg.behavior_cap, band=tuple(alg.behavior_band))
     mm = mismatch_stats(prox_logp, behav, loss_mask)
-    metrics = {
+    metrics = {**drop_counts(bw, loss_mask),
         "behavior/tokens": mm["tokens"],
         "behavior/abs_diff_sum": mm["abs_diff_sum"],
         "behavior/abs_diff_max": mm["abs_diff_max"],
@@ -227,4 +247,11 @@ def behavior_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "behavior/truncated_frac": s["behavior/truncated"] / n,
         "behavior/masked_frac": s["behavior/masked"] / n,
         "behavior/weight_mean": s["behavior/weight_sum"] / n,
+        **({} if "behavior/sequences" not in s else {
+            "behavior/masked_seq_frac": s["behavior/masked_seqs"] / max(s["behavior/sequences"], 1.0),
+            "behavior/partly_masked_seq_frac": s["behavior/partly_masked_seqs"] / max(s["behavior/sequences"], 1.0),
+            "behavior/truncated_seq_frac": s["behavior/truncated_seqs"] / max(s["behavior/sequences"], 1.0),
+            "behavior/masked_tokens": s["behavior/masked"],
+            "behavior/masked_seqs": s["behavior/masked_seqs"],
+        }),
     }
