@@ -297,6 +297,31 @@ class EMAConfig:
 
 
 @dataclass
+class DistillConfig:
+    enabled: bool = option(False, help="on-policy distillation (trainer.algo.distill): a teacher scores every sampled "
+                           "response token and the policy minimises the per-token reverse KL(policy || teacher)")
+    coef: float = option(1.0, ge=0, help="coefficient of the distillation loss")
+    teacher: str = option("", help="the teacher in process: a model path or alias, loaded on the trainer's device "
+                          "(it must share the policy's tokenizer)")
+    teacher_urls: list[str] = option([], help="or remote teachers: URLs of `emapg engine serve --model TEACHER` servers, "
+                                     "scored through their POST /score route (rows spread over them)")
+    estimator: Literal["sampled_reverse_kl", "topk_reverse_kl"] = option(
+        "sampled_reverse_kl", help="sampled_reverse_kl: per-token advantage -(log pi - log pi_teacher) on the sampled "
+        "token; topk_reverse_kl: the Top-k reverse KL over the teacher's top-k (exact head, sampled tail, unbiased gradient)")
+    topk: int = option(16, ge=1, help="topk_reverse_kl: k, the teacher's top-k tokens per position")
+    mode: Literal["alone", "added", "below_best"] = option(
+        "added", help="alone: distillation only (the task reward's policy loss is dropped); added: the task's policy "
+        "loss + coef * distillation; below_best: added, only on trajectories whose reward is below their group's best (DGPO)")
+    timeout: float = option(120.0, gt=0, help="seconds allowed for one remote scoring request")
+
+    def validate(self) -> None:
+        if not self.enabled:
+            return
+        if bool(self.teacher) == bool(self.teacher_urls):
+            raise ConfigError("algorithm.distill needs exactly one of distill.teacher (in process) and distill.teacher_urls (remote)")
+
+
+@dataclass
 class AlgorithmConfig:
     name: Literal["emapg", "grpo"] = option("emapg", help="label for logs and plots (the behaviour is set by kl/ema fields)")
     clip_low: float = option(0.2, ge=0, help="PPO clip epsilon below 1")
@@ -333,6 +358,7 @@ class AlgorithmConfig:
     behavior_band: list[float] = option([0.5, 2.0], ge=0, help="mis: [low, high]; tokens (or sequences) with rho outside are dropped")
     kl: KLConfig = option(default_factory=KLConfig, help="KL loss term")
     ema: EMAConfig = option(default_factory=EMAConfig, help="EMA anchor")
+    distill: DistillConfig = option(default_factory=DistillConfig, help="on-policy distillation from a teacher (off by default)")
 
     def validate(self) -> None:
         if self.mini_batch_size < 1 or self.micro_batch_size < 1 or self.ppo_epochs < 1:

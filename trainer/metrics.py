@@ -16,6 +16,7 @@ import torch
 from trainer import distributed as D
 from trainer.batch import TokenBatch
 from trainer.algo.behavior import behavior_metrics
+from trainer.algo.distill import distill_metrics
 
 __all__ = ["MetricSums", "rollout_sums", "step_metrics", "rollout_metrics", "update_metrics"]
 
@@ -169,4 +170,4 @@ def update_metrics(s: Mapping[str, float], *, world_size: int, grad_norms: list[
     if kl_enabled:
         out["kl/mean"] = s["update/kl_token_sum"] / tokens
         out["kl/loss"] = s["update/kl_loss"] / world_size / steps
-    return {**out, **behavior_metrics(s)}
+    return {**out, **behavior_metrics(s), **distill_metrics(s, world_size=world_size, steps=steps)}

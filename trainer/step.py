@@ -26,6 +26,7 @@ from torch import Tensor
 from trainer import distributed as D
 from trainer.batch import MicroBatch, TokenBatch
 from trainer.algo.behavior import behavior_correction, kl_old_logp
+from trainer.algo.distill import distill_loss, get_distill_estimator, teacher_from_stored
 from trainer.config import AlgorithmConfig, TrainConfig
 from trainer.algo.grpo import LossAggregation, compute_policy_loss
 from trainer.algo.kl_kinds import get_kl_kind
@@ -66,6 +67,7 @@ def compute_loss(
     :func:`trainer.algo.grpo.compute_policy_loss` and, with a KL term, of :meth:`trainer.algo.kl_kinds.KLKind.loss`.
     """
     mask = micro_batch.loss_mask
+    policy, student = _split_distill_topk(policy, stored, alg)
     old_logp = stored["old_logp"] if "old_logp" in stored else policy.logp.detach()
     behavior = behavior_correction(old_logp, stored, mask, alg)
     loss, metrics = compute_policy_loss(
@@ -77,6 +79,12 @@ def compute_loss(
     )
     if behavior is not None:
         metrics.update(behavior.metrics)
+    teacher = teacher_from_stored(stored) if alg.distill.enabled else None
+    if teacher is not None:  # trainer.algo.distill: the teacher's scores are stored beside the anchor's
+        dloss, dmetrics = distill_loss(alg.distill.estimator, student, teacher, micro_batch.labels, mask, agg,
+                                       old_logp=stored.get("old_logp"), row_weights=stored.get("distill_rows"))
+        loss = alg.distill.coef * dloss + (0.0 if alg.distill.mode == "alone" else loss)
+        metrics.update(dmetrics)
     kl = alg.kl
     if kl.enabled:
         kl_old = old_logp if behavior is None or behavior.weights is None else kl_old_logp(old_logp, behavior.weights)
@@ -88,13 +96,41 @@ def compute_loss(
     return loss, metrics
 
 
+def _distill_topk(stored: Mapping[str, Tensor], alg: AlgorithmConfig) -> Tensor | None:
+    """The teacher's top-k indices the student gathers on (a top-k distillation estimator), else ``None``."""
+    if not alg.distill.enabled or "teacher_topk_indices" not in stored:
+        return None
+    return stored["teacher_topk_indices"] if get_distill_estimator(alg.distill.estimator).needs_topk else None
+
+
+def _split_distill_topk(policy: TokenStats, stored: Mapping[str, Tensor], alg: AlgorithmConfig) -> tuple[TokenStats, TokenStats]:
+    """The training pass gathered the KL's q and then the teacher's top-k (:func:`policy_pass`): the KL's view and the student's."""
+    idx = _distill_topk(stored, alg)
+    if idx is None or policy.topk_logits is None:
+        return policy, policy
+    k = policy.topk_logits.shape[-1] - idx.shape[-1]
+    kl_view = TokenStats(policy.logp, policy.logsumexp, policy.topk_logits[..., :k] if k else None,
+                         policy.topk_indices[..., :k] if k and policy.topk_indices is not None else None,
+                         policy.entropy, policy.exact_kl)
+    student = TokenStats(policy.logp, policy.logsumexp, policy.topk_logits[..., k:], idx, policy.entropy)
+    return kl_view, student
+
+
 def policy_pass(policy: Policy, mb: MicroBatch, plan: StatsPlan, cfg: TrainConfig) -> tuple[TokenStats, dict[str, Tensor]]:
     """The policy's differentiable statistics on ``mb`` and the micro-batch's complete stored statistics."""
     stored: dict[str, Tensor] = dict(mb.stored)
     on_policy = "old_logp" not in stored
     kwargs = dict(entropy=cfg.algorithm.entropy_coef != 0.0 or on_policy, temperature=cfg.rollout.temperature,
                   chunk_size=cfg.model.chunk_size, share_prompt=policy.share_prompt_training)
-    if plan.fused_topk:
+    distill_idx = _distill_topk(stored, cfg.algorithm)
+    if distill_idx is not None:  # gathered after the KL's q, if any (split again in compute_loss)
+        if plan.fused_topk:
+            raise ValueError("top-k distillation gathers on the teacher's top-k: plan the step without fused_topk")
+        q = stored.get("topk_indices") if plan.exact is None else None
+        gather = distill_idx if q is None else torch.cat([q.to(distill_idx.dtype), distill_idx], -1)
+        exact = dict(exact_kl_to=policy.exact_kl_anchor(stored["anchor_hidden"], plan.exact)) if plan.exact is not None else {}
+        stats = policy.stats(mb, gather_indices=gather, **exact, **kwargs)
+    elif plan.fused_topk:
         stats = policy.stats(mb, topk=plan.fused_topk, **kwargs)
         stats.topk_indices = stats.topk_indices.detach()
         stored.update(fused_anchor_stats(mb, policy, stats.topk_indices, cfg))
@@ -130,7 +166,7 @@ def _accumulate(sums: MetricSums, m: Mapping[str, Tensor], stats: TokenStats, mb
     for name, value in m.items():  # trainer.algo.behavior: mismatch and correction sums (and one maximum)
         if name.startswith("behavior/") and name.endswith("_max"):
             sums.maximum(name, float(value))
-        elif name.startswith("behavior/"):
+        elif name.startswith(("behavior/", "distill/")):  # trainer.algo.distill's sums too
             sums.add(name, float(value))
     if on_policy:  # π_old's entropy is the training pass's (no π_old pass ran)
         sums.add("rollout/entropy_sum", float((stats.entropy.detach() * mb.loss_mask).sum()))

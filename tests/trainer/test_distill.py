@@ -1,0 +1,182 @@
+"""On-policy distillation (trainer/algo/distill.py) by exact enumeration in float64.
+
+A (1, V) batch whose position p samples token p, all positions sharing one context (the policy's logits
+θ and the teacher's logits φ): Σ_p sg(πθ(p))·L(p) is the exact expectation of the per-token loss L
+under sampling from the student, and its gradient the expected gradient. Both estimators must give
+KL(πθ‖π_T) and ∇KL(πθ‖π_T) exactly. The modes are checked through the trainer's own
+:func:`trainer.step.compute_loss`.
+"""
+
+import pytest
+import torch
+
+from emapg.config import ConfigError, from_dict
+from trainer.algo.distill import (TeacherScores, below_best_rows, distill_estimator_names, distill_loss, distill_metrics,
+                                  get_distill_estimator, sampled_reverse_kl_advantage)
+from trainer.algo.grpo import LossAggregation
+from trainer.algo.token_stats import token_stats_from_logits
+from trainer.batch import MicroBatch
+from trainer.config import AlgorithmConfig, DistillConfig, KLConfig
+from trainer.step import _split_distill_topk, compute_loss
+
+V = 7
+
+
+def _logits(seed):
+    g = torch.Generator().manual_seed(seed)
+    theta = (1.3 * torch.randn(V, dtype=torch.float64, generator=g)).requires_grad_(True)
+    phi = 1.3 * torch.randn(V, dtype=torch.float64, generator=g)
+    return theta, phi
+
+
+def _teacher(phi, k):
+    lp = torch.log_softmax(phi, -1)
+    labels = torch.arange(V)[None]
+    top = torch.topk(lp, k).indices if k else torch.zeros(0, dtype=torch.long)
+    idx = top.expand(1, V, k)
+    return TeacherScores(lp[None].clone(), lp[top].expand(1, V, k).clone(), idx), labels, idx
+
+
+def _exact_kl(theta, phi):
+    lp, lt = torch.log_softmax(theta, -1), torch.log_softmax(phi, -1)
+    return (lp.exp() * (lp - lt)).sum()
+
+
+def _expectation(name, theta, phi, k):
+    teacher, labels, idx = _teacher(phi, k)
+    gather = idx if get_distill_estimator(name).needs_topk else None
+    policy = token_stats_from_logits(theta.expand(1, V, V), labels, gather_indices=gather)
+    mask = torch.ones(1, V, dtype=torch.float64)
+    per_tok = get_distill_estimator(name).per_token(policy, teacher, labels, mask)
+    weights = torch.softmax(theta, -1).detach()  # sampling from the student
+    value = (weights * per_tok[0]).sum()
+    return value.detach(), torch.autograd.grad(value, theta)[0]
+
+
+@pytest.mark.parametrize("name,k", [("sampled_reverse_kl", 0), ("topk_reverse_kl", 3), ("topk_reverse_kl", 1), ("topk_reverse_kl", V)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_estimators_are_the_reverse_kl_in_value_and_gradient(name, k, seed):
+    theta, phi = _logits(seed)
+    value, grad = _expectation(name, theta, phi, k)
+    kl = _exact_kl(theta, phi)
+    true_grad = torch.autograd.grad(kl, theta)[0]
+    torch.testing.assert_close(value, kl.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, true_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_sampled_advantage_is_minus_the_log_ratio_and_zero_on_masked_tokens():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    tlogp = torch.tensor([[-1.5, -1.0, float("nan")]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    assert sampled_reverse_kl_advantage(logp, tlogp, mask).tolist() == [[-0.5, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("name", ["sampled_reverse_kl", "topk_reverse_kl"])
+def test_masked_tokens_are_never_distilled(name):
+    """Observation/tool-output tokens (loss mask 0) contribute nothing to the value or the gradient, even
+    with a teacher whose scores there are garbage (NaN)."""
+    g = torch.Generator().manual_seed(3)
+    T, k = 5, 2
+    z = torch.randn(2, T, V, dtype=torch.float64, generator=g).requires_grad_(True)
+    zt = torch.randn(2, T, V, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, V, (2, T), generator=g)
+    mask = torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 0, 0]], dtype=torch.float64)
+    lt = torch.log_softmax(zt, -1)
+    top = torch.topk(lt, k).indices
+    t_logp = lt.gather(-1, labels[..., None])[..., 0]
+    t_topk = lt.gather(-1, top)
+    garbage = lambda x: torch.where(mask.bool().reshape(mask.shape + (1,) * (x.dim() - 2)), x, torch.full_like(x, float("nan")))  # noqa: E731
+    agg = LossAggregation.for_batch("token-mean", mask)
+
+    def run(teacher):
+        policy = token_stats_from_logits(z, labels, gather_indices=top if name == "topk_reverse_kl" else None)
+        loss, m = distill_loss(name, policy, teacher, labels, mask, agg)
+        return loss, torch.autograd.grad(loss, z)[0], m
+
+    loss, grad, m = run(TeacherScores(t_logp, t_topk, top))
+    loss_g, grad_g, _ = run(TeacherScores(garbage(t_logp), garbage(t_topk), top))
+    assert torch.isfinite(loss_g) and torch.isfinite(grad_g).all()
+    torch.testing.assert_close(loss_g, loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad_g, grad, rtol=0, atol=0)
+    assert grad[~mask.bool()].abs().sum() == 0  # no gradient reaches a masked position's logits
+    assert float(m["distill/tokens"]) == float(mask.sum())
+    lp = torch.log_softmax(z.detach(), -1).gather(-1, labels[..., None])[..., 0]
+    assert float(m["distill/rkl_sum"]) == pytest.approx(float(((lp - t_logp) * mask).sum()))
+
+
+def test_below_best_rows():
+    assert below_best_rows([1.0, 0.0, 0.0, 0.5, 0.5, 0.2], ["a", "a", "b", "b", "c", "c"]).tolist() == [
+        False, True, True, False, False, True]
+    assert below_best_rows([1.0, 1.0], [0, 0]).tolist() == [False, False]  # a group of equal rewards: nothing
+
+
+def _loss(mode, stored_extra=None, estimator="sampled_reverse_kl", coef=0.7):
+    """compute_loss on a 2-row batch: task advantages and a teacher; returns (loss, grad, metrics)."""
+    g = torch.Generator().manual_seed(5)
+    T = 4
+    z = torch.randn(2, T, V, dtype=torch.float64, generator=g).requires_grad_(True)
+    zt = torch.randn(2, T, V, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, V, (2, T), generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.float64)
+    lt = torch.log_softmax(zt, -1)
+    top = torch.topk(lt, 3).indices
+    stored = {"advantages": torch.tensor([[1.0] * T, [-0.5] * T], dtype=torch.float64),
+              "teacher_logp": lt.gather(-1, labels[..., None])[..., 0],
+              "teacher_topk_logp": lt.gather(-1, top), "teacher_topk_indices": top, **(stored_extra or {})}
+    alg = AlgorithmConfig(kl=KLConfig(enabled=False), distill=DistillConfig(
+        enabled=mode is not None, teacher="t", coef=coef, mode=mode or "added", estimator=estimator))
+    agg = LossAggregation.for_batch("token-mean", mask)
+    mb = MicroBatch(labels, torch.ones_like(labels), mask, T, stored)
+    policy = token_stats_from_logits(z, labels, gather_indices=top if estimator == "topk_reverse_kl" else None, entropy=True)
+    loss, m = compute_loss(policy, mb, stored, alg, agg)
+    student = token_stats_from_logits(z, labels, gather_indices=top if estimator == "topk_reverse_kl" else None)
+    return loss, z, m, (student, labels, mask, agg, stored)
+
+
+@pytest.mark.parametrize("estimator", ["sampled_reverse_kl", "topk_reverse_kl"])
+def test_modes_through_compute_loss(estimator):
+    from trainer.algo.distill import teacher_from_stored
+
+    task, _, _, _ = _loss(None, estimator=estimator)  # distillation off: the task's policy loss
+    added, z, m, (student, labels, mask, agg, stored) = _loss("added", estimator=estimator)
+    dl, _ = distill_loss(estimator, student, teacher_from_stored(stored), labels, mask, agg)
+    torch.testing.assert_close(added, task + 0.7 * dl, rtol=1e-12, atol=1e-12)
+    assert float(m["distill/tokens"]) == 6.0
+    alone, _, _, _ = _loss("alone", estimator=estimator)
+    torch.testing.assert_close(alone, 0.7 * dl, rtol=1e-12, atol=1e-12)
+    rows = torch.tensor([[0.0] * 4, [1.0] * 4], dtype=torch.float64)  # only row 1 is below its group's best
+    below, _, mb, _ = _loss("below_best", {"distill_rows": rows}, estimator=estimator)
+    dl1, _ = distill_loss(estimator, student, teacher_from_stored(stored), labels, mask, agg, row_weights=rows)
+    torch.testing.assert_close(below, task + 0.7 * dl1, rtol=1e-12, atol=1e-12)
+    assert float(mb["distill/tokens"]) == 3.0
+
+
+def test_policy_view_split_keeps_the_kl_q_and_the_teachers_topk():
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(1, 3, V, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, V, (1, 3), generator=g)
+    q = torch.randint(0, V, (1, 3, 2), generator=g)
+    t = torch.randint(0, V, (1, 3, 3), generator=g)
+    both = token_stats_from_logits(z, labels, gather_indices=torch.cat([q, t], -1))
+    alg = AlgorithmConfig(distill=DistillConfig(enabled=True, teacher="x", estimator="topk_reverse_kl"))
+    kl_view, student = _split_distill_topk(both, {"teacher_topk_indices": t}, alg)
+    torch.testing.assert_close(kl_view.topk_logits, z.gather(-1, q))
+    assert torch.equal(kl_view.topk_indices, q) and torch.equal(student.topk_indices, t)
+    torch.testing.assert_close(student.topk_logits, z.gather(-1, t))
+
+
+def test_registry_config_and_metrics():
+    assert distill_estimator_names() == ["sampled_reverse_kl", "topk_reverse_kl"]
+    with pytest.raises(KeyError, match="unknown distillation estimator 'k9'"):
+        get_distill_estimator("k9")
+    assert not AlgorithmConfig().distill.enabled  # off by default
+    with pytest.raises(ConfigError, match="exactly one of distill.teacher"):
+        from_dict(AlgorithmConfig, {"distill": {"enabled": True}})
+    with pytest.raises(ConfigError, match="exactly one of distill.teacher"):
+        from_dict(AlgorithmConfig, {"distill": {"enabled": True, "teacher": "a", "teacher_urls": ["http://x:1"]}})
+    with pytest.raises(ConfigError, match="distill.estimator"):
+        from_dict(AlgorithmConfig, {"distill": {"enabled": True, "teacher": "a", "estimator": "forward"}})
+    out = distill_metrics({"distill/tokens": 4.0, "distill/rkl_sum": 2.0, "distill/value_sum": 1.0, "distill/loss": 3.0,
+                           "update/tokens": 8.0}, world_size=1, steps=2)
+    assert out == {"distill/reverse_kl": 0.5, "distill/value_mean": 0.25, "distill/loss": 1.5, "distill/tokens": 4.0,
+                   "distill/token_frac": 0.5}

@@ -1,0 +1,230 @@
+"""On-policy distillation: the student samples, a teacher scores every sampled token, the student
+minimises the per-token reverse KL(πθ‖π_T) on its own samples (``algorithm.distill``).
+
+The teacher's scores of a response (:class:`TeacherScores`, all detached): ``logp`` ``(B, T)`` — log π_T
+of the sampled token; ``topk_logp``/``topk_indices`` ``(B, T, k)`` — the teacher's own top-k tokens
+and their (normalised, not renormalised over the k) log-probabilities at each position, at the
+same temperature as the student's statistics.
+
+Estimators (registered by name, :func:`get_distill_estimator`), each a per-token loss ``(B, T)``:
+
+* ``sampled_reverse_kl`` — the on-policy distillation literature's per-token advantage
+  A_t = −(log πθ(y_t) − log π_T(y_t)) on the sampled token, as the REINFORCE term
+  ``−sg(A_t) · s_t`` with s = πθ/π_old (= 1 in value on-policy)::
+
+      value  sg(log πθ − log π_T)          (an unbiased sample of KL(πθ‖π_T) at this prefix)
+      ∇      (log πθ − log π_T) ∇log πθ   (in expectation over πθ's samples: ∇KL(πθ‖π_T))
+
+  no clip: it is the distillation term, separate from the task's PPO term.
+* ``topk_reverse_kl`` — the Top-k reverse KL of :func:`trainer.algo.topk_kl.topk_reverse_kl` with q =
+  the teacher's top-k and the reference = the teacher: the exact head Σ_{j∈q} πθ(j)(log πθ(j) − log π_T(j))
+  plus the sampled tail on tokens outside q, with the unbiased gradient (``tail_grad="exact"``), so its
+  value and gradient are KL(πθ‖π_T) and ∇KL in expectation over πθ's samples for any k.
+
+Modes (:data:`DistillMode`): ``alone`` — the loss is the distillation term (the task reward's
+policy-gradient term is dropped); ``added`` — the task's policy loss + coef · distillation;
+``below_best`` — added, but only on trajectories whose reward is below their group's best
+(DGPO-style: the best answers are left to the task reward; :func:`below_best_rows`).
+
+Tokens outside the loss mask (observations, tool output, padding) are never distilled: their values
+are replaced by 0 before aggregation and receive no gradient (``tests/trainer/test_distill.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Literal, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from trainer.algo.grpo import LossAggregation, aggregate_loss, group_index
+from trainer.algo.kl import LOG_RATIO_CLAMP
+from trainer.algo.token_stats import TokenStats
+from trainer.algo.topk_kl import topk_reverse_kl
+
+__all__ = [
+    "DISTILL_ESTIMATORS",
+    "DISTILL_MODES",
+    "DistillEstimator",
+    "DistillMode",
+    "TeacherScores",
+    "below_best_rows",
+    "distill_estimator_names",
+    "distill_loss",
+    "distill_metrics",
+    "get_distill_estimator",
+    "register_distill_estimator",
+    "sampled_reverse_kl_advantage",
+    "teacher_from_stored",
+]
+
+DistillMode = Literal["alone", "added", "below_best"]
+DISTILL_MODES: tuple[str, ...] = ("alone", "added", "below_best")
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """The teacher's scores of sampled responses (see the module docstring); constants."""
+
+    logp: Tensor  # (B, T)
+    topk_logp: Tensor | None = None  # (B, T, k)
+    topk_indices: Tensor | None = None  # (B, T, k)
+
+
+def teacher_from_stored(stored: Mapping[str, Tensor]) -> TeacherScores | None:
+    """The teacher's scores among the stored statistics (``teacher_logp``, ``teacher_topk_logp``,
+    ``teacher_topk_indices``), or ``None`` when the batch was not scored."""
+    if "teacher_logp" not in stored:
+        return None
+    return TeacherScores(stored["teacher_logp"], stored.get("teacher_topk_logp"), stored.get("teacher_topk_indices"))
+
+
+def _ratio(logp: Tensor, old_logp: Tensor | None) -> Tensor:
+    """s = πθ/π_old of the sampled token (value 1 and gradient ∇log πθ on-policy)."""
+    old = logp.detach() if old_logp is None else old_logp.detach()
+    return torch.exp(torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def sampled_reverse_kl_advantage(logp: Tensor, teacher_logp: Tensor, loss_mask: Tensor) -> Tensor:
+    """The per-token distillation advantage A = −(log πθ − log π_T) of the sampled tokens ``(B, T)``,
+    detached, 0 outside ``loss_mask``."""
+    a = -(logp.detach() - teacher_logp.detach())
+    return torch.where(loss_mask.bool(), a, torch.zeros_like(a))
+
+
+class DistillEstimator:
+    """A per-token distillation loss; ``needs_topk``: the student's logits are gathered on the teacher's top-k."""
+
+    name: str = ""
+    needs_topk: bool = False
+
+    def per_token(self, policy: TokenStats, teacher: TeacherScores, labels: Tensor, loss_mask: Tensor, *,
+                  old_logp: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+
+class SampledReverseKL(DistillEstimator):
+    name = "sampled_reverse_kl"
+
+    def per_token(self, policy, teacher, labels, loss_mask, *, old_logp=None):
+        return -sampled_reverse_kl_advantage(policy.logp, teacher.logp, loss_mask) * _ratio(policy.logp, old_logp)
+
+
+class TopkReverseKLDistill(DistillEstimator):
+    name = "topk_reverse_kl"
+    needs_topk = True
+
+    def per_token(self, policy, teacher, labels, loss_mask, *, old_logp=None):
+        if teacher.topk_logp is None or teacher.topk_indices is None or policy.topk_logits is None:
+            raise ValueError("topk_reverse_kl distillation needs the teacher's top-k and the student's logits gathered there")
+        zeros = torch.zeros_like(teacher.logp)
+        return topk_reverse_kl(
+            logits_k=policy.topk_logits, logsumexp=policy.logsumexp, logp=policy.logp,
+            ref_logits_k=teacher.topk_logp, ref_logsumexp=zeros, ref_logp=teacher.logp,
+            topk_indices=teacher.topk_indices, labels=labels, old_logp=old_logp, tail_grad="exact",
+        )
+
+
+DISTILL_ESTIMATORS: dict[str, DistillEstimator] = {}
+
+
+def register_distill_estimator(est: DistillEstimator) -> DistillEstimator:
+    """Add ``est`` under its name (a later registration of the same name replaces it)."""
+    if not est.name:
+        raise ValueError("a distillation estimator needs a name")
+    DISTILL_ESTIMATORS[est.name] = est
+    return est
+
+
+register_distill_estimator(SampledReverseKL())
+register_distill_estimator(TopkReverseKLDistill())
+
+
+def distill_estimator_names() -> list[str]:
+    return sorted(DISTILL_ESTIMATORS)
+
+
+def get_distill_estimator(name: str) -> DistillEstimator:
+    try:
+        return DISTILL_ESTIMATORS[name]
+    except KeyError:
+        raise KeyError(f"unknown distillation estimator {name!r}; known: {', '.join(distill_estimator_names())}") from None
+
+
+def below_best_rows(rewards: Sequence[float] | Tensor, group_ids: Sequence[Hashable] | Tensor) -> Tensor:
+    """``(N,)`` bool: the trajectory's reward is strictly below the best of its group (DGPO's rows to
+    distil; a group of equal rewards has none)."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    idx = group_index(group_ids)
+    best = torch.full((int(idx.max()) + 1 if idx.numel() else 0,), -float("inf"), dtype=torch.float64)
+    best = best.scatter_reduce(0, idx, r, reduce="amax")
+    return r < best[idx]
+
+
+def _only_on(teacher: TeacherScores, mask: Tensor) -> TeacherScores:
+    """The teacher's scores with every position outside ``mask`` replaced by 0 (a masked token's scores,
+    whatever they are — never computed, NaN — can then reach neither the value nor the gradient)."""
+    def clean(x: Tensor | None) -> Tensor | None:
+        if x is None:
+            return None
+        m = mask.reshape(mask.shape + (1,) * (x.dim() - mask.dim()))
+        return torch.where(m, x.detach(), torch.zeros_like(x))
+
+    return TeacherScores(clean(teacher.logp), clean(teacher.topk_logp), teacher.topk_indices)
+
+
+def distill_loss(
+    name: str,
+    policy: TokenStats,
+    teacher: TeacherScores,
+    labels: Tensor,
+    loss_mask: Tensor,
+    agg: LossAggregation,
+    *,
+    old_logp: Tensor | None = None,
+    row_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The distillation loss of one micro-batch (normalised like the policy loss by ``agg``) and its metric sums.
+
+    ``policy``: the student's differentiable statistics (gathered on ``teacher.topk_indices`` for a
+    top-k estimator); ``labels``, ``loss_mask``: ``(B, T)``; ``old_logp``: π_old of the sampled tokens
+    (``None``: on-policy); ``row_weights``: ``(B, T)`` or ``(B, 1)`` multipliers (``below_best``: 1 on the
+    rows to distil, 0 elsewhere). Metrics (detached sums): ``distill/tokens`` distilled tokens,
+    ``distill/rkl_sum`` Σ(log πθ − log π_T) on them (the sampled reverse-KL estimate),
+    ``distill/value_sum`` Σ of the estimator's per-token values, ``distill/loss`` the aggregated loss.
+    """
+    m = loss_mask.bool()
+    teacher = _only_on(teacher, m)
+    per_token = get_distill_estimator(name).per_token(policy, teacher, labels, loss_mask, old_logp=old_logp)
+    w = m.to(per_token.dtype)
+    if row_weights is not None:
+        w = w * row_weights.to(per_token.dtype).expand_as(w)
+    keep = w > 0
+    values = torch.where(keep, per_token, torch.zeros_like(per_token)) * w
+    loss = aggregate_loss(values, loss_mask, agg)
+    rkl = torch.where(keep, (policy.logp.detach() - teacher.logp.detach()).float(), torch.zeros_like(w, dtype=torch.float32))
+    metrics = {
+        "distill/tokens": keep.sum().to(torch.float32),
+        "distill/rkl_sum": rkl.sum(),
+        "distill/value_sum": values.detach().float().sum(),
+        "distill/loss": loss.detach(),
+    }
+    return loss, metrics
+
+
+def distill_metrics(s: Mapping[str, float], *, world_size: int = 1, steps: int = 1) -> dict[str, float]:
+    """The logged ``distill/*`` metrics from the rank-summed sums (empty without them): the mean reverse-KL
+    estimate per distilled token, the share of loss tokens distilled, the mean aggregated loss per optimizer step."""
+    if "distill/tokens" not in s:
+        return {}
+    n = max(s["distill/tokens"], 1.0)
+    out = {
+        "distill/reverse_kl": s["distill/rkl_sum"] / n,
+        "distill/value_mean": s["distill/value_sum"] / n,
+        "distill/loss": s["distill/loss"] / max(world_size, 1) / max(steps, 1),
+        "distill/tokens": s["distill/tokens"],
+    }
+    if "update/tokens" in s:
+        out["distill/token_frac"] = s["distill/tokens"] / max(s["update/tokens"], 1.0)
+    return out
