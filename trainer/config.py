@@ -346,6 +346,11 @@ class AlgorithmConfig:
         "of at most this many padded (prompt + response) tokens, less padding, same loss (0: micro_batch_size rows each)"
     )
     ppo_epochs: int = option(1, help="passes over the rollout batch")
+    guidance: Literal["none", "gold_answer"] = option(
+        "none", help="search task, tags format: a group whose every trajectory scored 0 gets one correct trajectory, the "
+        "model's own searches with the gold answer written in as its last turn (replayed through the rollout loop, "
+        "token-exact); on-policy its ratio is 1, so it adds the advantage-weighted log-likelihood of that trajectory "
+        "(LUFFY's off-policy guidance without policy shaping; trainer.guidance). Needs behavior_correction=none")
     behavior_correction: Literal["none", "tis", "mis"] = option(
         "none", help="correct for the engine (behaviour policy) sampling with other probabilities than the trainer's pi_old "
         "(decoupled PPO, trainer.algo.behavior): none, tis (truncated importance weight min(rho, behavior_cap)) or "
@@ -456,6 +461,15 @@ class TrainConfig:
             )
         if get_task(self.rollout.task).searches and not self.retriever.urls and not self.retriever.index_dir:
             raise ConfigError("the search task needs retriever.urls or retriever.index_dir")
+        if self.algorithm.guidance != "none":
+            if self.rollout.task != "search" or self.rollout.format != "tags" or self.rollout.agent:
+                raise ConfigError("algorithm.guidance works with the built-in search task in the tags format "
+                                  "(rollout.task=search, rollout.format=tags, no rollout.agent)")
+            if self.algorithm.behavior_correction != "none":
+                raise ConfigError("algorithm.guidance needs algorithm.behavior_correction=none: a guided trajectory was "
+                                  "not sampled by the engine, so it has no sampling log-probabilities")
+            if self.rollout.max_staleness:
+                raise ConfigError("algorithm.guidance works with synchronous training only (rollout.max_staleness=0)")
 
     @property
     def output_path(self) -> Path:

@@ -100,7 +100,8 @@ def training_signal(cfg: TrainConfig) -> dict[str, Any]:
     with groups of equal rewards (recorded in the provenance, so a result names its levers)."""
     r, ro = cfg.reward, cfg.rollout
     return {"qa_reward": r.qa_reward if ro.task == "search" else None, "no_answer_penalty": r.no_answer_penalty,
-            "shuffle_control": r.shuffle_control, "uniform_groups": ro.uniform_groups, "filter_groups": ro.filter_groups}
+            "shuffle_control": r.shuffle_control, "uniform_groups": ro.uniform_groups, "filter_groups": ro.filter_groups,
+            "guidance": cfg.algorithm.guidance}
 
 
 def find_resume(resume_from: str | Path | None, run_dir: Path) -> Path | None:
@@ -316,6 +317,15 @@ class Trainer:
                                      enough=None if cfg.rollout.filter_groups else 1, topup=not drop)
         return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, cfg), sampling=sums)
 
+    def guide(self, sampled: SampledBatch) -> SampledBatch:
+        """``algorithm.guidance``: every all-wrong group's last trajectory replaced by the model's own searches with the
+        gold answer written in (:mod:`trainer.guidance`); the ``reward/*`` counts recounted, ``guidance/*`` counted."""
+        from trainer.guidance import guide_all_wrong_groups
+
+        out, counts = guide_all_wrong_groups(sampled, self.tokenizer, self.retriever, self.cfg, grade)
+        return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, self.cfg),
+                       sampling={**out.sampling, **counts})
+
     def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> SampledBatch:
         """Generate on ``engine`` with ``seed`` (retried on failure: weights and prompts unchanged) and grade.
         The synchronous step calls it in :meth:`sample_batch`; the pipeline's producer thread (:mod:`trainer.pipeline`) too."""
@@ -405,6 +415,8 @@ class Trainer:
         sampled = self.sample_batch(prompts)
         while self.search_guard is not None and not self.search_guard.accept(sampled.trajectories):
             sampled = self.sample_batch(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
+        if self.cfg.algorithm.guidance != "none":  # before the filter: a guided group is informative
+            sampled = self.guide(sampled)
         if self.cfg.rollout.filter_groups or self.cfg.rollout.uniform_groups == "drop":
             sampled = self.fill_informative(sampled)
         t_rollout = time.perf_counter() - t_step

@@ -121,7 +121,7 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "search/per_traj": s["rollout/searches"] / n,
         "search/failures": s["rollout/search_failures"],
         "search/turns_per_traj": s["rollout/turns"] / n,
-        **{name: value for name, value in s.items() if name.startswith("reward/")},
+        **{name: value for name, value in s.items() if name.startswith(("reward/", "guidance/"))},
         **filter_metrics(s),
     }
 
