@@ -312,6 +312,8 @@ class DistillConfig:
     mode: Literal["alone", "added", "below_best"] = option(
         "added", help="alone: distillation only (the task reward's policy loss is dropped); added: the task's policy "
         "loss + coef * distillation; below_best: added, only on trajectories whose reward is below their group's best (DGPO)")
+    teacher_api_key_env: str = option("EMAPG_ENGINE_API_KEY", help="environment variable holding the teacher servers' API key "
+                                      "(empty: none)")
     timeout: float = option(120.0, gt=0, help="seconds allowed for one remote scoring request")
 
     def validate(self) -> None:

@@ -116,6 +116,34 @@ class EngineInfo:
 
 
 #: The most a LoRA adapter config may ask for (rank; target module names) -- bounds what a server accepts.
+#: Most top-k log-probabilities per position a scoring request (``score_topk``, ``POST /score``) may ask for.
+MAX_SCORE_TOPK = 1024
+
+
+@dataclass(frozen=True)
+class ScoredTokens:
+    """One sequence's scores from :meth:`Engine.score_topk`, for its positions ``t >= start``: ``logprobs[i]``
+    is log p(token_t | tokens_<t); ``topk_ids[i]``/``topk_logprobs[i]`` the ``topk`` most likely tokens there and
+    their log-probabilities (largest first), all under softmax(logits / temperature) of the raw model."""
+
+    logprobs: list[float]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+
+def tokenizer_fingerprint(tokenizer: object) -> dict:
+    """``{"name", "fingerprint", "size"}`` of a tokenizer: its name or path and a SHA-256 of its token -> id map
+    (added tokens included) — two tokenizers that map every token to the same id have the same fingerprint.
+    On-policy distillation needs the teacher's and the policy's to agree (trainer.teacher)."""
+    import hashlib
+    import json
+
+    vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()).hexdigest()
+    return {"name": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__), "fingerprint": digest[:16],
+            "size": len(vocab)}
+
+
 MAX_LORA_RANK = 4096
 MAX_LORA_TARGETS = 256
 
@@ -164,6 +192,9 @@ class Engine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def score(self, token_ids: list[list[int]], start: list[int]) -> list[list[float]]: ...
+
+    def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
+                   temperature: float = 1.0) -> list[ScoredTokens]: ...
 
     def load_weights(self, state_dict: dict) -> None: ...
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from agent.engines.base import EngineInfo, GenerationOutput, SamplingParams, check_prompts, lora_adapter_config, per_prompt_params
+from agent.engines.base import (EngineInfo, GenerationOutput, SamplingParams, ScoredTokens, check_prompts, lora_adapter_config,
+                                per_prompt_params)
 from emapg.models import adapter_base_model, is_adapter_folder, read_adapter_config
 from agent.engines.sampling import sample
 
@@ -237,6 +238,24 @@ class HFEngine:
                 logp = self.model(input_ids=x).logits[0].float().log_softmax(-1)
                 tgt = x[0, s:]
                 out.append(logp[s - 1 : len(ids) - 1].gather(-1, tgt.unsqueeze(-1)).squeeze(-1).tolist())
+        return out
+
+    def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
+                   temperature: float = 1.0) -> list[ScoredTokens]:
+        """:meth:`score` with each position's ``topk`` most likely tokens, under softmax(logits / ``temperature``)."""
+        if len(token_ids) != len(start):
+            raise ValueError("token_ids and start must have the same length")
+        if not 0 <= topk <= self.vocab_size or not temperature > 0:
+            raise ValueError(f"topk must be in [0, {self.vocab_size}] and temperature > 0, got {topk} and {temperature}")
+        out = []
+        with self._lock, torch.inference_mode():
+            for ids, s in zip(token_ids, start):
+                if not 1 <= s < len(ids) + 1:
+                    raise ValueError(f"start must be in [1, len(ids)], got {s}")
+                x = torch.tensor([ids], dtype=torch.long, device=self.device)
+                logp = (self.model(input_ids=x).logits[0, s - 1 : len(ids) - 1].float() / temperature).log_softmax(-1)
+                top = torch.topk(logp, topk, dim=-1)
+                out.append(ScoredTokens(logp.gather(-1, x[0, s:, None])[:, 0].tolist(), top.indices.tolist(), top.values.tolist()))
         return out
 
     # ------------------------------------------------------------------ weights

@@ -322,6 +322,18 @@ class RemoteEngine:
         rows = self._request("POST", self.urls[next(self._rr) % len(self.urls)] + "/score", json=body).json()["logprobs"]
         return [floats_from_json(r) for r in rows]  # null: not a finite number
 
+    def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int, temperature: float = 1.0) -> list:
+        """:meth:`score` with each position's ``topk`` most likely tokens (``POST /score`` with ``topk``/``temperature``)."""
+        from agent.engines.base import ScoredTokens
+
+        if len(token_ids) != len(start):
+            raise ValueError("token_ids and start must have the same length")
+        body = {"token_ids": [list(map(int, t)) for t in token_ids], "start": list(start), "topk": int(topk),
+                "temperature": float(temperature)}
+        d = self._request("POST", self.urls[next(self._rr) % len(self.urls)] + "/score", json=body).json()
+        return [ScoredTokens(floats_from_json(lp), [list(map(int, r)) for r in ids], [floats_from_json(r) for r in vals])
+                for lp, ids, vals in zip(d["logprobs"], d["topk_ids"], d["topk_logprobs"])]
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: dict[str, torch.Tensor], tag: str | None = None) -> list[int]:
         """Push HF-named weights to every replica; returns their new ``weights_version``."""

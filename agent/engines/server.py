@@ -11,7 +11,10 @@ and the schema, ``/openapi.json`` and ``/docs``):
   ``{"outputs": [{"token_ids", "logprobs", "finish_reason", "stop_reason"}], "weights_version"}``.
   A single ``params`` with ``seed=s`` gives prompt i the seed ``s + i`` (as the local engines).
   A log-prob that is not a finite number is sent as ``null``.
-* ``POST /score``: ``{"token_ids": [[ids]], "start": [int]}`` -> ``{"logprobs": [[float | null]]}``.
+* ``POST /score``: ``{"token_ids": [[ids]], "start": [int]}`` -> ``{"logprobs": [[float | null]]}``; with
+  ``"topk": k`` (1..1024) and/or ``"temperature"`` also ``"topk_ids": [[[int]]]`` and ``"topk_logprobs": [[[float | null]]]``,
+  each position's k most likely tokens (a teacher scoring sampled tokens for on-policy distillation, trainer/teacher.py).
+  At most ``--max-score-values`` top-k values per answer (413 beyond); the engine thread does the work.
 * ``/weights/...``: the weight sync, over http (staged safetensors buckets, then a commit) or a collective
   (agent/engines/weight_routes.py). A sync may carry LoRA adapters, served over the base (``--max-lora-rank``);
   ``/health`` says ``serves_lora``/``max_lora_rank``.
@@ -37,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.engines.base import MAX_LORA_RANK, check_prompts, per_prompt_params
+from agent.engines.base import MAX_LORA_RANK, MAX_SCORE_TOPK, check_prompts, per_prompt_params, tokenizer_fingerprint
 from agent.engines.engine_loop import EngineLoop, EngineStepError, log
 from agent.engines.staging import WeightStaging, checkpoint_manifest, float32_bytes
 from agent.engines.weight_routes import ServedWeights, add_weight_routes, allow_entry
@@ -45,7 +48,7 @@ from agent.engines.wire import MAX_INT32, MAX_SEED, MAX_TEMPERATURE, check_seeds
 from emapg.config import ConfigError, option
 from emapg.connection_guard import CLOSES
 from emapg.request_workers import RequestWorkers
-from emapg.server_input import HTTPError, as_int, as_list, check_fields, guarded, install_error_handlers, openapi_body, parse_json, read_body
+from emapg.server_input import HTTPError, as_float, as_int, as_list, check_fields, guarded, install_error_handlers, openapi_body, parse_json, read_body
 from emapg.servers import ServerOptions, help_of
 
 
@@ -69,6 +72,8 @@ class EngineServeConfig(ServerOptions):
     max_wait_ms: float = option(2.0, ge=0, help="hf engine: how long an idle engine waits for concurrent requests to batch them "
                                           "together, in ms (vLLM batches continuously)")  # fmt: skip
     max_prompts_per_request: int = option(4096, help="reject /generate and /score requests with more prompts")
+    max_score_values: int = option(1 << 24, ge=1, help="most top-k log-probabilities one POST /score answer may hold "
+                                   "(scored positions x topk; 413 beyond: split the request)")
     max_bucket_mb: int = option(1024, help="reject weight buckets (http transport) larger than this many MiB")
     max_staged_mb: int | None = option(None, help="most MiB one weight sync may stage (default: the served model in float32, "
                                                   "from its safetensors files; 64 GiB for a model without them)")  # fmt: skip
@@ -94,9 +99,11 @@ class EngineServeConfig(ServerOptions):
                                              "(over 16,384 characters) and encode large sessions, off the event loop")  # fmt: skip
     prep_max_waiting: int = option(8, ge=0, help="large requests that may wait for a --prep-workers thread; one more is "
                                                  "refused (503 with Retry-After: 1)")  # fmt: skip
-    tool_parser: str = option("hermes", help="OpenAI endpoint: parser of the model's tool-call syntax (agent.toolcall_parsers)")
+    tool_parser: str = option("hermes", help="OpenAI endpoint: parser of the model's tool-call syntax (agent.toolcall_parsers: "
+                                                        "hermes, llama3_json, mistral, qwen3_coder)")
     tool_chat_template: str | None = option(None, help="OpenAI endpoint: chat template in place of the model's (chatml_tools, "
-                                                       "bundled, for ChatML models without tool support; or a Jinja file)")  # fmt: skip
+                                                       "bundled, for ChatML models without tool support; llama3_json, mistral_tools, qwen3_coder, "
+                                                       "bundled in those families' formats; or a Jinja file)")  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
@@ -174,6 +181,8 @@ class GenerateBody(_Strict):
 class ScoreBody(_Strict):
     token_ids: list[TokenIds] = Field(..., min_length=1)
     start: list[Annotated[int, Field(ge=1)]] = Field(..., description="per sequence, the first position scored (>= 1)")
+    topk: int | None = Field(None, ge=0, le=MAX_SCORE_TOPK, description="also each position's top-k tokens and log-probs")
+    temperature: float | None = Field(None, gt=0, le=MAX_TEMPERATURE, description="score softmax(logits / temperature) (default 1)")
 
 
 # ----------------------------------------------------------------------------- app
@@ -198,6 +207,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     requests: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
     prep = RequestWorkers(cfg.prep_workers, cfg.prep_max_waiting, name="openai-prep")
+    tokenizer_info: dict[str, dict] = {}  # /health's tokenizer name and fingerprint (a teacher's check, trainer/teacher.py)
 
     def count(route: str, status: int, reason: str | None, seconds: float) -> None:
         requests[f"{route.split('/')[1] if route.startswith('/') else route}:{status}"] += 1
@@ -287,19 +297,34 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
     async def score(request: Request):
         """log p(token_t | tokens_<t) for t >= start[i] under the served weights (raw model, temperature 1)."""
         engine = ready_engine()
-        data = await json_body(request, ("token_ids", "start"), ("token_ids", "start"))
+        data = await json_body(request, ("token_ids", "start", "topk", "temperature"), ("token_ids", "start"))
         ids = parse_prompts(data["token_ids"], cfg.max_prompts_per_request, "token_ids")
         start = data["start"]
         if not isinstance(start, list) or len(start) != len(ids):
             raise HTTPError(422, "'start' must be a list with one integer in [1, len(token_ids[i])] per sequence")
         start = [as_int(s, f"start[{i}]", 1, len(t)) for i, (s, t) in enumerate(zip(start, ids))]
+        with_topk = data.get("topk") is not None or data.get("temperature") is not None
+        topk = as_int(data["topk"], "topk", 0, min(MAX_SCORE_TOPK, engine.vocab_size)) if data.get("topk") is not None else 0
+        temperature = as_float(data["temperature"], "temperature", 1e-5, MAX_TEMPERATURE) if data.get("temperature") is not None else 1.0
+        values = topk * sum(len(t) - s for t, s in zip(ids, start))
+        if values > cfg.max_score_values:
+            raise HTTPError(413, f"the answer would hold {values} top-k values > --max-score-values {cfg.max_score_values}; "
+                                 "score fewer or shorter sequences per request, or a smaller topk", "score_too_large")
         try:
             check_prompts(ids, engine.vocab_size, engine.max_model_len, 1)
         except ValueError as e:
             raise HTTPError(422, str(e)) from None
-        rows = [finite_or_none(r) for r in await run(loop_.call(lambda: engine.score(ids, start)))]
+        if not with_topk:
+            rows = [finite_or_none(r) for r in await run(loop_.call(lambda: engine.score(ids, start)))]
+            note_nonfinite(rows)
+            return {"logprobs": rows}
+        if not hasattr(engine, "score_topk"):
+            raise HTTPError(422, f"the {engine.info.kind} engine cannot score top-k tokens")
+        scored = await run(loop_.call(lambda: engine.score_topk(ids, start, topk=topk, temperature=temperature)))
+        rows = [finite_or_none(r.logprobs) for r in scored]
         note_nonfinite(rows)
-        return {"logprobs": rows}
+        return {"logprobs": rows, "topk_ids": [r.topk_ids for r in scored],
+                "topk_logprobs": [[finite_or_none(v) for v in r.topk_logprobs] for r in scored]}
 
     # ------------------------------------------------------------------ sleep / wake
     @app.post("/sleep")
@@ -343,7 +368,10 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
                 body["error"] = loop_.error
             return JSONResponse(body, status_code=503)
         info = loop_.engine.info
+        if "tokenizer" not in tokenizer_info:  # once, off the event loop (hashes the whole vocabulary)
+            tokenizer_info["tokenizer"] = await asyncio.to_thread(tokenizer_fingerprint, loop_.engine.tokenizer)
         return {
+            "tokenizer": tokenizer_info["tokenizer"],
             "status": "ok", "engine": info.kind, "model": str(model_dir), "max_model_len": info.max_model_len,
             "vocab_size": loop_.engine.vocab_size, "weights_version": weights.version, "weights_tag": weights.tag,
             "asleep": loop_.asleep, "supports_sleep": info.supports_sleep, "continuous_batching": info.continuous_batching,

@@ -241,6 +241,39 @@ class VLLMEngine:
             result.append([float(pl[t][ids[t]].logprob) for t in range(s, len(ids))])
         return result
 
+    def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
+                   temperature: float = 1.0) -> list:
+        """:meth:`score` with each position's ``topk`` most likely tokens, from vLLM's prompt log-probs (``prompt_logprobs=topk``:
+        the given token's log-prob and the top-k, of the raw model). vLLM computes prompt log-probs at temperature 1 only."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        from agent.engines.base import ScoredTokens
+
+        if len(token_ids) != len(start):
+            raise ValueError("token_ids and start must have the same length")
+        if temperature != 1.0:
+            raise ValueError(f"the vLLM engine scores at temperature 1 only (vLLM's prompt log-probs), got {temperature}")
+        if not 0 <= topk <= self.vocab_size:
+            raise ValueError(f"topk must be in [0, {self.vocab_size}], got {topk}")
+        check_prompts(token_ids, self.vocab_size, self.max_model_len, 1)
+        params = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=topk, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False,
+                                 lora_request=self._lora_request)
+        result = []
+        for ids, s, o in zip(token_ids, start, outs):
+            if not 1 <= s <= len(ids):
+                raise ValueError(f"start must be in [1, len(ids)], got {s}")
+            pl = o.prompt_logprobs  # position 0 is None; each a {token id: Logprob(logprob, rank)} with the top-k and the given token
+            lps, tids, tlps = [], [], []
+            for t in range(s, len(ids)):
+                lps.append(float(pl[t][ids[t]].logprob))
+                best = sorted(((lp.rank, tid, lp.logprob) for tid, lp in pl[t].items() if lp.rank is not None and lp.rank <= topk))[:topk]
+                tids.append([int(tid) for _, tid, _ in best])
+                tlps.append([float(v) for _, _, v in best])
+            result.append(ScoredTokens(lps, tids, tlps))
+        return result
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Push HF-named weights into the running engine (no restart), then drop stale KV."""
