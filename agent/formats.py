@@ -94,7 +94,70 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-TOOL_CHAT_TEMPLATES: dict[str, str] = {"chatml_tools": CHATML_TOOLS_TEMPLATE}
+# Tool templates of other families, written here in each family's format (for models whose own template lacks tools,
+# and to prove the parsers of agent/toolcall_parsers.py on a tiny model): Llama 3.1-style headers with JSON calls and
+# ``ipython`` results (parser llama3_json), Mistral v3 ``[AVAILABLE_TOOLS]``/``[TOOL_CALLS]``/``[TOOL_RESULTS]``
+# (parser mistral), and ChatML with Qwen3-Coder's XML calls (parser qwen3_coder).
+LLAMA3_JSON_TEMPLATE = (
+    "{{- bos_token if bos_token else '' }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}{%- set msgs = messages[1:] %}"
+    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- set msgs = messages %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{%- if tools %}{{- 'Environment: ipython\\n' }}{%- endif %}{{- system }}"
+    "{%- if tools %}{{- '\\n\\nGiven the following functions, respond with a JSON for a function call with its proper arguments '"
+    " + 'that best answers the prompt, in the format {\"name\": function name, \"parameters\": dictionary of argument name and its '"
+    " + 'value}. Do not use variables.\\n\\n' }}{%- for t in tools %}{{- t | tojson }}{{- '\\n\\n' }}{%- endfor %}{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- for m in msgs %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for c in m.tool_calls %}{%- set f = c.function if c.function is defined else c %}"
+    "{{- '{\"name\": \"' + f.name + '\", \"parameters\": ' + (f.arguments if f.arguments is string else f.arguments | tojson) + '}' }}"
+    "{%- if not loop.last %}{{- '; ' }}{%- endif %}{%- endfor %}{{- '<|eot_id|>' }}"
+    "{%- elif m.role == 'tool' or m.role == 'ipython' %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+MISTRAL_TOOLS_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}{%- set msgs = messages[1:] %}"
+    "{%- else %}{%- set system = '' %}{%- set msgs = messages %}{%- endif %}"
+    "{%- set last = namespace(user=-1) %}{%- for m in msgs %}{%- if m.role == 'user' %}{%- set last.user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{{- bos_token if bos_token else '' }}"
+    "{%- for m in msgs %}"
+    "{%- if m.role == 'user' %}"
+    "{%- if tools and loop.index0 == last.user %}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{{- '[INST]' + ((system + '\\n\\n') if system and loop.index0 == last.user else '') + m.content + '[/INST]' }}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}{{- '[TOOL_CALLS][' }}"
+    "{%- for c in m.tool_calls %}{%- set f = c.function if c.function is defined else c %}"
+    "{{- '{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments if f.arguments is string else f.arguments | tojson) + '}' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ']' + eos_token }}"
+    "{%- elif m.role == 'assistant' %}{{- m.content + eos_token }}"
+    "{%- elif m.role == 'tool' %}{{- '[TOOL_RESULTS]' + ({'content': m.content} | tojson) + '[/TOOL_RESULTS]' }}"
+    "{%- endif %}{%- endfor %}"
+)
+QWEN3_CODER_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}{%- set msgs = messages[1:] %}"
+    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- set msgs = messages %}{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for t in tools %}{%- set f = t.function if t.function is defined else t %}"
+    "{{- '\\n<function>\\n<name>' + f.name + '</name>\\n<description>' + (f.description or '') + '</description>\\n<parameters>' + (f.parameters | tojson) + '</parameters>\\n</function>' }}"
+    "{%- endfor %}{{- '\\n</tools>\\n\\nTo call a function, reply in this format:\\n\\n<tool_call>\\n<function=example_function_name>\\n'"
+    " + '<parameter=example_parameter>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for m in msgs %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant' }}{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
+    "{%- for c in m.tool_calls %}{%- set f = c.function if c.function is defined else c %}{{- '\\n<tool_call>\\n<function=' + f.name + '>\\n' }}"
+    "{%- for k, v in f.arguments | items %}{{- '<parameter=' + k + '>\\n' + (v if v is string else v | tojson) + '\\n</parameter>\\n' }}{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{%- if loop.first or msgs[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or msgs[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+TOOL_CHAT_TEMPLATES: dict[str, str] = {"chatml_tools": CHATML_TOOLS_TEMPLATE, "llama3_json": LLAMA3_JSON_TEMPLATE,
+                                       "mistral_tools": MISTRAL_TOOLS_TEMPLATE, "qwen3_coder": QWEN3_CODER_TEMPLATE}
 
 _SENTINEL = "\u2063EMAPG-TURN\u2063"  # never in a real turn; marks where the model's turn sits in a rendering
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)

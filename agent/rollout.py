@@ -127,10 +127,12 @@ class RolloutConfig:
         "own tool calls: the search tool declared with tools=, results as tool messages, a plain-text final answer; "
         "agent/formats.py)")
     tool_parser: str = option("hermes", help="format=tool_calls: parser of the model's tool-call syntax "
-                                             "(agent.toolcall_parsers: hermes = Qwen/Hermes <tool_call>{json}</tool_call>)")
+                                             "(agent.toolcall_parsers: hermes = Qwen/Hermes <tool_call>{json}</tool_call>; llama3_json = Llama 3.x "
+                                             "JSON calls; mistral = [TOOL_CALLS]; qwen3_coder = Qwen3-Coder XML <function=...>)")
     tool_chat_template: str | None = option(
         None, help="format=tool_calls: chat template to render tools with, in place of the tokenizer's (for models whose "
-        "template has no tool support): chatml_tools (bundled, ChatML models such as SmolLM2) or a Jinja file")
+        "template has no tool support): chatml_tools (bundled, ChatML models such as SmolLM2), llama3_json, mistral_tools, "
+        "qwen3_coder (bundled, in those families' formats) or a Jinja file")
     tools: list[str] = option(
         [], help="format=tool_calls: the agent's tool sources (docs/mcp.md): 'search' (the built-in search, answered by the "
         "retriever), 'calculator' (the bundled sandboxed calculator, agent/calculator.py), an MCP server's URL "

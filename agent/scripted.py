@@ -70,8 +70,9 @@ def build_untied_tiny(out: Path, tiny_dir: Path, seed: int = 1, edit_tokenizer: 
     return _atomic_save(out, write)
 
 
-def scripted_state_dict(model_dir: Path, script: str, gap: float = 30.0) -> dict:
-    """State dict of ``model_dir``'s model turned into a bigram follower of ``"\\n" + script``."""
+def scripted_state_dict(model_dir: Path, script: str, gap: float = 30.0, starts: tuple[str, ...] = ("\n",)) -> dict:
+    """State dict of ``model_dir``'s model turned into a bigram follower of ``starts[0] + script`` (and of each other
+    start + script: what a turn may follow, e.g. a template's generation prompt and its tool-result close)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,11 +81,12 @@ def scripted_state_dict(model_dir: Path, script: str, gap: float = 30.0) -> dict
     if model.config.tie_word_embeddings:
         raise ValueError("a scripted model needs an untied lm_head (see build_untied_tiny)")
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    chain = tok("\n" + script, add_special_tokens=False)["input_ids"]
     pairs: dict[int, int] = {}
-    for x, y in zip(chain[:-1], chain[1:]):
-        if pairs.setdefault(x, y) != y:
-            raise ValueError(f"token {x} has two successors in {script!r}: not a bigram chain")
+    for start in starts:
+        chain = tok(start + script, add_special_tokens=False)["input_ids"]
+        for x, y in zip(chain[:-1], chain[1:]):
+            if pairs.setdefault(x, y) != y:
+                raise ValueError(f"token {x} has two successors in {script!r}: not a bigram chain")
     for name in sd:
         if name.endswith("self_attn.o_proj.weight") or name.endswith("mlp.down_proj.weight"):
             sd[name].zero_()
@@ -98,14 +100,14 @@ def scripted_state_dict(model_dir: Path, script: str, gap: float = 30.0) -> dict
     return sd
 
 
-def save_scripted(src: Path, out: Path, script: str) -> Path:
-    """Save ``src`` with weights scripted to emit ``script`` after every newline, as an HF folder."""
+def save_scripted(src: Path, out: Path, script: str, starts: tuple[str, ...] = ("\n",)) -> Path:
+    """Save ``src`` with weights scripted to emit ``script`` after every newline (or each of ``starts``), as an HF folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def write(tmp: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-        model.load_state_dict(scripted_state_dict(src, script))
+        model.load_state_dict(scripted_state_dict(src, script, starts=starts))
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
 

@@ -16,6 +16,32 @@ Registered:
   Several blocks in one turn are several (parallel) calls. ``arguments`` may also be a JSON
   string holding an object (some checkpoints emit it so). A block that is not closed, is not
   JSON, is not an object, or lacks a string ``name`` / an object ``arguments`` is an error.
+
+* ``llama3_json`` -- Llama 3.1 / 3.2 / 3.3 JSON calls (vLLM's ``llama3_json``): the whole turn is the call(s),
+  optionally after ``<|python_tag|>``, several separated by ``;``::
+
+      {"name": "search", "parameters": {"query": "capital of France"}}
+
+  (``arguments`` is read as well as ``parameters``). A turn that does not start with ``{`` is plain content.
+
+* ``mistral`` -- Mistral / Mixtral / Mistral-Nemo / Ministral (vLLM's ``mistral``): ``[TOOL_CALLS]`` then a JSON
+  array of ``{"name", "arguments"}`` (tokenizer v3), or ``name[ARGS]{json}`` per call (v11 and later)::
+
+      [TOOL_CALLS][{"name": "search", "arguments": {"query": "capital of France"}}]
+
+* ``qwen3_coder`` -- Qwen3-Coder's XML calls (vLLM's ``qwen3_coder``); each parameter's value is text (a value
+  starting with ``{`` or ``[`` that is JSON is read as JSON)::
+
+      <tool_call>
+      <function=search>
+      <parameter=query>
+      capital of France
+      </parameter>
+      </function>
+      </tool_call>
+
+Each is proven with a chat template of its family (agent/formats.py ``TOOL_CHAT_TEMPLATES``: ``llama3_json``,
+``mistral_tools``, ``qwen3_coder``) on a tiny model scripted to call in that syntax (tests/agent/test_tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -27,8 +53,8 @@ from typing import Any, Protocol
 
 from emapg.config import ConfigError
 
-__all__ = ["ToolCall", "ParsedTurn", "ToolCallParser", "HermesParser", "get_tool_parser", "tool_parser_names",
-           "register_tool_parser"]
+__all__ = ["ToolCall", "ParsedTurn", "ToolCallParser", "HermesParser", "Llama3JsonParser", "MistralParser", "Qwen3CoderParser",
+           "get_tool_parser", "tool_parser_names", "register_tool_parser"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +129,138 @@ def _call_from_json(body: str) -> ToolCall | str:
     return ToolCall(name, args)
 
 
-_PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser()}
+def _from_object(data: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | str:
+    if not isinstance(data, dict):
+        return "a tool call must be a JSON object with \"name\" and \"arguments\""
+    name = data.get("name")
+    args = next((data[k] for k in keys if k in data), {})
+    return _call_from_json(json.dumps({"name": name, "arguments": args})) if isinstance(name, str) and name else \
+        "the tool call has no \"name\" string"
+
+
+class Llama3JsonParser:
+    """Llama 3.x JSON calls (see the module docstring)."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedTurn:
+        body = text.split(self.TAG, 1)[1] if self.TAG in text else text
+        body = body.strip()
+        if not body.startswith("{"):
+            return ParsedTurn(text.strip())
+        calls, errors = [], []
+        decoder, at = json.JSONDecoder(), 0
+        while at < len(body):
+            try:
+                data, end = decoder.raw_decode(body, at)
+            except ValueError as e:
+                errors.append(f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+                break
+            call = _from_object(data, ("parameters", "arguments"))
+            (errors if isinstance(call, str) else calls).append(call)
+            at = end
+            while at < len(body) and body[at] in " \t\n;":
+                at += 1
+            if at < len(body) and body[at] != "{":
+                errors.append("text after the tool call(s); a call turn holds only the JSON calls")
+                break
+        return ParsedTurn("", tuple(calls), tuple(errors))
+
+    def render(self, call: ToolCall) -> str:
+        return json.dumps({"name": call.name, "parameters": call.arguments}, ensure_ascii=False)
+
+
+class MistralParser:
+    """``[TOOL_CALLS]`` calls, v3 (JSON array) and v11 (``name[ARGS]{json}``) (see the module docstring)."""
+
+    name = "mistral"
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def parse(self, text: str) -> ParsedTurn:
+        if self.TAG not in text:
+            return ParsedTurn(text.strip())
+        content, _, rest = text.partition(self.TAG)
+        rest = rest.replace(self.TAG, "").strip()
+        calls, errors = [], []
+        if rest.startswith("["):
+            try:
+                data, end = json.JSONDecoder().raw_decode(rest)
+            except ValueError as e:
+                return ParsedTurn(content.strip(), (), (f"the [TOOL_CALLS] array is not valid JSON ({e.msg} at character {e.pos})",))
+            if not isinstance(data, list) or not data:
+                errors.append("[TOOL_CALLS] must be followed by a non-empty JSON array of calls")
+            for item in data if isinstance(data, list) else ():
+                call = _from_object(item)
+                (errors if isinstance(call, str) else calls).append(call)
+            if rest[end:].strip():
+                errors.append("text after the [TOOL_CALLS] array")
+        else:
+            for piece in rest.split(self.TAG):
+                while piece.strip():
+                    name, sep, tail = piece.partition(self.ARGS)
+                    if not sep:
+                        errors.append(f"a call without {self.ARGS}: {piece.strip()[:40]!r}")
+                        break
+                    try:
+                        args, end = json.JSONDecoder().raw_decode(tail.lstrip())
+                    except ValueError as e:
+                        errors.append(f"the arguments of {name.strip()!r} are not valid JSON ({e.msg})")
+                        break
+                    call = _from_object({"name": name.strip(), "arguments": args})
+                    (errors if isinstance(call, str) else calls).append(call)
+                    piece = tail.lstrip()[end:]
+        return ParsedTurn(content.strip(), tuple(calls), tuple(errors))
+
+    def render(self, call: ToolCall) -> str:
+        return self.TAG + json.dumps([{"name": call.name, "arguments": call.arguments}], ensure_ascii=False)
+
+
+class Qwen3CoderParser:
+    """Qwen3-Coder's ``<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>``."""
+
+    name = "qwen3_coder"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.DOTALL)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedTurn:
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        for m in self._BLOCK.finditer(text):
+            f = self._FUNCTION.match(m.group(1))
+            if f is None:
+                errors.append("a <tool_call> block must hold one <function=NAME>...</function>")
+                continue
+            args: dict[str, Any] = {}
+            for p in self._PARAM.finditer(f.group(2)):
+                value = p.group(2)
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:-1] if value.endswith("\n") else value
+                if value.lstrip().startswith(("{", "[")):
+                    try:
+                        value = json.loads(value)
+                    except ValueError:
+                        pass
+                args[p.group(1).strip()] = value
+            leftover = self._PARAM.sub("", f.group(2)).strip()
+            if leftover:
+                errors.append(f"text outside <parameter=...> blocks in the call of {f.group(1).strip()!r}")
+                continue
+            calls.append(ToolCall(f.group(1).strip(), args))
+        rest = self._BLOCK.sub("", text)
+        if self.OPEN in rest:
+            errors.append(f"a {self.OPEN} block is not closed with {self.CLOSE}")
+        return ParsedTurn(rest.split(self.OPEN)[0].strip(), tuple(calls), tuple(errors))
+
+    def render(self, call: ToolCall) -> str:
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                         for k, v in call.arguments.items())
+        return f"{self.OPEN}\n<function={call.name}>\n{params}</function>\n{self.CLOSE}"
+
+
+_PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), Qwen3CoderParser())}
 
 
 def register_tool_parser(parser: ToolCallParser) -> None:

@@ -77,7 +77,7 @@ def test_config_names_the_option():
     with pytest.raises(ConfigError, match="format"):
         from_dict(RolloutConfig, {"format": "json"})
     with pytest.raises(ConfigError, match="rollout.tool_parser"):
-        RolloutConfig(format="tool_calls", tool_parser="mistral").validate()
+        RolloutConfig(format="tool_calls", tool_parser="no_such_parser").validate()
     with pytest.raises(ConfigError, match="rollout.task=search"):
         RolloutConfig(format="tool_calls", task="math").validate()
     with pytest.raises(ConfigError, match="rollout.chat"):
