@@ -7,7 +7,9 @@ by ``$EMAPG_RETRIEVER_URL`` when run on its own) and returns the model's final t
     emapg train --config configs/search_tiny_cpu.yaml rollout.agent=examples.search_agent:solve
 
 (run from the repository root, so that ``examples`` is importable; agent/external.py says what the
-function receives). Against any OpenAI-compatible server, e.g. ``emapg engine serve``::
+function receives). :func:`solve_responses` is the same agent written against the Responses API
+(``client.responses.create`` with ``previous_response_id``; ``rollout.agent=examples.search_agent:solve_responses``).
+Against any OpenAI-compatible server, e.g. ``emapg engine serve``::
 
     python examples/search_agent.py --base-url http://127.0.0.1:8001/v1 "who wrote hamlet"
 """
@@ -78,3 +80,33 @@ if __name__ == "__main__":
     p.add_argument("--api-key", default=os.environ.get("EMAPG_ENGINE_API_KEY", "none"))
     args = p.parse_args()
     print(solve(openai.OpenAI(base_url=args.base_url, api_key=args.api_key), {"question": args.question}, "cli"))
+
+
+def solve_responses(client: Any, row: dict, session_id: str, retriever: Any = None, sampling: dict | None = None,
+                    max_turns: int = 2, topk: int = 2, max_chars: int = 300) -> str | None:
+    """:func:`solve` over the Responses API: the tool results go back as ``function_call_output`` items chained by
+    ``previous_response_id`` (the server keeps the conversation)."""
+    if retriever is None:
+        from retriever.client import RetrieverClient
+
+        retriever = RetrieverClient(os.environ.get("EMAPG_RETRIEVER_URL", "http://127.0.0.1:8000"))
+    tool = {"type": "function", **SEARCH["function"]}
+    options = dict(sampling or {})
+    if "max_tokens" in options:
+        options["max_output_tokens"] = options.pop("max_tokens")
+    resp = client.responses.create(model="policy", input=PROMPT.format(question=row["question"]), tools=[tool], **options)
+    for _ in range(max_turns):
+        calls = [o for o in resp.output if o.type == "function_call"]
+        if not calls:
+            return resp.output_text.strip()
+        outputs = []
+        for call in calls:
+            try:
+                query = str(json.loads(call.arguments)["query"])
+                result = _passages(retriever.retrieve([query], topk=topk)[0], max_chars)
+            except (ValueError, KeyError, TypeError) as e:
+                result = f"Error: {type(e).__name__}: {e}"
+            outputs.append({"type": "function_call_output", "call_id": call.call_id, "output": result})
+        resp = client.responses.create(model="policy", previous_response_id=resp.id, input=outputs, tools=[tool], **options)
+    calls = [o for o in resp.output if o.type == "function_call"]
+    return None if calls else resp.output_text.strip()

@@ -119,3 +119,19 @@ def test_bad_requests_are_4xx_with_messages(server):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="m", input="y", previous_response_id=kept.id, max_output_tokens=2)
     assert httpx.post(server.url + "/v1/responses", json={"input": "x"}).status_code == 401
+
+
+def test_an_external_agent_on_the_responses_api_trains_like_a_chat_agent(tool_searcher_dir, retriever_client, retriever_index):
+    """rollout.agent=examples.search_agent:solve_responses (responses.create + previous_response_id) gives exactly the
+    trajectories of the same agent written against chat completions (examples.search_agent:solve)."""
+    engine = make_engine("hf", tool_searcher_dir, max_model_len=2048)
+    questions = [q["question"] for q in retriever_index.questions[:2]]
+    common = dict(max_tokens_per_turn=24, max_response_tokens=4096, seed=3)
+    via_responses = run_rollouts(engine, questions, retriever_client,
+                                 RolloutConfig(agent="examples.search_agent:solve_responses", **common), batch_tag="r")
+    via_chat = run_rollouts(engine, questions, retriever_client, RolloutConfig(agent="examples.search_agent:solve", **common),
+                            batch_tag="r")  # fmt: skip
+    for a, b in zip(via_responses, via_chat):
+        assert a.error is None and a.format == "external" and (a.stop_reason, a.num_turns, a.num_searches) == ("max_turns", 3, 2)
+        assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
+        assert sum(a.loss_mask) > 0 and a.spans == b.spans
