@@ -428,6 +428,11 @@ class LoggingConfig:
     wandb_project: str = option("ema-pg", help="wandb project name")
     progress: bool = option(True, help="show a rich progress bar with the step's metrics")
     log_samples: int = option(2, help="decoded trajectories appended to samples.jsonl per step (0: none)")
+    length_drift_steps: int = option(3, ge=1, help="response/length_drift = the step's mean response length / the mean "
+                                     "over the run's first N steps - 1")
+    kl_to_start: bool = option(False, help="log kl/to_start, the exact KL(policy || the run's starting policy) per response "
+                               "token (trainer.start_kl): free of memory with a frozen reference (ema.decay=1) or LoRA, else "
+                               "a frozen copy of the initial weights; two no-grad passes per step")
 
 
 @dataclass

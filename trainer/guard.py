@@ -23,7 +23,15 @@ A detector (:class:`DetectorConfig`) trips when any of its enabled tests does:
 |                      | ``response/no_answer_rate`` (max)     |           |
 | ``reward_drop``      | ``reward/mean``                       | below     |
 | ``grad_norm_spike``  | ``actor/grad_norm``                   | above     |
+| ``repetition``       | ``response/repeated_ngram_share``     | above     |
+| ``gibberish``        | ``response/non_text_share``           | above     |
+| ``length_drift``     | ``response/length_drift`` (vs start)  | above     |
+| ``kl_to_start``      | ``kl/to_start``                       | above     |
 +----------------------+---------------------------------------+-----------+
+
+The last four watch the signals of :mod:`trainer.health_signals` that move before the reward does when a
+policy degenerates (issue #42): looping text, token soup, a length far from the run's start, a policy far
+from the one the run started with. A detector whose metric a run does not log never trips.
 
 ``nonfinite`` trips on a NaN/inf loss, gradient norm, KL, entropy or reward, or on an update that
 ``trainer.step`` skipped for a non-finite gradient.
@@ -46,7 +54,7 @@ Action = Literal["warn", "lower_lr", "rollback", "reset_to_anchor", "stop"]
 Direction = Literal["above", "below"]
 
 __all__ = ["Action", "DetectorConfig", "NonfiniteConfig", "GuardConfig", "GuardEvent", "Guard", "DETECTORS",
-           "NONFINITE_METRICS", "check_detector", "check_nonfinite"]
+           "NONFINITE_METRICS", "check_detector", "check_nonfinite", "first_trips"]
 
 #: detector name -> (metrics it reads, the direction that is bad)
 DETECTORS: dict[str, tuple[tuple[str, ...], Direction]] = {
@@ -57,6 +65,10 @@ DETECTORS: dict[str, tuple[tuple[str, ...], Direction]] = {
     "format_errors": (("response/invalid_action_rate", "response/no_answer_rate"), "above"),
     "reward_drop": (("reward/mean",), "below"),
     "grad_norm_spike": (("actor/grad_norm",), "above"),
+    "repetition": (("response/repeated_ngram_share",), "above"),
+    "gibberish": (("response/non_text_share",), "above"),
+    "length_drift": (("response/length_drift",), "above"),
+    "kl_to_start": (("kl/to_start",), "above"),
 }
 #: every metric some detector reads, once each
 WATCHED = tuple(dict.fromkeys(m for names, _ in DETECTORS.values() for m in names))
@@ -123,6 +135,30 @@ class GradNormSpikeConfig(DetectorConfig):
 
 
 @dataclass
+class RepetitionConfig(DetectorConfig):
+    ratio: float | None = option(1.0, ge=0, help=_RATIO_HELP)
+    delta: float = option(0.25, ge=0, help=_DELTA_HELP)
+    limit: float | None = option(0.5, help=_LIMIT_HELP)
+
+
+@dataclass
+class GibberishConfig(DetectorConfig):
+    ratio: float | None = option(1.0, ge=0, help=_RATIO_HELP)
+    delta: float = option(0.2, ge=0, help=_DELTA_HELP)
+    limit: float | None = option(0.3, help=_LIMIT_HELP)
+
+
+@dataclass
+class LengthDriftConfig(DetectorConfig):
+    limit: float | None = option(1.0, help=_LIMIT_HELP)
+
+
+@dataclass
+class KLToStartConfig(DetectorConfig):
+    limit: float | None = option(0.5, help=_LIMIT_HELP)
+
+
+@dataclass
 class NonfiniteConfig:
     enabled: bool = option(True, help="trip on a NaN/inf loss, gradient norm, KL, entropy or reward, or a skipped update")
     action: Action = option("rollback", help=_ACTION_HELP)
@@ -151,6 +187,20 @@ class GuardConfig:
                                            help="reward/mean below ratio*baseline - delta (the moving window) or below limit")
     grad_norm_spike: GradNormSpikeConfig = option(
         default_factory=GradNormSpikeConfig, help="actor/grad_norm (before clipping) above ratio*baseline + delta or above limit")
+    repetition: RepetitionConfig = option(
+        default_factory=RepetitionConfig,
+        help="response/repeated_ngram_share (the share of a response's word 4-grams that repeat one before) above "
+             "ratio*baseline + delta or above limit (the policy loops)")
+    gibberish: GibberishConfig = option(
+        default_factory=GibberishConfig,
+        help="response/non_text_share (the share of words that are not text) above ratio*baseline + delta or above limit")
+    length_drift: LengthDriftConfig = option(
+        default_factory=LengthDriftConfig,
+        help="response/length_drift (mean response length / the run's first steps' - 1) above limit (1: doubled)")
+    kl_to_start: KLToStartConfig = option(
+        default_factory=KLToStartConfig,
+        help="kl/to_start (exact KL(policy || the run's starting policy) per response token, logged with "
+             "logging.kl_to_start) above limit")
     nonfinite: NonfiniteConfig = option(default_factory=NonfiniteConfig, help="NaN/inf values or skipped updates")
 
     def validate(self) -> None:
@@ -271,3 +321,26 @@ class Guard:
     def load_state_dict(self, state: Mapping) -> None:
         self.window = {m: deque(v, maxlen=self.cfg.window) for m, v in state.get("window", {}).items()}
         self.recoveries = int(state.get("recoveries", 0))
+
+
+def first_trips(history: list[Mapping[str, float]], cfg: GuardConfig) -> dict[str, int | None]:
+    """Per enabled detector, the first step (1-based index into ``history``, a run's step metrics) at which it
+    alone would have tripped, replayed with its own window (None: never). What the stability benchmark's
+    lead times and false-trip rates are computed from."""
+    out: dict[str, int | None] = {}
+    for name, det in cfg.detectors().items():
+        if not det.enabled:
+            continue
+        alone = Guard(cfg)
+        out[name] = None
+        for step, metrics in enumerate(history, 1):
+            base = alone.baselines()
+            event = check_detector(name, det, metrics, base, step)
+            if event is not None:
+                out[name] = step
+                break
+            for metric in DETECTORS[name][0]:
+                value = _value(metrics, metric)
+                if value is not None and math.isfinite(value):
+                    alone.window.setdefault(metric, deque(maxlen=cfg.window)).append(value)
+    return out

@@ -51,6 +51,7 @@ from trainer.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, s
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
 from trainer.errors import TrainingError
+from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
@@ -173,6 +174,8 @@ class Trainer:
         self.engine_session: EngineSession | None = None
         self.engine = self.retriever = self.tracker = None
         self.search_guard: SearchOutageGuard | None = None
+        self.length_drift = LengthDrift(cfg.logging.length_drift_steps)  # response/length_drift against the run's start
+        self.start_policy = None  # trainer.start_kl.StartPolicy when logging.kl_to_start
         self._resources = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ set-up
@@ -210,6 +213,10 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.policy = build_policy(cfg, self.dist, self.model_path, bf16=bf16)
         self.model, self.anchor, self.fsdp = self.policy.model, self.policy.anchor, self.policy.fsdp
+        if cfg.logging.kl_to_start:
+            from trainer.start_kl import StartPolicy
+
+            self.start_policy = StartPolicy(self.policy, frozen_anchor=cfg.algorithm.ema.decay == 1.0)
         if cfg.guard.enabled:
             from trainer.recovery import GuardHook
 
@@ -254,6 +261,7 @@ class Trainer:
         self.step, state = ckpt.step, ckpt.trainer_state
         self.sampler.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.length_drift.load_state_dict(state.get("length_drift", {}))
         if self.guard is not None and state.get("guard"):
             self.guard.load_state_dict(state["guard"])
         self.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
@@ -383,6 +391,11 @@ class Trainer:
         plan = self.stats_plan(batch.size)  # once per step: the stored statistics and the update follow it
         t0 = time.perf_counter()
         timings = self.compute_stored_stats(batch, plan)
+        start_kl = {}
+        if self.start_policy is not None:  # kl/to_start: of the weights that sampled the batch, before the update
+            t1 = time.perf_counter()
+            start_kl = self.start_policy.kl_sums(batch, cfg, self.dist.device)
+            timings["time/kl_to_start"] = time.perf_counter() - t1
         adv = grpo_advantages(sampled.rewards, sampled.group_ids, norm_by_std=alg.adv_std != "none",
                               unbiased_std=alg.adv_std != "biased", eps=alg.adv_eps)
         batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
@@ -392,8 +405,9 @@ class Trainer:
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
         if result.updates > 0 and self.engine_session is not None:
             self.engine_session.weights_changed()
-        sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch)
-        for name, value in sampled.sampling.items():
+        sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch,
+                            answers=[o.answer for o in sampled.outcomes])
+        for name, value in {**sampled.sampling, **start_kl}.items():
             sums.add(name, value)
         sums.merge(result.sums)
         if "rollout/entropy_sum" not in sums:  # π_old's pass measured it
@@ -401,7 +415,8 @@ class Trainer:
         totals = sums.reduce()
         metrics = {**step_metrics(totals, **self._update_summary(result)), **timings, "ema/updated": float(ema_updated),
                    "time/generation": totals["rollout/generation_s"] / self.dist.world_size,
-                   "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train}
+                   "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train,
+                   "response/length_drift": self.length_drift(totals["rollout/response_tokens"] / totals["rollout/trajectories"])}
         self.last_samples = sample_records(sampled, cfg.logging.log_samples, tokenizer=self.tokenizer, advantages=adv)
         finite = math.isfinite(metrics["loss/pg"]) and result.skipped == 0
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
@@ -473,6 +488,7 @@ class Trainer:
         return save_checkpoint(
             self.run_dir, self.step, tokenizer=self.tokenizer, **self.policy.checkpoint_state(is_main=self.dist.is_main),
             trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak,
+                           "length_drift": self.length_drift.state_dict(),
                            "anchor": self.policy.anchor_schedule(), "provenance": self._provenance_now(),
                            **({"guard": self.guard.state_dict()} if self.guard is not None else {})},
             config=cfg, keep_last=cfg.run.keep_last, rank=self.dist.rank, world_size=self.dist.world_size, barrier=D.barrier,

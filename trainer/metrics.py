@@ -9,7 +9,7 @@ sums them over ranks with a single collective, and :func:`step_metrics` derives 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -64,8 +64,11 @@ class MetricSums:
 
 
 def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any], stats: Any,
-                 reward_counts: Mapping[str, float], batch: TokenBatch) -> MetricSums:
-    """Reward, length, search and time sums of this rank's rollout batch (group-major ``rewards`` ``(N,)``)."""
+                 reward_counts: Mapping[str, float], batch: TokenBatch, *,
+                 answers: Sequence[str | None] | None = None) -> MetricSums:
+    """Reward, length, search and time sums of this rank's rollout batch (group-major ``rewards`` ``(N,)``);
+    with ``answers`` (each trajectory's graded answer), the text signals of :func:`trainer.health_signals.health_sums`."""
+    from trainer.health_signals import health_sums
     from trainer.sampled_batch import trajectory_stats
 
     t = trajectory_stats(trajectories, stats)
@@ -91,6 +94,9 @@ def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any]
         **{f"reward/{key}": value for key, value in reward_counts.items()},
     }.items():
         sums.add(name, value)
+    if answers is not None:
+        for name, value in health_sums([t.model_text for t in trajectories], answers).items():
+            sums.add(name, value)
     return sums
 
 
@@ -112,9 +118,10 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "response/length_mean": s["rollout/response_tokens"] / n,
         "response/model_tokens_mean": model_tokens / n,
         "response/truncated_frac": s["rollout/truncated"] / n,
-        # the stability guard's format-error detector reads these two
+        # the stability guard's format-error detector reads these two; no answer: none found, empty or a refusal
+        # (trainer.health_signals.avoids_answer), else the task's own count (math: nothing boxed)
         "response/invalid_action_rate": s.get("rollout/invalid_action_trajectories", 0.0) / n,
-        "response/no_answer_rate": s.get("reward/no_answer", 0.0) / n,
+        "response/no_answer_rate": s.get("health/no_answer", s.get("reward/no_answer", 0.0)) / n,
         # the format rate: trajectories that ended with an answer action (search: an <answer> was given)
         "response/answered_frac": s["rollout/answered"] / n,
         "actor/entropy": s["rollout/entropy_sum"] / max(model_tokens, 1.0),
@@ -123,7 +130,21 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         "search/turns_per_traj": s["rollout/turns"] / n,
         **{name: value for name, value in s.items() if name.startswith(("reward/", "guidance/"))},
         **filter_metrics(s),
+        **health_metrics(s),
     }
+
+
+def health_metrics(s: Mapping[str, float]) -> dict[str, float]:
+    """The mean over responses of the repeated n-gram and non-text shares (:mod:`trainer.health_signals`) and,
+    with ``logging.kl_to_start``, the mean over response tokens of the KL to the start (:mod:`trainer.start_kl`)."""
+    out = {}
+    if "health/responses" in s:
+        n = max(s["health/responses"], 1.0)
+        out = {"response/repeated_ngram_share": s["health/repeated_ngram_sum"] / n,
+               "response/non_text_share": s["health/non_text_sum"] / n}
+    if "health/kl_to_start_tokens" in s:
+        out["kl/to_start"] = s["health/kl_to_start_sum"] / max(s["health/kl_to_start_tokens"], 1.0)
+    return out
 
 
 def filter_metrics(s: Mapping[str, float]) -> dict[str, float]:

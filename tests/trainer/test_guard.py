@@ -9,12 +9,13 @@ import pytest
 from emapg.config import ConfigError, load_config
 from emapg.paths import CONFIG_DIR
 from trainer.config import TrainConfig
-from trainer.guard import DETECTORS, Guard, GuardConfig, check_nonfinite
+from trainer.guard import DETECTORS, Guard, GuardConfig, check_nonfinite, first_trips
 
 HEALTHY = {
     "actor/entropy": 2.0, "kl/mean": 0.01, "response/length_mean": 40.0, "response/invalid_action_rate": 0.05,
     "response/no_answer_rate": 0.1, "reward/mean": 0.5, "actor/grad_norm": 1.0, "loss/pg": 0.1, "kl/loss": 1e-5,
-    "actor/updates": 2.0, "actor/skipped_updates": 0.0,
+    "actor/updates": 2.0, "actor/skipped_updates": 0.0, "response/repeated_ngram_share": 0.05,
+    "response/non_text_share": 0.02, "response/length_drift": 0.1, "kl/to_start": 0.02,
 }
 # detector -> (metric, the value that trips it against the HEALTHY baseline)
 TRIPS = {
@@ -25,12 +26,18 @@ TRIPS = {
     "format_errors": ("response/invalid_action_rate", 0.5),  # > 0.05 + 0.3
     "reward_drop": ("reward/mean", 0.1),  # < 0.5 - 0.3
     "grad_norm_spike": ("actor/grad_norm", 12.0),  # > 10 * 1.0
+    "repetition": ("response/repeated_ngram_share", 0.35),  # > 0.05 + 0.25
+    "gibberish": ("response/non_text_share", 0.25),  # > 0.02 + 0.2
+    "length_drift": ("response/length_drift", 1.2),  # > limit 1
+    "kl_to_start": ("kl/to_start", 0.6),  # > limit 0.5
 }
 # just inside each threshold: no trip
 NEAR = {
     "entropy_collapse": ("actor/entropy", 0.6), "entropy_explosion": ("actor/entropy", 8.0), "kl_spike": ("kl/mean", 0.14),
     "length_blowup": ("response/length_mean", 90.0), "format_errors": ("response/no_answer_rate", 0.3),
     "reward_drop": ("reward/mean", 0.25), "grad_norm_spike": ("actor/grad_norm", 9.0),
+    "repetition": ("response/repeated_ngram_share", 0.29), "gibberish": ("response/non_text_share", 0.21),
+    "length_drift": ("response/length_drift", 0.9), "kl_to_start": ("kl/to_start", 0.45),
 }
 
 
@@ -121,3 +128,34 @@ def test_guard_config_in_train_config():
         load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["guard.min_history=20"])
     with pytest.raises(ConfigError, match="action"):
         load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", ["guard.kl_spike.action=panic"])
+
+
+def degenerating(n: int = 12, start: int = 6) -> list[dict[str, float]]:
+    """A synthetic run that degenerates from step ``start``: the text loops and turns to soup, the length and the
+    KL to the start grow, while the reward holds for two more steps and then falls."""
+    out = []
+    for step in range(1, n + 1):
+        k = max(step - start + 1, 0)  # steps into the degeneration
+        out.append({**HEALTHY, "response/repeated_ngram_share": 0.05 + 0.15 * k, "response/non_text_share": 0.02 + 0.12 * k,
+                    "response/length_drift": 0.1 + 0.3 * k, "kl/to_start": 0.02 + 0.15 * k,
+                    "reward/mean": 0.5 if k < 3 else 0.05})
+    return out
+
+
+def test_the_text_signals_trip_before_the_reward_on_an_injected_degeneration():
+    trips = first_trips(degenerating(), GuardConfig(enabled=True))
+    # degeneration from step 6 (k = 1, 2, 3, ... at steps 6, 7, 8, ...); the reward falls at step 8
+    assert trips["reward_drop"] == 8
+    assert trips["repetition"] == 7  # 0.35 > 0.05 + 0.25 (relative test)
+    assert trips["gibberish"] == 7  # 0.26 > 0.04 + 0.2: the window mean holds step 6's 0.14
+    assert trips["length_drift"] == 9  # 1.3 > 1; 1.0 at step 8 is not above
+    assert trips["kl_to_start"] == 9  # 0.62 > 0.5
+    assert trips["entropy_collapse"] is None and trips["kl_spike"] is None
+
+
+def test_the_text_signals_stay_quiet_on_a_healthy_run():
+    healthy = [{**HEALTHY, "response/repeated_ngram_share": 0.05 + 0.01 * (s % 3), "response/length_drift": 0.05 * (s % 4),
+                "reward/mean": 0.5 + 0.05 * (s % 2)} for s in range(20)]
+    assert all(step is None for step in first_trips(healthy, GuardConfig(enabled=True)).values())
+    # a metric the run does not log never trips its detector
+    assert first_trips([{"reward/mean": 0.5}] * 5, GuardConfig(enabled=True))["kl_to_start"] is None

@@ -99,3 +99,30 @@ def test_maxima_merge_and_reduce_as_maxima():
     b.maximum("m", -1.0)
     b.add("x", 2.0)
     assert a.merge(b).reduce() == {"x": 3.0, "m": 2.0} and "m" in a
+
+
+def test_text_health_metrics_from_the_model_text_and_answers():
+    from dataclasses import replace
+
+    from agent.rollout import RolloutStats
+    from trainer.metrics import rollout_metrics
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    batch = build_token_batch([[1], [2], [3], [4]], [[5], [6], [7], [8]], [[1], [1], [1], [1]], pad_id=0)
+    texts = ["<answer>Paris</answer>", "go go go go go go", "a1b2 Paris", "<answer>I don't know</answer>"]
+    trajs = [replace(_traj(i, 0, 0, 1, "stop"), model_text=t) for i, t in enumerate(texts)]
+    sums = rollout_sums(rewards, 2, trajs, RolloutStats(), {"no_answer": 0.0}, batch,
+                        answers=["Paris", None, None, "I don't know"])
+    sums.add("rollout/entropy_sum", 0.0)
+    m = rollout_metrics(sums.reduce())
+    assert m["response/repeated_ngram_share"] == (0 + 2 / 3 + 0 + 0) / 4  # six go's: three 4-grams, one distinct
+    assert m["response/non_text_share"] == (0 + 0 + 1 / 2 + 0) / 4
+    assert m["response/no_answer_rate"] == 3 / 4  # two without an answer, one refusal (the task counted none)
+    without = rollout_sums(rewards, 2, trajs, RolloutStats(), {"no_answer": 1.0}, batch)
+    without.add("rollout/entropy_sum", 0.0)
+    m = rollout_metrics(without.reduce())
+    assert "response/repeated_ngram_share" not in m and m["response/no_answer_rate"] == 1 / 4
+    assert "kl/to_start" not in m
+    without.add("health/kl_to_start_sum", 0.75)  # trainer.start_kl.StartPolicy.kl_sums (logging.kl_to_start)
+    without.add("health/kl_to_start_tokens", 3.0)
+    assert rollout_metrics(without.reduce())["kl/to_start"] == 0.25
