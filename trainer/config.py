@@ -433,6 +433,10 @@ class LoggingConfig:
     kl_to_start: bool = option(False, help="log kl/to_start, the exact KL(policy || the run's starting policy) per response "
                                "token (trainer.start_kl): free of memory with a frozen reference (ema.decay=1) or LoRA, else "
                                "a frozen copy of the initial weights; two no-grad passes per step")
+    probe_size: int = option(0, ge=0, help="answer flips: every logging.probe_every steps, answer this many fixed training "
+                             "questions greedily with the run's engine and log probe/accuracy, probe/flip_rate (answers changed "
+                             "since the last probe), probe/lost_rate, probe/gained_rate (0: off; synchronous runs only)")
+    probe_every: int = option(5, ge=1, help="steps between two probes (logging.probe_size)")
 
 
 @dataclass

@@ -6,7 +6,8 @@ drifts away from where the run started. Each function below reads one response (
 the model's turns only, never retrieved passages); :func:`health_sums` adds them up over a rollout
 batch as :class:`trainer.metrics.MetricSums` names, and :func:`trainer.metrics.rollout_metrics` turns
 them into ``response/repeated_ngram_share``, ``response/non_text_share`` and ``response/no_answer_rate``.
-:class:`LengthDrift` keeps the run's starting length for ``response/length_drift``.
+:class:`LengthDrift` keeps the run's starting length for ``response/length_drift``; :func:`probe_metrics`
+compares two greedy passes over a fixed probe set (``logging.probe_size``) for ``probe/*``.
 
 Markup tags (``<search>``, ``</answer>``, ...) are removed before anything is counted: a healthy agent
 repeats them every turn.
@@ -21,7 +22,7 @@ from typing import Sequence
 from tasks.qa import normalize_answer
 
 __all__ = ["words", "repeated_ngram_share", "non_text_share", "avoids_answer", "health_sums", "LengthDrift",
-           "REFUSALS", "MAX_WORD_CHARS"]
+           "probe_metrics", "REFUSALS", "MAX_WORD_CHARS"]
 
 _TAG_RE = re.compile(r"</?[A-Za-z_][\w\-]*>")
 # a word's surrounding punctuation (ASCII and the usual typographic marks) is not part of it
@@ -108,3 +109,27 @@ class LengthDrift:
     def load_state_dict(self, state: dict) -> None:
         self.first = [float(x) for x in state.get("first", [])][: self.steps]
 
+
+
+def probe_metrics(previous: Sequence[tuple[str | None, bool]] | None,
+                  now: Sequence[tuple[str | None, bool]]) -> dict[str, float]:
+    """``probe/*`` of a greedy pass over the fixed probe questions: ``now`` (and the previous pass) holds each
+    question's (graded answer, correct). ``probe/accuracy`` always; against a previous pass, the shares of
+    questions whose answer changed (``probe/flip_rate``; compared after SQuAD normalisation, no answer is
+    an answer of its own), that went from right to wrong (``probe/lost_rate``) and from wrong to right
+    (``probe/gained_rate``)."""
+    if not now:
+        return {}
+    n = len(now)
+    out = {"probe/accuracy": sum(c for _, c in now) / n}
+    if previous is not None:
+        if len(previous) != n:
+            raise ValueError(f"the probe set changed size: {len(previous)} -> {n}")
+
+        def norm(a: str | None) -> str | None:
+            return None if a is None else normalize_answer(a)
+
+        out["probe/flip_rate"] = sum(norm(a) != norm(b) for (a, _), (b, _) in zip(previous, now)) / n
+        out["probe/lost_rate"] = sum(c0 and not c1 for (_, c0), (_, c1) in zip(previous, now)) / n
+        out["probe/gained_rate"] = sum(c1 and not c0 for (_, c0), (_, c1) in zip(previous, now)) / n
+    return out

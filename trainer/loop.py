@@ -176,6 +176,8 @@ class Trainer:
         self.search_guard: SearchOutageGuard | None = None
         self.length_drift = LengthDrift(cfg.logging.length_drift_steps)  # response/length_drift against the run's start
         self.start_policy = None  # trainer.start_kl.StartPolicy when logging.kl_to_start
+        self.probe_prompts: list[SampledPrompt] = []  # logging.probe_size fixed training questions
+        self.probe_last: list[tuple[str | None, bool]] | None = None  # their answers at the last probe
         self._resources = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ set-up
@@ -195,6 +197,11 @@ class Trainer:
         # Data first: a bad dataset name fails before any model loads.
         examples = load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)
         self.sampler = PromptSampler(examples, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        if cfg.logging.probe_size:
+            if cfg.rollout.max_staleness:
+                raise ConfigError("logging.probe_size works with synchronous training only (rollout.max_staleness=0)")
+            chosen = random.Random(cfg.run.seed).sample(examples, min(cfg.logging.probe_size, len(examples)))
+            self.probe_prompts = [SampledPrompt(ex, f"probe{i}") for i, ex in enumerate(chosen)]
         # Then the retriever: one that is down or refuses the key fails within retriever.wait, before any model loads.
         self.retriever = open_run_retriever(cfg, self.dist)
         if self.retriever is not None:
@@ -438,10 +445,29 @@ class Trainer:
         metrics, totals = self.learn(sampled)
         if self.search_guard is not None:
             metrics.update(self.search_guard.step_metrics())
+        metrics.update(self.probe())
         t_total = time.perf_counter() - t_step
         metrics.update({"time/rollout": t_rollout, "time/step": t_total,
                         "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9)})
         return metrics
+
+    def probe(self) -> dict[str, float]:
+        """``logging.probe_size``: after the first step and every ``logging.probe_every`` steps, the fixed probe
+        questions answered greedily by the current weights on the run's engine; ``probe/*`` of
+        :func:`trainer.health_signals.probe_metrics` (flips against the previous probe of this process)."""
+        from trainer.health_signals import probe_metrics
+
+        cfg = self.cfg
+        if not self.probe_prompts or (self.probe_last is not None and self.step % cfg.logging.probe_every):
+            return {}
+        greedy = replace(cfg, rollout=replace(cfg.rollout, temperature=0.0, n_samples=1))
+        t0 = time.perf_counter()
+        with self.engine_session.generating(tag=f"probe-{self.step}") as engine:
+            trajectories, _ = generate(engine, self.tokenizer, self.probe_prompts, self.retriever, greedy, seed=cfg.run.seed)
+        now = [(o.answer, o.reward >= 1.0) for o in grade(trajectories, self.probe_prompts, greedy)]
+        metrics = probe_metrics(self.probe_last, now)
+        self.probe_last = now
+        return {**metrics, "time/probe": time.perf_counter() - t0}
 
     @property
     def pad_id(self) -> int:

@@ -29,6 +29,12 @@ TITLES = {
     "response/length_mean": "response length (tokens)",
     "response/answered_frac": "format rate (ended with an answer)",
     "search/per_traj": "searches per question",
+    "response/repeated_ngram_share": "repeated word 4-grams (share)",
+    "response/non_text_share": "non-text words (share)",
+    "response/no_answer_rate": "no answer or a refusal (share)",
+    "response/length_drift": "response length vs the run's start (-1 .. )",
+    "kl/to_start": "exact KL(policy || starting policy)",
+    "probe/flip_rate": "probe answers flipped since the last probe",
 }
 #: ``kl/mean`` titles by ``algorithm.kl.type``: which estimate the curve is.
 KL_TITLES = {

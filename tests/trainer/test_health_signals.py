@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.health_signals import LengthDrift, avoids_answer, health_sums, non_text_share, repeated_ngram_share, words
+from trainer.health_signals import (LengthDrift, avoids_answer, health_sums, non_text_share, probe_metrics,
+                                    repeated_ngram_share, words)
 
 
 def test_words_drop_markup_tags():
@@ -73,3 +74,17 @@ def test_length_drift_is_relative_to_the_first_steps():
     restored = LengthDrift(steps=2)
     restored.load_state_dict(drift.state_dict())
     assert restored(75.0) == 0.5
+
+
+def test_probe_flips_between_two_greedy_passes():
+    first = [("Paris", True), ("Lyon", False), (None, False), ("The Louvre", True)]
+    assert probe_metrics(None, first) == {"probe/accuracy": 0.5}
+    second = [("paris.", True), ("Paris", True), (None, False), ("I don't know", False)]
+    assert probe_metrics(first, second) == {
+        "probe/accuracy": 0.5,
+        "probe/flip_rate": 2 / 4,  # "Paris" -> "paris." is no flip (normalised); Lyon -> Paris and Louvre -> refusal are
+        "probe/lost_rate": 1 / 4,
+        "probe/gained_rate": 1 / 4,
+    }
+    with pytest.raises(ValueError):
+        probe_metrics(first, second[:3])
