@@ -36,7 +36,7 @@ import torch
 from emapg.config import ConfigError
 from trainer.batch import TokenBatch, micro_batches
 
-__all__ = ["LocalTeacher", "RemoteTeacher", "build_teacher", "check_same_tokenizer", "store_teacher_scores"]
+__all__ = ["LocalTeacher", "RemoteTeacher", "build_teacher", "check_same_tokenizer", "distill_gathers_topk", "store_teacher_scores"]
 
 
 def check_same_tokenizer(teacher: dict, policy: dict) -> None:
@@ -182,3 +182,12 @@ def store_teacher_scores(batch: TokenBatch, teacher: LocalTeacher | RemoteTeache
         rows = below_best_rows(rewards, group_ids).to(torch.float32)
         batch.stored["distill_rows"] = rows[:, None].expand(batch.size, batch.response_width).contiguous()
     return {"time/teacher": time.perf_counter() - t0}
+
+
+def distill_gathers_topk(cfg: Any) -> bool:
+    """The training pass gathers the student's logits on the teacher's top-k (a top-k ``algorithm.distill`` estimator):
+    the on-policy Top-k reverse KL shortcut, which takes the policy's own top-k there, is then off."""
+    from trainer.algo.distill import get_distill_estimator
+
+    d = cfg.algorithm.distill
+    return bool(d.enabled and get_distill_estimator(d.estimator).needs_topk)
