@@ -52,6 +52,7 @@ from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
 from trainer.errors import TrainingError
 from trainer.teacher import distill_gathers_topk, store_teacher_scores
+from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
@@ -175,6 +176,10 @@ class Trainer:
         self.engine = self.retriever = self.tracker = None
         self.search_guard: SearchOutageGuard | None = None
         self.teacher = None  # trainer.teacher: algorithm.distill's teacher (in process or remote)
+        self.length_drift = LengthDrift(cfg.logging.length_drift_steps)  # response/length_drift against the run's start
+        self.start_policy = None  # trainer.start_kl.StartPolicy when logging.kl_to_start
+        self.probe_prompts: list[SampledPrompt] = []  # logging.probe_size fixed training questions
+        self.probe_last: list[tuple[str | None, bool]] | None = None  # their answers at the last probe
         self._resources = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ set-up
@@ -194,6 +199,11 @@ class Trainer:
         # Data first: a bad dataset name fails before any model loads.
         examples = load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)
         self.sampler = PromptSampler(examples, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        if cfg.logging.probe_size:
+            if cfg.rollout.max_staleness:
+                raise ConfigError("logging.probe_size works with synchronous training only (rollout.max_staleness=0)")
+            chosen = random.Random(cfg.run.seed).sample(examples, min(cfg.logging.probe_size, len(examples)))
+            self.probe_prompts = [SampledPrompt(ex, f"probe{i}") for i, ex in enumerate(chosen)]
         # Then the retriever: one that is down or refuses the key fails within retriever.wait, before any model loads.
         self.retriever = open_run_retriever(cfg, self.dist)
         if self.retriever is not None:
@@ -218,6 +228,10 @@ class Trainer:
             self.teacher = build_teacher(cfg, self.dist.device, policy_model=self.model_path, policy_tokenizer=self.tokenizer)
             if hasattr(self.teacher, "close"):
                 self._on_close(self.teacher.close)
+        if cfg.logging.kl_to_start:
+            from trainer.start_kl import StartPolicy
+
+            self.start_policy = StartPolicy(self.policy, frozen_anchor=cfg.algorithm.ema.decay == 1.0)
         if cfg.guard.enabled:
             from trainer.recovery import GuardHook
 
@@ -262,6 +276,7 @@ class Trainer:
         self.step, state = ckpt.step, ckpt.trainer_state
         self.sampler.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.length_drift.load_state_dict(state.get("length_drift", {}))
         if self.guard is not None and state.get("guard"):
             self.guard.load_state_dict(state["guard"])
         self.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
@@ -393,6 +408,11 @@ class Trainer:
         timings = self.compute_stored_stats(batch, plan)
         if self.teacher is not None:  # the teacher's scores beside the anchor's (trainer.teacher)
             timings.update(store_teacher_scores(batch, self.teacher, cfg, rewards=sampled.rewards, group_ids=sampled.group_ids))
+        start_kl = {}
+        if self.start_policy is not None:  # kl/to_start: of the weights that sampled the batch, before the update
+            t1 = time.perf_counter()
+            start_kl = self.start_policy.kl_sums(batch, cfg, self.dist.device)
+            timings["time/kl_to_start"] = time.perf_counter() - t1
         adv = grpo_advantages(sampled.rewards, sampled.group_ids, norm_by_std=alg.adv_std != "none",
                               unbiased_std=alg.adv_std != "biased", eps=alg.adv_eps)
         batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
@@ -402,8 +422,9 @@ class Trainer:
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
         if result.updates > 0 and self.engine_session is not None:
             self.engine_session.weights_changed()
-        sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch)
-        for name, value in sampled.sampling.items():
+        sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch,
+                            answers=[o.answer for o in sampled.outcomes])
+        for name, value in {**sampled.sampling, **start_kl}.items():
             sums.add(name, value)
         sums.merge(result.sums)
         if "rollout/entropy_sum" not in sums:  # π_old's pass measured it
@@ -411,7 +432,8 @@ class Trainer:
         totals = sums.reduce()
         metrics = {**step_metrics(totals, **self._update_summary(result)), **timings, "ema/updated": float(ema_updated),
                    "time/generation": totals["rollout/generation_s"] / self.dist.world_size,
-                   "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train}
+                   "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train,
+                   "response/length_drift": self.length_drift(totals["rollout/response_tokens"] / totals["rollout/trajectories"])}
         self.last_samples = sample_records(sampled, cfg.logging.log_samples, tokenizer=self.tokenizer, advantages=adv)
         finite = math.isfinite(metrics["loss/pg"]) and result.skipped == 0
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
@@ -433,10 +455,29 @@ class Trainer:
         metrics, totals = self.learn(sampled)
         if self.search_guard is not None:
             metrics.update(self.search_guard.step_metrics())
+        metrics.update(self.probe())
         t_total = time.perf_counter() - t_step
         metrics.update({"time/rollout": t_rollout, "time/step": t_total,
                         "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9)})
         return metrics
+
+    def probe(self) -> dict[str, float]:
+        """``logging.probe_size``: after the first step and every ``logging.probe_every`` steps, the fixed probe
+        questions answered greedily by the current weights on the run's engine; ``probe/*`` of
+        :func:`trainer.health_signals.probe_metrics` (flips against the previous probe of this process)."""
+        from trainer.health_signals import probe_metrics
+
+        cfg = self.cfg
+        if not self.probe_prompts or (self.probe_last is not None and self.step % cfg.logging.probe_every):
+            return {}
+        greedy = replace(cfg, rollout=replace(cfg.rollout, temperature=0.0, n_samples=1))
+        t0 = time.perf_counter()
+        with self.engine_session.generating(tag=f"probe-{self.step}") as engine:
+            trajectories, _ = generate(engine, self.tokenizer, self.probe_prompts, self.retriever, greedy, seed=cfg.run.seed)
+        now = [(o.answer, o.reward >= 1.0) for o in grade(trajectories, self.probe_prompts, greedy)]
+        metrics = probe_metrics(self.probe_last, now)
+        self.probe_last = now
+        return {**metrics, "time/probe": time.perf_counter() - t0}
 
     @property
     def pad_id(self) -> int:
@@ -483,6 +524,7 @@ class Trainer:
         return save_checkpoint(
             self.run_dir, self.step, tokenizer=self.tokenizer, **self.policy.checkpoint_state(is_main=self.dist.is_main),
             trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak,
+                           "length_drift": self.length_drift.state_dict(),
                            "anchor": self.policy.anchor_schedule(), "provenance": self._provenance_now(),
                            **({"guard": self.guard.state_dict()} if self.guard is not None else {})},
             config=cfg, keep_last=cfg.run.keep_last, rank=self.dist.rank, world_size=self.dist.world_size, barrier=D.barrier,
