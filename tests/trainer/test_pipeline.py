@@ -150,3 +150,21 @@ def test_a_replica_dying_mid_run(tmp_path, tiny_model_dir, two_servers):
     assert len(history) == 3 and trainer.engine.urls == [a.url]
     assert [m["async/staleness"] for m in history] == [0.0, 1.0, 1.0]
     assert (tmp_path / "run" / "step_3" / "policy").is_dir()
+
+
+@pytest.mark.parametrize("level", ["geometric", "sequence", "token"])
+def test_async_run_masks_stale_sequences_and_counts_them(tmp_path, tiny_model_dir, two_servers, level):
+    """The asynchronous pipeline with masked importance sampling at each level (a narrow band: staleness 1 with lr 1e-2
+    moves the engine's log-probs out of it): the metrics count the tokens and the sequences dropped; a sequence-level
+    mask drops whole sequences only."""
+    from trainer.loop import train
+
+    history = train(_cfg(tmp_path / "run", tiny_model_dir, [two_servers[0].url], "algorithm.behavior_correction=mis",
+                         f"algorithm.behavior_level={level}", "algorithm.behavior_band=[0.999,1.001]", "run.save_every=0"))
+    for m in history:
+        for key in ("behavior/masked_frac", "behavior/masked_seq_frac", "behavior/partly_masked_seq_frac"):
+            assert 0.0 <= m[key] <= 1.0, key
+        assert m["behavior/masked_seq_frac"] <= m["behavior/partly_masked_seq_frac"]
+        if level != "token":  # the whole sequence or nothing
+            assert m["behavior/masked_seq_frac"] == m["behavior/partly_masked_seq_frac"]
+    assert max(m["behavior/partly_masked_seq_frac"] for m in history[1:]) > 0  # stale batches leave the band
