@@ -34,7 +34,8 @@ number of steps is fixed by the budget (``--steps``, default 12), not swept. The
 
 Seeds. 5 per arm on the toy task (0-4), then 2 per arm (0, 1) of ``grpo``, ``emapg``, ``ema_k3`` and
 ``frozen_topk`` on the SmolLM2 search task (the shipped starter, ``configs/demo_search_smollm2.yaml``, the
-answerable training pool and the bundled index) at the same lr and beta.
+answerable training pool and the bundled index) at the same lr and beta, with ``rollout.uniform_groups=topup`` (the
+demo drops groups of equal rewards; here every signal and the reward are over all sampled trajectories).
 
 Estimates. Per arm: the collapse rate with a 95% Wilson interval, the steps to collapse of each collapsed run;
 EMA-PG - GRPO and each half - GRPO with Newcombe's hybrid Wilson interval on the difference. Per signal (each
@@ -327,8 +328,9 @@ def smollm2(runner: Runner, args: argparse.Namespace, work: Path) -> dict[str, A
     smol = Runner(work, steps=args.steps, prompts=4, samples=4, probe=8)
     runs: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in SMOLLM2_ARMS}
     with RetrieverServer(ensure_bundled_index(), omp_num_threads=1, device="cpu", topk=3) as server:
+        # groups of equal rewards are trained (topup), not dropped: every signal and the reward are over all sampled trajectories
         base = [f"model.policy={STARTER}", "data.train=qa_pool", "data.split=train", f"retriever.urls=[{server.url}]",
-                "retriever.index_dir=null"]
+                "retriever.index_dir=null", "rollout.uniform_groups=topup"]
         for seed in range(args.smollm2_seeds):
             for arm in SMOLLM2_ARMS:
                 runs[arm][seed] = smol.run(f"smollm2/{arm}_seed{seed}", CONFIG_DIR / "demo_search_smollm2.yaml", base, arm,
