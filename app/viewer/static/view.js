@@ -5,6 +5,7 @@
 const POLL_MS = 2000;
 const DEFAULT_KEYS = ["reward/mean", "filter/informative_frac", "reward/zero_variance_groups", "kl/mean", "actor/entropy",
   "actor/grad_norm", "response/length_mean", "response/answered_frac", "search/per_traj", "search/failure_rate",
+  "response/repeated_ngram_share", "response/non_text_share", "response/length_drift", "kl/to_start", "probe/flip_rate",
   "time/step", "time/generation", "time/training"];
 const OUTCOME_LABELS = {"": "any", right: "right", wrong: "wrong", shown_wrong: "answer shown but wrong",
   not_shown_wrong: "wrong, answer not shown"};
