@@ -227,18 +227,7 @@ class HFEngine:
     # ------------------------------------------------------------------ scoring
     def score(self, token_ids: list[list[int]], start: list[int]) -> list[list[float]]:
         """log p(token_t | tokens_<t) for t >= start[i] (raw model distribution, temperature 1)."""
-        if len(token_ids) != len(start):
-            raise ValueError("token_ids and start must have the same length")
-        out = []
-        with self._lock, torch.inference_mode():
-            for ids, s in zip(token_ids, start):
-                if not 1 <= s < len(ids) + 1:
-                    raise ValueError(f"start must be in [1, len(ids)], got {s}")
-                x = torch.tensor([ids], dtype=torch.long, device=self.device)
-                logp = self.model(input_ids=x).logits[0].float().log_softmax(-1)
-                tgt = x[0, s:]
-                out.append(logp[s - 1 : len(ids) - 1].gather(-1, tgt.unsqueeze(-1)).squeeze(-1).tolist())
-        return out
+        return [scored.logprobs for scored in self.score_topk(token_ids, start, topk=0)]
 
     def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
                    temperature: float = 1.0) -> list[ScoredTokens]:

@@ -224,22 +224,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------ scoring
     def score(self, token_ids: list[list[int]], start: list[int]) -> list[list[float]]:
         """log p(token_t | tokens_<t) for t >= start[i], from vLLM's prompt log-probs (raw model)."""
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
-        if len(token_ids) != len(start):
-            raise ValueError("token_ids and start must have the same length")
-        check_prompts(token_ids, self.vocab_size, self.max_model_len, 1)
-        params = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False,
-                                 lora_request=self._lora_request)
-        result = []
-        for ids, s, o in zip(token_ids, start, outs):
-            if not 1 <= s <= len(ids):
-                raise ValueError(f"start must be in [1, len(ids)], got {s}")
-            pl = o.prompt_logprobs  # position 0 is None
-            result.append([float(pl[t][ids[t]].logprob) for t in range(s, len(ids))])
-        return result
+        return [scored.logprobs for scored in self.score_topk(token_ids, start, topk=0)]
 
     def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
                    temperature: float = 1.0) -> list:
