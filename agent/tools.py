@@ -43,7 +43,12 @@ log = logging.getLogger(__name__)
 __all__ = ["BUILTIN_SEARCH", "ToolResult", "ToolBox", "open_toolbox", "check_sources", "close_toolboxes"]
 
 BUILTIN_SEARCH = "search"
+CONNECT_ATTEMPTS = 3
 CALCULATOR = "calculator"
+
+
+class _ClosedEarly(RuntimeError):
+    """The MCP clients' context ended before they were ready, without an exception (an anyio cancel scope swallowed it)."""
 
 
 @dataclass(frozen=True)
@@ -109,15 +114,39 @@ class ToolBox:
         self._thread.start()
         self._closing: asyncio.Event | None = None
         self._holder: asyncio.Future | None = None
-        ready: asyncio.Future = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
         try:
-            ready.result(connect_timeout_s)
+            for attempt in range(CONNECT_ATTEMPTS):
+                try:
+                    asyncio.run_coroutine_threadsafe(self._open(), self._loop).result(connect_timeout_s)
+                    break
+                except _ClosedEarly as e:  # the SDK's task group was cancelled while connecting: try a fresh client
+                    if attempt + 1 == CONNECT_ATTEMPTS:
+                        raise RuntimeError(str(e)) from None
+                    log.warning("rollout.tools: %s; connecting again (%d/%d)", e, attempt + 2, CONNECT_ATTEMPTS)
+                    self.schemas.clear()
+                    self._owner.clear()
         except FutureTimeout:
+            log.warning("rollout.tools: connecting timed out; where each task of the tool loop waited:\n%s", self._stacks())
             self.close()
             raise ConfigError(f"rollout.tools: the MCP servers did not answer within {connect_timeout_s:.0f} s") from None
         except Exception as e:
             self.close()
             raise ConfigError(f"rollout.tools: {_cause(e)}") from None
+
+    def _stacks(self) -> str:
+        """The stack of every task on the tool loop (for a connect that hangs)."""
+        import io
+
+        async def dump() -> str:
+            out = io.StringIO()
+            for task in asyncio.all_tasks():
+                task.print_stack(limit=12, file=out)
+            return out.getvalue()
+
+        try:
+            return asyncio.run_coroutine_threadsafe(dump(), self._loop).result(5)
+        except Exception as e:  # noqa: BLE001 - a diagnostic only
+            return f"(no stacks: {type(e).__name__}: {e})"
 
     # --- the event loop's side
     async def _open(self) -> None:
@@ -167,6 +196,8 @@ class ToolBox:
                         self.schemas.append(_schema(tool))
                 started.set_result(None)
                 await self._closing.wait()
+            if not started.done():
+                started.set_exception(_ClosedEarly("an MCP client's connection closed before it was ready"))
         except BaseException as e:
             if not started.done():
                 started.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
