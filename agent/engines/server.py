@@ -99,9 +99,11 @@ class EngineServeConfig(ServerOptions):
                                              "(over 16,384 characters) and encode large sessions, off the event loop")  # fmt: skip
     prep_max_waiting: int = option(8, ge=0, help="large requests that may wait for a --prep-workers thread; one more is "
                                                  "refused (503 with Retry-After: 1)")  # fmt: skip
-    tool_parser: str = option("hermes", help="OpenAI endpoint: parser of the model's tool-call syntax (agent.toolcall_parsers)")
+    tool_parser: str = option("hermes", help="OpenAI endpoint: parser of the model's tool-call syntax (agent.toolcall_parsers: "
+                                                        "hermes, llama3_json, mistral, qwen3_coder)")
     tool_chat_template: str | None = option(None, help="OpenAI endpoint: chat template in place of the model's (chatml_tools, "
-                                                       "bundled, for ChatML models without tool support; or a Jinja file)")  # fmt: skip
+                                                       "bundled, for ChatML models without tool support; llama3_json, mistral_tools, qwen3_coder, "
+                                                       "bundled in those families' formats; or a Jinja file)")  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
