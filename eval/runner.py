@@ -28,6 +28,7 @@ line (killed mid-write) is dropped and its question redone.
 from __future__ import annotations
 
 import hashlib
+import sys
 import json
 import time
 from collections.abc import Callable
@@ -189,7 +190,8 @@ def _make_engine(cfg: EvalConfig):
         path = resolve_model(cfg.model)
     except ValueError as e:
         raise UserError(f"--model {cfg.model!r}: {e}") from None
-    kind = available_kind(cfg.engine, warn=lambda text: echo(f"emapg eval: {text}"))
+    # the reason goes to the run's log (stderr is the log under emapg.console); the CLI says on the console that it fell back
+    kind = available_kind(cfg.engine, warn=lambda text: print(f"emapg eval: {text}", file=sys.stderr))
     remote = None
     if kind == "remote":
         remote = RemoteOptions(tuple(cfg.engine_urls), api_key=cfg.engine_api_key,
