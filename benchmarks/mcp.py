@@ -48,13 +48,9 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from retriever.loadgen import LeanHTTPClient  # noqa: E402
+from retriever.loadgen import retrieve_request  # noqa: E402
 
 MCP_HEADERS = {"accept": "application/json, text/event-stream"}
-
-
-def native_request(query: str, topk: int) -> tuple[str, dict]:
-    return "/retrieve", {"queries": [query], "topk": topk, "return_scores": True}
 
 
 def mcp_request(query: str, topk: int) -> tuple[str, dict]:
@@ -62,46 +58,10 @@ def mcp_request(query: str, topk: int) -> tuple[str, dict]:
 
 
 async def _closed_loop(url: str, make, headers: dict, queries: list[str], concurrency: int, seconds: float, topk: int) -> dict:
-    warm, answered = 0, 0
-    all_warm = asyncio.Event()
-    window = {"start": float("inf"), "end": float("inf")}
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
+    """retriever.loadgen's closed loop (the same lean client and timing window) with ``make`` building each request."""
+    from retriever.loadgen import closed_loop_async
 
-    async def client(c: int) -> None:
-        nonlocal warm, answered
-        http = LeanHTTPClient(url, headers)
-        first, i = True, c
-        try:
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= window["end"]:
-                    return
-                path, payload = make(queries[i % len(queries)], topk)
-                status, _ = await http.post(path, payload)
-                t1 = time.perf_counter()
-                i += concurrency
-                if first:
-                    first = False
-                    warm += 1
-                    if warm == concurrency:
-                        all_warm.set()
-                    continue
-                if window["start"] <= t0 and t1 <= window["end"]:
-                    latencies.append(t1 - t0)
-                    statuses[status] = statuses.get(status, 0) + 1
-                    answered += status == 200
-        finally:
-            await http.close()
-
-    tasks = [asyncio.create_task(client(c)) for c in range(concurrency)]
-    await asyncio.wait_for(all_warm.wait(), timeout=120)
-    window["start"] = time.perf_counter()
-    window["end"] = window["start"] + seconds
-    await asyncio.gather(*tasks)
-    lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
-    return {"qps": round(answered / seconds, 1), "requests": len(latencies), "p50_ms": round(float(np.percentile(lat, 50)), 1),
-            "p99_ms": round(float(np.percentile(lat, 99)), 1), "statuses": {str(k): v for k, v in sorted(statuses.items())}}
+    return await closed_loop_async(url, queries, concurrency, seconds, topk, request=make, headers=headers)
 
 
 def check_equal(url: str, queries: list[str], topk: int) -> int:
@@ -191,7 +151,7 @@ def main() -> int:
                              extra_args=["--mcp", *cache_args]) as server:  # fmt: skip
             checked += check_equal(server.url, queries[:20], args.topk)
             for r in range(args.rounds):
-                order = [("native", native_request, {}), ("mcp", mcp_request, MCP_HEADERS)]
+                order = [("native", retrieve_request, {}), ("mcp", mcp_request, MCP_HEADERS)]
                 for name, make, headers in (order if r % 2 == 0 else order[::-1]):
                     result = asyncio.run(_closed_loop(server.url, make, headers, queries, args.concurrency, args.seconds, args.topk))
                     result["round"] = r

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -50,7 +51,17 @@ class LeanHTTPClient:
             self.reader = self.writer = None
 
 
-async def _closed_loop(url: str, queries: list[str], concurrency: int, seconds: float, topk: int) -> dict:
+def retrieve_request(query: str, topk: int) -> tuple[str, dict]:
+    """One ``/retrieve`` request of one query: (path, JSON body)."""
+    return "/retrieve", {"queries": [query], "topk": topk, "return_scores": True}
+
+
+async def closed_loop_async(url: str, queries: list[str], concurrency: int, seconds: float, topk: int, *,
+                            request: Callable[[str, int], tuple[str, dict]] = retrieve_request,
+                            headers: dict[str, str] | None = None) -> dict:
+    """``concurrency`` closed-loop clients, each a keep-alive connection sending ``request(query, topk)`` (path, JSON
+    body; default ``/retrieve``) one after another; after every client's first answer (warm-up), the answers of a
+    ``seconds``-long window are timed."""
     warm = 0
     all_warm = asyncio.Event()
     window = {"start": float("inf"), "end": float("inf")}
@@ -60,7 +71,7 @@ async def _closed_loop(url: str, queries: list[str], concurrency: int, seconds: 
 
     async def client(c: int) -> None:
         nonlocal warm, answered
-        http = LeanHTTPClient(url)
+        http = LeanHTTPClient(url, headers)
         first = True
         i = c
         try:
@@ -68,7 +79,7 @@ async def _closed_loop(url: str, queries: list[str], concurrency: int, seconds: 
                 t0 = time.perf_counter()
                 if t0 >= window["end"]:
                     return
-                status, _ = await http.post("/retrieve", {"queries": [queries[i % len(queries)]], "topk": topk, "return_scores": True})
+                status, _ = await http.post(*request(queries[i % len(queries)], topk))
                 t1 = time.perf_counter()
                 i += concurrency
                 if first:
@@ -98,4 +109,4 @@ async def _closed_loop(url: str, queries: list[str], concurrency: int, seconds: 
 def closed_loop(url: str, queries: list[str], *, concurrency: int = 32, seconds: float = 5.0, topk: int = 3) -> dict:
     """Run ``concurrency`` closed-loop clients against ``url`` for ``seconds`` (after warm-up):
     ``{"qps", "p50_ms", "p99_ms", "requests", "statuses", ...}``."""
-    return asyncio.run(_closed_loop(url, queries, concurrency, seconds, topk))
+    return asyncio.run(closed_loop_async(url, queries, concurrency, seconds, topk))
