@@ -89,16 +89,16 @@ def slice_from_eval(eval_dir: str | Path, datasets: Sequence[str], *, protocol: 
     """The file's content from a greedy evaluation of the starter on the held-out split (its ``items/*.jsonl``):
     a question is in the slice when its first (greedy) sample's ``retrieval_recall`` is above zero."""
     from eval.items import read_items
+    from eval.learning import _greedy_sample
 
     ids: dict[str, list[str]] = {}
     questions: dict[str, list[dict[str, Any]]] = {}
     for ds in datasets:
         rows = []
         for r in sorted(read_items(Path(eval_dir), ds), key=lambda r: r["id"]):
-            sample = (r.get("samples") or [r])[0]
-            shown = float((sample.get("scores") or r["scores"]).get("retrieval_recall", 0.0)) > 0
+            sample, scores = _greedy_sample(r)
             rows.append({"id": r["id"], "retrieved_ids": sample.get("retrieved_ids", []), "queries": sample.get("queries", []),
-                         "em": float((sample.get("scores") or r["scores"])["em"]), "in_slice": shown})
+                         "em": float(scores["em"]), "in_slice": float(scores.get("retrieval_recall", 0.0)) > 0})
         questions[ds] = rows
         ids[ds] = [q["id"] for q in rows if q["in_slice"]]
     return {"rule": RULE, "starter": starter, "starter_digest": starter_digest(), "protocol": protocol,
