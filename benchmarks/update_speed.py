@@ -13,9 +13,13 @@ What the CPU demo's step spends most of its time on is the update, not generatio
    Per arm: the update (stored statistics + the PPO update + the EMA blend), timed after a warm-up, median over
    repeats; the weight export a remote engine needs after every update (``Policy.export_weights`` + safetensors
    serialisation, what the http sync sends); trajectories trained per minute of update + export.
-3. **Agreement with the fp32 reference**: the first update's parameter step of ``bf16`` against ``fp32`` (and of
-   ``lora_bf16`` against ``lora``): cosine over every trained parameter and the ratio of norms; the stated
-   tolerance is cosine >= 0.99 (``tests/trainer/test_step.py`` checks the same on a tiny model).
+3. **Agreement with the fp32 reference**: the first optimizer step's gradient of ``bf16`` against ``fp32`` (and of
+   ``lora_bf16`` against ``lora``), captured just before ``optimizer.step``: cosine over every trained parameter and
+   the ratio of norms; the stated tolerance is gradient cosine >= 0.99 and norms within 5%
+   (``tests/trainer/test_step.py`` checks the same on a tiny model). The first AdamW *parameter* step is reported too
+   but is not the criterion: with bias correction it is lr·g/(|g| + eps) ≈ lr·sign(g) per element, so its cosine
+   counts sign agreements and is dragged down by the many near-zero gradient entries whose sign rounding flips
+   (measured 2026-12-05: gradient cosine vs step cosine in the JSON).
 
 Rounds alternate the arms (fp32, bf16, lora, lora_bf16, fp32, ...) so that a burst of other load hits one round of
 each, not one arm. Writes ``benchmarks/results/update_speed.json`` with ``bf16_over_fp32_speedup``,
@@ -96,6 +100,14 @@ def measure(arm: str, config: Path, overrides: list[str], sampled: Any, repeats:
         policy = trainer.policy
         group_ids = [p.group_id for p in sampled.prompts for _ in range(cfg.rollout.n_samples)]
         update_s, export_s, first_step = [], [], None
+        first_grad: dict[str, torch.Tensor] = {}
+
+        def capture_gradient(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if not first_grad:  # the first optimizer step of the first update: its (clipped) gradient
+                first_grad.update({n: p.grad.detach().flatten().double().clone()
+                                   for n, p in policy.forward.named_parameters() if p.requires_grad and p.grad is not None})
+
+        hook = policy.optimizer.register_step_pre_hook(capture_gradient)
         for i in range(repeats + 1):  # the first is a warm-up; its parameter step is compared with the reference
             batch = trajectory_batch(sampled.trajectories, pad_id=trainer.pad_id)
             before = trained_tensors(policy) if i == 0 else None
@@ -110,6 +122,7 @@ def measure(arm: str, config: Path, overrides: list[str], sampled: Any, repeats:
             save({k: v.detach().contiguous().clone() for k, v in state.items()})  # tied weights: a copy each, as lora.py
             t2 = time.perf_counter()
             if before is not None:
+                hook.remove()
                 after = trained_tensors(policy)
                 first_step = torch.cat([(after[n] - before[n]).flatten().double() for n in sorted(before)])
             else:
@@ -122,6 +135,8 @@ def measure(arm: str, config: Path, overrides: list[str], sampled: Any, repeats:
             "update_s": update_s, "export_s": export_s,
             "trained_params": int(sum(p.numel() for p in policy.forward.parameters() if p.requires_grad)),
             "_first_step": first_step,
+            "_first_grad": torch.cat([first_grad[n] for n in sorted(first_grad)]) if first_grad else None,
+            "grad_clip": cfg.optim.grad_clip, "optimizer_eps": cfg.optim.eps,
         }
     finally:
         trainer.close()
@@ -179,10 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         report[f"{arm}_over_fp32_speedup"] = fp32 / report["arms"][arm]["update_plus_export_s"]
         report[f"{arm}_over_fp32_update_only_speedup"] = report["arms"]["fp32"]["update_s_median"] / report["arms"][arm]["update_s_median"]
     for arm, ref in REFERENCE.items():
+        ga, gb = runs[arm][0]["_first_grad"], runs[ref][0]["_first_grad"]
         a, b = runs[arm][0]["_first_step"], runs[ref][0]["_first_step"]
-        report["arms"][arm]["first_step_vs_" + ref] = {
-            "cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
-            "norm_ratio": float(a.norm() / b.norm()), "tolerance": "cosine >= 0.99",
+        grad_cos = float(torch.nn.functional.cosine_similarity(ga, gb, dim=0))
+        grad_ratio = float(ga.norm() / gb.norm())
+        report["arms"][arm]["first_gradient_vs_" + ref] = {
+            "cosine": grad_cos, "norm_ratio": grad_ratio, "tolerance": "cosine >= 0.99 and norm ratio within 5%",
+            "within_tolerance": grad_cos >= 0.99 and abs(grad_ratio - 1.0) <= 0.05,
+        }
+        report["arms"][arm]["first_adamw_step_vs_" + ref] = {
+            "cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)), "norm_ratio": float(a.norm() / b.norm()),
+            "sign_agreement": float(((a > 0) == (b > 0)).double().mean()),
+            "note": "AdamW's first step is ~lr*sign(g) per element: a sign-agreement measure, not the criterion",
         }
     report["conditions"] = {"rounds": rounds, "timed_repeats": repeats, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                             "platform": platform.platform(), "torch": torch.__version__, "sample_s": round(sample_s, 1),
@@ -190,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     for arm, a in report["arms"].items():
-        agree = a.get(f"first_step_vs_{REFERENCE.get(arm)}", {})
+        agree = a.get(f"first_gradient_vs_{REFERENCE.get(arm)}", {})
         print(f"{arm:<10} update {a['update_s_median']:6.1f} s + export {a['export_s_median']:5.2f} s -> "
-              f"{a['trajectories_per_update_min']:5.1f} trajectories/min" + (f", first step cosine vs {REFERENCE[arm]} "
+              f"{a['trajectories_per_update_min']:5.1f} trajectories/min" + (f", first gradient cosine vs {REFERENCE[arm]} "
                                                                             f"{agree['cosine']:.4f}" if agree else ""))
     print(f"speed-up over fp32 (update + export): bf16 {report['bf16_over_fp32_speedup']:.2f}x, lora {report['lora_over_fp32_speedup']:.2f}x, "
           f"lora_bf16 {report['lora_bf16_over_fp32_speedup']:.2f}x")

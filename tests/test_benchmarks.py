@@ -465,3 +465,24 @@ def test_multinode_step_alternates_and_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_update_speed_benchmark_quick(tmp_path):
+    """``benchmarks/update_speed.py --quick``: the four arms update the same sampled rows side by side; bf16 and
+    LoRA + bf16 are judged against their fp32 references on the first optimizer step's gradient (cosine >= 0.99,
+    norms within 5%), and AdamW's sign-like first parameter step is reported beside it."""
+    out = tmp_path / "update_speed.json"
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}  # conftest's avx2 cap would turn bf16 off
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "update_speed.py"), "--quick", "--out", str(out)],
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for key in ("bf16_over_fp32_speedup", "lora_over_fp32_speedup", "lora_bf16_over_fp32_speedup"):
+        assert math.isfinite(report[key]) and report[key] > 0
+    assert set(report["arms"]) == {"fp32", "bf16", "lora", "lora_bf16"}
+    assert report["arms"]["lora"]["trained_params"] < report["arms"]["fp32"]["trained_params"] / 10
+    for arm, ref in (("bf16", "fp32"), ("lora_bf16", "lora")):
+        grad = report["arms"][arm][f"first_gradient_vs_{ref}"]
+        assert grad["within_tolerance"] and grad["cosine"] >= 0.99, grad
+        step = report["arms"][arm][f"first_adamw_step_vs_{ref}"]
+        assert 0.0 <= step["sign_agreement"] <= 1.0
