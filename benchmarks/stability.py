@@ -18,7 +18,10 @@ Arms (``ARMS``; each a set of overrides of the production trainer, same seeds, s
 * ``ema_k3``      -- the anchor half: K3 to the EMA anchor (eta = 0.9, period 2);
 * ``frozen_topk`` -- the estimator half: Top-k reverse KL (k = 32, tail + IW) to the frozen reference;
 * ``emapg_guard`` -- ``emapg`` with the stability guard on, every detector's action ``rollback`` (checkpoints
-  every step).
+  every step);
+* ``grpo_entropy_ctl`` -- (added 2026-12-05 before any protocol run, item 4 of the issue) ``grpo`` with the
+  target-entropy controller (``algorithm.entropy_target=0.3``, start coefficient 0.001, rate 0.5, range
+  [1e-4, 0.1]; :mod:`trainer.entropy_control`). The coefficient is never negative: it can only push entropy up.
 
 Every run logs ``kl/to_start`` (``logging.kl_to_start``) and probes 8 fixed training questions greedily every 2
 steps (``logging.probe_size``), so every signal of :mod:`trainer.health_signals` is in its metrics.
@@ -31,6 +34,27 @@ is chosen by a short sweep *before* the protocol's runs, by a fixed rule: GRPO a
 ``--steps`` steps; grid points in order of increasing lr, then decreasing beta; the first point at which GRPO
 collapses in at least one of the two sweep seeds is the stress setting (none: the last, harshest point). The
 number of steps is fixed by the budget (``--steps``, default 12), not swept. The sweep's runs are reported.
+
+AMENDMENT (2026-12-05, before any protocol run; what was tried). The machine is shared with a CPU benchmark that
+has priority: a toy step (8 prompts x 4 samples) takes 3 s when the CPU is free and 20-35 s when it is not, about
+1 step/min per process with several processes. A first GRPO probe at the first grid point (lr 1e-3, beta 0.1, seed
+100, stopped after 7 of 12 steps) went reward 0.69, 0.25, 0.34, 0.125, 0.03, 0.25, 0.44 (start level 0.47: two
+steps below half of it, then back: not a collapse), entropy 0.31 -> 1.05 (rising: the policy turns to noise, not
+to a single answer), kl/to_start 0.3-0.9, probe answers flipping 88-100% between probes. So that the sweep and 5
+seeds of all six toy arms fit the session, the steps are cut from 12 to **8** (``--steps 8``) for the sweep and the
+arms alike, and the arms run in parallel processes over one ``--work`` (``--arms``). Everything else as above.
+
+SWEEP RESULT (2026-12-05, 8 steps; GRPO mean reward per step, collapse step by the definition above):
+
+* lr 1e-3, beta 0.1: seed 100 0.69 0.25 0.34 0.12 0.03 0.25 0.44 0.34 (none); seed 101 0.66 0.06 0.19 0.41 0.22
+  0.28 0.06 0.19 (none) -- entropy rose 0.3 -> 0.6-1.1 in both;
+* lr 1e-3, beta 0.001: seed 100 0.69 0.25 0.19 0.19 0.03 0.00 0.00 0.00 (**collapsed at step 3**); seed 101 0.66
+  0.06 0.22 0.22 0.12 0.19 0.12 0.03 (none: below half its start in 2 consecutive steps twice, never 3).
+
+So the stress setting is **lr 1e-3, beta 0.001, 8 steps** (the first grid point with a collapsed sweep seed; the
+later grid points were started in parallel and stopped once this was known). Off-protocol, before the sweep had
+decided, GRPO seeds 0 and 1 were run at lr 1e-3, beta 0.1: seed 0 did not collapse (0.53 0.41 0.44 0.06 0.31 0.34
+0.38 0.38), seed 1 collapsed at step 3 (0.66 0.00 0.00 0.00 0.00 0.09 0.19 0.19); they are not protocol runs.
 
 Seeds. 5 per arm on the toy task (0-4), then 2 per arm (0, 1) of ``grpo``, ``emapg``, ``ema_k3`` and
 ``frozen_topk`` on the SmolLM2 search task (the shipped starter, ``configs/demo_search_smollm2.yaml``, the
@@ -64,6 +88,7 @@ Outputs: ``benchmarks/results/stability.json`` (contract: ``collapse_definition`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -86,6 +111,10 @@ ARMS: dict[str, list[str]] = {
     "emapg": ["algorithm.name=emapg", *TOPK, *EMA],
     "ema_k3": ["algorithm.name=emapg", *K3, *EMA],
     "frozen_topk": ["algorithm.name=emapg", *TOPK, *FROZEN],
+    # GRPO with the target-entropy controller (trainer.entropy_control): target 0.3 nats/token, about the warm
+    # start's step-1 entropy on the toy task (0.31 in the first sweep probe, seed 100)
+    "grpo_entropy_ctl": ["algorithm.name=grpo", *K3, *FROZEN, "algorithm.entropy_target=0.3", "algorithm.entropy_coef=0.001",
+                         "algorithm.entropy_rate=0.5", "algorithm.entropy_coef_range=[0.0001,0.1]"],
 }
 GUARDED = "emapg_guard"
 CONTRACT_ARMS = ("grpo", "emapg", "ema_k3", "frozen_topk")
@@ -167,6 +196,106 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+#: the issue's leading signals that no detector reads (replayed runs are checked for them too)
+LEADING_SIGNALS = ("loss/clip_frac", "probe/flip_rate", "probe/lost_rate")
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """A run's ``metrics.jsonl`` as its step metrics in step order (a step logged twice, as after a resume: the
+    last line wins)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step[int(row["step"])] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _arm_and_seed(name: str) -> tuple[str, int | None]:
+    arm, sep, seed = name.rpartition("-seed")
+    return (arm, int(seed)) if sep and seed.isdigit() else (name, None)
+
+
+def replay_false_trips(folder: Path, control_arms: tuple[str, ...] = ("control",)) -> dict[str, Any]:
+    """Every guard detector (defaults, each replayed alone by :func:`trainer.guard.first_trips`, the guard's own
+    code) over the runs of ``folder`` (``<arm>-seed<N>/metrics.jsonl``, e.g. ``runs/learning_search``): per
+    detector, its false-trip rate on the runs that did not collapse (collapse: :func:`trainer.collapse.collapse_step`
+    on ``reward/mean``), the training arms pooled and ``control_arms`` (shuffled reward) apart. Only the runs with
+    the folder's largest step count are replayed (the others are still running: listed, not counted). A detector
+    whose metrics a run did not log cannot trip: its rate is over the runs that logged them, and the series that
+    are missing are named."""
+    from trainer.collapse import collapse_step
+    from trainer.guard import DETECTORS, GuardConfig, first_trips
+
+    found = {d.name: read_metrics(d / "metrics.jsonl") for d in sorted(folder.iterdir())
+             if (d / "metrics.jsonl").is_file() and _arm_and_seed(d.name)[1] is not None}
+    found = {name: h for name, h in found.items() if h}
+    steps = max((len(h) for h in found.values()), default=0)
+    in_progress = {name: len(h) for name, h in found.items() if len(h) < steps}
+    runs: dict[str, dict[str, Any]] = {}
+    for name, history in found.items():
+        if name in in_progress:
+            continue
+        arm, seed = _arm_and_seed(name)
+        rewards = [float(h["reward/mean"]) for h in history]
+        non_text = [float(h.get("response/non_text_share", 0.0)) for h in history]
+        trips = first_trips(history, GuardConfig(enabled=True))
+        logged = {det: all(any(m in h for m in metrics) for h in history) for det, (metrics, _) in DETECTORS.items()}
+        runs[name] = {"arm": arm, "seed": seed, "steps": len(history), "collapse_step": collapse_step(rewards, non_text),
+                      "first_trips": trips, "logged": logged,
+                      "trip_values": {det: _trip_value(history[step - 1], DETECTORS[det][0])
+                                      for det, step in trips.items() if step is not None}}
+
+    def rates(names: list[str]) -> dict[str, Any]:
+        healthy = [runs[n] for n in names if runs[n]["collapse_step"] is None]
+        per: list[dict[str, Any]] = []
+        for det, (metrics, direction) in DETECTORS.items():
+            with_series = [r for r in healthy if r["logged"][det]]
+            tripped = [r for r in with_series if r["first_trips"][det] is not None]
+            per.append({"name": det, "metrics": list(metrics), "direction": direction, "runs_with_series": len(with_series),
+                        "false_trips": len(tripped),
+                        "false_trip_rate": len(tripped) / len(with_series) if with_series else None,
+                        "false_trip_rate_ci": wilson(len(tripped), len(with_series)),
+                        "tripped": {f"{r['arm']}-seed{r['seed']}": r["first_trips"][det] for r in tripped}})
+        return {"runs": sorted(names), "collapsed": sorted(n for n in names if runs[n]["collapse_step"] is not None),
+                "healthy_runs": len(healthy), "signals": per}
+
+    training = [n for n in runs if runs[n]["arm"] not in control_arms]
+    control = [n for n in runs if runs[n]["arm"] in control_arms]
+    watched = dict.fromkeys([*(m for metrics, _ in DETECTORS.values() for m in metrics), *LEADING_SIGNALS])
+    missing = [m for m in watched if any(not any(m in h for h in found[n]) for n in runs)]
+    return {"date": _now(), "folder": str(folder), "steps": steps, "in_progress": in_progress,
+            "collapse": "trainer.collapse.collapse_step on reward/mean (and response/non_text_share)",
+            "detectors": "trainer.guard.first_trips, every detector alone at its default thresholds",
+            "missing_series": missing, "training_arms": rates(training), "control_arms": rates(control),
+            "per_run": runs}
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _trip_value(metrics: dict[str, float], names: tuple[str, ...]) -> float | None:
+    values = [float(metrics[m]) for m in names if isinstance(metrics.get(m), (int, float))]
+    return max(values) if values else None
+
+
+def print_false_trips(replay: dict[str, Any]) -> None:
+    print(f"replayed {replay['folder']}: {len(replay['per_run'])} runs of {replay['steps']} steps"
+          + (f"; still running, not counted: {replay['in_progress']}" if replay["in_progress"] else ""))
+    if replay["missing_series"]:
+        print(f"  series some of these runs did not log (a detector cannot trip on them): {', '.join(replay['missing_series'])}")
+    for group in ("training_arms", "control_arms"):
+        g = replay[group]
+        print(f"  {group}: {len(g['runs'])} runs, {g['healthy_runs']} did not collapse, collapsed: {g['collapsed'] or 'none'}")
+        for s in g["signals"]:
+            rate = "n/a (no run logged it)" if s["false_trip_rate"] is None else (
+                f"{s['false_trips']}/{s['runs_with_series']} = {s['false_trip_rate']:.2f}")
+            print(f"    {s['name']:18s} false trips {rate}" + (f"  first trip steps {s['tripped']}" if s["tripped"] else ""))
+
+
 def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> Path:
     """Per arm (columns): the reward and the leading signals (rows) of every seed; collapsed runs dashed, their
     collapse step marked."""
@@ -206,18 +335,24 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> 
 class Runner:
     """Trains one run per (task, arm, seed) with the production trainer, kept in ``work`` for resumption."""
 
-    def __init__(self, work: Path, *, steps: int, prompts: int, samples: int, probe: int) -> None:
+    def __init__(self, work: Path, *, steps: int, prompts: int, samples: int, probe: int, train_missing: bool = True) -> None:
         self.work, self.steps, self.prompts, self.samples, self.probe = work, steps, prompts, samples, probe
+        self.train_missing = train_missing  # False (--report-only): a run not finished in work is None
+        self.missing: list[str] = []
 
-    def run(self, name: str, config: Path, base: list[str], arm: str, seed: int, lr: float, beta: float) -> dict[str, Any]:
+    def run(self, name: str, config: Path, base: list[str], arm: str, seed: int, lr: float, beta: float) -> dict[str, Any] | None:
         from emapg.config import load_config
         from trainer.config import TrainConfig
+        from trainer.errors import TrainingError
         from trainer.loop import train
 
         out = self.work / name
         done = out / "history.json"
         if done.is_file():
             return json.loads(done.read_text())
+        if not self.train_missing:
+            self.missing.append(name)
+            return None
         extra = list(ARMS["emapg" if arm == GUARDED else arm])
         if arm == GUARDED:
             from trainer.guard import DETECTORS
@@ -231,8 +366,14 @@ class Runner:
                      f"algorithm.mini_batch_size={self.prompts * self.samples}", *extra]
         if arm != GUARDED:
             overrides.append("run.save_every=0")
-        history = train(load_config(TrainConfig, config, overrides))
-        record = run_record(history)
+        try:
+            history = train(load_config(TrainConfig, config, overrides))
+            stopped = None
+        except TrainingError as e:  # the guard's stop (guard.max_recoveries spent): the run ends there, it is a result
+            if arm != GUARDED or "stability guard stopped" not in str(e):
+                raise
+            history, stopped = read_metrics(out / "run" / "metrics.jsonl"), str(e)
+        record = {**run_record(history), "stopped_by_guard": stopped}
         out.mkdir(parents=True, exist_ok=True)
         done.write_text(json.dumps(record))
         print(f"{name}: reward {record['reward'][0]:.3f} -> {record['reward'][-1]:.3f}, collapse step {record['collapse_step']}",
@@ -240,17 +381,36 @@ class Runner:
         return record
 
 
-def choose_stress(runner: Runner, config: Path, base: list[str]) -> tuple[float, float, list[dict[str, Any]]]:
+def sweep_name(lr: float, beta: float, seed: int) -> str:
+    return f"sweep/lr{lr:g}_beta{beta:g}_seed{seed}"
+
+
+def parse_sweep_runs(text: str) -> list[tuple[float, float, int]]:
+    """``LR:BETA:SEED,...`` -> the sweep runs (each must be a point of the pre-registered grid and a sweep seed)."""
+    runs = []
+    for item in filter(None, text.split(",")):
+        lr, beta, seed = item.split(":")
+        run = (float(lr), float(beta), int(seed))
+        if run[0] not in SWEEP_LR or run[1] not in SWEEP_BETA or run[2] not in SWEEP_SEEDS:
+            raise ValueError(f"{item} is not a run of the sweep grid {SWEEP_LR} x {SWEEP_BETA} x seeds {SWEEP_SEEDS}")
+        runs.append(run)
+    return runs
+
+
+def choose_stress(runner: Runner, config: Path, base: list[str]) -> tuple[float | None, float | None, list[dict[str, Any]]]:
     """The pre-registered sweep: GRPO over SWEEP_LR x SWEEP_BETA (lr ascending, beta descending), the first point
-    where a sweep seed collapses (else the last)."""
+    where a sweep seed collapses (else the last). (None, None, ...) when a run it needs is not finished
+    (``--report-only``)."""
     sweep = []
     grid = [(lr, beta) for lr in SWEEP_LR for beta in SWEEP_BETA]
     for lr, beta in grid:
-        collapsed = 0
-        for seed in SWEEP_SEEDS:
-            r = runner.run(f"sweep/lr{lr:g}_beta{beta:g}_seed{seed}", config, base, "grpo", seed, lr, beta)
-            collapsed += r["collapse_step"] is not None
-        sweep.append({"lr": lr, "beta": beta, "grpo_collapsed": collapsed, "seeds": list(SWEEP_SEEDS)})
+        records = [runner.run(sweep_name(lr, beta, seed), config, base, "grpo", seed, lr, beta) for seed in SWEEP_SEEDS]
+        if any(r is None for r in records):
+            sweep.append({"lr": lr, "beta": beta, "unfinished": True})
+            return None, None, sweep
+        collapsed = sum(r["collapse_step"] is not None for r in records)
+        sweep.append({"lr": lr, "beta": beta, "grpo_collapsed": collapsed, "seeds": list(SWEEP_SEEDS),
+                      "collapse_steps": [r["collapse_step"] for r in records], "rewards": [r["reward"] for r in records]})
         if collapsed:
             return lr, beta, sweep
     return grid[-1][0], grid[-1][1], sweep
@@ -266,7 +426,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=None, help="skip the sweep: this KL coefficient (with --lr)")
     p.add_argument("--work", type=Path, default=None, help="run folders (kept; finished runs are reused)")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/stability.json; --quick: in --work)")
+    p.add_argument("--false-trips-from", type=Path, default=None,
+                   help="replay every guard detector over the runs of this folder (<arm>-seed<N>/metrics.jsonl, e.g. "
+                        "runs/learning_search; read only) and report each one's false-trip rate on the runs that did not collapse")
+    p.add_argument("--replay-only", action="store_true",
+                   help="with --false-trips-from: only the replay, no training (--out default "
+                        "benchmarks/results/stability_false_trips.json)")
+    p.add_argument("--arms", type=lambda x: x.split(","), default=[*ARMS, GUARDED],
+                   help="comma-separated toy arms to run (default all; several processes can share one --work, each "
+                        "running some arms, and a last run over all of them reuses every finished run)")
+    p.add_argument("--retriever-url", default=None,
+                   help="a running `emapg serve` of the toy index (topk 1) to use instead of starting one (processes "
+                        "sharing --work can share one server: less memory)")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: the report from the runs already finished in --work (the others listed as not_run)")
+    p.add_argument("--sweep-runs", type=parse_sweep_runs, default=None,
+                   help="LR:BETA:SEED,...: only run these runs of the sweep grid into --work and exit (several processes "
+                        "can split the grid; a later run without it applies the sweep's rule to the finished runs)")
     args = p.parse_args(argv)
+    if unknown := set(args.arms) - {*ARMS, GUARDED}:
+        p.error(f"unknown arms {sorted(unknown)}")
+    if args.replay_only:
+        if args.false_trips_from is None:
+            p.error("--replay-only needs --false-trips-from")
+        replay = replay_false_trips(args.false_trips_from)
+        print_false_trips(replay)
+        out = args.out or RESULTS / "stability_false_trips.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(replay, indent=2))
+        print(f"wrote {out}")
+        return 0
     if (args.lr is None) != (args.beta is None):
         p.error("--lr and --beta go together")
     if args.quick:
@@ -285,31 +474,60 @@ def main(argv: list[str] | None = None) -> int:
     from tests.fixtures.trainer import WARM_CACHE_STEPS, build_toy_task, cached_warm_start, toy_overrides
 
     task = build_toy_task(work / "task")
-    report: dict[str, Any] = {"protocol": "benchmarks/stability.py docstring", "quick": args.quick, "steps": args.steps,
+    report: dict[str, Any] = {"date": _now(), "protocol": "benchmarks/stability.py docstring", "quick": args.quick, "steps": args.steps,
                               "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}
-    runner = Runner(work, steps=args.steps, prompts=4 if args.quick else 8, samples=4, probe=4 if args.quick else 8)
+    runner = Runner(work, steps=args.steps, prompts=4 if args.quick else 8, samples=4, probe=4 if args.quick else 8,
+                    train_missing=not args.report_only)
     toy_config = CONFIG_DIR / "search_tiny_cpu.yaml"
-    toy_runs: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in [*ARMS, GUARDED]}
-    with RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1) as server:
-        start = cached_warm_start(Path(resolve_model("tiny-qwen2")), task, WARM_CACHE_STEPS)
-        base = toy_overrides(task, server.url, work, **{"model.policy": str(start), "algorithm.micro_batch_size": 16})
-        base = [o for o in base if not o.startswith("run.output_dir=")]
+    toy_runs: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in [*ARMS, GUARDED] if arm in args.arms}
+    # a long health wait: on a shared CPU several benchmark processes starting at once starve the servers' first answer
+    serving = (contextlib.nullcontext() if args.report_only or args.retriever_url else
+               RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1, startup_timeout=900))
+    with serving as server:
+        base: list[str] = []
+        if not args.report_only:
+            start = cached_warm_start(Path(resolve_model("tiny-qwen2")), task, WARM_CACHE_STEPS)
+            url = args.retriever_url or server.url
+            base = toy_overrides(task, url, work, **{"model.policy": str(start), "algorithm.micro_batch_size": 16})
+            base = [o for o in base if not o.startswith("run.output_dir=")]
+        if args.sweep_runs:  # only these sweep runs (processes sharing --work split the grid; the rule is applied later)
+            for lr, beta, seed in args.sweep_runs:
+                runner.run(sweep_name(lr, beta, seed), toy_config, base, "grpo", seed, lr, beta)
+            return 0
         if args.lr is None:
             args.lr, args.beta, report["sweep"] = choose_stress(runner, toy_config, base)
+            if args.lr is None:
+                print(f"the sweep is not finished in {work}: {runner.missing}")
+                return 1
         report["stress"] = {"lr": args.lr, "beta": args.beta, "steps": args.steps, "chosen_by": "argument" if "sweep" not in report else "sweep"}
         for seed in range(args.seeds):
             for arm in toy_runs:
-                toy_runs[arm][seed] = runner.run(f"toy/{arm}_seed{seed}", toy_config, base, arm, seed, args.lr, args.beta)
+                record = runner.run(f"toy/{arm}_seed{seed}", toy_config, base, arm, seed, args.lr, args.beta)
+                if record is not None:
+                    toy_runs[arm][seed] = record
+    if runner.missing:
+        report["complete"] = False
+        report["not_run"] = runner.missing
     report["toy"] = {"runs": toy_runs, **summarise(toy_runs)}
     if args.smollm2_seeds:
         report["smollm2"] = smollm2(runner, args, work)
+    else:
+        report["smollm2"] = "not run (--smollm2-seeds 0)"
     # the contract: the toy task's estimates at the top level (SmolLM2's beside them under "smollm2")
     report.update({k: v for k, v in report["toy"].items() if k != "runs"})
+    if args.false_trips_from is not None:  # the healthy runs of another benchmark (the issue's false-trip target)
+        replay = replay_false_trips(args.false_trips_from)
+        report["false_trips_replay"] = replay
+        by_name = {s["name"]: s for s in replay["training_arms"]["signals"]}
+        for s in report["signals"]:
+            s["false_trip_rate_replayed"] = by_name[s["name"]]["false_trip_rate"]
     out.parent.mkdir(parents=True, exist_ok=True)
     png = plot(toy_runs, out.with_suffix(".png"), f"toy search task, lr {args.lr:g}, beta {args.beta:g}, {args.steps} steps")
     out.write_text(json.dumps(report, indent=2))
-    for arm in [*ARMS, GUARDED]:
+    for arm in toy_runs:
         a = report[arm]
+        if not a["seeds"]:
+            continue
         print(f"{arm:12s} collapsed {a['collapsed']}/{len(a['seeds'])} = {a['collapse_rate']:.2f} "
               f"[{a['collapse_rate_ci'][0]:.2f}, {a['collapse_rate_ci'][1]:.2f}]")
     for s in report["signals"]:

@@ -25,7 +25,7 @@ def test_the_arms_are_the_two_algorithms_and_their_halves():
     assert "algorithm.kl.type=topk_reverse" in ARMS["emapg"] and "algorithm.ema.decay=0.9" in ARMS["emapg"]
     assert "algorithm.kl.type=k3" in ARMS["ema_k3"] and "algorithm.ema.decay=0.9" in ARMS["ema_k3"]
     assert "algorithm.kl.type=topk_reverse" in ARMS["frozen_topk"] and "algorithm.ema.decay=1.0" in ARMS["frozen_topk"]
-    assert set(CONTRACT_ARMS) == set(ARMS)
+    assert set(CONTRACT_ARMS) <= set(ARMS) and "algorithm.entropy_target=0.3" in ARMS["grpo_entropy_ctl"]
 
 
 def test_the_protocol_is_written_in_the_docstring():
@@ -93,3 +93,88 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
     run = report["toy"]["runs"]["emapg"]["0"]
     assert len(run["reward"]) == 3 and all(x is not None for x in run["kl_to_start"])
     assert out.with_suffix(".png").is_file()
+
+
+def write_run(folder, name: str, history: list[dict[str, float]]) -> None:
+    d = folder / name
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **h}) + "\n" for i, h in enumerate(history, 1)))
+
+
+def test_replayed_false_trips_of_a_run_folder(tmp_path, capsys):
+    """--false-trips-from: every detector replayed over <arm>-seed<N>/metrics.jsonl; rates over the runs that did not
+    collapse, the control arm apart, runs still in progress left out, missing series named."""
+    from benchmarks.stability import main, replay_false_trips
+
+    base = {k: v for k, v in HEALTHY.items() if k != "kl/to_start"}  # like runs/learning_search: no kl/to_start
+    healthy = [dict(base) for _ in range(8)]
+    dip = [dict(base) for _ in range(8)]
+    dip[5]["actor/entropy"] = 0.3  # < 0.25 x 2.0: entropy_collapse trips at step 6
+    loops = [dict(base) for _ in range(8)]
+    loops[6]["response/repeated_ngram_share"] = 0.6  # above the absolute limit 0.5: repetition at step 7
+    write_run(tmp_path, "grpo-seed0", dip)
+    write_run(tmp_path, "grpo-seed1", healthy)
+    write_run(tmp_path, "emapg-seed0", healthy)
+    write_run(tmp_path, "emapg-seed1", [*healthy[:3], *({**base, "reward/mean": 0.05} for _ in range(5))])  # collapses at 4
+    write_run(tmp_path, "control-seed0", loops)
+    write_run(tmp_path, "grpo-seed2", healthy[:3])  # still running
+    (tmp_path / "start_greedy").mkdir()  # not a run
+    r = replay_false_trips(tmp_path)
+    assert r["steps"] == 8 and r["in_progress"] == {"grpo-seed2": 3}
+    assert r["per_run"]["emapg-seed1"]["collapse_step"] == 4
+    t = r["training_arms"]
+    assert t["runs"] == ["emapg-seed0", "emapg-seed1", "grpo-seed0", "grpo-seed1"] and t["collapsed"] == ["emapg-seed1"]
+    assert t["healthy_runs"] == 3
+    sig = {s["name"]: s for s in t["signals"]}
+    assert sig["entropy_collapse"]["false_trips"] == 1 and sig["entropy_collapse"]["false_trip_rate"] == 1 / 3
+    assert sig["entropy_collapse"]["tripped"] == {"grpo-seed0": 6}
+    assert sig["entropy_collapse"]["false_trip_rate_ci"] == wilson(1, 3)
+    assert sig["repetition"]["false_trip_rate"] == 0.0 and sig["reward_drop"]["false_trip_rate"] == 0.0
+    assert sig["kl_to_start"]["runs_with_series"] == 0 and sig["kl_to_start"]["false_trip_rate"] is None
+    c = {s["name"]: s for s in r["control_arms"]["signals"]}
+    assert r["control_arms"]["runs"] == ["control-seed0"] and c["repetition"]["tripped"] == {"control-seed0": 7}
+    assert c["entropy_collapse"]["false_trip_rate"] == 0.0
+    assert r["per_run"]["control-seed0"]["trip_values"]["repetition"] == 0.6
+    assert "kl/to_start" in r["missing_series"] and "probe/flip_rate" in r["missing_series"]
+    assert "actor/entropy" not in r["missing_series"]
+    out = tmp_path / "ft.json"
+    assert main(["--replay-only", "--false-trips-from", str(tmp_path), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["training_arms"]["healthy_runs"] == 3
+    printed = capsys.readouterr().out
+    assert "kl/to_start" in printed and "1/3 = 0.33" in printed
+
+
+def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missing(tmp_path):
+    """--report-only trains nothing: the stress point from the finished sweep runs (the first grid point with a
+    collapsed sweep seed), the arms' finished runs summarised with the contract keys, the rest listed as not run."""
+    from benchmarks.stability import main, sweep_name
+
+    collapsing, healthy = run_record(degenerating()), run_record(healthy_run())
+
+    def put(name: str, record: dict) -> None:
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "history.json").write_text(json.dumps(record))
+
+    put(sweep_name(1e-3, 0.1, 100), healthy)
+    put(sweep_name(1e-3, 0.1, 101), healthy)
+    put(sweep_name(1e-3, 0.001, 100), collapsing)
+    put(sweep_name(1e-3, 0.001, 101), healthy)
+    put("toy/grpo_seed0", collapsing)
+    put("toy/grpo_seed1", healthy)
+    put("toy/emapg_seed0", healthy)
+    out = tmp_path / "stability.json"
+    assert main(["--report-only", "--seeds", "2", "--smollm2-seeds", "0", "--steps", "12", "--work", str(tmp_path),
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["stress"] == {"lr": 1e-3, "beta": 0.001, "steps": 12, "chosen_by": "sweep"}
+    assert [p["grpo_collapsed"] for p in report["sweep"]] == [0, 1]
+    assert report["grpo"]["seeds"] == [0, 1] and report["grpo"]["collapse_rate"] == 0.5
+    assert report["emapg"]["seeds"] == [0] and report["ema_k3"]["seeds"] == [] and report["ema_k3"]["collapse_rate"] is None
+    assert report["complete"] is False and "toy/emapg_seed1" in report["not_run"] and "toy/ema_k3_seed0" in report["not_run"]
+    assert report["smollm2"].startswith("not run") and isinstance(report["collapse_definition"], str)
+    assert {"name", "median_lead_steps", "false_trip_rate"} <= set(report["signals"][0])
+    # an unfinished sweep point: no stress setting, nothing written
+    (tmp_path / sweep_name(1e-3, 0.001, 100) / "history.json").unlink()
+    assert main(["--report-only", "--seeds", "2", "--smollm2-seeds", "0", "--work", str(tmp_path),
+                 "--out", str(tmp_path / "again.json")]) == 1
+    assert not (tmp_path / "again.json").exists()

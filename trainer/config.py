@@ -336,7 +336,15 @@ class AlgorithmConfig:
         "unbiased", help="group std used to normalise advantages (none = Dr.GRPO, mean-centred only)"
     )
     adv_eps: float = option(1e-6, gt=0, help="epsilon added to the group std (> 0: a group of equal rewards has std 0)")
-    entropy_coef: float = option(0.0, help="entropy bonus coefficient")
+    entropy_coef: float = option(0.0, help="entropy bonus coefficient (with entropy_target: the controller's first value, "
+                                 "clamped into entropy_coef_range)")
+    entropy_target: float | None = option(
+        None, gt=0, help="target-entropy control (trainer.entropy_control): after each step the entropy coefficient moves "
+        "in log space by rate * clip((target - H)/target, -1, 1), H the step's mean token entropy (actor/entropy), to "
+        "hold H near this target (nats per token); logged as actor/entropy_coef; null: the fixed entropy_coef")
+    entropy_rate: float = option(0.2, gt=0, help="entropy_target: the controller's log-space step (the coefficient changes "
+                                 "by at most a factor exp(rate) per step)")
+    entropy_coef_range: list[float] = option([1e-4, 0.1], gt=0, help="entropy_target: [min, max] of the adapted coefficient")
     mini_batch_size: int = option(
         256, help="trajectories per optimizer step over all processes; the rollout batch gives batch/mini_batch_size PPO updates"
     )
@@ -374,6 +382,8 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.micro_batch_size must be <= algorithm.mini_batch_size")
         if self.mini_batch_size % self.micro_batch_size:
             raise ConfigError("algorithm.mini_batch_size must be a multiple of algorithm.micro_batch_size")
+        if len(self.entropy_coef_range) != 2 or self.entropy_coef_range[0] > self.entropy_coef_range[1]:
+            raise ConfigError(f"algorithm.entropy_coef_range must be [min, max] with 0 < min <= max, got {self.entropy_coef_range}")
         band = self.behavior_band
         if len(band) != 2 or not 0 <= band[0] <= 1 <= band[1]:
             raise ConfigError(f"algorithm.behavior_band must be [low, high] with 0 <= low <= 1 <= high, got {band}")

@@ -45,7 +45,8 @@ def test_a_run_drops_uniform_groups_trains_on_shuffled_rewards_and_records_its_s
     finally:
         trainer.close()
     assert provenance["training_signal"] == {"qa_reward": "em_f1", "no_answer_penalty": 0.05, "shuffle_control": True,
-                                             "uniform_groups": "drop", "filter_groups": False, "guidance": "none"}
+                                             "uniform_groups": "drop", "filter_groups": False, "guidance": "none",
+                                             "entropy_coef": 0.0, "entropy_control": None}
     n = cfg.rollout.n_samples
     for m in history:
         trained_groups = m["filter/informative_groups"] or 1.0  # none informative: one uniform group alone
