@@ -14,9 +14,11 @@ The function is called once per trajectory, concurrently (``rollout.agent_worker
 
 The session's calls are assembled into the trajectory token-exactly (agent/recorded_sessions.py): the
 sampled tokens are trained on, everything in between (tool results, framing) is masked. A session that
-did not assemble into one context (the agent rewrote its history) trains on the part that holds its last
-call; the rest is dropped (logged). An agent that raises gives an errored trajectory (scored 0, not trained
-on), like any failed rollout. The endpoint is the generation servers' (``rollout.engine=remote``) or, for
+did not assemble into one context (the agent rewrote or truncated its history) splits into several
+trajectories: the one holding its last call is the episode's (graded, in its GRPO group), the others are its
+``extra_segments``, each trained as a row of its own carrying the episode's advantage
+(trainer.sampled_batch.training_rows; counted as ``rollout/session_splits`` and ``rollout/segments_per_session``).
+An agent that raises gives an errored trajectory (scored 0, not trained on), like any failed rollout. The endpoint is the generation servers' (``rollout.engine=remote``) or, for
 an engine in this process, a loopback server started around it for the batch (:class:`LocalEndpoint`).
 """
 
@@ -166,22 +168,33 @@ class _nothing:
 
 
 def _fill(t: Any, session: dict, max_response_tokens: int) -> None:
-    """The trajectory of a recorded session: the segment holding the last call (module docstring)."""
-    from agent.spans import Span
+    """The trajectory of a recorded session (module docstring): the segment holding the last call fills ``t``; the
+    session's other segments (it split: the agent rewrote or truncated its history) go to ``t.extra_segments``, in
+    the order they were opened, each trained as its own row with the episode's reward. Every segment is cut at
+    ``max_response_tokens`` like the built-in loop's response; ``num_turns`` and ``num_searches`` count all of them."""
+    from agent.spans import Span, TrainingSegment
 
     segments = session["trajectories"]
     last = len(session["calls"]) - 1
-    seg = next(s for s in segments if last in s["calls"])
+    final = next(j for j, s in enumerate(segments) if last in s["calls"])
+    seg = segments[final]
     if len(segments) > 1:
-        log.warning("session %s did not assemble into one context (%d parts); training on the part with its last call",
-                    t.uid, len(segments))
+        log.info("session %s split into %d contexts (the agent rewrote its history); training every one", t.uid, len(segments))
+    t.extra_segments = []
+    for j, other in enumerate(segments):
+        if j == final:
+            continue
+        n = max_response_tokens
+        roles = [role for a, b, role in other["spans"] if a < n]
+        t.extra_segments.append(TrainingSegment(list(other["prompt_ids"]), list(other["response_ids"][:n]),
+                                                list(other["loss_mask"][:n]), [float(x) for x in other["logprobs"][:n]],
+                                                num_turns=roles.count("model"), num_observations=roles.count("observation")))
     t.prompt_ids = list(seg["prompt_ids"])
     t.response_ids, t.loss_mask = list(seg["response_ids"]), list(seg["loss_mask"])
     t.sampling_logprobs = [float(x) for x in seg["logprobs"]]
     t.spans = [Span(a, b, role, "answer" if role == "model" else "tool") for a, b, role in seg["spans"]]
-    t.num_turns = sum(s.role == "model" for s in t.spans)
-    t.num_searches = sum(s.role == "observation" for s in t.spans)
     if t.stop_reason == "error":
+        _count_turns(t)
         return
     if len(t.response_ids) > max_response_tokens:  # the same cap as the built-in loop's
         del t.response_ids[max_response_tokens:], t.loss_mask[max_response_tokens:], t.sampling_logprobs[max_response_tokens:]
@@ -189,6 +202,13 @@ def _fill(t: Any, session: dict, max_response_tokens: int) -> None:
         t.stop_reason = "length"
     else:
         t.stop_reason = "answer" if t.final_answer is not None else "max_turns"
+    _count_turns(t)
+
+
+def _count_turns(t: Any) -> None:
+    """Model turns and tool observations of ``t``, its extra segments included."""
+    t.num_turns = sum(s.role == "model" for s in t.spans) + sum(x.num_turns for x in t.extra_segments)
+    t.num_searches = sum(s.role == "observation" for s in t.spans) + sum(x.num_observations for x in t.extra_segments)
 
 
 def user_rewards(spec: str, rows: Sequence[Any], answers: Sequence[str | None]) -> list[float]:

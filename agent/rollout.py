@@ -70,7 +70,7 @@ from agent.actions import (
 from agent.engines.base import Engine, GenerationOutput, SamplingParams
 from agent.formats import AgentFormat, ToolCallFormat
 from agent.prompts import BuiltPrompt, build_prompt
-from agent.spans import Span
+from agent.spans import Span, TrainingSegment
 from emapg.config import ConfigError, option
 from tasks.task import Task, get_task
 
@@ -142,6 +142,16 @@ class RolloutConfig:
                                                     "answered to the model as timed out and counted as a tool failure")
     max_tool_output_chars: int = option(16000, ge=1, help="rollout.tools: characters of an MCP tool's output given to the model; "
                                                     "a longer output is cut there, with a note, and counted as a tool failure")
+    tool_connect_timeout_s: float = option(60.0, gt=0, help="rollout.tools: seconds an MCP server may take to connect (the "
+                                                          "transport and handshake) and, again, to list its tools; past it the run "
+                                                          "stops with an error naming the server and the step, never hangs")
+    tool_api_key_env: str | None = option(
+        None, help="rollout.tools: the name of an environment variable holding the API key of the HTTP MCP servers, sent "
+        "as 'Authorization: Bearer KEY' to each (e.g. EMAPG_RETRIEVER_API_KEY for `emapg serve --mcp` started with a key); "
+        "the run refuses to start when it is unset. None: no key")
+    tool_headers: dict[str, str] = option(
+        {}, help="rollout.tools: extra HTTP headers sent to every HTTP MCP server (e.g. X-API-Key=KEY); "
+        "rollout.tool_api_key_env's Authorization header is added to them")
     agent: str | None = option(
         None, help="an external agent, module:function (agent/external.py): called per trajectory with an openai client "
         "pointed at the policy's recording OpenAI endpoint, the task row and a session id; returns its final answer. "
@@ -248,6 +258,10 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=lambda: {"generation_s": 0.0, "retrieval_s": 0.0})
     weights_version: int | None = None  # asynchronous training: the trainer step whose weights sampled it
     format: str = "tags"  # rollout.format that produced it, or "external" (rollout.agent)
+    # rollout.agent: the other token-exact contexts of a recorded session that split (the agent rewrote or truncated
+    # its history; agent/external.py); this trajectory holds the session's last call. Each is trained as its own row
+    # with this trajectory's advantage (trainer.sampled_batch.training_rows).
+    extra_segments: list["TrainingSegment"] = field(default_factory=list)
 
     @property
     def scored_text(self) -> str:
@@ -365,9 +379,9 @@ class _Loop:
         # rollout.format=tool_calls: prompts, turn reading and tool messages come from the chat template.
         self.tools = None
         if config.tools and self.task.searches and config.format == "tool_calls":
-            from agent.tools import open_toolbox
+            from agent.tools import toolbox_for
 
-            self.tools = open_toolbox(config.tools, timeout_s=config.tool_timeout_s, max_output_chars=config.max_tool_output_chars)
+            self.tools = toolbox_for(config)
         self.fmt = ToolCallFormat(self.tok, config, self.tools) if self.task.searches and config.format == "tool_calls" else None
         self.tool_results: dict[str, list] = {}  # uid -> the MCP results of its turn's calls, until the observation
         self.ctx_limit = config.max_context_tokens or engine.info.max_model_len

@@ -40,11 +40,22 @@ from emapg.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN_SEARCH", "ToolResult", "ToolBox", "open_toolbox", "check_sources", "close_toolboxes"]
+__all__ = ["BUILTIN_SEARCH", "ToolResult", "ToolBox", "ToolConnectError", "open_toolbox", "toolbox_for", "http_headers",
+           "check_sources", "close_toolboxes"]
 
 BUILTIN_SEARCH = "search"
 CONNECT_ATTEMPTS = 3
 CALCULATOR = "calculator"
+
+
+class ToolConnectError(ConfigError):
+    """An MCP tool source could not be connected: ``source`` (the URL or command), ``phase`` (``connect``: the
+    transport and the protocol handshake; ``list_tools``), and why. A server that never answers ends here after
+    ``connect_timeout_s``, never hangs the run."""
+
+    def __init__(self, source: str, phase: str, why: str) -> None:
+        super().__init__(f"rollout.tools: cannot reach the MCP server {source!r} ({phase}): {why}")
+        self.source, self.phase, self.why = source, phase, why
 
 
 class _ClosedEarly(RuntimeError):
@@ -102,10 +113,17 @@ def _result_text(result: Any) -> str:
 class ToolBox:
     """The MCP servers of ``sources`` (the built-in ``search`` is the rollout's), connected; see the module docstring."""
 
-    def __init__(self, sources: list[str], *, timeout_s: float, max_output_chars: int, connect_timeout_s: float = 60.0) -> None:
+    def __init__(self, sources: list[str], *, timeout_s: float, max_output_chars: int, connect_timeout_s: float = 60.0,
+                 headers: dict[str, str] | None = None) -> None:
         check_sources(sources)
         self.sources = list(sources)
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
+        self.connect_timeout_s = connect_timeout_s
+        self.headers = dict(headers or {})  # sent to every HTTP source (rollout.tool_api_key_env, rollout.tool_headers)
+        self.connect_failures = 0  # attempts that failed or timed out (a client closed early is retried)
+        self._connecting: tuple[str, str] | None = None  # (source, phase) being connected, for a timeout's message
+        self._timed_out: tuple[str, str] | None = None
+        self._refused: dict[str, int] = {}  # HTTP source -> the 401/403 it answered (for the error message)
         self.builtin_search = BUILTIN_SEARCH in sources
         self.schemas: list[dict] = []
         self._owner: dict[str, Any] = {}  # tool name -> client
@@ -114,22 +132,35 @@ class ToolBox:
         self._thread.start()
         self._closing: asyncio.Event | None = None
         self._holder: asyncio.Future | None = None
+        # Each source's connect and list_tools run under a deadline of connect_timeout_s on the tool loop (the holder task
+        # is cancelled there, so the SDK's contexts unwind in the task that entered them); this thread waits for all of
+        # them plus a margin, in case the loop itself is stuck.
+        n_remote = max(1, sum(s not in (BUILTIN_SEARCH,) for s in self.sources))
         try:
             for attempt in range(CONNECT_ATTEMPTS):
                 try:
-                    asyncio.run_coroutine_threadsafe(self._open(), self._loop).result(connect_timeout_s)
+                    asyncio.run_coroutine_threadsafe(self._open(), self._loop).result(connect_timeout_s * n_remote + 10.0)
                     break
                 except _ClosedEarly as e:  # the SDK's task group was cancelled while connecting: try a fresh client
+                    self.connect_failures += 1
                     if attempt + 1 == CONNECT_ATTEMPTS:
                         raise RuntimeError(str(e)) from None
                     log.warning("rollout.tools: %s; connecting again (%d/%d)", e, attempt + 2, CONNECT_ATTEMPTS)
                     self.schemas.clear()
                     self._owner.clear()
         except FutureTimeout:
-            log.warning("rollout.tools: connecting timed out; where each task of the tool loop waited:\n%s", self._stacks())
+            self.connect_failures += 1
+            source, phase = self._connecting or ("?", "connect")
+            log.warning("rollout.tools: connecting to %r timed out at %s; where each task of the tool loop waited:\n%s", source,
+                        phase, self._stacks())
             self.close()
-            raise ConfigError(f"rollout.tools: the MCP servers did not answer within {connect_timeout_s:.0f} s") from None
+            raise ToolConnectError(source, phase, f"no answer within {connect_timeout_s:g} s (the tool loop did not respond)") from None
+        except ToolConnectError:
+            self.connect_failures += 1
+            self.close()
+            raise
         except Exception as e:
+            self.connect_failures += 1
             self.close()
             raise ConfigError(f"rollout.tools: {_cause(e)}") from None
 
@@ -181,13 +212,36 @@ class ToolBox:
                         command, *args = shlex.split(source[len("stdio:"):])
                         server = StdioServerParameters(command=command, args=args)
                     else:
-                        server = source
+                        server = await self._http_transport(stack, source)
+                    deadline = asyncio.get_running_loop().call_later(self.connect_timeout_s, self._cut_off, asyncio.current_task())
                     try:
-                        client = await stack.enter_async_context(Client(server))
+                        self._connecting = (source, "connect")
+                        client = await stack.enter_async_context(
+                            Client(server, read_timeout_seconds=max(self.connect_timeout_s, self.timeout_s) + 5.0))
+                        self._check_deadline()
+                        self._connecting = (source, "list_tools")
                         tools = (await client.list_tools()).tools
+                        self._check_deadline()
+                    except asyncio.CancelledError:
+                        if self._timed_out is None:
+                            raise
+                        src, phase = self._timed_out
+                        raise ToolConnectError(src, phase, f"no answer within {self.connect_timeout_s:g} s") from None
+                    except ToolConnectError:
+                        raise
                     except Exception as e:  # noqa: BLE001 - said once, with the source
+                        phase = self._connecting[1]
+                        if self._timed_out is not None:
+                            raise ToolConnectError(source, phase, f"no answer within {self.connect_timeout_s:g} s") from None
                         e = _cause(e)
-                        raise RuntimeError(f"cannot reach the MCP server {source!r}: {type(e).__name__}: {e}") from None
+                        why = f"{type(e).__name__}: {e}"
+                        if source in self._refused:
+                            why = (f"HTTP {self._refused[source]}: the server refused the API key or wants one (send it with "
+                                   f"rollout.tool_api_key_env or rollout.tool_headers); {why}")
+                        raise ToolConnectError(source, phase, why) from None
+                    finally:
+                        deadline.cancel()
+                    self._connecting = None
                     for tool in tools:
                         if tool.name in names:
                             raise RuntimeError(f"the tool {tool.name!r} of {source!r} is also offered by {names[tool.name]}")
@@ -197,12 +251,50 @@ class ToolBox:
                 started.set_result(None)
                 await self._closing.wait()
             if not started.done():
-                started.set_exception(_ClosedEarly("an MCP client's connection closed before it was ready"))
+                if self._timed_out is not None:  # the deadline's cancellation was swallowed by one of the SDK's scopes
+                    src, phase = self._timed_out
+                    started.set_exception(ToolConnectError(src, phase, f"no answer within {self.connect_timeout_s:g} s"))
+                else:
+                    started.set_exception(_ClosedEarly("an MCP client's connection closed before it was ready"))
         except BaseException as e:
+            e = _cause(e)
             if not started.done():
+                if self._timed_out is not None and not isinstance(e, ToolConnectError):
+                    src, phase = self._timed_out
+                    e = ToolConnectError(src, phase, f"no answer within {self.connect_timeout_s:g} s")
                 started.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
             elif not isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 log.warning("closing the MCP tool clients: %s: %s", type(e).__name__, e)
+
+    def _check_deadline(self) -> None:
+        if self._timed_out is not None:
+            src, phase = self._timed_out
+            raise ToolConnectError(src, phase, f"no answer within {self.connect_timeout_s:g} s")
+
+    def _cut_off(self, task: asyncio.Task) -> None:
+        """The deadline of the source being connected: cancel the holder task (it unwinds the SDK's contexts itself)."""
+        if self._connecting is not None and not task.done():
+            self._timed_out = self._connecting
+            task.cancel()
+
+    async def _http_transport(self, stack: Any, url: str) -> Any:
+        """The streamable-HTTP transport to ``url`` with this box's headers (an API key) on every request and the HTTP
+        client's connect/read timeouts bounded by ``connect_timeout_s`` for the handshake (a call's own deadline is
+        ``timeout_s``; the read timeout is the longer of the two)."""
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client
+
+        read = max(self.connect_timeout_s, self.timeout_s) + 5.0
+        timeout = httpx2.Timeout(self.connect_timeout_s, read=read)
+        http = await stack.enter_async_context(create_mcp_http_client(headers=self.headers or None, timeout=timeout))
+
+        async def note_refusal(response: Any) -> None:  # the SDK reports a 401 as "Server returned an error response"
+            if response.status_code in (401, 403):
+                self._refused[url] = response.status_code
+
+        http.event_hooks = {**http.event_hooks, "response": [*http.event_hooks.get("response", []), note_refusal]}
+        return streamable_http_client(url, http_client=http)
 
     async def _call(self, name: str, arguments: dict) -> ToolResult:
         client = self._owner.get(name)
@@ -270,14 +362,40 @@ _BOXES: dict[tuple, ToolBox] = {}
 _LOCK = threading.Lock()
 
 
-def open_toolbox(sources: list[str], *, timeout_s: float, max_output_chars: int) -> ToolBox:
-    """The process's :class:`ToolBox` for these sources and limits (connected once, closed at exit)."""
-    key = (tuple(sources), timeout_s, max_output_chars)
+def open_toolbox(sources: list[str], *, timeout_s: float, max_output_chars: int, headers: dict[str, str] | None = None,
+                 connect_timeout_s: float = 60.0) -> ToolBox:
+    """The process's :class:`ToolBox` for these sources, limits and headers (connected once, closed at exit)."""
+    key = (tuple(sources), timeout_s, max_output_chars, tuple(sorted((headers or {}).items())), connect_timeout_s)
     with _LOCK:
         box = _BOXES.get(key)
         if box is None:
-            box = _BOXES[key] = ToolBox(sources, timeout_s=timeout_s, max_output_chars=max_output_chars)
+            box = _BOXES[key] = ToolBox(sources, timeout_s=timeout_s, max_output_chars=max_output_chars, headers=headers,
+                                        connect_timeout_s=connect_timeout_s)
         return box
+
+
+def http_headers(api_key_env: str | None, headers: dict[str, str] | None) -> dict[str, str]:
+    """The headers sent to the HTTP MCP sources: ``headers`` as given, and with ``api_key_env`` the key in that
+    environment variable as ``Authorization: Bearer KEY`` (what ``emapg serve --mcp`` with a key asks for). ConfigError
+    when the variable is unset or empty, naming it (never the key)."""
+    import os
+
+    out = dict(headers or {})
+    if api_key_env:
+        key = os.environ.get(api_key_env, "").strip()
+        if not key:
+            raise ConfigError(f"rollout.tool_api_key_env: the environment variable {api_key_env!r} is unset or empty; set it "
+                              "to the MCP server's API key")
+        out["Authorization"] = f"Bearer {key}"
+    return out
+
+
+def toolbox_for(rollout: Any) -> ToolBox:
+    """The process's :class:`ToolBox` of a :class:`agent.rollout.RolloutConfig` (``tools``, ``tool_timeout_s``,
+    ``max_tool_output_chars``, ``tool_connect_timeout_s``, ``tool_api_key_env``, ``tool_headers``)."""
+    return open_toolbox(rollout.tools, timeout_s=rollout.tool_timeout_s, max_output_chars=rollout.max_tool_output_chars,
+                        headers=http_headers(rollout.tool_api_key_env, rollout.tool_headers),
+                        connect_timeout_s=rollout.tool_connect_timeout_s)
 
 
 def close_toolboxes() -> None:

@@ -1,25 +1,88 @@
-"""On-policy distillation on the search task: does a student distilled from a teacher approach the teacher's EM?
+"""On-policy distillation on the search task: does a student distilled from a teacher approach the teacher's EM, and what does a step cost?
 
-Teacher: the shipped starter search policy (``emapg.models.STARTER``); student: the raw SmolLM2-135M-Instruct (same
-tokenizer). The student trains with ``algorithm.distill`` (``--estimator``, ``--mode``; the teacher in process, or
-behind ``emapg engine serve`` with ``--remote-teacher``) on the search config's training questions through one real
-retriever over the bundled index; before and after, the student's held-out EM (``qa_quick``, sampled at
-temperature 1, ``--n`` samples per question, mean over samples) is measured on the same questions as the teacher's.
+PROTOCOL (written and committed before the full run it describes; 2026-12-05)
+=============================================================================
+
+Question. Does on-policy distillation (``algorithm.distill``: the student samples, the teacher scores every sampled
+token, the student minimises the per-token reverse KL) bring the raw SmolLM2-135M-Instruct to the shipped starter
+search policy's held-out EM within a CPU budget, with the teacher in process and behind ``emapg engine serve``; and
+what does a distillation step cost next to an RL step on the same rows?
+
+Models. Teacher: the shipped starter search policy (``emapg.models.STARTER``: SmolLM2-135M-Instruct warm-started as a
+search agent). Student: the raw SmolLM2-135M-Instruct (``smollm2-135m-instruct``; the same tokenizer, refused
+otherwise).
+
+Training (each arm, seed 0, :data:`FULL` ``steps`` = 20 steps): the production trainer (:func:`trainer.loop.train`)
+on the demo's search config (``configs/demo_search_smollm2.yaml``: 4 prompts x 4 samples per step, 2 turns of 64
+tokens, top-3 passages, T = 1.0, bf16 autocast, one optimizer step per batch) on fresh questions of the **answerable
+training pool** (``qa_pool``) through the real retriever over the bundled index, rollouts on one shared
+``emapg engine serve`` (vLLM) that also serves every evaluation, with these changes, fixed before any run:
+``algorithm.distill`` on, ``estimator=topk_reverse_kl`` (the Top-k reverse KL over the teacher's top-16 tokens:
+the student is far from the teacher, so the teacher's whole head is the signal), ``mode=alone`` (no task reward in
+the loss), ``algorithm.kl.enabled=false`` (no EMA anchor: the teacher is the only reference), ``optim.lr=1e-4``
+(5x the demo's RL rate: the per-token signal is dense and the run is 20 steps), ``rollout.uniform_groups=topup``
+(groups of equal rewards are not dropped: every trajectory carries distillation signal). Arms:
+
+* ``in_process`` -- the teacher loaded in the trainer's process (``algorithm.distill.teacher``);
+* ``remote``     -- the same run with the teacher behind ``emapg engine serve --engine hf`` (``teacher_urls``).
+
+Instrument (decided before any run; no distillation result seen):
+
+* **Reader slice** (``data/qa/reader_slice.json``, :mod:`eval.reader_slice`; 181 held-out questions whose gold answer
+  the starter was shown in its greedy evaluation, so the teacher can answer them): **sampled mean@2 exact match** at
+  the training temperature (``qa_quick`` loop, n = 2, T = 1.0, top_p 1.0, sampling seed 1) and **greedy EM**
+  (``qa_quick``). Every question evaluated is checked to be in the recorded held-out split.
+* Scored: the teacher, the student at the start, the ``in_process`` arm's end (greedy and sampled) and the ``remote``
+  arm's end (sampled).
+
+Estimates. Sampled and greedy: student end − start, paired by question, with a 95% paired-bootstrap interval
+(:func:`eval.learning.compare_sampled` / :func:`eval.learning.compare_learning`); student end − teacher the same way;
+student end / teacher. The contract keys hold the ``in_process`` arm; the ``remote`` arm's block sits beside it.
+
+Cost, side by side in one process (before the training arms): one rollout batch of the raw student (16
+trajectories, the demo's settings), then on those same rows the time of :meth:`trainer.loop.Trainer.learn` (stored
+statistics, teacher scores, update) for
+
+* ``rl``      -- the demo's EMA-PG step (Top-k reverse KL, k = 32, to the EMA anchor: one no-grad anchor pass);
+* ``distill`` -- the distillation step of the arms above (the in-process teacher, the same size as the student:
+  one no-grad teacher pass with its top-16);
+
+``rounds`` = 3 (:data:`FULL`); in a round each arm's trainer is built (one in memory at a time), learns on the rows
+twice and the second is timed; the arms alternate and the order is swapped every round, so background load hits
+each arm equally. Per round the ratio distill / rl, reported as the median over rounds with min / max, also with the
+batch's rollout time added to both (the whole step). Then the teacher's scoring throughput (scored response tokens
+per second) in process vs remote (``emapg engine serve --engine hf``, ``POST /score``) on the same batch, alternating,
+one warm-up round left out, the same thread count on both sides, and the largest difference between their
+log-probabilities.
+
+Targets (issue #44): the distilled student's held-out sampled EM >= 80% of the teacher's on the same questions, with
+its interval (end − start) above zero; a distillation step <= 1.5x an RL step with an in-process teacher of the same
+size. Whatever comes out is committed and reported.
+
+Cost and resumption. Estimated from the learning benchmark's measurements (vLLM, 2 cores: ~80 rollouts per minute):
+teacher and start evaluations ~7 min each, the cost phase ~4 min, each arm ~12 min of training plus its evaluations
+(7 / 4.5 min): ~55 min on 2 otherwise idle cores. Every phase keeps its output in the work folder (``--work``): a rerun
+with the same ``--work`` keeps finished evaluations, the cost phase and finished arms, and trains an unfinished arm
+again. After each phase the report so far is written beside ``--out`` as ``<name>.partial.json`` (``"complete":
+false``); the contract file only when every phase has finished.
 
 Output: ``benchmarks/results/distill.json`` with the contract keys ``teacher_sampled_em``, ``student_sampled_em_start``,
 ``student_sampled_em_end`` (pooled percent), ``student_end_minus_start_ci`` (paired bootstrap 95% interval of end −
-start, percentage points) and ``steps``, plus the run's minutes, teacher scoring time and per-step distillation metrics.
+start, percentage points) and ``steps``, the greedy figures, the remote arm, the cost block, minutes and per-step
+distillation metrics.
 
-    python benchmarks/distill.py                 # SmolLM2-135M student, starter teacher: hours on 2 CPU cores
-    python benchmarks/distill.py --quick         # smoke run: tiny-qwen2 teacher, a perturbed tiny-qwen2 student, 2 steps
+    python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
+    python benchmarks/distill.py --quick               # smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2 steps
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +93,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 CONTRACT = ("teacher_sampled_em", "student_sampled_em_start", "student_sampled_em_end", "student_end_minus_start_ci", "steps")
+TRAIN_SET = "qa_pool"
+SAMPLING_SEED = 1  # the reader slice's sampling seed (learning_search's seed A)
+
+#: The protocol's settings (the docstring); ``--quick`` replaces the models, index and sizes (:func:`settings`).
+FULL: dict[str, Any] = {
+    "config": "demo_search_smollm2.yaml", "engine": "vllm", "index_limit": None, "protocol": {}, "reader_limit": None,
+    "steps": 20, "samples": 2, "estimator": "topk_reverse_kl", "topk": 16, "mode": "alone", "lr": 1e-4, "cost_rounds": 3,
+    "extra": [],
+}
+QUICK: dict[str, Any] = {
+    "config": "search_tiny_cpu.yaml", "engine": "hf", "index_limit": 2000, "protocol": {"max_tokens": 24, "max_turns": 2},
+    "reader_limit": 2, "steps": 2, "samples": 2, "estimator": "topk_reverse_kl", "topk": 8, "mode": "alone", "lr": 1e-3,
+    "cost_rounds": 2,
+    "extra": ["data.prompts_per_step=2", "algorithm.mini_batch_size=8", "rollout.max_response_tokens=96",
+              "rollout.max_tokens_per_turn=24", "rollout.max_obs_tokens=32", "logging.tensorboard=false"],
+}
 
 
 def perturbed_copy(src: str, out: Path, scale: float = 0.5, seed: int = 0) -> Path:
@@ -39,6 +118,8 @@ def perturbed_copy(src: str, out: Path, scale: float = 0.5, seed: int = 0) -> Pa
 
     from emapg.models import resolve_model
 
+    if (out / "config.json").is_file():
+        return out
     path = resolve_model(src)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
@@ -50,125 +131,379 @@ def perturbed_copy(src: str, out: Path, scale: float = 0.5, seed: int = 0) -> Pa
     return out
 
 
+def settings(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """What runs: models, config, index, evaluation and distillation settings (:data:`FULL` or :data:`QUICK`)."""
+    from emapg.models import STARTER
+
+    s = dict(QUICK if args.quick else FULL)
+    if args.quick:
+        s["teacher"] = args.teacher or "tiny-qwen2"
+        s["student"] = args.student or str(perturbed_copy(s["teacher"], work / "student", seed=args.seed))
+    else:
+        s["teacher"], s["student"] = args.teacher or STARTER, args.student or "smollm2-135m-instruct"
+    for key in ("steps", "samples", "estimator", "topk", "mode", "lr", "cost_rounds", "reader_limit", "engine"):
+        if getattr(args, key, None) is not None:
+            s[key] = getattr(args, key)
+    s["mode_name"] = "quick" if args.quick else ("default" if s == {**FULL, "teacher": s["teacher"], "student": s["student"]} else "custom")
+    return s
+
+
+def evaluate(model: str, out: Path, url: str, engine_url: str, s: dict[str, Any], *, sampled: bool, temperature: float) -> Path:
+    """``model`` on the reader slice through the shared engine server (its weights loaded first): greedy, or
+    ``s["samples"]`` samples per question at ``temperature`` (sampling seed :data:`SAMPLING_SEED`). Kept when a
+    finished evaluation is already in ``out`` (a resumed run)."""
+    from benchmarks.learning_search import check_heldout
+    from eval.protocols import get_protocol
+    from eval.runner import EvalConfig, run_eval
+    from tasks.datasets import QA_DATASETS
+
+    if (out / "results.json").is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    if sampled:
+        protocol = get_protocol("qa_quick", **s["protocol"], n=s["samples"], temperature=temperature, top_p=1.0, seed=SAMPLING_SEED)
+    else:
+        protocol = get_protocol("qa_quick", **s["protocol"])
+    results = run_eval(EvalConfig(model=model, out=str(out), protocol=protocol, datasets=list(QA_DATASETS), engine="remote",
+                                  engine_urls=[engine_url], retriever_url=url, progress=False, name=out.name,
+                                  batch_across_datasets=True, slice="reader", limit=s["reader_limit"], data_seed=0,
+                                  batch_size=32 if sampled else 64))
+    errors = sum(int(v.get("rollout_errors", 0)) for v in results.get("datasets", {}).values())
+    if errors:  # e.g. the engine server died mid-evaluation: not a score; a resumed run evaluates again
+        (out / "results.json").rename(out / "results.failed.json")
+        raise RuntimeError(f"{out}: {errors} rollout(s) failed; the evaluation is not kept (see results.failed.json)")
+    check_heldout(out)
+    return out
+
+
+def common_overrides(s: dict[str, Any], url: str, engine_url: str, run_dir: Path, seed: int) -> list[str]:
+    return [f"model.policy={s['student']}", f"data.train={TRAIN_SET}", "data.split=train", f"retriever.urls=[{url}]",
+            "retriever.index_dir=null", "rollout.engine=remote", f"rollout.engine_urls=[{engine_url}]",
+            f"run.output_dir={run_dir}", f"run.seed={seed}", "logging.progress=false", *s["extra"]]
+
+
+def distill_overrides(s: dict[str, Any], *, teacher_url: str | None) -> list[str]:
+    """The distillation arms' changes to the config (the docstring's list)."""
+    teacher = ([f"algorithm.distill.teacher_urls=[{teacher_url}]", "algorithm.distill.teacher_api_key_env="] if teacher_url
+               else [f"algorithm.distill.teacher={s['teacher']}"])
+    return ["algorithm.distill.enabled=true", f"algorithm.distill.estimator={s['estimator']}", f"algorithm.distill.mode={s['mode']}",
+            f"algorithm.distill.topk={s['topk']}", "algorithm.kl.enabled=false", "rollout.uniform_groups=topup",
+            *([f"optim.lr={s['lr']}"] if s["lr"] else []), *teacher]
+
+
+def ratio_summary(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
+
+
+def cost_phase(s: dict[str, Any], url: str, engine_url: str, teacher_url: str, work: Path, seed: int) -> dict[str, Any]:
+    """The cost block (the docstring's "Cost"): distill / RL step time on the same rows, teacher throughput in process vs remote."""
+    import torch
+
+    from emapg.config import load_config
+    from emapg.paths import CONFIG_DIR
+    from trainer.batch import trajectory_batch
+    from trainer.config import TrainConfig
+    from trainer.loop import Trainer
+    from emapg.models import resolve_model
+    from trainer.teacher import LocalTeacher, RemoteTeacher
+
+    config = CONFIG_DIR / s["config"]
+    rl_cfg = load_config(TrainConfig, config, [*common_overrides(s, url, engine_url, work / "rl", seed), "rollout.uniform_groups=topup"])
+    d_cfg = load_config(TrainConfig, config, [*common_overrides(s, url, engine_url, work / "distill", seed),
+                                              *distill_overrides(s, teacher_url=None)])
+    # The rows: one rollout batch of the student (the demo's settings) on the shared engine.
+    producer = Trainer(rl_cfg).setup(with_engine=True)
+    try:
+        t = time.perf_counter()
+        sampled = producer.sample_batch(producer.sample_prompts())
+        rollout_s = time.perf_counter() - t
+        pad_id = producer.pad_id
+    finally:
+        producer.close()
+    batch = trajectory_batch(sampled.trajectories, pad_id=pad_id)
+    tokens = int(batch.response_lens.sum())
+    # One trainer in memory at a time (2 CPU cores, a shared machine): each visit builds the arm's trainer, learns
+    # on the rows twice (the first a warm-up) and times the second; the arms alternate, the order swapped every round.
+    cfgs = {"rl": rl_cfg, "distill": d_cfg}
+    learn_s: dict[str, list[float]] = {a: [] for a in cfgs}
+    phases: dict[str, list[dict[str, float]]] = {a: [] for a in cfgs}
+    for r in range(s["cost_rounds"]):
+        for name in (["rl", "distill"] if r % 2 == 0 else ["distill", "rl"]):
+            trainer = Trainer(cfgs[name]).setup(with_engine=False)
+            try:
+                trainer.learn(sampled)
+                t = time.perf_counter()
+                metrics, _ = trainer.learn(sampled)
+                learn_s[name].append(time.perf_counter() - t)
+            finally:
+                trainer.close()
+            phases[name].append({k: round(v, 3) for k, v in metrics.items() if k.startswith("time/") and v})
+    ratios = [d / r for d, r in zip(learn_s["distill"], learn_s["rl"])]
+    step_ratios = [(rollout_s + d) / (rollout_s + r) for d, r in zip(learn_s["distill"], learn_s["rl"])]
+    # Teacher throughput, same batch, alternating; the first round a warm-up.
+    d = d_cfg.algorithm.distill
+    local = LocalTeacher(s["teacher"], "cpu")
+    remote = RemoteTeacher([teacher_url], policy_model=resolve_model(s["student"]), api_key=None)
+    try:
+        score_s: dict[str, list[float]] = {"in_process": [], "remote": []}
+        scores: dict[str, dict[str, torch.Tensor]] = {}
+        for r in range(s["cost_rounds"] + 1):
+            for name in (["in_process", "remote"] if r % 2 == 0 else ["remote", "in_process"]):
+                teacher = local if name == "in_process" else remote
+                t = time.perf_counter()
+                scores[name] = teacher.score(batch, topk=d.topk, temperature=d_cfg.rollout.temperature, chunk_size=d_cfg.model.chunk_size,
+                                             alg=d_cfg.algorithm, share_prompts=d_cfg.model.share_prompt)
+                if r:
+                    score_s[name].append(time.perf_counter() - t)
+    finally:
+        remote.close()
+        del local
+    tps = {a: [tokens / x for x in v] for a, v in score_s.items()}
+    mask = batch.loss_mask.bool()
+    max_diff = float((scores["in_process"]["teacher_logp"] - scores["remote"]["teacher_logp"])[mask].abs().max())
+    return {
+        "rows": batch.size, "response_tokens": tokens, "rollout_s": round(rollout_s, 2), "rounds": s["cost_rounds"],
+        "order": "arms alternate, the order swapped every round; per visit the arm's trainer is built, learns on the rows "
+                 "twice and the second is timed; teacher scoring: one warm-up round left out",
+        "threads": torch.get_num_threads(),
+        "rl": {"what": "the demo's EMA-PG step (Top-k reverse KL k=32 to the EMA anchor)", "learn_s": learn_s["rl"],
+               "phases": phases["rl"]},
+        "distill": {"what": f"distillation ({s['estimator']}, top-{s['topk']}, mode {s['mode']}, no anchor), in-process teacher "
+                    f"{s['teacher']}", "learn_s": learn_s["distill"], "phases": phases["distill"]},
+        "distill_over_rl_step_time": ratio_summary(ratios),
+        "distill_over_rl_step_time_with_rollout": ratio_summary(step_ratios),
+        "teacher_scoring": {"in_process_s": score_s["in_process"], "remote_s": score_s["remote"],
+                            "in_process_tokens_per_s": ratio_summary(tps["in_process"]),
+                            "remote_tokens_per_s": ratio_summary(tps["remote"]),
+                            "remote_over_in_process_time": ratio_summary([r / i for r, i in zip(score_s["remote"], score_s["in_process"])]),
+                            "max_abs_logp_difference": max_diff,
+                            "remote": "emapg engine serve --engine hf, POST /score, same thread count"},
+    }
+
+
+def train_arm(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed: int, teacher_url: str | None) -> dict[str, Any]:
+    """One distillation run; its summary (steps, minutes, per-step metrics)."""
+    from emapg.config import load_config
+    from emapg.paths import CONFIG_DIR
+    from trainer.config import TrainConfig
+    from trainer.loop import train
+
+    overrides = [*common_overrides(s, url, engine_url, run_dir, seed), f"run.total_steps={s['steps']}", "run.save_every=0",
+                 "run.keep_last=1", *distill_overrides(s, teacher_url=teacher_url)]
+    env_key = os.environ.pop("EMAPG_ENGINE_API_KEY", None) if teacher_url else None
+    t = time.perf_counter()
+    try:
+        history = train(load_config(TrainConfig, CONFIG_DIR / s["config"], overrides))
+    finally:
+        if env_key is not None:
+            os.environ["EMAPG_ENGINE_API_KEY"] = env_key
+    train_s = time.perf_counter() - t
+    get = lambda h, k, nd=4: round(float(h.get(k, float("nan"))), nd)  # noqa: E731
+    return {"teacher": f"remote ({teacher_url}, emapg engine serve --engine hf)" if teacher_url else "in process",
+            "steps": len(history), "train_minutes": round(train_s / 60, 2),
+            "teacher_scoring_s": round(sum(h.get("time/teacher", 0.0) for h in history), 2),
+            "step_s": [get(h, "time/step", 2) for h in history], "teacher_s": [get(h, "time/teacher", 2) for h in history],
+            "distill_reverse_kl": [get(h, "distill/reverse_kl") for h in history],
+            "train_reward": [get(h, "reward/mean") for h in history],
+            "response_length": [get(h, "response/length_mean", 1) for h in history]}
+
+
+def summarise(report: dict[str, Any], dirs: dict[str, Path]) -> None:
+    """The estimates from the evaluations finished so far (``dirs``: label -> eval folder)."""
+    from eval.learning import compare_learning, compare_sampled
+    from tasks.datasets import QA_DATASETS
+
+    ds = list(QA_DATASETS)
+
+    def ci(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: d[k] for k in ("mean", "low", "high", "n", "confidence", "method")}
+
+    if {"teacher_sampled", "start_sampled"} <= set(dirs):
+        c = compare_sampled(dirs["start_sampled"], dirs["teacher_sampled"], ds)
+        report.update(teacher_sampled_em=c["mean_em"]["pooled"]["trained"], student_sampled_em_start=c["mean_em"]["pooled"]["base"],
+                      teacher_sampled_pass=c["pass"]["pooled"]["trained"], student_sampled_pass_start=c["pass"]["pooled"]["base"],
+                      reader_questions=c["mean_em"]["pooled"]["n"], teacher_minus_student_start_sampled=ci(c["mean_em"]["pooled"]["difference"]))
+    if {"teacher_greedy", "start_greedy"} <= set(dirs):
+        c = compare_learning(dirs["start_greedy"], dirs["teacher_greedy"], ds)
+        report.update(teacher_greedy_em=c["pooled"]["trained"], student_greedy_em_start=c["pooled"]["base"])
+    for arm in ("in_process", "remote"):
+        if f"{arm}_sampled" not in dirs or "start_sampled" not in dirs:
+            continue
+        block = report["arms"].setdefault(arm, {})
+        c = compare_sampled(dirs["start_sampled"], dirs[f"{arm}_sampled"], ds)
+        block.update(sampled_em_end=c["mean_em"]["pooled"]["trained"], sampled_end_minus_start_ci=ci(c["mean_em"]["pooled"]["difference"]),
+                     sampled_pass_end=c["pass"]["pooled"]["trained"], sampled_em_end_per_dataset={
+                         k: {"start": v["base"], "end": v["trained"], "n": v["n"]} for k, v in c["mean_em"]["datasets"].items()},
+                     format_rate_start_end=[c["mean_em"]["pooled"]["format_rate"]["base"], c["mean_em"]["pooled"]["format_rate"]["trained"]])
+        if "teacher_sampled" in dirs:
+            t = compare_sampled(dirs["teacher_sampled"], dirs[f"{arm}_sampled"], ds)["mean_em"]["pooled"]
+            block["sampled_end_minus_teacher_ci"] = ci(t["difference"])
+            block["sampled_end_over_teacher"] = t["trained"] / t["base"] if t["base"] else None
+        if f"{arm}_greedy" in dirs and "start_greedy" in dirs:
+            g = compare_learning(dirs["start_greedy"], dirs[f"{arm}_greedy"], ds)["pooled"]
+            block.update(greedy_em_end=g["trained"], greedy_end_minus_start_ci=ci(g["difference"]))
+    main_arm = report["arms"].get("in_process", {})
+    if "sampled_em_end" in main_arm:
+        report.update(student_sampled_em_end=main_arm["sampled_em_end"], student_end_minus_start_ci=main_arm["sampled_end_minus_start_ci"],
+                      student_end_over_teacher=main_arm.get("sampled_end_over_teacher"))
+    if "greedy_em_end" in main_arm:
+        report.update(student_greedy_em_end=main_arm["greedy_em_end"], student_greedy_end_minus_start_ci=main_arm["greedy_end_minus_start_ci"])
+    if "student_sampled_em_end" in report and "teacher_sampled_em" in report:
+        report["targets"] = {
+            "student_sampled_em_end_at_least_80pct_of_teacher": bool(report["student_sampled_em_end"] >= 0.8 * report["teacher_sampled_em"]),
+            "student_end_minus_start_interval_above_zero": bool(report["student_end_minus_start_ci"]["low"] > 0)}
+    if "cost" in report:
+        report.setdefault("targets", {})["distill_step_at_most_1_5x_rl_step"] = bool(
+            report["cost"]["distill_over_rl_step_time"]["median"] <= 1.5)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny models, 2k-passage index, 2 steps, 2 q/set")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2k-passage "
+                   "index, 2 steps, 2 reader questions per set")
     p.add_argument("--teacher", default=None, help="teacher model (default: the starter search policy)")
     p.add_argument("--student", default=None, help="student model (default: smollm2-135m-instruct)")
-    p.add_argument("--steps", type=int, default=None, help="distillation steps (default 40; --quick 2)")
-    p.add_argument("--estimator", default="sampled_reverse_kl", choices=["sampled_reverse_kl", "topk_reverse_kl"])
-    p.add_argument("--mode", default="alone", choices=["alone", "added", "below_best"])
-    p.add_argument("--topk", type=int, default=16, help="k of topk_reverse_kl")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
-    p.add_argument("--remote-teacher", action="store_true", help="serve the teacher with `emapg engine serve` (hf engine)")
-    p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set (default 20; --quick 2)")
-    p.add_argument("--n", type=int, default=2, help="samples per held-out question (sampled EM: mean over samples)")
+    p.add_argument("--steps", type=int, default=None, help="distillation steps per arm (protocol: 20; --quick 2)")
+    p.add_argument("--samples", type=int, default=None, help="samples per reader-slice question (protocol: 2)")
+    p.add_argument("--estimator", default=None, choices=["sampled_reverse_kl", "topk_reverse_kl"])
+    p.add_argument("--mode", default=None, choices=["alone", "added", "below_best"])
+    p.add_argument("--topk", type=int, default=None, help="k of topk_reverse_kl (protocol: 16)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (protocol: 1e-4)")
+    p.add_argument("--cost-rounds", type=int, default=None, help="rounds of the cost phase (protocol: 3)")
+    p.add_argument("--engine", default=None, choices=["vllm", "hf"], help="the shared generation server's engine (protocol: "
+                   "vllm; hf starts in seconds on a loaded machine, for trials)")
+    p.add_argument("--reader-limit", type=int, default=None, help="at most this many reader-slice questions per QA set (a trial; "
+                   "protocol: all)")
+    p.add_argument("--arms", nargs="+", default=["in_process", "remote"], choices=["in_process", "remote"])
+    p.add_argument("--no-cost", action="store_true", help="skip the cost phase")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "distill.json"))
-    p.add_argument("--work", default=None, help="folder for the run and evaluations (default: a temp folder, removed)")
+    p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed). A rerun with "
+                   "the same --work resumes (finished evaluations, the cost phase and finished arms are kept)")
     args = p.parse_args(argv)
-    if args.n < 1 or (args.steps is not None and args.steps < 1):
-        p.error("--n and --steps must be >= 1")
-    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
+    if (args.samples is not None and args.samples < 1) or (args.steps is not None and args.steps < 1):
+        p.error("--samples and --steps must be >= 1")
+    if args.cost_rounds is not None and args.cost_rounds < 1:
+        p.error("--cost-rounds must be >= 1")
+    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "2"}.items():
         os.environ.setdefault(k, v)
+
+    import torch
 
     from agent.engines.launch import EngineServer
     from emapg.config import load_config
-    from emapg.models import STARTER
     from emapg.paths import CONFIG_DIR
-    from eval.learning import compare_learning
-    from eval.protocols import get_protocol
-    from eval.runner import EvalConfig, run_eval
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
-    from tasks.datasets import QA_DATASETS
+    from retriever.launch import RetrieverServer
+    from trainer.checkpoint import step_dir_name
     from trainer.config import TrainConfig
-    from trainer.loop import train
 
     t0 = time.perf_counter()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="distill-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.quick:
-        teacher = args.teacher or "tiny-qwen2"
-        student = args.student or str(perturbed_copy(teacher, work / "student", seed=args.seed))
-        config, engine_kind, index_limit = "search_tiny_cpu.yaml", "hf", 2000
-        steps, per_dataset = args.steps or 2, args.per_dataset or 2
-        protocol_base: dict[str, Any] = {"max_tokens": 24, "max_turns": 2}
-        extra = ["data.prompts_per_step=2", "algorithm.mini_batch_size=8", "rollout.max_response_tokens=96",
-                 "rollout.max_tokens_per_turn=24", "rollout.max_obs_tokens=32", "logging.tensorboard=false"]
-    else:
-        teacher, student = args.teacher or STARTER, args.student or "smollm2-135m-instruct"
-        config, engine_kind, index_limit = "demo_search_smollm2.yaml", "hf", None
-        steps, per_dataset = args.steps or 40, args.per_dataset or 20
-        protocol_base, extra = {}, []
-    index_dir = ensure_bundled_index(index_limit)
-    rollout = load_config(TrainConfig, CONFIG_DIR / config, []).rollout
-    max_model_len = rollout.max_prompt_tokens + rollout.max_response_tokens
-    datasets = list(QA_DATASETS)
-    protocol = get_protocol("qa_quick", **protocol_base, temperature=1.0, n=args.n, seed=args.seed)
-    dirs: dict[str, Path] = {}
-    with open_retriever(index_dir=index_dir, log_path=work / "retriever.log") as retriever:
-        def evaluate(label: str, model: str) -> None:
-            with EngineServer(model, engine=engine_kind, max_model_len=max_model_len, omp_num_threads=os.cpu_count() or 1,
-                              startup_timeout=900, log_path=work / f"engine-{label}.log") as engine:
-                out = work / f"eval-{label}"
-                run_eval(EvalConfig(model=model, out=str(out), protocol=protocol, datasets=datasets, limit=per_dataset,
-                                    data_seed=0, engine="remote", engine_urls=[engine.url], retriever_url=retriever.urls[0],
-                                    progress=False, name=f"{label} heldout sampled", batch_across_datasets=True, batch_size=64))
-            dirs[label] = out
-            print(f"[distill] {label} evaluated ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
-
-        evaluate("teacher", teacher)
-        evaluate("student_start", student)
-        run_dir = work / "run"
-        overrides = [f"run.output_dir={run_dir}", f"model.policy={student}", f"retriever.urls=[{retriever.urls[0]}]",
-                     f"run.total_steps={steps}", f"run.save_every={steps}", "run.keep_last=1", f"run.seed={args.seed}",
-                     "logging.progress=false", "algorithm.distill.enabled=true", f"algorithm.distill.estimator={args.estimator}",
-                     f"algorithm.distill.mode={args.mode}", f"algorithm.distill.topk={args.topk}", *extra,
-                     *([f"optim.lr={args.lr}"] if args.lr else [])]
-        t_train = time.perf_counter()
-        if args.remote_teacher:
-            with EngineServer(teacher, engine="hf", max_model_len=max_model_len, startup_timeout=900,
-                              log_path=work / "teacher.log") as served:
-                os.environ.pop("EMAPG_ENGINE_API_KEY", None)
-                history = train(load_config(TrainConfig, CONFIG_DIR / config,
-                                            [*overrides, f"algorithm.distill.teacher_urls=[{served.url}]",
-                                             "algorithm.distill.teacher_api_key_env="]))
-        else:
-            history = train(load_config(TrainConfig, CONFIG_DIR / config, [*overrides, f"algorithm.distill.teacher={teacher}"]))
-        train_s = time.perf_counter() - t_train
-        evaluate("student_end", str(run_dir / f"step_{steps}" / "policy"))
-
-    start_vs_end = compare_learning(dirs["student_start"], dirs["student_end"], datasets)["pooled"]
-    teacher_em = compare_learning(dirs["student_start"], dirs["teacher"], datasets)["pooled"]["trained"]
-    d = start_vs_end["difference"]
-    report: dict[str, Any] = {
-        "benchmark": "distill", "mode": "quick" if args.quick else "default", "teacher": teacher, "student": student,
-        "teacher_sampled_em": teacher_em,
-        "student_sampled_em_start": start_vs_end["base"],
-        "student_sampled_em_end": start_vs_end["trained"],
-        "student_end_minus_start_ci": {k: d[k] for k in ("mean", "low", "high", "confidence", "method")},
-        "steps": steps,
-        "distill": {"estimator": args.estimator, "mode": args.mode, "topk": args.topk,
-                    "teacher": "remote (emapg engine serve, hf)" if args.remote_teacher else "in process"},
-        "heldout": {"datasets": datasets, "per_dataset": per_dataset, "questions": start_vs_end["n"], "data_seed": 0,
-                    "decoding": f"sampled, temperature 1, n={args.n}, mean over samples"},
-        "train_minutes": round(train_s / 60, 2),
-        "teacher_scoring_s": round(sum(h.get("time/teacher", 0.0) for h in history), 2),
-        "step_s": [round(h.get("time/step", float("nan")), 2) for h in history],
-        "distill_reverse_kl": [round(h.get("distill/reverse_kl", float("nan")), 4) for h in history],
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
-    }
+    s = settings(args, work)
     out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    contract = out_path.resolve() == (RESULTS / "distill.json").resolve()
+    if contract and s["mode_name"] == "custom":
+        p.error("settings other than the protocol's need --out (distill.json holds the protocol's run)")
+    partial_path = out_path.with_name(out_path.stem + ".partial.json")
+    base = load_config(TrainConfig, CONFIG_DIR / s["config"], s["extra"])
+    r = base.rollout
+    max_model_len = r.max_prompt_tokens + r.max_response_tokens
+    report: dict[str, Any] = {
+        "benchmark": "distill", "protocol": "in the script's docstring (committed before the run)", "mode": s["mode_name"],
+        "complete": False, "teacher": s["teacher"], "student": s["student"], "steps": s["steps"], "seed": args.seed,
+        "train_set": TRAIN_SET, "config": f"configs/{s['config']}",
+        "distill": {"estimator": s["estimator"], "topk": s["topk"], "mode": s["mode"], "lr": s["lr"] or base.optim.lr,
+                    "anchor_kl": "off", "uniform_groups": "topup"},
+        "rollout": {"prompts_per_step": base.data.prompts_per_step, "group_size": r.n_samples, "temperature": r.temperature},
+        "heldout": {"set": "reader slice (data/qa/reader_slice.json)", "per_dataset_limit": s["reader_limit"],
+                    "sampled": f"mean@{s['samples']} EM at T = {r.temperature}, top_p 1.0, sampling seed {SAMPLING_SEED}",
+                    "greedy": "qa_quick greedy EM"},
+        "engine": f"one `emapg engine serve --engine {s['engine']}` for every rollout and evaluation",
+        "arms": {}, "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "nice": os.nice(0)},
+        "phase_minutes": {},
+    }
+    dirs: dict[str, Path] = {}
+
+    def write(complete: bool = False) -> None:
+        report["complete"] = complete
+        report["wall_minutes_this_invocation"] = round((time.perf_counter() - t0) / 60, 2)
+        summarise(report, dirs)
+        target = out_path if complete else partial_path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(report, indent=2) + "\n")
+
+    def phase(name: str, t: float) -> None:
+        report["phase_minutes"][name] = round((time.perf_counter() - t) / 60, 2)
+        print(f"[distill] {name} done ({report['phase_minutes'][name]:.1f} min; {(time.perf_counter() - t0) / 60:.1f} min in all)", flush=True)
+        write()
+
+    threads = torch.get_num_threads()
+    with contextlib.ExitStack() as stack:
+        # The retriever launched here with a long start-up allowance (a loaded machine loads the index slowly).
+        served_index = stack.enter_context(RetrieverServer(ensure_bundled_index(s["index_limit"]), startup_timeout=900,
+                                                           log_path=work / "retriever.log"))
+        retriever = stack.enter_context(open_retriever(urls=[served_index.url]))
+        engine = stack.enter_context(EngineServer(s["student"], engine=s["engine"], max_model_len=max_model_len,
+                                                  omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=work / "engine.log"))
+        served: list[Any] = []
+
+        def teacher_url() -> str:
+            """The teacher behind `emapg engine serve --engine hf` (started when first needed: it is memory)."""
+            if not served:
+                served.append(stack.enter_context(EngineServer(s["teacher"], engine="hf", max_model_len=max_model_len,
+                                                               omp_num_threads=threads, startup_timeout=900,
+                                                               log_path=work / "teacher.log")))
+            return served[0].url
+
+        url = retriever.urls[0]
+        for label, model in (("teacher", s["teacher"]), ("start", s["student"])):
+            t = time.perf_counter()
+            dirs[f"{label}_greedy"] = evaluate(model, work / f"{label}_greedy", url, engine.url, s, sampled=False, temperature=r.temperature)
+            dirs[f"{label}_sampled"] = evaluate(model, work / f"{label}_sampled", url, engine.url, s, sampled=True, temperature=r.temperature)
+            phase(f"evaluate_{label}", t)
+        if not args.no_cost:
+            t = time.perf_counter()
+            cost_file = work / "cost.json"
+            if not cost_file.is_file():
+                shutil.rmtree(work / "cost", ignore_errors=True)
+                cost = cost_phase(s, url, engine.url, teacher_url(), work / "cost", args.seed)
+                cost_file.write_text(json.dumps(cost, indent=2) + "\n")
+            report["cost"] = json.loads(cost_file.read_text())
+            phase("cost", t)
+        for arm in args.arms:
+            t = time.perf_counter()
+            run_dir = work / f"arm_{arm}"
+            done = run_dir / "arm.json"
+            if done.is_file():
+                summary = json.loads(done.read_text())
+            else:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                summary = train_arm(s, run_dir, url, engine.url, args.seed, teacher_url() if arm == "remote" else None)
+                ckpt = run_dir / step_dir_name(s["steps"]) / "policy"
+                evaluate(str(ckpt), run_dir / "end_sampled", url, engine.url, s, sampled=True, temperature=r.temperature)
+                if arm == "in_process":
+                    evaluate(str(ckpt), run_dir / "end_greedy", url, engine.url, s, sampled=False, temperature=r.temperature)
+                done.write_text(json.dumps(summary, indent=2) + "\n")
+            report["arms"][arm] = dict(summary)
+            dirs[f"{arm}_sampled"] = run_dir / "end_sampled"
+            if (run_dir / "end_greedy").is_dir():
+                dirs[f"{arm}_greedy"] = run_dir / "end_greedy"
+            phase(f"arm_{arm}", t)
+    complete = not args.no_cost and set(args.arms) == {"in_process", "remote"}
+    write(complete=complete)
+    if complete and partial_path.is_file():
+        partial_path.unlink()
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    ci = report["student_end_minus_start_ci"]
-    print(f"held-out sampled EM (%): teacher {teacher_em:.1f}; student {report['student_sampled_em_start']:.1f} -> "
-          f"{report['student_sampled_em_end']:.1f} ({ci['mean']:+.1f} pp [{ci['low']:+.1f}, {ci['high']:+.1f}]) after {steps} "
-          f"steps ({report['train_minutes']:.1f} min); wrote {out_path}")
+    if "student_sampled_em_end" in report:
+        ci = report["student_end_minus_start_ci"]
+        print(f"reader slice sampled EM (%): teacher {report['teacher_sampled_em']:.1f}; student {report['student_sampled_em_start']:.1f} -> "
+              f"{report['student_sampled_em_end']:.1f} ({ci['mean']:+.1f} pp [{ci['low']:+.1f}, {ci['high']:+.1f}]) after {s['steps']} steps; "
+              f"wrote {out_path if complete else partial_path}", flush=True)
     return 0
 
 

@@ -19,7 +19,9 @@ the search tool on every turn (agent/scripted_tools.py), one warm-up step and ``
 trainer after the other (``training.mcp_over_builtin_step_time``; ``--train-steps 0`` skips it). The MCP arm's prompt
 declares both of the server's tools (search, search_batch), so it is longer. Off by default: run after the load phases,
 the MCP arm's client connect hung (60-s connect timeout, three times) in 3 of 5 runs on the 2-core box, never when
-run alone or after short load phases; agent/tools.py logs the tool loop's tasks when that happens (open problem).
+run alone or after short load phases. Every connect wait is bounded now (``rollout.tool_connect_timeout_s`` per source
+and step, the MCP client's read timeout, the HTTP connect timeout; the error names the URL and the step), but the cause
+of those runs' failed connects is not established (docs/mcp.md: small reproductions did not hang).
 
     python benchmarks/mcp.py                   # 2 caches x 2 rounds x 2 routes x 8 s, about 1.5 minutes
     python benchmarks/mcp.py --train-steps 3   # and the training comparison

@@ -8,7 +8,8 @@ by ``$EMAPG_RETRIEVER_URL`` when run on its own) and returns the model's final t
 
 (run from the repository root, so that ``examples`` is importable; agent/external.py says what the
 function receives). :func:`solve_responses` is the same agent written against the Responses API
-(``client.responses.create`` with ``previous_response_id``; ``rollout.agent=examples.search_agent:solve_responses``).
+(``client.responses.create`` with ``previous_response_id``; ``rollout.agent=examples.search_agent:solve_responses``);
+:func:`solve_compacting` rewrites its history every few rounds (its sessions split into several trained contexts).
 Against any OpenAI-compatible server, e.g. ``emapg engine serve``::
 
     python examples/search_agent.py --base-url http://127.0.0.1:8001/v1 "who wrote hamlet"
@@ -37,13 +38,29 @@ def _passages(hits: list[dict], max_chars: int) -> str:
     return "\n".join(f"Doc {i}: {str(h.get('contents', ''))[:max_chars]}" for i, h in enumerate(hits, start=1))
 
 
+def _retriever_or_default(retriever: Any) -> Any:
+    """``retriever``, or a client of the server at ``$EMAPG_RETRIEVER_URL`` (default http://127.0.0.1:8000)."""
+    if retriever is not None:
+        return retriever
+    from retriever.client import RetrieverClient
+
+    return RetrieverClient(os.environ.get("EMAPG_RETRIEVER_URL", "http://127.0.0.1:8000"))
+
+
+def _search(arguments: str, retriever: Any, topk: int, max_chars: int) -> tuple[str, str]:
+    """One ``search`` tool call from its JSON ``arguments``: (the query, or "?" when the arguments are unreadable;
+    the tool's result text, an ``Error: ...`` line when the call fails)."""
+    try:
+        query = str(json.loads(arguments)["query"])
+        return query, _passages(retriever.retrieve([query], topk=topk)[0], max_chars)
+    except (ValueError, KeyError, TypeError) as e:
+        return "?", f"Error: {type(e).__name__}: {e}"
+
+
 def solve(client: Any, row: dict, session_id: str, retriever: Any = None, sampling: dict | None = None,
           max_turns: int = 2, topk: int = 2, max_chars: int = 300) -> str | None:
     """Up to ``max_turns`` rounds of tool calls, then the model's plain answer (None if it never gives one)."""
-    if retriever is None:
-        from retriever.client import RetrieverClient
-
-        retriever = RetrieverClient(os.environ.get("EMAPG_RETRIEVER_URL", "http://127.0.0.1:8000"))
+    retriever = _retriever_or_default(retriever)
     messages: list[dict] = [{"role": "user", "content": PROMPT.format(question=row["question"])}]
     for _ in range(max_turns + 1):
         resp = client.chat.completions.create(model="policy", messages=messages, tools=[SEARCH], **(sampling or {}))
@@ -52,12 +69,33 @@ def solve(client: Any, row: dict, session_id: str, retriever: Any = None, sampli
             return (message.content or "").strip()
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
-            try:
-                query = str(json.loads(call.function.arguments)["query"])
-                result = _passages(retriever.retrieve([query], topk=topk)[0], max_chars)
-            except (ValueError, KeyError, TypeError) as e:
-                result = f"Error: {type(e).__name__}: {e}"
+            _, result = _search(call.function.arguments, retriever, topk, max_chars)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return None
+
+
+def solve_compacting(client: Any, row: dict, session_id: str, retriever: Any = None, sampling: dict | None = None,
+                     max_turns: int = 3, compact_every: int = 2, topk: int = 2, max_chars: int = 300) -> str | None:
+    """:func:`solve` with context compaction, as long-running agents do: after every ``compact_every`` rounds of tool
+    calls the conversation is rewritten as one user message holding the question and the tool results so far (the
+    calls and the model's turns dropped). The recorded session then splits into several contexts, one per
+    compaction; every one is trained, each with the episode's reward (agent/external.py)."""
+    retriever = _retriever_or_default(retriever)
+    prompt = PROMPT.format(question=row["question"])
+    messages: list[dict] = [{"role": "user", "content": prompt}]
+    notes: list[str] = []
+    for turn in range(max_turns + 1):
+        resp = client.chat.completions.create(model="policy", messages=messages, tools=[SEARCH], **(sampling or {}))
+        message = resp.choices[0].message
+        if not message.tool_calls or turn == max_turns:
+            return None if message.tool_calls else (message.content or "").strip()
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            query, result = _search(call.function.arguments, retriever, topk, max_chars)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            notes.append(f"search({query!r}) found:\n{result}")
+        if (turn + 1) % compact_every == 0:  # rewrite the history: the question and the notes, nothing else
+            messages = [{"role": "user", "content": prompt + "\n\nWhat your searches found so far:\n" + "\n".join(notes)}]
     return None
 
 
@@ -86,10 +124,7 @@ def solve_responses(client: Any, row: dict, session_id: str, retriever: Any = No
                     max_turns: int = 2, topk: int = 2, max_chars: int = 300) -> str | None:
     """:func:`solve` over the Responses API: the tool results go back as ``function_call_output`` items chained by
     ``previous_response_id`` (the server keeps the conversation)."""
-    if retriever is None:
-        from retriever.client import RetrieverClient
-
-        retriever = RetrieverClient(os.environ.get("EMAPG_RETRIEVER_URL", "http://127.0.0.1:8000"))
+    retriever = _retriever_or_default(retriever)
     tool = {"type": "function", **SEARCH["function"]}
     options = dict(sampling or {})
     if "max_tokens" in options:
@@ -101,11 +136,7 @@ def solve_responses(client: Any, row: dict, session_id: str, retriever: Any = No
             return resp.output_text.strip()
         outputs = []
         for call in calls:
-            try:
-                query = str(json.loads(call.arguments)["query"])
-                result = _passages(retriever.retrieve([query], topk=topk)[0], max_chars)
-            except (ValueError, KeyError, TypeError) as e:
-                result = f"Error: {type(e).__name__}: {e}"
+            _, result = _search(call.arguments, retriever, topk, max_chars)
             outputs.append({"type": "function_call_output", "call_id": call.call_id, "output": result})
         resp = client.responses.create(model="policy", previous_response_id=resp.id, input=outputs, tools=[tool], **options)
     calls = [o for o in resp.output if o.type == "function_call"]

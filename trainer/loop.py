@@ -52,11 +52,13 @@ from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
 from trainer.errors import TrainingError
 from trainer.teacher import distill_gathers_topk, store_teacher_scores
+from trainer.entropy_control import EntropyController, controller_card
 from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
-from trainer.sampled_batch import SampledBatch, generate, grade, reward_counts, shuffled_outcomes, step_seed
+from trainer.sampled_batch import (SampledBatch, TrainingRows, generate, grade, reward_counts, session_counts,
+                                    shuffled_outcomes, step_seed, tool_sums, training_rows)
 from trainer.samples import sample_records
 from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
@@ -103,7 +105,7 @@ def training_signal(cfg: TrainConfig) -> dict[str, Any]:
     r, ro = cfg.reward, cfg.rollout
     return {"qa_reward": r.qa_reward if ro.task == "search" else None, "no_answer_penalty": r.no_answer_penalty,
             "shuffle_control": r.shuffle_control, "uniform_groups": ro.uniform_groups, "filter_groups": ro.filter_groups,
-            "guidance": cfg.algorithm.guidance}
+            "guidance": cfg.algorithm.guidance, **controller_card(cfg.algorithm)}
 
 
 def find_resume(resume_from: str | Path | None, run_dir: Path) -> Path | None:
@@ -177,6 +179,7 @@ class Trainer:
         self.search_guard: SearchOutageGuard | None = None
         self.teacher = None  # trainer.teacher: algorithm.distill's teacher (in process or remote)
         self.length_drift = LengthDrift(cfg.logging.length_drift_steps)  # response/length_drift against the run's start
+        self.entropy_control = EntropyController.from_config(cfg.algorithm)  # algorithm.entropy_target (else None)
         self.start_policy = None  # trainer.start_kl.StartPolicy when logging.kl_to_start
         self.probe_prompts: list[SampledPrompt] = []  # logging.probe_size fixed training questions
         self.probe_last: list[tuple[str | None, bool]] | None = None  # their answers at the last probe
@@ -277,6 +280,8 @@ class Trainer:
         self.sampler.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         self.length_drift.load_state_dict(state.get("length_drift", {}))
+        if self.entropy_control is not None:
+            self.entropy_control.load_state_dict(state.get("entropy_control", {}))
         if self.guard is not None and state.get("guard"):
             self.guard.load_state_dict(state["guard"])
         self.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
@@ -386,7 +391,10 @@ class Trainer:
         return update_metrics(result.sums.reduce(), **self._update_summary(result))
 
     def _update(self, batch: TokenBatch, plan: StatsPlan) -> UpdateResult:
-        result = ppo_update(batch, self.policy, plan, self.cfg, self.dist, warn=self._warn)
+        cfg = self.cfg
+        if self.entropy_control is not None:  # this step's adapted coefficient
+            cfg = replace(cfg, algorithm=replace(cfg.algorithm, entropy_coef=self.entropy_control.coef))
+        result = ppo_update(batch, self.policy, plan, cfg, self.dist, warn=self._warn)
         with warnings.catch_warnings():  # the schedule advances per step even when every update was skipped
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
             self.policy.scheduler.step()
@@ -402,20 +410,22 @@ class Trainer:
         from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
         cfg, alg = self.cfg, self.cfg.algorithm
-        batch = trajectory_batch(sampled.trajectories, pad_id=self.pad_id)  # ids, masks, behaviour log-probs
+        rows = self.training_rows(sampled)  # each trajectory, then its extra segments (a recorded session that split)
+        batch = trajectory_batch(rows.rows, pad_id=self.pad_id)  # ids, masks, behaviour log-probs
         plan = self.stats_plan(batch.size)  # once per step: the stored statistics and the update follow it
         t0 = time.perf_counter()
         timings = self.compute_stored_stats(batch, plan)
         if self.teacher is not None:  # the teacher's scores beside the anchor's (trainer.teacher)
-            timings.update(store_teacher_scores(batch, self.teacher, cfg, rewards=sampled.rewards, group_ids=sampled.group_ids))
-        start_kl = {}
+            group_ids = [sampled.group_ids[e] if e >= 0 else "filler" for e in rows.episode]
+            timings.update(store_teacher_scores(batch, self.teacher, cfg, rewards=rows.per_row(sampled.rewards), group_ids=group_ids))
+        extra_sums: dict[str, float] = {}  # sums beside the rollout's: kl/to_start, sessions, tools
         if self.start_policy is not None:  # kl/to_start: of the weights that sampled the batch, before the update
             t1 = time.perf_counter()
-            start_kl = self.start_policy.kl_sums(batch, cfg, self.dist.device)
+            extra_sums.update(self.start_policy.kl_sums(batch, cfg, self.dist.device))
             timings["time/kl_to_start"] = time.perf_counter() - t1
         adv = grpo_advantages(sampled.rewards, sampled.group_ids, norm_by_std=alg.adv_std != "none",
                               unbiased_std=alg.adv_std != "biased", eps=alg.adv_eps)
-        batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
+        batch.stored["advantages"] = broadcast_advantages(rows.per_row(adv), batch.loss_mask)  # a segment: its episode's
         result = self._update(batch, plan)
         t_train = time.perf_counter() - t0
         self.step += 1
@@ -424,7 +434,13 @@ class Trainer:
             self.engine_session.weights_changed()
         sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch,
                             answers=[o.answer for o in sampled.outcomes])
-        for name, value in {**sampled.sampling, **start_kl}.items():
+        if cfg.rollout.agent:  # recorded sessions: splits and the segments trained (the same names on every rank)
+            extra_sums.update(session_counts(sampled.trajectories))
+            extra_sums["rollout/extra_rows"] = float(rows.extra)
+        if cfg.rollout.tools:  # per tool: calls, failures, reward (every offered tool's name on every rank)
+            extra_sums.update(tool_sums(sampled.trajectories, sampled.rewards, self.tool_names(),
+                                        builtin_search="search" in cfg.rollout.tools))
+        for name, value in {**sampled.sampling, **extra_sums}.items():
             sums.add(name, value)
         sums.merge(result.sums)
         if "rollout/entropy_sum" not in sums:  # π_old's pass measured it
@@ -438,7 +454,25 @@ class Trainer:
         finite = math.isfinite(metrics["loss/pg"]) and result.skipped == 0
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         metrics["actor/nonfinite_streak"] = float(self.nonfinite_streak)
+        if self.entropy_control is not None:  # the coefficient this update used; then the next step's
+            metrics["actor/entropy_coef"] = self.entropy_control.coef
+            self.entropy_control.update(metrics.get("actor/entropy", math.nan))
         return metrics, totals
+
+    def training_rows(self, sampled: SampledBatch) -> TrainingRows:
+        """The update's rows (:func:`trainer.sampled_batch.training_rows`); with an external agent in a sharded run,
+        padded with filler rows to the most rows any rank has (its extra segments differ by rank)."""
+        at_least = 0
+        if self.cfg.rollout.agent and self.dist.world_size > 1:
+            own = len(training_rows(sampled.trajectories, pad_id=self.pad_id).rows)
+            at_least = int(D.all_reduce_max(torch.tensor([own], dtype=torch.float64)).item())
+        return training_rows(sampled.trajectories, pad_id=self.pad_id, at_least=at_least)
+
+    def tool_names(self) -> list[str]:
+        """The names of the tools ``rollout.tools`` offers the model (the rollout's toolbox, opened once per process)."""
+        from agent.tools import toolbox_for
+
+        return toolbox_for(self.cfg.rollout).names()
 
     def train_step(self) -> dict[str, float]:
         """One full step (produce, then consume); returns its metrics (already reduced over ranks)."""
@@ -525,6 +559,7 @@ class Trainer:
             self.run_dir, self.step, tokenizer=self.tokenizer, **self.policy.checkpoint_state(is_main=self.dist.is_main),
             trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak,
                            "length_drift": self.length_drift.state_dict(),
+                           **({"entropy_control": self.entropy_control.state_dict()} if self.entropy_control is not None else {}),
                            "anchor": self.policy.anchor_schedule(), "provenance": self._provenance_now(),
                            **({"guard": self.guard.state_dict()} if self.guard is not None else {})},
             config=cfg, keep_last=cfg.run.keep_last, rank=self.dist.rank, world_size=self.dist.world_size, barrier=D.barrier,

@@ -131,7 +131,37 @@ def rollout_metrics(s: Mapping[str, float]) -> dict[str, float]:
         **{name: value for name, value in s.items() if name.startswith(("reward/", "guidance/"))},
         **filter_metrics(s),
         **health_metrics(s),
+        **session_metrics(s),
+        **tool_metrics(s),
     }
+
+
+def session_metrics(s: Mapping[str, float]) -> dict[str, float]:
+    """``rollout.agent`` (agent/external.py): the recorded sessions that split into several contexts (the agent
+    rewrote or truncated its history; count), the contexts trained per session, and the update's rows beyond one per
+    trajectory (the extra segments, and in a sharded run the filler rows that even out the ranks)."""
+    if "rollout/sessions" not in s:
+        return {}
+    return {"rollout/session_splits": s["rollout/session_splits"],
+            "rollout/segments_per_session": s["rollout/session_segments"] / max(s["rollout/sessions"], 1.0),
+            "rollout/extra_rows": s["rollout/extra_rows"]}
+
+
+def tool_metrics(s: Mapping[str, float]) -> dict[str, float]:
+    """``rollout.tools``: per tool, from the ``tools/<name>/*`` sums of :func:`trainer.sampled_batch.tool_sums`: its
+    calls, failures (all, and timeouts, oversized outputs, other errors), the trajectories that called it and their
+    mean reward (``tools/<name>/reward``); and over all tools ``tools/calls`` and ``tools/failures``."""
+    out: dict[str, float] = {}
+    names = sorted({k.split("/")[1] for k in s if k.startswith("tools/") and k.endswith("/calls") and k.count("/") == 2})
+    for name in names:
+        p = f"tools/{name}/"
+        for kind in ("calls", "failures", "timeouts", "oversized", "errors", "trajectories"):
+            out[p + kind] = s[p + kind]
+        out[p + "reward"] = s[p + "reward_sum"] / s[p + "trajectories"] if s[p + "trajectories"] else float("nan")
+    if names:
+        out["tools/calls"] = sum(out[f"tools/{n}/calls"] for n in names)
+        out["tools/failures"] = sum(out[f"tools/{n}/failures"] for n in names)
+    return out
 
 
 def health_metrics(s: Mapping[str, float]) -> dict[str, float]:

@@ -90,7 +90,97 @@ def generate(
             t.response_ids, t.loss_mask = [], []
         elif t.stop_reason == "error":  # a trajectory cut short by an error is scored 0 and not trained on
             t.loss_mask = [0] * len(t.response_ids)
+            t.extra_segments = []
     return trajs, stats
+
+
+@dataclass
+class TrainingRows:
+    """The rows of a step's update: every trajectory, each followed by its extra segments (a recorded session that
+    split, :attr:`agent.rollout.Trajectory.extra_segments`), then any filler rows. ``episode[i]`` is the index of the
+    trajectory row ``i`` belongs to (-1: a filler row, an empty response that trains nothing)."""
+
+    rows: list[Any]
+    episode: list[int]
+
+    @property
+    def extra(self) -> int:
+        """Rows beyond one per trajectory (extra segments and fillers)."""
+        return len(self.rows) - len({e for e in self.episode if e >= 0})
+
+    def per_row(self, values: torch.Tensor, filler: float = 0.0) -> torch.Tensor:
+        """Per-trajectory ``values`` ``(N, ...)`` as per-row values: each segment row carries its trajectory's (the
+        episode's advantage, reward or group), a filler row ``filler``."""
+        index = torch.tensor([max(e, 0) for e in self.episode], dtype=torch.long)
+        out = values[index].clone()
+        out[torch.tensor([e < 0 for e in self.episode], dtype=torch.bool)] = filler
+        return out
+
+
+def training_rows(trajectories: list[Trajectory], *, pad_id: int, at_least: int = 0) -> TrainingRows:
+    """:class:`TrainingRows` of ``trajectories``: each one's row, followed by its extra segments' rows, and filler
+    rows up to ``at_least`` rows (a sharded run gives every rank as many rows, so every rank runs as many forwards and
+    optimizer steps: the trainer passes the most rows any rank has).
+
+    GRPO semantics: the group statistics are over the trajectories (one per sampled episode, the group size
+    unchanged); a segment row carries its episode's advantage, so every context the agent's model sampled in is
+    trained toward the episode's outcome, like one trajectory would be. Its tokens count in the loss's aggregation
+    like any row's."""
+    from agent.rollout import TrainingSegment
+
+    rows: list[Any] = []
+    episode: list[int] = []
+    for i, t in enumerate(trajectories):
+        rows.append(t)
+        episode.append(i)
+        for seg in getattr(t, "extra_segments", ()) or ():
+            rows.append(seg)
+            episode.append(i)
+    while len(rows) < at_least:
+        rows.append(TrainingSegment([pad_id]))
+        episode.append(-1)
+    return TrainingRows(rows, episode)
+
+
+def session_counts(trajectories: list[Trajectory]) -> dict[str, float]:
+    """External agents' recorded sessions (``rollout.agent``): ``rollout/sessions``, the sessions that split into
+    several contexts (``rollout/session_splits``) and the contexts trained (``rollout/session_segments``)."""
+    external = [t for t in trajectories if t.format == "external"]
+    return {"rollout/sessions": float(len(external)),
+            "rollout/session_splits": float(sum(bool(t.extra_segments) for t in external)),
+            "rollout/session_segments": float(sum(1 + len(t.extra_segments) for t in external))}
+
+
+def tool_sums(trajectories: list[Trajectory], rewards: torch.Tensor, names: list[str], *, builtin_search: bool) -> dict[str, float]:
+    """``rollout.tools``: per offered tool ``name`` (every name, so that every rank adds the same sums), its calls,
+    failures -- ``timeouts``, ``oversized`` outputs and other ``errors`` -- and the trajectories that called it with
+    their reward sum, as ``tools/<name>/*`` sums (:func:`trainer.metrics.tool_metrics`). With ``builtin_search`` (``search``
+    in ``rollout.tools``) the ``search`` tool is the built-in one: its calls are the searches and its failures the failed
+    searches (a timeout when the retriever's error says so); otherwise every name is an MCP tool's."""
+    from agent.tools import BUILTIN_SEARCH
+
+    out: dict[str, float] = {}
+    for name in names:
+        calls = failures = timeouts = oversized = users = 0
+        reward_sum = 0.0
+        for t, r in zip(trajectories, rewards.tolist()):
+            if builtin_search and name == BUILTIN_SEARCH:
+                n, reasons = t.num_searches, list(t.search_errors)
+                reasons = ["timeout" if "timeout" in e.lower() or "timed out" in e.lower() else "error" for e in reasons]
+            else:
+                n = t.tool_calls.get(name, 0)
+                reasons = [e[len(name) + 2:] for e in t.tool_errors if e.startswith(f"{name}: ")]
+            calls += n
+            failures += len(reasons)
+            timeouts += reasons.count("timeout")
+            oversized += reasons.count("oversized")
+            if n:
+                users += 1
+                reward_sum += r
+        p = f"tools/{name}/"
+        out.update({p + "calls": calls, p + "failures": failures, p + "timeouts": timeouts, p + "oversized": oversized,
+                    p + "errors": failures - timeouts - oversized, p + "trajectories": users, p + "reward_sum": reward_sum})
+    return {k: float(v) for k, v in out.items()}
 
 
 def grade(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any) -> list[Outcome]:

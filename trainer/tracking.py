@@ -28,6 +28,9 @@ PROGRESS_FIELDS = (
     ("search/per_traj", "srch", "{:.2f}"),
     ("search/failures", "sfail", "{:.0f}"),
     ("search/rejected_batches", "sdrop", "{:.0f}"),
+    ("tools/calls", "tools", "{:.0f}"),  # rollout.tools: calls of every tool, and the failed ones
+    ("tools/failures", "tfail", "{:.0f}"),
+    ("rollout/session_splits", "splits", "{:.0f}"),  # rollout.agent: recorded sessions that split
     ("perf/tokens_per_s", "tok/s", "{:.0f}"),
     ("perf/padding_frac", "pad", "{:.2f}"),
     ("time/generation", "gen", "{:.1f}s"),

@@ -115,3 +115,88 @@ def test_config_checks_name_the_option():
         from agent.tools import ToolBox
 
         ToolBox(["http://127.0.0.1:9/mcp"], timeout_s=1, max_output_chars=10)
+
+
+def _never_answering_port() -> tuple[object, int]:
+    """A real TCP listener on a free port that accepts connections (the kernel completes them) and never answers."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock, sock.getsockname()[1]
+
+
+def test_a_server_that_never_answers_is_cut_off_at_connect_naming_the_url(searcher):
+    """agent/tools.py: the connect (transport + handshake) of a server that accepts the connection and never answers is
+    cut off after rollout.tool_connect_timeout_s with an error naming the URL and the step, counted, instead of hanging;
+    through run_rollouts the same error stops the batch (the trainer retries it, then stops with it)."""
+    from agent.tools import ToolBox, ToolConnectError
+
+    sock, port = _never_answering_port()
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ToolConnectError) as e:
+            ToolBox([url], timeout_s=5, max_output_chars=100, connect_timeout_s=2.0)
+        took = time.perf_counter() - t0
+        assert (e.value.source, e.value.phase) == (url, "connect") and "no answer within 2 s" in str(e.value)
+        assert url in str(e.value) and took < 15, took
+        t0 = time.perf_counter()
+        with pytest.raises(ToolConnectError, match=f"cannot reach the MCP server '{url}' \\(connect\\)"):
+            run_rollouts(searcher, ["q"], None, RolloutConfig(**FAST, tools=[url], tool_connect_timeout_s=2.0))
+        assert time.perf_counter() - t0 < 15
+    finally:
+        sock.close()
+
+
+def test_a_connect_timeout_leaves_the_tool_loop_usable():
+    """After a source timed out, a toolbox on a live stdio server connects and calls normally (nothing left hanging
+    on a shared loop), and the failed box counted its failure."""
+    from agent.tools import ToolBox, ToolConnectError
+
+    sock, port = _never_answering_port()
+    try:
+        with pytest.raises(ToolConnectError):
+            ToolBox([stdio("ok"), f"http://127.0.0.1:{port}/mcp"], timeout_s=5, max_output_chars=1000, connect_timeout_s=2.0)
+    finally:
+        sock.close()
+    box = ToolBox([stdio("ok")], timeout_s=5, max_output_chars=1000, connect_timeout_s=20.0)
+    try:
+        (r,) = box.call_many([("lookup", {"key": "abc"})])
+        assert (r.text, r.error, box.connect_failures) == ("ABC", None, 0)
+    finally:
+        box.close()
+
+
+def test_an_http_source_with_an_api_key(retriever_index, monkeypatch):
+    """rollout.tool_api_key_env: `emapg serve --mcp` started with a key refuses the toolbox without it (401, the error
+    says which option sends one) and serves it with the key from the named environment variable as a Bearer token."""
+    from agent.tools import ToolBox, ToolConnectError, close_toolboxes, toolbox_for
+    from retriever.launch import RetrieverServer
+
+    with RetrieverServer(retriever_index.index_dir, omp_num_threads=1, topk=3, api_key="mcp-secret", extra_args=["--mcp"],
+                         startup_timeout=900) as server:
+        url = server.url + "/mcp"
+        with pytest.raises(ToolConnectError, match="401") as e:
+            ToolBox([url], timeout_s=10, max_output_chars=10_000, connect_timeout_s=20.0)
+        assert e.value.source == url and "rollout.tool_api_key_env" in str(e.value)
+        with pytest.raises(ToolConnectError, match="401"):  # a wrong key is refused the same way
+            ToolBox([url], timeout_s=10, max_output_chars=10_000, connect_timeout_s=20.0, headers={"Authorization": "Bearer nope"})
+        cfg = RolloutConfig(**FAST, tools=[url], tool_api_key_env="EMAPG_TEST_MCP_KEY")
+        monkeypatch.delenv("EMAPG_TEST_MCP_KEY", raising=False)
+        with pytest.raises(ConfigError, match="'EMAPG_TEST_MCP_KEY' is unset"):
+            toolbox_for(cfg)
+        monkeypatch.setenv("EMAPG_TEST_MCP_KEY", "mcp-secret")
+        try:
+            box = toolbox_for(cfg)
+            assert box.names() == ["search", "search_batch"]
+            (r,) = box.call_many([("search", {"query": retriever_index.questions[0]["question"], "topk": 2})])
+            assert r.error is None and r.text.startswith("Doc 1(Title:") and "Doc 2(Title:" in r.text
+            other = ToolBox([url], timeout_s=10, max_output_chars=10_000, headers={"X-API-Key": "mcp-secret"})  # rollout.tool_headers
+            try:
+                assert other.call_many([("search", {"query": "x", "topk": 1})])[0].error is None
+            finally:
+                other.close()
+        finally:
+            close_toolboxes()
