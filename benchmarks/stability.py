@@ -75,7 +75,9 @@ before the reward falls in >= 80% of collapses with <= 5% false trips. Whatever 
 Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
 
 Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
-``--work``: a finished run (its ``history.json``) is not run again.
+``--work``: a finished run (its ``history.json``) is not run again. The report keeps every toy run's record, so
+``--resume-from benchmarks/results/stability.json`` continues in an empty work folder (added 2026-12-05, after a
+machine was lost with its work folder; it checks the stress setting and keeps the earlier sweep and replay).
 
 Outputs: ``benchmarks/results/stability.json`` (contract: ``collapse_definition``; for each of ``grpo``,
 ``emapg``, ``ema_k3``, ``frozen_topk``: ``seeds``, ``collapse_rate``, ``collapse_rate_ci``; ``signals``: a list of
@@ -381,6 +383,24 @@ class Runner:
         return record
 
 
+def import_runs(earlier: dict[str, Any], work: Path, *, lr: float, beta: float, steps: int) -> list[str]:
+    """``--resume-from``: write an earlier report's finished toy run records into ``work`` as finished runs (where
+    ``work`` has none), after checking that it ran the same stress setting. Returns the run names taken."""
+    stress = earlier.get("stress", {})
+    if (stress.get("lr"), stress.get("beta"), earlier.get("steps")) != (lr, beta, steps):
+        raise SystemExit(f"--resume-from: the earlier report ran lr {stress.get('lr')}, beta {stress.get('beta')}, "
+                         f"{earlier.get('steps')} steps, not lr {lr}, beta {beta}, {steps} steps")
+    taken = []
+    for arm, seeds in earlier.get("toy", {}).get("runs", {}).items():
+        for seed, record in seeds.items():
+            done = work / f"toy/{arm}_seed{seed}" / "history.json"
+            if not done.is_file():
+                done.parent.mkdir(parents=True, exist_ok=True)
+                done.write_text(json.dumps(record))
+                taken.append(f"toy/{arm}_seed{seed}")
+    return taken
+
+
 def sweep_name(lr: float, beta: float, seed: int) -> str:
     return f"sweep/lr{lr:g}_beta{beta:g}_seed{seed}"
 
@@ -440,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
                         "sharing --work can share one server: less memory)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: the report from the runs already finished in --work (the others listed as not_run)")
+    p.add_argument("--resume-from", type=Path, default=None,
+                   help="an earlier report of this benchmark (e.g. the committed stability.json) at the same stress setting: its "
+                        "finished toy runs (records) go into --work as finished, its sweep and false-trip replay are kept "
+                        "(a lost work folder need not cost the runs again)")
     p.add_argument("--sweep-runs", type=parse_sweep_runs, default=None,
                    help="LR:BETA:SEED,...: only run these runs of the sweep grid into --work and exit (several processes "
                         "can split the grid; a later run without it applies the sweep's rule to the finished runs)")
@@ -473,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     from retriever.launch import RetrieverServer
     from tests.fixtures.trainer import WARM_CACHE_STEPS, build_toy_task, cached_warm_start, toy_overrides
 
+    earlier = json.loads(args.resume_from.read_text()) if args.resume_from else None
+    if earlier is not None:
+        if args.lr is None:  # the earlier report's stress setting (its sweep was run then)
+            args.lr, args.beta = earlier["stress"]["lr"], earlier["stress"]["beta"]
+        taken = import_runs(earlier, work, lr=args.lr, beta=args.beta, steps=args.steps)
+        print(f"taken from {args.resume_from}: {len(taken)} finished runs", flush=True)
     task = build_toy_task(work / "task")
     report: dict[str, Any] = {"date": _now(), "protocol": "benchmarks/stability.py docstring", "quick": args.quick, "steps": args.steps,
                               "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}
@@ -499,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.lr is None:
                 print(f"the sweep is not finished in {work}: {runner.missing}")
                 return 1
+        if earlier is not None and "sweep" in earlier and "sweep" not in report:
+            report["sweep"] = earlier["sweep"]
         report["stress"] = {"lr": args.lr, "beta": args.beta, "steps": args.steps, "chosen_by": "argument" if "sweep" not in report else "sweep"}
         for seed in range(args.seeds):
             for arm in toy_runs:
@@ -515,8 +547,12 @@ def main(argv: list[str] | None = None) -> int:
         report["smollm2"] = "not run (--smollm2-seeds 0)"
     # the contract: the toy task's estimates at the top level (SmolLM2's beside them under "smollm2")
     report.update({k: v for k, v in report["toy"].items() if k != "runs"})
+    replay = None
     if args.false_trips_from is not None:  # the healthy runs of another benchmark (the issue's false-trip target)
         replay = replay_false_trips(args.false_trips_from)
+    elif earlier is not None and "false_trips_replay" in earlier:  # the earlier report's replay (its folder may be gone)
+        replay = earlier["false_trips_replay"]
+    if replay is not None:
         report["false_trips_replay"] = replay
         by_name = {s["name"]: s for s in replay["training_arms"]["signals"]}
         for s in report["signals"]:

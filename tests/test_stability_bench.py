@@ -178,3 +178,13 @@ def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missi
     assert main(["--report-only", "--seeds", "2", "--smollm2-seeds", "0", "--work", str(tmp_path),
                  "--out", str(tmp_path / "again.json")]) == 1
     assert not (tmp_path / "again.json").exists()
+    # the report alone (its work folder lost) resumes: its runs, sweep and stress setting carry over; another stress is refused
+    fresh = tmp_path / "fresh"
+    assert main(["--report-only", "--seeds", "2", "--smollm2-seeds", "0", "--steps", "12", "--work", str(fresh),
+                 "--out", str(fresh / "resumed.json"), "--resume-from", str(out)]) == 0
+    resumed = json.loads((fresh / "resumed.json").read_text())
+    assert resumed["stress"] == report["stress"] and resumed["sweep"] == report["sweep"]
+    assert resumed["grpo"] == report["grpo"] and resumed["emapg"] == report["emapg"] and resumed["not_run"] == report["not_run"]
+    with pytest.raises(SystemExit, match="not lr 0.01"):
+        main(["--report-only", "--steps", "12", "--lr", "1e-2", "--beta", "0.001", "--work", str(tmp_path / "other"),
+              "--out", str(tmp_path / "other.json"), "--resume-from", str(out)])

@@ -12,6 +12,9 @@ A detector (:class:`DetectorConfig`) trips when any of its enabled tests does:
   delta`` for a lower one (once ``guard.min_history`` healthy steps are in the window);
 * absolute: ``value > limit`` (upper) / ``value < limit`` (lower), from the first step.
 
+A ``gate`` restricts the relative test to values beyond an absolute level (``entropy_collapse``: a fall to a
+quarter of the baseline counts only below ``gate`` nats per token).
+
 +----------------------+---------------------------------------+-----------+
 | detector             | metric(s)                             | direction |
 +======================+=======================================+===========+
@@ -81,6 +84,8 @@ _RATIO_HELP = ("relative test: trip when value > ratio*baseline + delta (upper d
                "(lower ones); null: no relative test")
 _DELTA_HELP = "additive margin of the relative test (in the metric's unit)"
 _LIMIT_HELP = "absolute test: trip when value > limit (upper) or < limit (lower); null: none"
+_GATE_HELP = ("the relative test counts only beyond this absolute level (value > gate for upper detectors, < gate for lower "
+              "ones): a fall from a high baseline that stays in a healthy range is not a trip; null: no gate")
 
 
 @dataclass
@@ -92,6 +97,7 @@ class DetectorConfig:
     ratio: float | None = option(None, ge=0, help=_RATIO_HELP)
     delta: float = option(0.0, ge=0, help=_DELTA_HELP)
     limit: float | None = option(None, help=_LIMIT_HELP)
+    gate: float | None = option(None, help=_GATE_HELP)
 
 
 @dataclass
@@ -257,7 +263,8 @@ def check_detector(name: str, cfg: DetectorConfig, metrics: Mapping[str, float],
         bounds = []
         if cfg.limit is not None:
             bounds.append(cfg.limit)
-        if cfg.ratio is not None and base is not None:
+        gated_out = cfg.gate is not None and ((value <= cfg.gate) if direction == "above" else (value >= cfg.gate))
+        if cfg.ratio is not None and base is not None and not gated_out:
             bounds.append(cfg.ratio * base + cfg.delta if direction == "above" else cfg.ratio * base - cfg.delta)
         for bound in bounds:
             if (value > bound) if direction == "above" else (value < bound):

@@ -80,6 +80,32 @@ def test_relative_tests_wait_for_history_absolute_ones_do_not():
     assert [e.detector for e in Guard(cfg).check(1, {**HEALTHY, "reward/mean": 0.0})] == ["reward_drop"]
 
 
+@pytest.mark.parametrize(("gate", "value", "trips"), [(None, 0.3, True), (0.5, 0.3, True), (0.2, 0.3, False), (0.2, 0.1, True)])
+def test_a_gate_limits_the_relative_test_to_values_beyond_it(gate, value, trips):
+    """entropy_collapse at ratio 0.25 of a 2.0 baseline (bound 0.5): with a gate the fall counts only below the gate."""
+    cfg = GuardConfig(enabled=True)
+    cfg.entropy_collapse.gate = gate
+    guard = Guard(cfg)
+    for step in range(1, 4):
+        guard.check(step, HEALTHY)
+    assert [e.detector for e in guard.check(4, {**HEALTHY, "actor/entropy": value})] == (["entropy_collapse"] if trips else [])
+
+
+def test_an_upper_gate_and_the_absolute_limit_are_independent():
+    """kl_spike's relative bound is 10 x 0.01 + 0.05 = 0.15: with a gate of 1.0, 0.5 does not trip (gated) and joins the
+    baseline (bound 10 x 0.1325 + 0.05 = 1.375), 2.0 trips;
+    an absolute limit trips whatever the gate."""
+    cfg = GuardConfig(enabled=True)
+    cfg.kl_spike.gate = 1.0
+    guard = Guard(cfg)
+    for step in range(1, 4):
+        guard.check(step, HEALTHY)
+    assert guard.check(4, {**HEALTHY, "kl/mean": 0.5}) == []
+    assert [e.detector for e in guard.check(5, {**HEALTHY, "kl/mean": 2.0})] == ["kl_spike"]  # the passing 0.5 joined the baseline
+    cfg.kl_spike.limit = 0.3
+    assert [e.detector for e in guard.check(6, {**HEALTHY, "kl/mean": 0.5})] == ["kl_spike"]
+
+
 def test_disabled_detector_and_chosen_action():
     cfg = GuardConfig(enabled=True)
     cfg.kl_spike.enabled = False
