@@ -72,6 +72,13 @@ which it tripped at all.
 Targets (issue #42): GRPO collapses in >= 30% of seeds at the stress setting; at least one signal fires >= 2 steps
 before the reward falls in >= 80% of collapses with <= 5% false trips. Whatever comes out is committed.
 
+AMENDMENT 2 (2026-12-05, written before its runs). At beta = 0.001 the KL term barely acts, so the arms differ
+little by construction. A second stress point where the KL term is strong: **lr 1e-3, beta 1.0, 8 steps**, the four
+contract arms, seeds 0-4, the same collapse definition and estimates, in its own work folder and report
+(``--lr 1e-3 --beta 1 --arms grpo,emapg,ema_k3,frozen_topk --out benchmarks/results/stability_beta1.json``). The
+issue's one-seed lead was at beta = 1 (SmolLM2, lr 1e-4: GRPO -3.4 pp held-out greedy, EMA-PG -0.3). Question:
+does the moving anchor or the Top-k estimator change the collapse rate when the KL term is strong?
+
 Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
 
 Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
