@@ -24,6 +24,12 @@ Arms, same seeds, same steps, same questions (each seed's sampler draws the same
   so the run trains at the same reward rate on rewards unrelated to its answers (Shao et al. 2025 report random
   rewards lifting some models; a gain must beat this).
 
+Off-protocol arm (added 2026-12-05 before its run; never in the contract file): ``emapg_lora`` -- ``emapg`` with
+LoRA r 16 (alpha 32) on every linear layer at lr 2e-4 (10x the config's full fine-tuning 2e-5, "LoRA Without
+Regret"), for issue #41's question of which update learns most per minute (``reader_pp_per_train_min``), run as
+``--algorithms emapg emapg_lora --seeds 0 --reduced --out <another file>``; with it the report holds
+``emapg_lora_minus_emapg`` on the seeds both ran.
+
 Seeds 0, 1, 2. Steps: 12 (default). The starter is scored twice on the reader slice with two sampling seeds (A
 and B) so the instrument's own noise is on the page.
 
@@ -52,7 +58,11 @@ scoring ~4 min; with ~6 min of training per run the protocol takes ~3 hours, ove
 It runs seed-major (seed 0 of every arm, then seed 1, ...) in a resumable work folder (``--work``; a finished run is
 kept, an unfinished one trained again), writing the estimates from the finished runs after each run to
 ``learning_search.partial.json`` (``"complete": false``); the contract file is written only when every run of the
-protocol has finished. Nothing in the protocol changes between invocations.
+protocol has finished. Nothing in the protocol changes between invocations. Every report (partial or final) also
+keeps each evaluation's per-question scores (the starter's three scorings under ``starter``, each run's under
+``per_question``), and the estimates are computed from those records only; so a committed partial report carries the
+protocol's state, and ``--resume-from <report>`` continues it in an empty work folder (added 2026-12-05 after a
+machine was lost with its work folder; the protocol itself is unchanged).
 
 Outputs: ``benchmarks/results/learning_search.json`` (contract keys: per arm ``reader_sampled_em_start``,
 ``reader_sampled_em_end``, ``reader_sampled_end_minus_start_ci``, ``heldout_em_start``, ``heldout_em_end``,
@@ -90,9 +100,16 @@ ALGOS: dict[str, list[str]] = {
     "emapg": EMAPG,
     "control": [*EMAPG, "reward.shuffle_control=true"],
 }
+PROTOCOL_ARMS = ("grpo", "emapg", "control")  # the pre-registered protocol's arms (the contract file needs all three)
+# Off-protocol arm (added 2026-12-05, issue #41 item 3: choose the update by learning per minute): EMA-PG with LoRA r 16
+# (alpha 32) on every linear layer at 10x the full fine-tuning lr ("LoRA Without Regret"), merged weights to the
+# shared engine (it serves no adapters); with run.precision=bf16 the update is benchmarks/update_speed.py's lora_bf16.
+ALGOS["emapg_lora"] = [*EMAPG, "model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32",
+                       "model.lora.engine_weights=merged", "optim.lr=2e-4"]
 LABELS = {"grpo": "GRPO (K3, frozen reference)", "emapg": "EMA-PG (Top-k reverse KL, EMA anchor)",
+          "emapg_lora": "EMA-PG, LoRA r 16 at 10x lr",
           "control": "control (EMA-PG on shuffled rewards)"}
-COLORS = {"grpo": "tab:blue", "emapg": "tab:red", "control": "tab:gray"}
+COLORS = {"grpo": "tab:blue", "emapg": "tab:red", "control": "tab:gray", "emapg_lora": "tab:orange"}
 
 
 def qa_sets() -> tuple[str, ...]:
@@ -164,6 +181,53 @@ def per_question(eval_dirs: list[Path], metric: str = "em") -> dict[str, float]:
 
 def per_question_em(eval_dirs: list[Path]) -> dict[str, float]:
     return per_question(eval_dirs, "em")
+
+
+SCORED = {"reader": ("em", "f1", "pass"), "heldout": ("em",)}  # the per-question scores a report records per evaluation
+# the report's fields that must match for --resume-from to take finished runs from an earlier report
+# (not "mode": default and reduced differ only in their seeds and arms, so a reduced run's records can seed the protocol)
+PROTOCOL_KEYS = ("benchmark", "policy", "steps", "train_set", "overrides", "rollout", "reader_slice", "heldout")
+
+
+def recorded_scores(eval_dir: Path, kind: str) -> dict[str, dict[str, float]]:
+    """Metric -> question -> score of one evaluation (``kind``: ``reader`` or ``heldout``, :data:`SCORED`): what the
+    report keeps so that its estimates can be recomputed, and the protocol resumed, without the work folder."""
+    return {metric: per_question([eval_dir], metric) for metric in SCORED[kind]}
+
+
+def seed_mean(records: list[dict[str, float]]) -> dict[str, float]:
+    """Question -> its score averaged over runs (seeds); every run must have scored the same questions."""
+    keys = set(records[0])
+    if any(set(r) != keys for r in records):
+        raise ValueError("the runs scored different questions")
+    return {k: sum(r[k] for r in records) / len(records) for k in keys}
+
+
+def import_recorded(report: dict[str, Any], earlier: dict[str, Any], work: Path, algos: list[str], seeds: list[int]) -> list[str]:
+    """``--resume-from``: copy an earlier report's recorded starter scores and finished runs (those with
+    ``per_question``) into ``work`` where it has none, after checking that both reports describe the same protocol
+    (:data:`PROTOCOL_KEYS`). Returns what was taken."""
+    differ = [k for k in PROTOCOL_KEYS if earlier.get(k) != report.get(k)]
+    if differ:
+        raise SystemExit(f"--resume-from: the earlier report ran another protocol (differs in {', '.join(differ)})")
+    if "starter" not in earlier:
+        raise SystemExit("--resume-from: the earlier report records no per-question scores (written before they were kept)")
+    changed = [alg for alg in algos if alg in earlier.get("algorithms", {}) and earlier["algorithms"][alg] != report["algorithms"][alg]]
+    if changed:
+        raise SystemExit(f"--resume-from: the earlier report ran other settings for {', '.join(changed)}")
+    taken = []
+    if not (work / "starter.json").is_file():
+        (work / "starter.json").write_text(json.dumps(earlier["starter"]) + "\n")
+        taken.append("starter")
+    for alg in algos:
+        for seed in seeds:
+            run = earlier.get("runs", {}).get(alg, {}).get(str(seed))
+            done = work / f"{alg}-seed{seed}" / "run.json"
+            if run and "per_question" in run and not done.is_file():
+                done.parent.mkdir(parents=True, exist_ok=True)
+                done.write_text(json.dumps(run) + "\n")
+                taken.append(f"{alg} seed {seed}")
+    return taken
 
 
 def difference(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
@@ -258,20 +322,28 @@ def train_run(alg: str, seed: int, run_dir: Path, url: str, engine_url: str, set
     return read_metrics(run_dir), time.perf_counter() - t
 
 
-def summarise(report: dict[str, Any], algos: list[str], start_a: Path, start_b: Path, start_greedy: Path,
-              greedy_end: dict[str, list[Path]], reader_end: dict[str, list[Path]], trajectories_total: float,
-              train_s_total: float, *, complete: bool) -> dict[str, Any]:
-    """The report's estimates from the finished runs (``complete``: every run of the protocol finished)."""
-    from eval.learning import miss_breakdown
-
+def summarise(report: dict[str, Any], algos: list[str], trajectories_total: float, train_s_total: float, *,
+              complete: bool) -> dict[str, Any]:
+    """The report's estimates from its recorded scores (``report["starter"]`` and each finished run's
+    ``per_question``; ``complete``: every run of the protocol finished)."""
     report["complete"] = complete
-    algos = [alg for alg in algos if reader_end[alg]]
-    sa, sb, sg = per_question([start_a]), per_question([start_b]), per_question([start_greedy])
+    algos = [alg for alg in algos if report["runs"][alg]]
+    st = report["starter"]
+    sa, sb, sg = st["reader_a"]["em"], st["reader_b"]["em"], st["heldout"]["em"]
     report.update({"reader_questions": len(sa), "reader_sampled_em_start_seed_a": pct(sa), "reader_sampled_em_start_seed_b": pct(sb),
                    "starter_seed_b_minus_seed_a": difference(sa, sb), "heldout_em_start": pct(sg)})
+
+    def end(alg: str, kind: str, metric: str, seeds: set[str] | None = None) -> dict[str, float]:
+        return seed_mean([run["per_question"][kind][metric] for k, run in report["runs"][alg].items() if seeds is None or k in seeds])
+
+    def between(base: str, arm: str, kind: str) -> dict[str, Any]:
+        """arm − base at the end, over the seeds both arms finished (paired by question and by seed set)."""
+        common = set(report["runs"][base]) & set(report["runs"][arm])
+        return {**difference(end(base, kind, "em", common), end(arm, kind, "em", common)), "seeds": sorted(int(k) for k in common)}
+
     for alg in algos:
         runs = list(report["runs"][alg].values())
-        end_a, end_g = per_question(reader_end[alg]), per_question(greedy_end[alg])
+        end_a, end_g = end(alg, "reader", "em"), end(alg, "heldout", "em")
         block: dict[str, Any] = {
             "seeds": [int(k) for k in report["runs"][alg]],
             "reader_sampled_em_start": pct(sa), "reader_sampled_em_end": pct(end_a),
@@ -281,22 +353,27 @@ def summarise(report: dict[str, Any], algos: list[str], start_a: Path, start_b: 
             "heldout_em_start": pct(sg), "heldout_em_end": pct(end_g), "heldout_end_minus_start": difference(sg, end_g),
             "heldout_em_end_per_seed": [x["heldout_em_end"] for x in runs],
             "trajectories_per_min": statistics.mean(x["trajectories_per_min"] for x in runs),
+            # learning per minute: the reader-slice gain (pp) per minute of training (sampling + update), over the seeds
+            "reader_pp_per_train_min": 60 * (pct(end_a) - pct(sa)) / statistics.mean(x["train_s"] for x in runs),
             "informative_frac_mean": statistics.mean(statistics.mean(x["informative_frac"]) for x in runs),
         }
         block["reader_sampled_end_minus_start_ci"] = [block["reader_sampled_end_minus_start"]["low"],
                                                       block["reader_sampled_end_minus_start"]["high"]]
         for name, metric in (("f1", "f1"), ("pass", "pass")):
-            s0, s1 = per_question([start_a], metric), per_question(reader_end[alg], metric)
+            s0, s1 = st["reader_a"][metric], end(alg, "reader", metric)
             block[f"reader_sampled_{name}_start"], block[f"reader_sampled_{name}_end"] = pct(s0), pct(s1)
             block[f"reader_sampled_{name}_end_minus_start"] = difference(s0, s1)
         report[alg] = block
-    if {"grpo", "emapg"} <= set(algos):
-        report["emapg_minus_grpo_reader_sampled"] = difference(per_question(reader_end["grpo"]), per_question(reader_end["emapg"]))
-        report["emapg_minus_grpo_heldout"] = difference(per_question(greedy_end["grpo"]), per_question(greedy_end["emapg"]))
+    pairs = [("grpo", "emapg", "emapg_minus_grpo"), ("control", "grpo", "grpo_minus_control"), ("control", "emapg", "emapg_minus_control"),
+             ("emapg", "emapg_lora", "emapg_lora_minus_emapg")]
+    for base, arm, name in pairs:
+        if {base, arm} <= set(algos) and set(report["runs"][base]) & set(report["runs"][arm]):
+            report[f"{name}_reader_sampled"] = between(base, arm, "reader")
+            report[f"{name}_heldout"] = between(base, arm, "heldout")
     report["trajectories_per_min"] = 60 * trajectories_total / max(train_s_total, 1e-9)
     report["demo_2026_12_04_trajectories_per_min"] = 16.0  # 16 trajectories per 60-s step (issue #41)
-    report["misses"] = {"start": asdict(miss_breakdown(start_greedy, list(qa_sets()))),
-                        **{f"{alg}_end": [asdict(miss_breakdown(d, list(qa_sets()))) for d in greedy_end[alg]] for alg in algos}}
+    report["misses"] = {"start": st["misses"], **{f"{alg}_end": [run["misses_end"] for run in report["runs"][alg].values()]
+                                                  for alg in algos}}
     report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     return report
 
@@ -316,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-dataset", type=int, default=None, help="held-out questions per QA set of the greedy scoring (<= 100; "
                    "default 50, i.e. 350 questions; quick 2)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2; quick 0 1)")
-    p.add_argument("--algorithms", nargs="+", choices=sorted(ALGOS), default=list(ALGOS),
-                   help="arms to train (default all three; the contract file needs all three)")
+    p.add_argument("--algorithms", nargs="+", choices=sorted(ALGOS), default=list(PROTOCOL_ARMS),
+                   help="arms to train (default the protocol's three; the contract file needs exactly those; emapg_lora: "
+                        "off-protocol, EMA-PG with LoRA)")
     p.add_argument("--train-set", default=TRAIN_SET, help="training questions: qa_pool (the default) or qa_pool_informative")
     p.add_argument("--policy", default=None, help="starter policy (default emapg.models.STARTER)")
     p.add_argument("--override", action="append", default=[], help="a dotted training override for every arm (repeatable)")
@@ -326,17 +404,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed). A rerun with "
                    "the same --work resumes: finished runs and evaluations are kept, an unfinished run is trained again; after "
                    "every finished run the report so far is written beside --out as <name>.partial.json")
+    p.add_argument("--resume-from", default=None, help="an earlier report (e.g. the committed learning_search.partial.json) of the "
+                   "same protocol: its recorded starter scores and finished runs are taken into --work instead of being run again "
+                   "(reports keep every evaluation's per-question scores for this)")
     args = p.parse_args(argv)
     steps = args.steps or (2 if args.quick else 12)
     seeds = args.seeds or ([0, 1] if args.quick else [0, 1, 2])
     per_dataset = args.per_dataset or (2 if args.quick else 50)
     contract = Path(args.out).resolve() == (RESULTS / "learning_search.json").resolve()
-    if contract and (args.reduced or len(args.algorithms) < len(ALGOS) or args.override):
+    if contract and (args.reduced or set(args.algorithms) != set(PROTOCOL_ARMS) or args.override):
         p.error("--reduced, --algorithms with fewer arms and --override runs need --out (learning_search.json holds the protocol's run)")
     if len(seeds) < 2 and not (args.quick or args.reduced):
         p.error("give at least 2 seeds (or --reduced for a one-seed run)")
     if args.keep_final and not args.work:
         p.error("--keep-final needs --work (the default work folder is removed at the end)")
+    if args.resume_from and not Path(args.resume_from).is_file():
+        p.error(f"--resume-from: no report at {args.resume_from}")
     if not 1 <= per_dataset <= 100:
         p.error("--per-dataset must be in [1, 100]: the held-out split holds 100 questions per QA set")
     for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
@@ -344,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from agent.engines.launch import EngineServer
     from emapg.config import load_config
+    from eval.learning import miss_breakdown
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
     from tasks.datasets import load_dataset
@@ -374,20 +458,28 @@ def main(argv: list[str] | None = None) -> int:
         "algorithms": {alg: " ".join(o for o in ALGOS[alg] if not o.startswith("algorithm.name")) for alg in algos},
         "runs": {alg: {} for alg in algos},
     }
-    greedy_end: dict[str, list[Path]] = {alg: [] for alg in algos}
-    reader_end: dict[str, list[Path]] = {alg: [] for alg in algos}
+    if args.resume_from:
+        taken = import_recorded(report, json.loads(Path(args.resume_from).read_text()), work, algos, seeds)
+        print(f"[learning_search] taken from {args.resume_from}: {', '.join(taken) or 'nothing new'}", flush=True)
     train_s_total, trajectories_total = 0.0, 0.0
     with open_retriever(index_dir=ensure_bundled_index(settings["index_limit"]), log_path=work / "retriever.log") as retriever, \
             EngineServer(settings["policy"], engine=settings["engine"], max_model_len=r.max_prompt_tokens + r.max_response_tokens,
                          omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=work / "engine.log") as engine:  # fmt: skip
         url = retriever.urls[0]
-        start_greedy = evaluate(settings["policy"], work / "start_greedy", url, engine.url, settings, per_dataset=per_dataset)
-        start_a = evaluate(settings["policy"], work / "start_reader_a", url, engine.url, settings, reader_seed=SEED_A,
-                           temperature=r.temperature)
-        start_b = evaluate(settings["policy"], work / "start_reader_b", url, engine.url, settings, reader_seed=SEED_B,
-                           temperature=r.temperature)
-        print(f"[learning_search] starter: held-out greedy EM {pct(per_question([start_greedy])):.1f}, reader slice mean@{SAMPLES} "
-              f"EM {pct(per_question([start_a])):.1f} (seed A) / {pct(per_question([start_b])):.1f} (seed B) "
+        starter_file = work / "starter.json"
+        if not starter_file.is_file():  # the starter's three scorings, recorded per question
+            start_greedy = evaluate(settings["policy"], work / "start_greedy", url, engine.url, settings, per_dataset=per_dataset)
+            start_a = evaluate(settings["policy"], work / "start_reader_a", url, engine.url, settings, reader_seed=SEED_A,
+                               temperature=r.temperature)
+            start_b = evaluate(settings["policy"], work / "start_reader_b", url, engine.url, settings, reader_seed=SEED_B,
+                               temperature=r.temperature)
+            starter_file.write_text(json.dumps({
+                "heldout": recorded_scores(start_greedy, "heldout"), "reader_a": recorded_scores(start_a, "reader"),
+                "reader_b": recorded_scores(start_b, "reader"), "misses": asdict(miss_breakdown(start_greedy, list(qa_sets())))}) + "\n")
+        report["starter"] = starter = json.loads(starter_file.read_text())
+        start_reader = starter["reader_a"]["em"]
+        print(f"[learning_search] starter: held-out greedy EM {pct(starter['heldout']['em']):.1f}, reader slice mean@{SAMPLES} "
+              f"EM {pct(start_reader):.1f} (seed A) / {pct(starter['reader_b']['em']):.1f} (seed B) "
               f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
         for seed in seeds:  # seed-major: an interrupted benchmark has every arm at the same number of seeds
             for alg in algos:
@@ -395,9 +487,10 @@ def main(argv: list[str] | None = None) -> int:
                 done = run_dir / "run.json"
                 if done.is_file():  # finished in an earlier invocation with this --work
                     run = json.loads(done.read_text())
+                    if "per_question" not in run:
+                        raise SystemExit(f"{done} was written before runs recorded their per-question scores: train it again "
+                                         "(remove the file)")
                     report["runs"][alg][str(seed)] = run
-                    greedy_end[alg].append(run_dir / "end_greedy")
-                    reader_end[alg].append(run_dir / "end_reader_a")
                     train_s_total += run["train_s"]
                     trajectories_total += run["trajectories_sampled"]
                     print(f"[learning_search] {alg} seed {seed}: kept from {done}", flush=True)
@@ -415,8 +508,6 @@ def main(argv: list[str] | None = None) -> int:
                     keep_policy_only(ckpt)
                 else:
                     shutil.rmtree(ckpt, ignore_errors=True)
-                greedy_end[alg].append(g)
-                reader_end[alg].append(a)
                 sampled = sum(float(m.get("filter/sampled_trajectories", r.n_samples * base_cfg.data.prompts_per_step)) for m in metrics)
                 train_s_total += t_train
                 trajectories_total += sampled
@@ -430,22 +521,23 @@ def main(argv: list[str] | None = None) -> int:
                     "trajectories_per_min": 60 * sampled / t_train,
                     "heldout_em_end": pct(per_question([g])), "reader_sampled_em_end": pct(per_question([a])),
                     "reader_sampled_f1_end": pct(per_question([a], "f1")),
-                    "reader_sampled_end_minus_start": difference(per_question([start_a]), per_question([a])),
-                    "heldout_end_minus_start": difference(per_question([start_greedy]), per_question([g])),
+                    "reader_sampled_end_minus_start": difference(start_reader, per_question([a])),
+                    "heldout_end_minus_start": difference(starter["heldout"]["em"], per_question([g])),
+                    "misses_end": asdict(miss_breakdown(g, list(qa_sets()))),
+                    "per_question": {"reader": recorded_scores(a, "reader"), "heldout": recorded_scores(g, "heldout")},
                 }
                 report["runs"][alg][str(seed)] = run
                 done.write_text(json.dumps(run, indent=1) + "\n")
                 partial = Path(args.out).with_suffix(".partial.json")
-                write_report(summarise(dict(report), algos, start_a, start_b, start_greedy, greedy_end, reader_end,
-                                       trajectories_total, train_s_total, complete=False), partial, plot_too=False)
+                write_report(summarise(dict(report), algos, trajectories_total, train_s_total, complete=False), partial,
+                             plot_too=False)
                 d = run["reader_sampled_end_minus_start"]
-                print(f"[learning_search] {alg} seed {seed}: reader mean@{SAMPLES} EM {pct(per_question([start_a])):.1f} -> "
+                print(f"[learning_search] {alg} seed {seed}: reader mean@{SAMPLES} EM {pct(start_reader):.1f} -> "
                       f"{run['reader_sampled_em_end']:.1f} ({d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]), held-out greedy "
                       f"{run['heldout_em_end']:.1f}; {run['trajectories_per_min']:.1f} trajectories/min "
                       f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
 
-    report = summarise(report, algos, start_a, start_b, start_greedy, greedy_end, reader_end, trajectories_total, train_s_total,
-                       complete=True)
+    report = summarise(report, algos, trajectories_total, train_s_total, complete=True)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     out = Path(args.out)
     write_report(report, out)

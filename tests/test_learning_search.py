@@ -29,6 +29,19 @@ def test_arms_are_the_papers_baseline_emapg_and_a_shuffled_reward_control():
     assert "algorithm.kl.type=topk_reverse" in ALGOS["emapg"] and "algorithm.ema.decay=0.9" in ALGOS["emapg"]
     assert "reward.shuffle_control=true" in ALGOS["control"] and set(ALGOS["emapg"]) < set(ALGOS["control"])
     assert not any("shuffle" in o for o in ALGOS["emapg"] + ALGOS["grpo"])
+    # the off-protocol LoRA arm: EMA-PG's settings plus LoRA at 10x the config's full fine-tuning lr (2e-5)
+    lora = ALGOS["emapg_lora"]
+    assert set(ALGOS["emapg"]) < set(lora) and "model.lora.enabled=true" in lora and "optim.lr=2e-4" in lora
+    assert "model.lora.engine_weights=merged" in lora  # the shared engine serves no adapters
+
+
+def test_the_default_arms_are_the_protocols_and_the_contract_file_refuses_others(capsys):
+    from benchmarks.learning_search import PROTOCOL_ARMS, main
+
+    assert PROTOCOL_ARMS == ("grpo", "emapg", "control")
+    with pytest.raises(SystemExit):
+        main(["--algorithms", "grpo", "emapg", "control", "emapg_lora"])
+    assert "learning_search.json holds the protocol's run" in capsys.readouterr().err
 
 
 def test_the_protocol_is_written_in_the_docstring():
@@ -84,3 +97,57 @@ def test_partial_runs_may_not_overwrite_the_contract_file():
     for argv in (["--algorithms", "emapg", "--seeds", "0", "1"], ["--reduced", "--seeds", "0"], ["--override", "optim.lr=1e-4"]):
         with pytest.raises(SystemExit):
             main(argv)
+
+
+def _recorded(reader_em, heldout_em):
+    """An evaluation's recorded scores (benchmarks.learning_search.recorded_scores) from per-question EMs."""
+    reader = {f"nq/q{i}": x for i, x in enumerate(reader_em)}
+    return {"reader": {"em": reader, "f1": dict(reader), "pass": dict(reader)},
+            "heldout": {"em": {f"nq/h{i}": x for i, x in enumerate(heldout_em)}}}
+
+
+def _misses(n):
+    return {"questions": n, "right": 0, "wrong_shown": 0, "wrong_not_shown": n, "searches": {}}
+
+
+def _run(reader_em, heldout_em):
+    rec = _recorded(reader_em, heldout_em)
+    return {"per_question": rec, "misses_end": _misses(len(heldout_em)), "trajectories_per_min": 30.0, "informative_frac": [0.5],
+            "reader_sampled_em_end": 100 * sum(reader_em) / len(reader_em), "heldout_em_end": 100 * sum(heldout_em) / len(heldout_em),
+            "reader_sampled_end_minus_start": {"mean": 0.0}, "train_s": 60.0, "trajectories_sampled": 30.0}
+
+
+def test_summarise_pools_recorded_scores_and_compares_arms_on_common_seeds():
+    """The estimates come from the recorded per-question scores alone (no work folder): the pooled end averages each
+    question over seeds; between-arm differences use only the seeds both arms finished."""
+    from benchmarks.learning_search import summarise
+
+    start = _recorded([0, 0, 1, 1], [0, 1])
+    report = {"starter": {"reader_a": start["reader"], "reader_b": start["reader"], "heldout": start["heldout"], "misses": _misses(2)},
+              "runs": {"grpo": {"0": _run([1, 0, 1, 1], [1, 1]), "1": _run([1, 1, 1, 1], [0, 1])},
+                       "emapg": {"0": _run([0, 0, 1, 1], [0, 1])}, "control": {}}}
+    out = summarise(report, ["grpo", "emapg", "control"], 90.0, 180.0, complete=False)
+    assert out["grpo"]["reader_sampled_em_end"] == pytest.approx(100 * (1 + 0.5 + 1 + 1) / 4)  # per question over 2 seeds
+    assert out["grpo"]["reader_sampled_end_minus_start"]["mean"] == pytest.approx(100 * 1.5 / 4)
+    assert out["grpo"]["heldout_em_end"] == pytest.approx(75.0) and out["emapg"]["seeds"] == [0]
+    d = out["emapg_minus_grpo_reader_sampled"]  # seed 0 only: emapg [0,0,1,1] - grpo [1,0,1,1]
+    assert d["seeds"] == [0] and d["mean"] == pytest.approx(-25.0)
+    assert "grpo_minus_control_reader_sampled" not in out and "control" not in out  # the control finished no run
+    assert out["trajectories_per_min"] == pytest.approx(30.0) and len(out["misses"]["grpo_end"]) == 2
+
+
+def test_resume_from_takes_recorded_runs_of_the_same_protocol_only(tmp_path):
+    from benchmarks.learning_search import PROTOCOL_KEYS, import_recorded
+
+    proto = {k: f"value of {k}" for k in PROTOCOL_KEYS}
+    earlier = {**proto, "starter": {"reader_a": {}}, "runs": {"grpo": {"0": _run([1], [1]), "1": {"no": "per_question"}}}}
+    taken = import_recorded(dict(proto), earlier, tmp_path, ["grpo", "emapg"], [0, 1])
+    assert taken == ["starter", "grpo seed 0"]
+    assert json.loads((tmp_path / "grpo-seed0" / "run.json").read_text())["per_question"]["heldout"]["em"] == {"nq/h0": 1}
+    assert import_recorded(dict(proto), earlier, tmp_path, ["grpo"], [0]) == []  # already in the work folder: kept
+    with pytest.raises(SystemExit, match="differs in steps"):
+        import_recorded({**proto, "steps": 99}, earlier, tmp_path / "other", ["grpo"], [0])
+    with pytest.raises(SystemExit, match="other settings for grpo"):
+        import_recorded({**proto, "algorithms": {"grpo": "new"}}, {**earlier, "algorithms": {"grpo": "old"}}, tmp_path / "o", ["grpo"], [0])
+    with pytest.raises(SystemExit, match="no per-question scores"):
+        import_recorded(dict(proto), {**proto, "runs": {}}, tmp_path / "other", ["grpo"], [0])
