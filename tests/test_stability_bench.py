@@ -184,6 +184,7 @@ def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missi
                  "--out", str(fresh / "resumed.json"), "--resume-from", str(out)]) == 0
     resumed = json.loads((fresh / "resumed.json").read_text())
     assert resumed["stress"] == report["stress"] and resumed["sweep"] == report["sweep"]
+    assert resumed["complete"] is False  # runs missing, and no SmolLM2 arm
     assert resumed["grpo"] == report["grpo"] and resumed["emapg"] == report["emapg"] and resumed["not_run"] == report["not_run"]
     with pytest.raises(SystemExit, match="not lr 0.01"):
         main(["--report-only", "--steps", "12", "--lr", "1e-2", "--beta", "0.001", "--work", str(tmp_path / "other"),
