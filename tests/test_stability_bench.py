@@ -109,7 +109,7 @@ def test_replayed_false_trips_of_a_run_folder(tmp_path, capsys):
     base = {k: v for k, v in HEALTHY.items() if k != "kl/to_start"}  # like runs/learning_search: no kl/to_start
     healthy = [dict(base) for _ in range(8)]
     dip = [dict(base) for _ in range(8)]
-    dip[5]["actor/entropy"] = 0.3  # < 0.25 x 2.0: entropy_collapse trips at step 6
+    dip[5]["actor/entropy"] = 0.01  # < 0.25 x 2.0 and below the gate 0.02: entropy_collapse trips at step 6
     loops = [dict(base) for _ in range(8)]
     loops[6]["response/repeated_ngram_share"] = 0.6  # above the absolute limit 0.5: repetition at step 7
     write_run(tmp_path, "grpo-seed0", dip)
