@@ -189,13 +189,13 @@ class ToolBox:
     async def _hold(self, started: asyncio.Future) -> None:
         """Enter every client in one task (their contexts must be left by the task that entered them), list the
         tools, then wait for :meth:`close`."""
-        from contextlib import AsyncExitStack
+        try:  # every exit, an import's included, resolves ``started`` (else _open would wait out the whole deadline)
+            from contextlib import AsyncExitStack
 
-        from mcp import Client, StdioServerParameters
+            from mcp import Client, StdioServerParameters
 
-        from agent.formats import SEARCH_TOOL
+            from agent.formats import SEARCH_TOOL
 
-        try:
             async with AsyncExitStack() as stack:
                 names: dict[str, str] = {}
                 if self.builtin_search:

@@ -17,15 +17,18 @@ Then a training step with the search tool through MCP (``rollout.tools=[<the ser
 (the same server's ``/retrieve``, batched per round): `emapg train`'s step on the tiny Qwen2 weight-scripted to call
 the search tool on every turn (agent/scripted_tools.py), one warm-up step and ``--train-steps`` timed steps each, one
 trainer after the other (``training.mcp_over_builtin_step_time``; ``--train-steps 0`` skips it). The MCP arm's prompt
-declares both of the server's tools (search, search_batch), so it is longer. Off by default: run after the load phases,
-the MCP arm's client connect hung (60-s connect timeout, three times) in 3 of 5 runs on the 2-core box, never when
-run alone or after short load phases. Every connect wait is bounded now (``rollout.tool_connect_timeout_s`` per source
-and step, the MCP client's read timeout, the HTTP connect timeout; the error names the URL and the step), but the cause
-of those runs' failed connects is not established (docs/mcp.md: small reproductions did not hang).
+declares both of the server's tools (search, search_batch), so it is longer.
 
-    python benchmarks/mcp.py                   # 2 caches x 2 rounds x 2 routes x 8 s, about 1.5 minutes
-    python benchmarks/mcp.py --train-steps 3   # and the training comparison
-    python benchmarks/mcp.py --quick           # 1 round x 4 s each
+The training comparison was once off by default because the MCP arm's connect "hung" after the load phases. Cause,
+found 2026-12-05: this script was ``benchmarks/mcp.py``; run as a script its folder comes first on ``sys.path``, so
+``import mcp`` on the tool loop found the script instead of the SDK, the import failed before the connect began, and
+the toolbox waited out its 60-s deadline without the error (under pytest, where the folder is not on the path, it
+never happened). The script was renamed, the tool loop's imports now fail the connect at once with their reason, and
+a test keeps every benchmark script from shadowing an importable module. On by default since (``--train-steps 3``).
+
+    python benchmarks/mcp_search.py                   # 2 caches x 2 rounds x 2 routes x 8 s, then 3 + 1 training steps per arm (~5 min)
+    python benchmarks/mcp_search.py --train-steps 0   # the load comparison only (about 1.5 minutes)
+    python benchmarks/mcp_search.py --quick           # 1 round x 4 s each
 
 Writes ``benchmarks/results/mcp.json`` (``mcp_over_native_qps``, ``mcp_over_native_p99``, ``mcp_over_native_qps_cached``,
 ``mcp_over_builtin_step_time``).
@@ -132,7 +135,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--topk", type=int, default=3)
-    p.add_argument("--train-steps", type=int, default=0, help="training steps per arm (0, the default: skip the training "
+    p.add_argument("--train-steps", type=int, default=3, help="training steps per arm (default 3; 0: skip the training "
                                                                "comparison; see the module docstring)")
     p.add_argument("--quick", action="store_true", help="1 round x 4 s")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "mcp.json"))

@@ -486,3 +486,19 @@ def test_update_speed_benchmark_quick(tmp_path):
         assert grad["within_tolerance"] and grad["cosine"] >= 0.99, grad
         step = report["arms"][arm][f"first_adamw_step_vs_{ref}"]
         assert 0.0 <= step["sign_agreement"] <= 1.0
+
+
+def test_no_benchmark_script_shadows_an_importable_module():
+    """Run as a script, a benchmark's folder comes first on sys.path, so a script named like a package (it was
+    benchmarks/mcp.py) is what ``import mcp`` finds: the MCP client then failed to import on the tool loop and the
+    connect waited out its deadline."""
+    import importlib.util
+
+    here = (ROOT / "benchmarks").resolve()
+    saved = list(sys.path)
+    try:  # the path a script's imports see, less its own folder
+        sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != here]
+        shadowing = [f.name for f in here.glob("*.py") if importlib.util.find_spec(f.stem) is not None]
+    finally:
+        sys.path[:] = saved
+    assert shadowing == [], f"benchmark scripts named like importable modules: {shadowing}"

@@ -150,6 +150,21 @@ def test_a_server_that_never_answers_is_cut_off_at_connect_naming_the_url(search
         sock.close()
 
 
+def test_an_mcp_sdk_that_cannot_be_imported_fails_at_once_with_the_reason(monkeypatch):
+    """The old connect "hang": run as a script, benchmarks/mcp.py was what ``import mcp`` found, the tool loop's
+    import of the SDK failed before the connect began, and the toolbox waited out its whole deadline with the error
+    unseen. Now the import's failure is the toolbox's error, at once."""
+    import types
+
+    from agent.tools import ToolBox
+
+    monkeypatch.setitem(sys.modules, "mcp", types.ModuleType("mcp"))  # a module named mcp that is not the SDK
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="rollout.tools: cannot import name 'Client' from 'mcp'"):
+        ToolBox(["http://127.0.0.1:9/mcp"], timeout_s=5, max_output_chars=100, connect_timeout_s=30.0)
+    assert time.perf_counter() - t0 < 10
+
+
 def test_a_connect_timeout_leaves_the_tool_loop_usable():
     """After a source timed out, a toolbox on a live stdio server connects and calls normally (nothing left hanging
     on a shared loop), and the failed box counted its failure."""
