@@ -79,6 +79,14 @@ contract arms, seeds 0-4, the same collapse definition and estimates, in its own
 issue's one-seed lead was at beta = 1 (SmolLM2, lr 1e-4: GRPO -3.4 pp held-out greedy, EMA-PG -0.3). Question:
 does the moving anchor or the Top-k estimator change the collapse rate when the KL term is strong?
 
+AMENDMENT 3 (2026-12-05, after amendment 2's result, before these runs). At beta = 1 both Top-k arms collapsed (5
+of 10 runs, every K3 run healthy), their token entropy jumping to 1-4.5 nats after the first update. Hypothesis from
+trainer/algo/topk_kl.py: the default ``algorithm.kl.tail_grad=paper`` reproduces the release's gradient, which is
+grad KL + grad pi(q) (q the top-k set): at pi = pi_ref the KL's gradient vanishes but beta x grad pi(q) does not, and
+descending it pushes probability out of the top-k. Prediction: with ``tail_grad=exact`` (unbiased, same values) the
+Top-k arm does not blow up. Arm ``frozen_topk_exact`` (frozen reference + Top-k, ``tail_grad=exact``), beta = 1,
+seeds 0-4, into the same work folder and report as amendment 2.
+
 Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
 
 Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
@@ -120,6 +128,8 @@ ARMS: dict[str, list[str]] = {
     "emapg": ["algorithm.name=emapg", *TOPK, *EMA],
     "ema_k3": ["algorithm.name=emapg", *K3, *EMA],
     "frozen_topk": ["algorithm.name=emapg", *TOPK, *FROZEN],
+    # amendment 3: the estimator half with the unbiased Top-k gradient (the default reproduces the release's bias)
+    "frozen_topk_exact": ["algorithm.name=emapg", *TOPK, "algorithm.kl.tail_grad=exact", *FROZEN],
     # GRPO with the target-entropy controller (trainer.entropy_control): target 0.3 nats/token, about the warm
     # start's step-1 entropy on the toy task (0.31 in the first sweep probe, seed 100)
     "grpo_entropy_ctl": ["algorithm.name=grpo", *K3, *FROZEN, "algorithm.entropy_target=0.3", "algorithm.entropy_coef=0.001",
