@@ -589,7 +589,7 @@ def add_openai_routes(app: FastAPI, *, options: OpenAIOptions, endpoint: Callabl
         max_tokens = None if body.get(field) is None else as_int(body[field], f"'{field}'", 1, MAX_INT32)
         sid = parse_session_id(request, body)
         messages = parse_messages(body["messages"], options.max_messages)
-        tools = parse_tools(body["tools"]) if body.get("tools") else []
+        tools = parse_tools(body["tools"]) if body.get("tools") is not None else []
         prompt_ids, out, reply, finish = await chat_call(engine, sid, messages, tools, choice, params, max_tokens)
         tok = engine.tokenizer
         message = {"role": "assistant", "content": reply["content"] or None}
@@ -689,7 +689,7 @@ def add_openai_routes(app: FastAPI, *, options: OpenAIOptions, endpoint: Callabl
             messages = [*before, reply_before, *new]
             if len(messages) > options.max_messages:
                 raise HTTPError(413, f"the conversation has {len(messages)} messages, more than the limit of {options.max_messages}")
-        tools = parse_tools(parse_response_tools(body["tools"], MAX_TOOLS)) if body.get("tools") else []
+        tools = parse_tools(parse_response_tools(body["tools"], MAX_TOOLS)) if body.get("tools") is not None else []
         prompt_ids, out, reply, finish = await chat_call(engine, sid, messages, tools, choice, params, max_tokens)
         response_id = f"resp_{uuid.uuid4().hex}"
         if keep:

@@ -95,7 +95,11 @@ def finish(driver, shots: Path, name: str) -> None:
 
 
 def wait_for(driver, condition, message: str):
-    WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(lambda d: condition(d), message)
+    # the page re-renders while it updates: an element found a moment ago may be replaced (stale); poll again then
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    WebDriverWait(driver, WAIT_S, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda d: condition(d), message)
 
 
 def test_runs_page(served, browser, tmp_path):
