@@ -186,6 +186,7 @@ class Encoder:
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from emapg.cpu import aten_kernels_below_avx512
         from emapg.models import resolve_model
         from retriever.packing import eager_forward
 
@@ -203,10 +204,13 @@ class Encoder:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
         self.dtype = str(dtype).removeprefix("torch.")
-        base = AutoModel.from_pretrained(path, dtype=dtype).eval()
+        # bf16 on a CPU whose kernels are capped below AVX-512: the fused attention kernel can still take an AVX-512
+        # path and stop ("pack_vnni2 ..."); the plain attention (matmul, softmax) runs there.
+        load = {"attn_implementation": "eager"} if self.bf16 and not on_gpu and aten_kernels_below_avx512() else {}
+        base = AutoModel.from_pretrained(path, dtype=dtype, **load).eval()
         self.models = []
         for i, dev in enumerate(self.devices):
-            m = base if i == 0 else AutoModel.from_pretrained(path, dtype=dtype).eval()
+            m = base if i == 0 else AutoModel.from_pretrained(path, dtype=dtype, **load).eval()
             self.models.append(m.to(dev))
         self.dim = int(base.config.hidden_size)
         if threads < 1:
@@ -219,6 +223,8 @@ class Encoder:
         self._packed_forwards: list[Forward] = [eager_forward(m) for m in self.models]
         # Packing texts into rows needs a model that honours 4D masks and position ids (BERT-family
         # encoders do; RoBERTa offsets its positions): checked, not assumed. Likewise the trace.
+        self.traced = False
+        self._untrace_lock = threading.Lock()
         self.packed = pack and self._packing_is_exact()
         self.traced = self.packed and not on_gpu and self._trace()
 
@@ -285,7 +291,17 @@ class Encoder:
 
         batch = pack_batch(feats, self.row_tokens, self.tokenizer.pad_token_id, self.models[replica].dtype, self.devices[replica])
         with torch.inference_mode():
-            emb = pool_packed(self._packed_forwards[replica](batch.inputs), batch, self.spec.pooling)
+            try:
+                hidden = self._packed_forwards[replica](batch.inputs)
+            except RuntimeError as e:
+                if not self.traced:
+                    raise
+                # The trace was checked on probe texts, but the TorchScript interpreter can pick a kernel on a later
+                # batch that the eager forward does not (seen: bf16 under ATEN_CPU_CAPABILITY=avx2 on an AVX-512
+                # CPU stops with "pack_vnni2 is only supported when avx512 is supported"): the eager forward is exact.
+                self._untrace(f"{type(e).__name__}: {str(e)[:300]}")
+                hidden = self._packed_forwards[replica](batch.inputs)
+            emb = pool_packed(hidden, batch, self.spec.pooling)
             if self.spec.normalize:
                 emb = torch.nn.functional.normalize(emb, dim=-1)
         return emb.cpu().numpy()
@@ -327,6 +343,17 @@ class Encoder:
             self._packed_forwards = [eager_forward(m) for m in self.models]
             return False
         return True
+
+    def _untrace(self, reason: str) -> None:
+        """Run every replica eagerly from now on (a traced forward failed on a real batch)."""
+        from retriever.packing import eager_forward
+
+        with self._untrace_lock:  # replicas' threads may fail at once: switch once
+            if not self.traced:
+                return
+            log.warning("encoder %s: the traced forward failed (%s); running it eagerly from now on", self.spec.name, reason)
+            self._packed_forwards = [eager_forward(m) for m in self.models]
+            self.traced = False
 
     def close(self) -> None:
         if self._pool is not None:

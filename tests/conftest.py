@@ -12,6 +12,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # their float rounding differs from the AVX2 ones the golden runs (tests/trainer/test_golden.py) were
 # recorded with (CI hosts vary: both kinds seen). Must be set before torch is first imported.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+# The same for MKL's matrix products (torch's CPU BLAS): MKL picks its code path by CPU too (AVX-512, and
+# others on AMX hosts), and AdamW turns rounding-sized gradient differences into lr-sized weight differences
+# (see tests/trainer/test_golden.py). MKL's conditional numerical reproducibility pins the AVX2 path.
+os.environ.setdefault("MKL_CBWR", "AVX2")
 
 import pytest  # noqa: E402
 

@@ -116,6 +116,27 @@ def test_packed_forward_equals_padded_forward(pooling, row_tokens):
         np.testing.assert_allclose(packed.encode(texts, batch_size=batch_size), padded.encode(texts, batch_size=batch_size), atol=1e-5)
 
 
+def test_a_trace_that_fails_on_a_later_batch_falls_back_to_the_eager_forward(caplog):
+    """The trace is checked on probe texts at load; a kernel it picks on a later batch can still fail (seen: bf16
+    under ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU). That batch and every later one run eagerly, nothing lost."""
+    texts = [f"question number {i} about " + "history " * (i % 9) for i in range(20)]
+    enc = Encoder(EncoderSpec(name="minilm"), device="cpu")
+    assert enc.traced
+    want = enc.encode(texts, batch_size=8)
+
+    def broken(inputs):
+        raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+
+    enc._packed_forwards = [broken for _ in enc.models]
+    with caplog.at_level("WARNING", logger="retriever.encoder"):
+        got = enc.encode(texts, batch_size=8)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not enc.traced and "the traced forward failed (RuntimeError: pack_vnni2" in caplog.text
+    enc._packed_forwards = [broken for _ in enc.models]  # untraced now: a failing eager forward is raised, not retried
+    with pytest.raises(RuntimeError, match="pack_vnni2"):
+        enc.encode(texts[:2])
+
+
 def test_packing_falls_back_to_padding_for_a_model_that_offsets_positions(tmp_path, minilm):
     """RoBERTa numbers positions from padding_idx + 1, so packed position ids 0.. would be wrong: detected at load."""
     from transformers import RobertaConfig, RobertaModel

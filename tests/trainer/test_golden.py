@@ -14,6 +14,11 @@ about ±lr whatever its gradient's size, so rounding-sized differences in near-z
 lr-sized weight differences and the 1e-4 comparison fails (grpo_k3: K3 to a frozen reference, two
 PPO epochs, kl/mean 0.031 vs 0.046 at step 1; exact_* and on-policy Top-k: 1e-4..5e-4 relative).
 
+Kernels are pinned (tests/conftest.py): torch's to AVX2 (ATEN_CPU_CAPABILITY) and MKL's matrix products to its AVX2
+path (MKL_CBWR). With only the first, an AVX-512/AMX host reproduced no_kl and Top-k forward but not the other seven
+(grpo_k3 step 1 kl/mean 0.043 vs 0.046). The file was re-recorded with both pins on 2026-12-05; the code recorded
+gives, on that host, the same numbers as e357f89, which had passed against the old file on the earlier host.
+
 Regenerate (only when a change is *meant* to alter training numbers, and say so in the commit):
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.trainer.test_golden
 """
@@ -22,15 +27,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 if __name__ == "__main__":  # regenerating: the same kernels as the tests (tests/conftest.py)
-    import os
-
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("MKL_CBWR", "AVX2")
 import torch  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "trainer_golden.json"
@@ -129,6 +134,9 @@ def _check(name: str, got: dict) -> None:
     assert kernels in ("AVX2", "DEFAULT"), (
         f"torch runs its {kernels} CPU kernels; the golden runs were recorded with AVX2 ones "
         "(tests/conftest.py sets ATEN_CPU_CAPABILITY=avx2 before torch is imported)")
+    assert os.environ.get("MKL_CBWR") == "AVX2", (
+        "the golden runs were recorded with MKL pinned to its AVX2 code path (tests/conftest.py sets MKL_CBWR=AVX2 "
+        f"before torch is imported); MKL_CBWR is {os.environ.get('MKL_CBWR')!r}")
     assert len(got["steps"]) == len(golden["steps"]) == 3
     for step, (g, want) in enumerate(zip(got["steps"], golden["steps"]), start=1):
         missing = set(want) - set(g)
