@@ -488,6 +488,28 @@ def test_update_speed_benchmark_quick(tmp_path):
         assert 0.0 <= step["sign_agreement"] <= 1.0
 
 
+def test_bf16_gradient_benchmark_quick(tmp_path):
+    """``benchmarks/bf16_gradient.py --quick``: the first gradient in fp32 and bf16 with signed and absolute advantages,
+    their agreement, and the error the cancellation hypothesis predicts."""
+    from emapg.cpu import cpu_has_bf16
+
+    out = tmp_path / "bf16_gradient.json"
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}  # conftest's avx2 cap would turn bf16 off
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bf16_gradient.py"), "--quick", "--out", str(out)],
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["advantages"]) == {"signed", "absolute"} and report["rows"] > 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        assert report["bf16_ran"] is cpu_has_bf16()
+    for arm in report["advantages"].values():
+        assert -1.0 <= arm["cosine_bf16_vs_fp32"] <= 1.0 + 1e-9 and arm["fp32_norm"] > 0
+        assert math.isclose(arm["relative_error"], math.sqrt(max(0.0, 2 * (1 - arm["cosine_bf16_vs_fp32"]))))
+    assert math.isclose(report["predicted_signed_relative_error"],
+                        report["advantages"]["absolute"]["relative_error"] * report["cancellation_norm_ratio"])
+
+
 def test_no_benchmark_script_shadows_an_importable_module():
     """Run as a script, a benchmark's folder comes first on sys.path, so a script named like a package (it was
     benchmarks/mcp.py) is what ``import mcp`` finds: the MCP client then failed to import on the tool loop and the
