@@ -37,12 +37,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PRECISIONS = {"fp32": "run.precision=fp32", "bf16": "run.precision=bf16"}
-ADVANTAGES = ("signed", "absolute")
+ADVANTAGES = ("signed", "absolute", "absolute_uncertain")
+CONFIDENT = 0.99  # ``absolute_uncertain``: tokens the starter sampled with at least this probability leave the loss
+
+
+def without_confident_tokens(trajectories: list[Any]) -> tuple[list[Any], float]:
+    """The trajectories with every generated token the engine sampled at probability >= CONFIDENT taken out of the
+    loss mask; and the fraction of generated tokens taken out."""
+    import dataclasses
+
+    out, dropped, total = [], 0, 0
+    for t in trajectories:
+        mask = [0 if m and lp >= math.log(CONFIDENT) else m for m, lp in zip(t.loss_mask, t.sampling_logprobs)]
+        mask += list(t.loss_mask[len(mask):])
+        dropped += sum(t.loss_mask) - sum(mask)
+        total += sum(t.loss_mask)
+        out.append(dataclasses.replace(t, loss_mask=mask))
+    return out, dropped / max(total, 1)
 
 
 def first_gradient(config: Path, overrides: list[str], sampled: Any, advantages: str) -> tuple[Any, bool]:
     """The first optimizer step's gradient (every trained parameter, float64, flattened) of one update on ``sampled``
-    with GRPO's advantages (``signed``) or their absolute values (``absolute``); and whether bf16 ran."""
+    with GRPO's advantages (``signed``), their absolute values (``absolute``), or their absolute values with the
+    tokens the starter was sure of (p >= CONFIDENT) out of the loss (``absolute_uncertain``); and whether bf16 ran."""
     import torch
 
     from emapg.config import load_config
@@ -67,10 +84,13 @@ def first_gradient(config: Path, overrides: list[str], sampled: Any, advantages:
 
         policy.optimizer.register_step_pre_hook(capture)
         group_ids = [p.group_id for p in sampled.prompts for _ in range(cfg.rollout.n_samples)]
-        batch = trajectory_batch(sampled.trajectories, pad_id=trainer.pad_id)
+        trajectories = sampled.trajectories
+        if advantages == "absolute_uncertain":
+            trajectories, _ = without_confident_tokens(trajectories)
+        batch = trajectory_batch(trajectories, pad_id=trainer.pad_id)
         trainer.compute_stored_stats(batch)
         adv = grpo_advantages(sampled.rewards, group_ids)
-        if advantages == "absolute":
+        if advantages != "signed":
             adv = adv.abs()
         batch.stored["advantages"] = broadcast_advantages(adv, batch.loss_mask)
         try:
@@ -132,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     report["cancellation_norm_ratio"] = absolute["fp32_norm"] / signed["fp32_norm"]
     report["predicted_signed_relative_error"] = absolute["relative_error"] * report["cancellation_norm_ratio"]
     report["predicted_signed_cosine"] = 1 - report["predicted_signed_relative_error"] ** 2 / 2
+    report["confident_token_fraction"] = without_confident_tokens(sampled.trajectories)[1]
     report["machine"] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
     report["wall_s"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"signed advantages (GRPO): cosine {signed['cosine_bf16_vs_fp32']:.4f} (relative error {signed['relative_error']:.3f})\n"
           f"absolute advantages:      cosine {absolute['cosine_bf16_vs_fp32']:.4f} (relative error {absolute['relative_error']:.3f})\n"
           f"|g_abs| / |g_signed| (fp32) {report['cancellation_norm_ratio']:.2f}: predicted signed error "
-          f"{report['predicted_signed_relative_error']:.3f} (cosine {report['predicted_signed_cosine']:.4f})\nwrote {args.out}")
+          f"{report['predicted_signed_relative_error']:.3f} (cosine {report['predicted_signed_cosine']:.4f})\n"
+          f"absolute, tokens sampled at p >= {CONFIDENT} out of the loss ({report['confident_token_fraction']:.0%} of them): cosine "
+          f"{report['advantages']['absolute_uncertain']['cosine_bf16_vs_fp32']:.4f}\nwrote {args.out}")
     return 0
 
 

@@ -499,7 +499,8 @@ def test_bf16_gradient_benchmark_quick(tmp_path):
                           env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["advantages"]) == {"signed", "absolute"} and report["rows"] > 0
+    assert set(report["advantages"]) == {"signed", "absolute", "absolute_uncertain"} and report["rows"] > 0
+    assert 0.0 <= report["confident_token_fraction"] <= 1.0
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ATEN_CPU_CAPABILITY", raising=False)
         assert report["bf16_ran"] is cpu_has_bf16()
@@ -508,6 +509,18 @@ def test_bf16_gradient_benchmark_quick(tmp_path):
         assert math.isclose(arm["relative_error"], math.sqrt(max(0.0, 2 * (1 - arm["cosine_bf16_vs_fp32"]))))
     assert math.isclose(report["predicted_signed_relative_error"],
                         report["advantages"]["absolute"]["relative_error"] * report["cancellation_norm_ratio"])
+
+
+def test_bf16_gradient_takes_only_confident_generated_tokens_out_of_the_loss():
+    from agent.rollout import Trajectory
+    from benchmarks.bf16_gradient import without_confident_tokens
+
+    t = Trajectory(uid="u", group_id="g", prompt_index=0, sample_index=0, question="q", example_id=None, prompt_ids=[1],
+                   response_ids=[5, 6, 7, 8, 9], loss_mask=[1, 1, 0, 1, 1],
+                   sampling_logprobs=[math.log(0.995), math.log(0.5), 0.0, math.log(0.999), math.log(0.98)])
+    (out,), dropped = without_confident_tokens([t])
+    assert out.loss_mask == [0, 1, 0, 0, 1] and dropped == 0.5  # 2 of the 4 generated tokens; the observation stays 0
+    assert t.loss_mask == [1, 1, 0, 1, 1] and out.response_ids == t.response_ids  # the input is not changed
 
 
 def test_no_benchmark_script_shadows_an_importable_module():
