@@ -467,16 +467,21 @@ def test_multinode_step_alternates_and_rejects_bad_arguments(capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def _quick_bf16_benchmark(name: str, tmp_path: Path) -> dict:
+    """``benchmarks/<name>.py --quick`` in a subprocess without conftest's avx2 cap (it would turn bf16 off); its JSON."""
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)],
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_update_speed_benchmark_quick(tmp_path):
     """``benchmarks/update_speed.py --quick``: the four arms update the same sampled rows side by side; bf16 and
     LoRA + bf16 are judged against their fp32 references on the first optimizer step's gradient (cosine >= 0.99,
     norms within 5%), and AdamW's sign-like first parameter step is reported beside it."""
-    out = tmp_path / "update_speed.json"
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}  # conftest's avx2 cap would turn bf16 off
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "update_speed.py"), "--quick", "--out", str(out)],
-                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = _quick_bf16_benchmark("update_speed", tmp_path)
     for key in ("bf16_over_fp32_speedup", "lora_over_fp32_speedup", "lora_bf16_over_fp32_speedup"):
         assert math.isfinite(report[key]) and report[key] > 0
     assert set(report["arms"]) == {"fp32", "bf16", "lora", "lora_bf16"}
@@ -493,12 +498,7 @@ def test_bf16_gradient_benchmark_quick(tmp_path):
     their agreement, and the error the cancellation hypothesis predicts."""
     from emapg.cpu import cpu_has_bf16
 
-    out = tmp_path / "bf16_gradient.json"
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}  # conftest's avx2 cap would turn bf16 off
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bf16_gradient.py"), "--quick", "--out", str(out)],
-                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = _quick_bf16_benchmark("bf16_gradient", tmp_path)
     assert set(report["advantages"]) == {"signed", "absolute", "absolute_uncertain"} and report["rows"] > 0
     assert 0.0 <= report["confident_token_fraction"] <= 1.0
     with pytest.MonkeyPatch.context() as mp:
