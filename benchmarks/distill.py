@@ -79,7 +79,8 @@ reached 2.5: the spread between two runs is as large as the shortfall. Question:
 40 steps reach 80% of the teacher, and does it at a second seed?
 
 Runs. The ``in_process`` arm only, every setting above unchanged except ``steps`` = 40, at seeds 0 and 1 (a third seed
-only if both finish with at least 60 minutes of the session left; decided on the clock, not on any result).
+only if both finish with at least 75 minutes of the session left -- its ~40 min and the final test run's ~30;
+decided on the clock, not on any result).
 Seed 0 continues the protocol run's arm from its step-20 checkpoint (``--extend-from runs/distill``): the rate is
 constant (no warm-up, no decay) and the checkpoint holds the optimizer, data position and random state, so this is
 the 40-step run; seed 1 trains from the start. The teacher's and the raw student's evaluations are the protocol run's
