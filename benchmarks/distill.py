@@ -78,9 +78,9 @@ still falling, and its ``remote`` arm -- the same algorithm at the same seed, it
 reached 2.5: the spread between two runs is as large as the shortfall. Question: does the same distillation run to
 40 steps reach 80% of the teacher, and does it at a second seed?
 
-Runs. The ``in_process`` arm only, every setting above unchanged except ``steps`` = 40, at seeds 0 and 1 (a third seed
-only if both finish with at least 75 minutes of the session left -- its ~40 min and the final test run's ~30;
-decided on the clock, not on any result).
+Runs. The ``in_process`` arm only, every setting above unchanged except ``steps`` = 40, at seeds 0 and 1 (amended at
+00:33 UTC, seed 0 training, no result seen: no third seed this session -- the CPU after seed 1 goes to issue #42's
+slow-stress runs).
 Seed 0 continues the protocol run's arm from its step-20 checkpoint (``--extend-from runs/distill``): the rate is
 constant (no warm-up, no decay) and the checkpoint holds the optimizer, data position and random state, so this is
 the 40-step run; seed 1 trains from the start. The teacher's and the raw student's evaluations are the protocol run's
@@ -675,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
             if (run_dir / "end_greedy").is_dir():
                 dirs[f"{arm}_greedy"] = run_dir / "end_greedy"
             phase(f"arm_{arm}", t)
-    complete = not args.no_cost and set(args.arms) == {"in_process", "remote"}
+    # Every phase asked for has finished; the contract file needs the whole protocol (both arms and the cost phase).
+    complete = not contract or (not args.no_cost and set(args.arms) == {"in_process", "remote"})
     write(complete=complete)
     if complete and partial_path.is_file():
         partial_path.unlink()

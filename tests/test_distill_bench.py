@@ -32,3 +32,41 @@ def test_distill_benchmark_quick_writes_the_contract_keys(tmp_path):
     assert scoring["in_process_tokens_per_s"]["median"] > 0 and scoring["remote_tokens_per_s"]["median"] > 0
     assert scoring["max_abs_logp_difference"] < 1e-3  # the remote teacher's scores are the in-process teacher's
     assert "distill_step_at_most_1_5x_rl_step" in report["targets"]
+
+
+def _seed_report(seed: int, end: dict[str, float], **changes) -> dict:
+    from benchmarks.distill import POOL_KEYS
+
+    report = {k: f"same-{k}" for k in POOL_KEYS}
+    teacher = {"nq/1": 1.0, "nq/2": 0.5, "popqa/3": 0.0, "popqa/4": 1.0}
+    start = {k: 0.0 for k in teacher}
+    report.update(seed=seed, student_sampled_em_end=100 * sum(end.values()) / len(end), per_question_em={
+        "teacher_sampled": teacher, "start_sampled": start, "in_process_sampled": end,
+        "teacher_greedy": teacher, "start_greedy": start, "in_process_greedy": end}, **changes)
+    return report
+
+
+def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings(tmp_path):
+    from benchmarks.distill import pool_line, pool_seeds
+
+    ends = [{"nq/1": 1.0, "nq/2": 0.5, "popqa/3": 0.0, "popqa/4": 0.0}, {"nq/1": 0.0, "nq/2": 0.5, "popqa/3": 0.5, "popqa/4": 1.0}]
+    files = []
+    for seed, end in enumerate(ends):
+        files.append(tmp_path / f"s{seed}.json")
+        files[-1].write_text(json.dumps(_seed_report(seed, end)))
+    pooled = pool_seeds(files)
+    # per question over seeds: 0.5, 0.5, 0.25, 0.5 -> 43.75%; teacher 62.5%; start 0
+    assert pooled["seeds"] == [0, 1] and pooled["reader_questions"] == 4
+    assert pooled["student_sampled_em_end"] == pytest.approx(43.75) and pooled["teacher_sampled_em"] == pytest.approx(62.5)
+    assert pooled["student_sampled_em_end_per_seed"] == {"0": pytest.approx(37.5), "1": pytest.approx(50.0)}
+    assert pooled["student_end_over_teacher"] == pytest.approx(0.7)
+    assert pooled["student_end_minus_start_ci"]["mean"] == pytest.approx(43.75)
+    assert pooled["student_end_minus_teacher_ci"]["mean"] == pytest.approx(-18.75)
+    assert pooled["student_greedy_em_end"] == pytest.approx(43.75)
+    assert pooled["targets"]["student_sampled_em_end_at_least_80pct_of_teacher"] is False
+    assert "2 seeds pooled" in pool_line(pooled) and "70% of the teacher" in pool_line(pooled)
+    (tmp_path / "other.json").write_text(json.dumps(_seed_report(2, ends[0], steps="other")))
+    with pytest.raises(SystemExit, match="other settings .*steps"):
+        pool_seeds([files[0], tmp_path / "other.json"])
+    with pytest.raises(SystemExit, match="repeat a seed"):
+        pool_seeds([files[0], files[0]])

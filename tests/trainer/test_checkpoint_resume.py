@@ -157,6 +157,34 @@ def test_resume_skips_a_damaged_latest_checkpoint_and_reproduces_the_run(two_ste
     assert_states_equal(ref, new)  # optimizer moments and anchor, bit for bit
 
 
+def test_a_run_continued_to_more_steps_is_the_longer_run(two_step_run, tmp_path):
+    """benchmarks/distill.py --extend-from: a 1-step run's checkpoint, copied into a new folder and resumed with
+    run.total_steps=2, trains the uninterrupted 2-step run bit for bit (constant rate); a run of another seed is not
+    continued, one of other settings or with as many steps done is refused naming why."""
+    from benchmarks.distill import continuable, extend_arm
+    from emapg.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.loop import train
+
+    def cfg(out: Path, *extra: str) -> TrainConfig:
+        return load_config(TrainConfig, CONFIG_DIR / "math_tiny_cpu.yaml", [f"run.output_dir={out}", *SHORT, *extra])
+
+    short, long = tmp_path / "short", tmp_path / "long"
+    train(cfg(short, "run.total_steps=1"))
+    longer = cfg(long)
+    assert extend_arm(short, long, longer) == 1
+    assert len(train(longer, resume="")) == 1  # only step 2 was trained
+    assert _metrics(long) == _metrics(two_step_run)
+    ref, new = two_step_run / "step_2", long / "step_2"
+    assert _tensors_equal(ref / "policy" / "model.safetensors", new / "policy" / "model.safetensors")
+    assert_states_equal(ref, new)
+    assert continuable(short, cfg(tmp_path / "x", "run.seed=1")) is None
+    with pytest.raises(SystemExit, match="optim.lr"):
+        continuable(short, cfg(tmp_path / "x", "optim.lr=2e-4"))
+    with pytest.raises(SystemExit, match="1 steps done"):
+        continuable(short, cfg(tmp_path / "x", "run.total_steps=1"))
+
+
 def test_cli_resume_with_no_intact_checkpoint_is_one_line_naming_the_files(two_step_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(two_step_run, run)
