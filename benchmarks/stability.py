@@ -87,6 +87,20 @@ descending it pushes probability out of the top-k. Prediction: with ``tail_grad=
 Top-k arm does not blow up. Arm ``frozen_topk_exact`` (frozen reference + Top-k, ``tail_grad=exact``), beta = 1,
 seeds 0-4, into the same work folder and report as amendment 2.
 
+AMENDMENT 4 (2026-12-06, written and committed before its runs). A slow stress. At lr 1e-3 the toy reward halves
+at the first update in every run (all 25 protocol runs at beta 0.001: step 2 below step 1, by 0.1-0.7), so the
+"collapses" at steps 3-6 are the tail of an immediate break; no signal can lead one at step 3 by 2 steps (step 1 is
+the starting point), and the healthy runs are broken too. The failure users hurt from comes after a learning
+phase. Sweep (``--grid slow``): GRPO at lr ``SLOW_SWEEP_LR`` = 1e-4, 2e-4, 4e-4, beta 0.001, the sweep seeds 100 and
+101, **24 steps**; the same rule (lr ascending; the first point where a sweep seed collapses is the stress; none: the
+last). Then the four contract arms at seeds 0-4 at that point, 24 steps, in their own work folder and report
+(``benchmarks/results/stability_slow.json``); the same collapse definition, estimates and targets; no SmolLM2 arms
+(``--smollm2-seeds 0``). If no sweep point collapses, the arms still run at the last point and the report says how
+many runs collapsed, possibly none.
+
+    python benchmarks/stability.py --grid slow --steps 24 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
+        --work runs/stability_slow --out benchmarks/results/stability_slow.json
+
 Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
 
 Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
@@ -140,6 +154,11 @@ CONTRACT_ARMS = ("grpo", "emapg", "ema_k3", "frozen_topk")
 SMOLLM2_ARMS = CONTRACT_ARMS
 SWEEP_LR = (1e-3, 3e-3, 1e-2)
 SWEEP_BETA = (0.1, 0.001)
+# amendment 4: the slow stress (collapse after a learning phase)
+SLOW_SWEEP_LR = (1e-4, 2e-4, 4e-4)
+SLOW_SWEEP_BETA = (0.001,)
+#: --grid -> (the lrs, the betas) of the sweep
+GRIDS = {"protocol": (SWEEP_LR, SWEEP_BETA), "slow": (SLOW_SWEEP_LR, SLOW_SWEEP_BETA)}
 SWEEP_SEEDS = (100, 101)
 Z95 = 1.959963984540054
 
@@ -422,25 +441,27 @@ def sweep_name(lr: float, beta: float, seed: int) -> str:
     return f"sweep/lr{lr:g}_beta{beta:g}_seed{seed}"
 
 
-def parse_sweep_runs(text: str) -> list[tuple[float, float, int]]:
-    """``LR:BETA:SEED,...`` -> the sweep runs (each must be a point of the pre-registered grid and a sweep seed)."""
+def parse_sweep_runs(text: str, grid: str = "protocol") -> list[tuple[float, float, int]]:
+    """``LR:BETA:SEED,...`` -> the sweep runs (each must be a point of the pre-registered ``grid`` and a sweep seed)."""
+    lrs, betas = GRIDS[grid]
     runs = []
     for item in filter(None, text.split(",")):
         lr, beta, seed = item.split(":")
         run = (float(lr), float(beta), int(seed))
-        if run[0] not in SWEEP_LR or run[1] not in SWEEP_BETA or run[2] not in SWEEP_SEEDS:
-            raise ValueError(f"{item} is not a run of the sweep grid {SWEEP_LR} x {SWEEP_BETA} x seeds {SWEEP_SEEDS}")
+        if run[0] not in lrs or run[1] not in betas or run[2] not in SWEEP_SEEDS:
+            raise ValueError(f"{item} is not a run of the sweep grid {lrs} x {betas} x seeds {SWEEP_SEEDS}")
         runs.append(run)
     return runs
 
 
-def choose_stress(runner: Runner, config: Path, base: list[str]) -> tuple[float | None, float | None, list[dict[str, Any]]]:
-    """The pre-registered sweep: GRPO over SWEEP_LR x SWEEP_BETA (lr ascending, beta descending), the first point
+def choose_stress(runner: Runner, config: Path, base: list[str], grid: str = "protocol") -> tuple[float | None, float | None, list[dict[str, Any]]]:
+    """The pre-registered sweep: GRPO over the ``grid``'s lrs x betas (lr ascending, beta descending), the first point
     where a sweep seed collapses (else the last). (None, None, ...) when a run it needs is not finished
     (``--report-only``)."""
     sweep = []
-    grid = [(lr, beta) for lr in SWEEP_LR for beta in SWEEP_BETA]
-    for lr, beta in grid:
+    lrs, betas = GRIDS[grid]
+    points = [(lr, beta) for lr in lrs for beta in betas]
+    for lr, beta in points:
         records = [runner.run(sweep_name(lr, beta, seed), config, base, "grpo", seed, lr, beta) for seed in SWEEP_SEEDS]
         if any(r is None for r in records):
             sweep.append({"lr": lr, "beta": beta, "unfinished": True})
@@ -450,7 +471,7 @@ def choose_stress(runner: Runner, config: Path, base: list[str]) -> tuple[float 
                       "collapse_steps": [r["collapse_step"] for r in records], "rewards": [r["reward"] for r in records]})
         if collapsed:
             return lr, beta, sweep
-    return grid[-1][0], grid[-1][1], sweep
+    return points[-1][0], points[-1][1], sweep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,12 +502,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="an earlier report of this benchmark (e.g. the committed stability.json) at the same stress setting: its "
                         "finished toy runs (records) go into --work as finished, its sweep and false-trip replay are kept "
                         "(a lost work folder need not cost the runs again)")
-    p.add_argument("--sweep-runs", type=parse_sweep_runs, default=None,
+    p.add_argument("--grid", choices=sorted(GRIDS), default="protocol",
+                   help="the sweep grid: protocol (lr 1e-3, 3e-3, 1e-2 x beta 0.1, 0.001) or slow (amendment 4: lr 1e-4, "
+                        "2e-4, 4e-4 x beta 0.001)")
+    p.add_argument("--sweep-runs", default=None,
                    help="LR:BETA:SEED,...: only run these runs of the sweep grid into --work and exit (several processes "
                         "can split the grid; a later run without it applies the sweep's rule to the finished runs)")
     args = p.parse_args(argv)
     if unknown := set(args.arms) - {*ARMS, GUARDED}:
         p.error(f"unknown arms {sorted(unknown)}")
+    if args.sweep_runs is not None:
+        try:
+            args.sweep_runs = parse_sweep_runs(args.sweep_runs, args.grid)
+        except ValueError as e:
+            p.error(f"--sweep-runs: {e}")
     if args.replay_only:
         if args.false_trips_from is None:
             p.error("--replay-only needs --false-trips-from")
@@ -542,13 +571,14 @@ def main(argv: list[str] | None = None) -> int:
                 runner.run(sweep_name(lr, beta, seed), toy_config, base, "grpo", seed, lr, beta)
             return 0
         if args.lr is None:
-            args.lr, args.beta, report["sweep"] = choose_stress(runner, toy_config, base)
+            args.lr, args.beta, report["sweep"] = choose_stress(runner, toy_config, base, args.grid)
             if args.lr is None:
                 print(f"the sweep is not finished in {work}: {runner.missing}")
                 return 1
         if earlier is not None and "sweep" in earlier and "sweep" not in report:
             report["sweep"] = earlier["sweep"]
-        report["stress"] = {"lr": args.lr, "beta": args.beta, "steps": args.steps, "chosen_by": "argument" if "sweep" not in report else "sweep"}
+        report["stress"] = {"lr": args.lr, "beta": args.beta, "steps": args.steps,
+                            "chosen_by": "argument" if "sweep" not in report else f"sweep ({args.grid} grid)"}
         for seed in range(args.seeds):
             for arm in toy_runs:
                 record = runner.run(f"toy/{arm}_seed{seed}", toy_config, base, arm, seed, args.lr, args.beta)

@@ -166,7 +166,7 @@ def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missi
     assert main(["--report-only", "--seeds", "2", "--smollm2-seeds", "0", "--steps", "12", "--work", str(tmp_path),
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["stress"] == {"lr": 1e-3, "beta": 0.001, "steps": 12, "chosen_by": "sweep"}
+    assert report["stress"] == {"lr": 1e-3, "beta": 0.001, "steps": 12, "chosen_by": "sweep (protocol grid)"}
     assert [p["grpo_collapsed"] for p in report["sweep"]] == [0, 1]
     assert report["grpo"]["seeds"] == [0, 1] and report["grpo"]["collapse_rate"] == 0.5
     assert report["emapg"]["seeds"] == [0] and report["ema_k3"]["seeds"] == [] and report["ema_k3"]["collapse_rate"] is None
@@ -189,3 +189,25 @@ def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missi
     with pytest.raises(SystemExit, match="not lr 0.01"):
         main(["--report-only", "--steps", "12", "--lr", "1e-2", "--beta", "0.001", "--work", str(tmp_path / "other"),
               "--out", str(tmp_path / "other.json"), "--resume-from", str(out)])
+
+
+def test_the_slow_grid_sweeps_lower_rates_and_its_runs_are_checked_against_it(tmp_path):
+    """Amendment 4's grid: lr 1e-4, 2e-4, 4e-4 at beta 0.001, lr ascending; the first with a collapsed sweep seed is the
+    stress point. --sweep-runs accepts only runs of the grid it names."""
+    from benchmarks.stability import main, parse_sweep_runs, sweep_name
+
+    for lr, record in ((1e-4, run_record(healthy_run())), (2e-4, run_record(degenerating()))):
+        for seed in (100, 101):
+            (tmp_path / sweep_name(lr, 0.001, seed)).mkdir(parents=True)
+            (tmp_path / sweep_name(lr, 0.001, seed) / "history.json").write_text(json.dumps(record))
+    out = tmp_path / "slow.json"
+    assert main(["--report-only", "--grid", "slow", "--seeds", "1", "--smollm2-seeds", "0", "--steps", "12",
+                 "--work", str(tmp_path), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["stress"] == {"lr": 2e-4, "beta": 0.001, "steps": 12, "chosen_by": "sweep (slow grid)"}
+    assert [p["lr"] for p in report["sweep"]] == [1e-4, 2e-4] and [p["grpo_collapsed"] for p in report["sweep"]] == [0, 2]
+    assert parse_sweep_runs("4e-4:0.001:100,1e-4:0.001:101", "slow") == [(4e-4, 0.001, 100), (1e-4, 0.001, 101)]
+    with pytest.raises(ValueError, match="not a run of the sweep grid"):
+        parse_sweep_runs("1e-3:0.001:100", "slow")
+    with pytest.raises(SystemExit):
+        main(["--grid", "slow", "--sweep-runs", "1e-3:0.1:100", "--work", str(tmp_path)])
