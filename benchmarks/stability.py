@@ -101,7 +101,7 @@ many runs collapsed, possibly none.
     python benchmarks/stability.py --grid slow --steps 24 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
         --work runs/stability_slow --out benchmarks/results/stability_slow.json
 
-AMENDMENT 5 (2026-12-06 01:37 UTC, after amendment 4's sweep, before these runs). Amendment 4's sweep: no run
+AMENDMENT 5 (2026-12-06 01:24 UTC, after amendment 4's sweep, before these runs). Amendment 4's sweep: no run
 collapsed; at every lr of 1e-4 to 4e-4 GRPO learned (reward 0.66-0.69 -> 0.59-0.81 after 24 steps, entropy 0.31 ->
 0.23-0.26), and the arms run at 4e-4 as its rule says. Between 4e-4 (learns) and 1e-3 (breaks at the first
 update) lies the regime this benchmark wants. Sweep ``--grid mid``: GRPO at lr 6e-4, 8e-4, beta 0.001, seeds 100
