@@ -92,6 +92,19 @@ teacher with a paired bootstrap over questions of the per-question mean over see
 unchanged: pooled sampled EM >= 80% of the teacher's, with the interval of end − start above zero. Reported whichever
 way it comes out: ``benchmarks/results/distill_40steps_seed<N>.json`` per seed and ``distill_40steps.json`` pooled.
 
+FOLLOW-ON 2: THE GUARD (written and committed before its run; 2026-12-06 01:33 UTC)
+-------------------------------------------------------------------------------------
+Why. Seed 1 of the follow-on collapsed: it never learned to search, and at step 24-25 it fell into a symbol loop
+(``<<<<<<...`` to the length limit, entropy 0, every action invalid) on which the teacher's own repetition prior
+makes the per-token reverse KL low (0.08, below the healthy seed 0's end); it ended at 0.0 EM. Replayed over its
+metrics, the stability guard's detectors at their defaults tripped at the collapse (``length_blowup`` and
+``format_errors`` at step 24, ``entropy_collapse`` at 25) and never on seed 0's healthy run. Question: does the guard
+(``--guard``: ``guard.enabled``, every detector's action ``rollback``, a checkpoint every step, the last 3 kept,
+``guard.max_recoveries`` at its default 3) catch this collapse in training, and where does the run end? Run: seed 1
+again, 40 steps, everything else as the follow-on (work folder ``runs/distill40_s1_guard``), scored the same way;
+a run the guard stops is scored at its last checkpoint. Output ``benchmarks/results/distill_40steps_seed1_guard.json``
+with the guard's events.
+
     python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
     python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
         --no-cost --out benchmarks/results/distill_40steps_seed0.json                    # the follow-on, seed 0
@@ -312,8 +325,19 @@ def arm_config(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed
     from trainer.config import TrainConfig
 
     overrides = [*common_overrides(s, url, engine_url, run_dir, seed), f"run.total_steps={s['steps']}", "run.save_every=0",
-                 "run.keep_last=1", *distill_overrides(s, teacher_url=teacher_url)]
+                 "run.keep_last=1", *distill_overrides(s, teacher_url=teacher_url), *(GUARD_OVERRIDES if s.get("guard") else [])]
     return load_config(TrainConfig, CONFIG_DIR / s["config"], overrides)
+
+
+def _guard_overrides() -> list[str]:
+    from trainer.guard import DETECTORS
+
+    return ["guard.enabled=true", "guard.nonfinite.action=rollback", "run.save_every=1", "run.keep_last=3",
+            *(f"guard.{d}.action=rollback" for d in DETECTORS)]
+
+
+#: ``--guard`` (follow-on 2): the stability guard on, every detector rolling back to the last passing checkpoint
+GUARD_OVERRIDES: list[str] = []
 
 
 #: Config fields that may differ between a run and its continuation (``--extend-from``): the length, the folder and
@@ -387,6 +411,7 @@ def train_arm(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed:
               extend_from: Path | None = None) -> dict[str, Any]:
     """One distillation run -- from the start, or continuing the same arm of a shorter run (``extend_from``: its
     folder); its summary (steps, minutes, per-step metrics)."""
+    from trainer.errors import TrainingError
     from trainer.loop import train
 
     cfg = arm_config(s, run_dir, url, engine_url, seed, teacher_url)
@@ -394,18 +419,32 @@ def train_arm(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed:
     resumed_at = extend_arm(extend_from, run_dir, cfg) if extend_from is not None else None
     env_key = os.environ.pop("EMAPG_ENGINE_API_KEY", None) if teacher_url else None
     t = time.perf_counter()
+    stopped = None
     try:
         train(cfg, resume="" if resumed_at is not None else None)
+    except TrainingError as e:  # the guard's stop (guard.max_recoveries spent) ends the run: a result, not a failure
+        if not s.get("guard") or "stability guard stopped" not in str(e):
+            raise
+        stopped = str(e)
     finally:
         if env_key is not None:
             os.environ["EMAPG_ENGINE_API_KEY"] = env_key
     train_s = time.perf_counter() - t
     history = read_metrics(run_dir)
+    guard = {}
+    if s.get("guard"):
+        from trainer.recovery import read_guard_events
+
+        events = read_guard_events(run_dir)
+        guard = {"guard": {"stopped": stopped, "trips": len(events),
+                           "events": [{k: e.get(k) for k in ("step", "detector", "metric", "value", "threshold", "action", "detail")}
+                                      for e in events]}}
     get = lambda h, k, nd=4: round(float(h.get(k, float("nan"))), nd)  # noqa: E731
     return {"teacher": f"remote ({teacher_url}, emapg engine serve --engine hf)" if teacher_url else "in process",
             "steps": len(history), "train_minutes": round(train_s / 60, 2),
             **({"continued_from": {"run": str(extend_from), "step": resumed_at,
                                    "note": "train_minutes counts the continued steps only"}} if resumed_at is not None else {}),
+            **guard,
             "teacher_scoring_s": round(sum(h.get("time/teacher", 0.0) for h in history), 2),
             "step_s": [get(h, "time/step", 2) for h in history], "teacher_s": [get(h, "time/teacher", 2) for h in history],
             "distill_reverse_kl": [get(h, "distill/reverse_kl") for h in history],
@@ -467,7 +506,7 @@ def summarise(report: dict[str, Any], dirs: dict[str, Path]) -> None:
 
 
 #: Report fields that must match for per-seed reports to be pooled.
-POOL_KEYS = ("benchmark", "teacher", "student", "steps", "train_set", "config", "distill", "rollout", "heldout")
+POOL_KEYS = ("benchmark", "teacher", "student", "steps", "train_set", "config", "distill", "rollout", "heldout", "guard")
 
 
 def pool_seeds(paths: list[Path]) -> dict[str, Any]:
@@ -542,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extend-from", default=None, help="the work folder of a finished shorter run with the same settings: its "
                    "teacher and start evaluations are kept, and each arm of the same seed continues from its last checkpoint "
                    "to --steps (the docstring's follow-on)")
+    p.add_argument("--guard", action="store_true", help="the stability guard on, every detector's action rollback, a "
+                   "checkpoint every step (the docstring's follow-on 2)")
     p.add_argument("--pool", nargs="+", default=None, metavar="REPORT", help="pool per-seed reports of the same settings "
                    "(written with --out by runs at different --seed) into --out, and exit")
     p.add_argument("--out", default=str(RESULTS / "distill.json"))
@@ -568,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
     from retriever.launch import RetrieverServer
-    from trainer.checkpoint import step_dir_name
+    from trainer.checkpoint import latest_checkpoint, step_dir_name
     from trainer.config import TrainConfig
 
     t0 = time.perf_counter()
@@ -583,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(work / label, ignore_errors=True)
                 shutil.copytree(earlier / label, work / label, symlinks=True)
     s = settings(args, work)
+    if args.guard:
+        GUARD_OVERRIDES[:] = _guard_overrides()
+        s["guard"], s["mode_name"] = True, "custom"
     out_path = Path(args.out)
     contract = out_path.resolve() == (RESULTS / "distill.json").resolve()
     if contract and s["mode_name"] == "custom":
@@ -603,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                     "greedy": "qa_quick greedy EM"},
         "engine": f"one `emapg engine serve --engine {s['engine']}` for every rollout and evaluation",
         **({"extended_from": str(earlier)} if earlier is not None else {}),
+        **({"guard": "on: every detector's action rollback, a checkpoint every step"} if args.guard else {}),
         "arms": {}, "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "nice": os.nice(0)},
         "phase_minutes": {},
@@ -666,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
                 summary = train_arm(s, run_dir, url, engine.url, args.seed, teacher_url() if arm == "remote" else None,
                                     extend_from=earlier / f"arm_{arm}" if earlier is not None else None)
                 ckpt = run_dir / step_dir_name(s["steps"]) / "policy"
+                if not ckpt.is_dir():  # the guard stopped the run: its last checkpoint
+                    ckpt = latest_checkpoint(run_dir) / "policy"
+                    summary["scored_checkpoint"] = ckpt.parent.name
                 evaluate(str(ckpt), run_dir / "end_sampled", url, engine.url, s, sampled=True, temperature=r.temperature)
                 if arm == "in_process":
                     evaluate(str(ckpt), run_dir / "end_greedy", url, engine.url, s, sampled=False, temperature=r.temperature)
