@@ -59,10 +59,12 @@ def _is_text_word(word: str) -> bool:
 def non_text_share(text: str) -> float:
     """The share of the words of ``text`` that are not text: after stripping their surrounding punctuation,
     a text word is letters (any script) and numbers (a number may carry a 2-letter suffix), joined by
-    ``' - . / : ,``, at most :data:`MAX_WORD_CHARS` long. Words of punctuation only are not counted;
-    0 when no word is left. ``Paris``, ``COVID-19``, ``3rd``, ``U.S.``, ``"well,"`` are text;
-    ``a1b2``, ``ĠĊx9q``, ``foo_bar``, ``x#@$y`` are not."""
-    counted = [w for w in (x.strip(_EDGE) for x in words(text)) if w]
+    ``' - . / : ,``, at most :data:`MAX_WORD_CHARS` long. Words of punctuation only are not counted
+    (``...``, ``—``) unless longer than :data:`MAX_WORD_CHARS` (a symbol loop such as ``<<<<<<…``, the form a
+    collapsed distillation run took on 2026-12-06: no word, no n-gram, yet nothing but noise); 0 when no word is
+    left. ``Paris``, ``COVID-19``, ``3rd``, ``U.S.``, ``"well,"`` are text; ``a1b2``, ``ĠĊx9q``, ``foo_bar``,
+    ``x#@$y`` are not."""
+    counted = [w or x for w, x in ((x.strip(_EDGE), x) for x in words(text)) if w or len(x) > MAX_WORD_CHARS]
     return sum(not _is_text_word(w) for w in counted) / len(counted) if counted else 0.0
 
 

@@ -37,6 +37,8 @@ def test_a_loop_approaches_one():
     ("x#@$y ... !!! Paris", 1 / 2),  # punctuation-only words are not counted
     ("a" * 31 + " b", 1 / 2),  # longer than MAX_WORD_CHARS
     ("— … !!", 0.0),  # nothing left to count
+    ("<" * 64 + " Paris", 1 / 2),  # a symbol loop longer than MAX_WORD_CHARS is not text (a collapsed run's output)
+    ("-" * 30 + " Paris", 0.0),  # a rule of 30 dashes is punctuation, not counted
     ("", 0.0),
 ])
 def test_non_text_share(text, expected):
