@@ -105,6 +105,11 @@ again, 40 steps, everything else as the follow-on (work folder ``runs/distill40_
 a run the guard stops is scored at its last checkpoint. Output ``benchmarks/results/distill_40steps_seed1_guard.json``
 with the guard's events.
 
+RESULT (2026-12-06, docs/training.md): the guard tripped at steps 24, 27 and 29 (rollbacks to 22 and 25); the third
+rollback found no target because of a bug (the checkpoint saved after a rollback was marked failed, and
+``run.keep_last=3`` pruned the older passing ones), so the run ended with an error and no report; fixed in
+``trainer/recovery.py``, not rerun this session.
+
     python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
     python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
         --no-cost --out benchmarks/results/distill_40steps_seed0.json                    # the follow-on, seed 0

@@ -149,8 +149,9 @@ class GuardHook:
             if target is not None:
                 return self._rollback(trainer, target)
             if not self.has_anchor:
-                raise TrainingError(f"stability guard: rollback at step {trainer.step} is impossible (no checkpoint passed "
-                                    "the guard yet and there is no anchor)\n" + self.report())
+                raise TrainingError(f"stability guard stopped the run at step {trainer.step}: rollback impossible: no "
+                                    f"checkpoint in {trainer.run_dir} passed the guard with its next step (none yet, or "
+                                    "run.keep_last removed them) and there is no anchor\n" + self.report())
             return "no checkpoint passed the guard yet; " + self._reset_to_anchor(trainer)
         return self._reset_to_anchor(trainer)
 
@@ -168,6 +169,10 @@ class GuardHook:
         except TrainingError as e:
             raise TrainingError(f"guard rollback: {e}") from e
         self.guard.load_state_dict({**(ckpt.trainer_state.get("guard") or {}), "recoveries": self.guard.recoveries})
+        # The weights now are the restored ones, which passed: a checkpoint saved from them (at this step) is a
+        # rollback target once the next step passes too. Marked failed, as before 2026-12-06, it never was, and with
+        # a small run.keep_last the older passing checkpoints were pruned: the next trip found no target at all.
+        self.guard.last_passed = True
         # The data loader is not restored: it stays past the batches that led to the trip.
         return f"restored {path.name} (step {ckpt.step}); batches of steps {ckpt.step + 1}-{trainer.step} skipped"
 

@@ -106,6 +106,42 @@ def test_rollback_restores_weights_but_not_the_data_position(trainer_factory):
     assert event["detail"] == f"rollback: restored {saved.name} (step 2); batches of steps 3-4 skipped"
 
 
+def test_a_checkpoint_saved_after_a_rollback_is_the_next_rollback_target(trainer_factory):
+    """After a rollback the weights are the restored passing ones: the checkpoint saved from them passes, so a later
+    trip rolls back to it even when the checkpoint first restored is gone (pruned by run.keep_last)."""
+    import shutil
+
+    from trainer.checkpoint import load_trainer_state
+
+    trainer = trainer_factory("guard.grad_norm_spike.action=rollback")
+    healthy_steps(trainer, 2)
+    first = trainer.save()  # step 2
+    healthy_steps(trainer, 1)
+    trip(trainer, **{"actor/grad_norm": 50.0})  # step 4: back to step 2's weights
+    resaved = trainer.save()  # step 4, holding step 2's weights
+    assert load_trainer_state(resaved)["guard"]["passed"] is True
+    shutil.rmtree(first)  # what keep_last would do
+    good = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    healthy_steps(trainer, 1)  # step 5 passes: step 4's checkpoint is trusted
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.mul_(3.0)
+    trip(trainer, **{"actor/grad_norm": 50.0})  # step 6
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), good[name]), name
+    assert read_guard_events(trainer.run_dir)[-1]["detail"] == f"rollback: restored {resaved.name} (step 4); batches of steps 5-6 skipped"
+
+
+def test_rollback_with_no_target_and_no_anchor_stops_the_run(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, "algorithm.kl.enabled=false", "guard.grad_norm_spike.action=rollback")
+    try:
+        healthy_steps(trainer)
+        with pytest.raises(TrainingError, match=r"stability guard stopped the run at step 4: rollback impossible: no checkpoint"):
+            trip(trainer, **{"actor/grad_norm": 50.0})
+    finally:
+        trainer.close()
+
+
 def test_stop_and_the_recovery_budget(trainer_factory):
     trainer = trainer_factory("guard.entropy_collapse.action=stop")
     healthy_steps(trainer)
