@@ -105,10 +105,12 @@ again, 40 steps, everything else as the follow-on (work folder ``runs/distill40_
 a run the guard stops is scored at its last checkpoint. Output ``benchmarks/results/distill_40steps_seed1_guard.json``
 with the guard's events.
 
-RESULT (2026-12-06, docs/training.md): the guard tripped at steps 24, 27 and 29 (rollbacks to 22 and 25); the third
-rollback found no target because of a bug (the checkpoint saved after a rollback was marked failed, and
-``run.keep_last=3`` pruned the older passing ones), so the run ended with an error and no report; fixed in
-``trainer/recovery.py``, not rerun this session.
+RESULT (2026-12-06, docs/training.md): a first run tripped at steps 24, 27 and 29; its third rollback found no target
+because of a bug (the checkpoint saved after a rollback was marked failed, and ``run.keep_last=3`` pruned the older
+passing ones), so it ended with an error and no report. Fixed in ``trainer/recovery.py`` and rerun unchanged
+otherwise (``distill_40steps_seed1_guard.json``): rollbacks at steps 24, 27 and 29 (to 22, 25 and 27), the loop back
+each time within 2-3 steps, the guard's stop at step 31 (``guard.max_recoveries`` = 3); step 30 scored 0.3 sampled
+EM, 0.0 greedy.
 
     python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
     python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
@@ -738,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     if "student_sampled_em_end" in report:
         ci = report["student_end_minus_start_ci"]
         print(f"reader slice sampled EM (%): teacher {report['teacher_sampled_em']:.1f}; student {report['student_sampled_em_start']:.1f} -> "
-              f"{report['student_sampled_em_end']:.1f} ({ci['mean']:+.1f} pp [{ci['low']:+.1f}, {ci['high']:+.1f}]) after {s['steps']} steps; "
+              f"{report['student_sampled_em_end']:.1f} ({ci['mean']:+.1f} pp [{ci['low']:+.1f}, {ci['high']:+.1f}]) after "
+              f"{report['arms'].get('in_process', {}).get('steps', s['steps'])} steps; "
               f"wrote {out_path if complete else partial_path}", flush=True)
     return 0
 
