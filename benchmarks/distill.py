@@ -332,19 +332,16 @@ def arm_config(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed
     from trainer.config import TrainConfig
 
     overrides = [*common_overrides(s, url, engine_url, run_dir, seed), f"run.total_steps={s['steps']}", "run.save_every=0",
-                 "run.keep_last=1", *distill_overrides(s, teacher_url=teacher_url), *(GUARD_OVERRIDES if s.get("guard") else [])]
+                 "run.keep_last=1", *distill_overrides(s, teacher_url=teacher_url), *s.get("guard_overrides", [])]
     return load_config(TrainConfig, CONFIG_DIR / s["config"], overrides)
 
 
-def _guard_overrides() -> list[str]:
+def guard_overrides() -> list[str]:
+    """``--guard`` (follow-on 2): the stability guard on, every detector rolling back to the last passing checkpoint."""
     from trainer.guard import DETECTORS
 
     return ["guard.enabled=true", "guard.nonfinite.action=rollback", "run.save_every=1", "run.keep_last=3",
             *(f"guard.{d}.action=rollback" for d in DETECTORS)]
-
-
-#: ``--guard`` (follow-on 2): the stability guard on, every detector rolling back to the last passing checkpoint
-GUARD_OVERRIDES: list[str] = []
 
 
 #: Config fields that may differ between a run and its continuation (``--extend-from``): the length, the folder and
@@ -408,18 +405,13 @@ def extend_arm(earlier_run: Path, run_dir: Path, cfg: Any) -> int | None:
     return int(json.loads((ckpt / "trainer_state.json").read_text())["step"])
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    """Every step's metrics of a run folder (``metrics.jsonl``; a resumed run's too), in step order."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sorted(rows, key=lambda r: r["step"])
-
-
 def train_arm(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed: int, teacher_url: str | None, *,
               extend_from: Path | None = None) -> dict[str, Any]:
     """One distillation run -- from the start, or continuing the same arm of a shorter run (``extend_from``: its
     folder); its summary (steps, minutes, per-step metrics)."""
     from trainer.errors import TrainingError
     from trainer.loop import train
+    from trainer.tracking import read_metrics
 
     cfg = arm_config(s, run_dir, url, engine_url, seed, teacher_url)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -632,8 +624,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copytree(earlier / label, work / label, symlinks=True)
     s = settings(args, work)
     if args.guard:
-        GUARD_OVERRIDES[:] = _guard_overrides()
-        s["guard"], s["mode_name"] = True, "custom"
+        s.update(guard=True, guard_overrides=guard_overrides(), mode_name="custom")
     out_path = Path(args.out)
     contract = out_path.resolve() == (RESULTS / "distill.json").resolve()
     if contract and s["mode_name"] == "custom":
