@@ -78,6 +78,10 @@ def read_guard_events(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(path)  # a line cut by a kill mid-write is skipped
 
 
+class _NoRecovery(Exception):
+    """The action a trip asked for cannot be carried out: the guard stops the run instead (the message says why)."""
+
+
 def last_passing_checkpoint(run_dir: Path, verdicts: dict[int, bool]) -> Path | None:
     """The newest intact checkpoint of ``run_dir`` that passed the guard *and whose weights did too*.
 
@@ -127,7 +131,10 @@ class GuardHook:
             action = "stop"
             detail = f"{self.cfg.max_recoveries} recoveries already (guard.max_recoveries)"
         else:
-            detail = self._act(trainer, action)
+            try:
+                detail = self._act(trainer, action)
+            except _NoRecovery as e:  # recorded like any stop, then the run ends
+                action, detail = "stop", str(e)
         for e in trips:
             e.detail = f"{action}: {detail}" if e is trips[0] else f"{action} (see {trips[0].detector})"
             self._record(trainer, e)
@@ -149,9 +156,8 @@ class GuardHook:
             if target is not None:
                 return self._rollback(trainer, target)
             if not self.has_anchor:
-                raise TrainingError(f"stability guard stopped the run at step {trainer.step}: rollback impossible: no "
-                                    f"checkpoint in {trainer.run_dir} passed the guard with its next step (none yet, or "
-                                    "run.keep_last removed them) and there is no anchor\n" + self.report())
+                raise _NoRecovery(f"rollback impossible: no checkpoint in {trainer.run_dir} passed the guard with its next "
+                                  "step (none yet, or run.keep_last removed them) and there is no anchor")
             return "no checkpoint passed the guard yet; " + self._reset_to_anchor(trainer)
         return self._reset_to_anchor(trainer)
 

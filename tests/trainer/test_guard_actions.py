@@ -136,8 +136,10 @@ def test_rollback_with_no_target_and_no_anchor_stops_the_run(tmp_path, tiny_mode
     trainer = make_trainer(tmp_path, tiny_model_dir, "algorithm.kl.enabled=false", "guard.grad_norm_spike.action=rollback")
     try:
         healthy_steps(trainer)
-        with pytest.raises(TrainingError, match=r"stability guard stopped the run at step 4: rollback impossible: no checkpoint"):
+        with pytest.raises(TrainingError, match=r"stability guard stopped the run at step 4: step 4: grad_norm_spike"):
             trip(trainer, **{"actor/grad_norm": 50.0})
+        (event,) = read_guard_events(trainer.run_dir)  # recorded like any stop, with why
+        assert event["detail"].startswith("stop: rollback impossible: no checkpoint in ") and "run.keep_last" in event["detail"]
     finally:
         trainer.close()
 
