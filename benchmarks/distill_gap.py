@@ -126,11 +126,15 @@ def measure(teacher: str, students: dict[str, str], samples: list[dict[str, Any]
     recorded = [(r["model_tokens"], g) for r, (_, _, g) in zip(samples, encoded) if r["model_tokens"] is not None]
     models = {"teacher": teacher, **students}
     logits: dict[str, list[Any]] = {}
-    for name, path in models.items():
+    for n, (name, path) in enumerate(models.items(), 1):
         model = load_merged_model(resolve_model(path)).float().eval()
+        t0 = time.perf_counter()
         with torch.no_grad():
             logits[name] = []
-            for ids, labels, _ in encoded:
+            for k, (ids, labels, _) in enumerate(encoded, 1):
+                if k % 20 == 0 or k == len(encoded):  # progress: this takes minutes per model on 2 cores
+                    print(f"[distill_gap] model {n}/{len(models)} ({name}): {k}/{len(encoded)} samples, "
+                          f"{time.perf_counter() - t0:.0f} s", flush=True)
                 gen = [i - 1 for i, lab in enumerate(labels) if lab is not None]  # the logits that predict each generated token
                 out = model(input_ids=torch.tensor([ids])).logits[0]
                 logits[name].append(out[gen])
