@@ -368,7 +368,7 @@ def continuable(earlier_run: Path, cfg: Any) -> Path | None:
     import yaml
 
     from emapg.config import to_dict
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.checkpoint import latest_checkpoint, load_trainer_state
 
     ckpt = latest_checkpoint(earlier_run) if earlier_run.is_dir() else None
     if ckpt is None:
@@ -384,7 +384,7 @@ def continuable(earlier_run: Path, cfg: Any) -> Path | None:
     if cfg.optim.warmup_ratio:
         raise SystemExit("--extend-from: optim.warmup_ratio > 0 makes the rate depend on run.total_steps; a continuation "
                          "would not be the longer run")
-    done = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    done = int(load_trainer_state(ckpt)["step"])
     if done >= cfg.run.total_steps:
         raise SystemExit(f"--extend-from: {earlier_run} has {done} steps done; --steps must be more")
     return ckpt
@@ -402,7 +402,9 @@ def extend_arm(earlier_run: Path, run_dir: Path, cfg: Any) -> int | None:
     for name in ("metrics.jsonl", "samples.jsonl", "latest"):
         if (earlier_run / name).is_file():
             shutil.copy2(earlier_run / name, run_dir / name)
-    return int(json.loads((ckpt / "trainer_state.json").read_text())["step"])
+    from trainer.checkpoint import load_trainer_state
+
+    return int(load_trainer_state(ckpt)["step"])
 
 
 def train_arm(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed: int, teacher_url: str | None, *,

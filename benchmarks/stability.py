@@ -165,9 +165,9 @@ SWEEP_BETA = (0.1, 0.001)
 # amendment 4: the slow stress (collapse after a learning phase)
 SLOW_SWEEP_LR = (1e-4, 2e-4, 4e-4)
 SLOW_SWEEP_BETA = (0.001,)
-#: --grid -> (the lrs, the betas) of the sweep
 # amendment 5: between the slow grid (learns) and the protocol's 1e-3 (breaks at the first update)
 MID_SWEEP_LR = (6e-4, 8e-4)
+#: --grid -> (the lrs, the betas) of the sweep
 GRIDS = {"protocol": (SWEEP_LR, SWEEP_BETA), "slow": (SLOW_SWEEP_LR, SLOW_SWEEP_BETA), "mid": (MID_SWEEP_LR, SLOW_SWEEP_BETA)}
 SWEEP_SEEDS = (100, 101)
 Z95 = 1.959963984540054
