@@ -145,6 +145,8 @@ and ``distill_added.json`` pooled.
     python benchmarks/distill.py --pool benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_40steps.json
     python benchmarks/distill.py --work runs/distill_added_s0 --mode added --steps 40 --arms in_process --no-cost \
         --out benchmarks/results/distill_added_seed0.json                                 # follow-on 3, seed 0
+    python benchmarks/distill.py --pool benchmarks/results/distill_added_seed*.json \
+        --against benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_added.json  # + added - alone
     python benchmarks/distill.py --quick               # smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2 steps
 """
 
@@ -579,6 +581,42 @@ def pool_seeds(paths: list[Path]) -> dict[str, Any]:
     return out
 
 
+#: Report fields that must match for a pooled comparison of two settings (``--against``): everything of
+#: :data:`POOL_KEYS` except the distillation settings and the guard, which are what is compared.
+AGAINST_KEYS = tuple(k for k in POOL_KEYS if k not in ("distill", "guard"))
+
+
+def pool_against(pooled: dict[str, Any], paths: list[Path], baseline_paths: list[Path]) -> dict[str, Any]:
+    """Another setting's per-seed reports (``--against``) beside a pooled report: its pooled sampled / greedy EM and
+    this setting − that one, paired by question, each question's score averaged over the same seeds on both sides.
+    Both sets must share every field of :data:`AGAINST_KEYS`, the seeds and the teacher's scores."""
+    from benchmarks.learning_search import difference, pct, seed_mean
+
+    mine = [json.loads(f.read_text()) for f in paths]
+    theirs = [json.loads(f.read_text()) for f in baseline_paths]
+    for f, r in zip(baseline_paths, theirs):
+        differ = [k for k in AGAINST_KEYS if r.get(k) != mine[0].get(k)]
+        if differ:
+            raise SystemExit(f"--against: {f} ran other settings than {paths[0]} ({', '.join(differ)})")
+        if "in_process_sampled" not in r.get("per_question_em", {}):
+            raise SystemExit(f"--against: {f} has no finished in_process arm with per-question scores")
+        if r["per_question_em"]["teacher_sampled"] != mine[0]["per_question_em"]["teacher_sampled"]:
+            raise SystemExit(f"--against: {f} scored the teacher differently (another engine or question set)")
+    if sorted(r["seed"] for r in theirs) != sorted(pooled["seeds"]):
+        raise SystemExit(f"--against: its seeds {sorted(r['seed'] for r in theirs)} are not {sorted(pooled['seeds'])}")
+    block: dict[str, Any] = {"reports": [str(f) for f in baseline_paths], "distill": theirs[0].get("distill"),
+                             "guard": theirs[0].get("guard")}
+    for kind in ("sampled", "greedy"):
+        if not all(f"in_process_{kind}" in r["per_question_em"] for r in mine + theirs):
+            continue
+        a = seed_mean([r["per_question_em"][f"in_process_{kind}"] for r in theirs])
+        b = seed_mean([r["per_question_em"][f"in_process_{kind}"] for r in mine])
+        block[f"{kind}_em_end"] = pct(a)
+        block[f"{kind}_em_end_per_seed"] = {str(r["seed"]): pct(r["per_question_em"][f"in_process_{kind}"]) for r in theirs}
+        block[f"{kind}_end_minus_against_ci"] = difference(a, b)
+    return block
+
+
 def pool_line(report: dict[str, Any]) -> str:
     ci = report["student_end_minus_start_ci"]
     per_seed = ", ".join(f"{v:.1f}" for v in report["student_sampled_em_end_per_seed"].values())
@@ -615,14 +653,25 @@ def main(argv: list[str] | None = None) -> int:
                    "checkpoint every step (the docstring's follow-on 2)")
     p.add_argument("--pool", nargs="+", default=None, metavar="REPORT", help="pool per-seed reports of the same settings "
                    "(written with --out by runs at different --seed) into --out, and exit")
+    p.add_argument("--against", nargs="+", default=None, metavar="REPORT", help="with --pool: another setting's per-seed "
+                   "reports at the same seeds; the pooled report adds that setting's EM and this one minus it, paired "
+                   "by question")
     p.add_argument("--out", default=str(RESULTS / "distill.json"))
     p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed). A rerun with "
                    "the same --work resumes (finished evaluations, the cost phase and finished arms are kept)")
     args = p.parse_args(argv)
+    if args.against and not args.pool:
+        p.error("--against goes with --pool")
     if args.pool:
         report = pool_seeds([Path(f) for f in args.pool])
+        if args.against:
+            report["against"] = pool_against(report, [Path(f) for f in args.pool], [Path(f) for f in args.against])
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(pool_line(report) + f"; wrote {args.out}", flush=True)
+        line = pool_line(report)
+        if "against" in report and "sampled_end_minus_against_ci" in report["against"]:
+            d = report["against"]["sampled_end_minus_against_ci"]
+            line += f"; minus --against: {d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]"
+        print(line + f"; wrote {args.out}", flush=True)
         return 0
     if (args.samples is not None and args.samples < 1) or (args.steps is not None and args.steps < 1):
         p.error("--samples and --steps must be >= 1")

@@ -70,3 +70,34 @@ def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings
         pool_seeds([files[0], tmp_path / "other.json"])
     with pytest.raises(SystemExit, match="repeat a seed"):
         pool_seeds([files[0], files[0]])
+
+
+def test_pool_against_pairs_two_settings_by_question_over_the_same_seeds(tmp_path):
+    from benchmarks.distill import main, pool_against, pool_seeds
+
+    def write(name, seed, end, **changes):
+        f = tmp_path / name
+        f.write_text(json.dumps(_seed_report(seed, end, **changes)))
+        return f
+
+    mine = [write("m0.json", 0, {"nq/1": 1.0, "nq/2": 1.0, "popqa/3": 0.0, "popqa/4": 0.5}),
+            write("m1.json", 1, {"nq/1": 1.0, "nq/2": 0.0, "popqa/3": 0.5, "popqa/4": 0.5})]
+    theirs = [write("t0.json", 0, {"nq/1": 0.0, "nq/2": 1.0, "popqa/3": 0.0, "popqa/4": 0.0}, distill="other"),
+              write("t1.json", 1, {"nq/1": 1.0, "nq/2": 0.0, "popqa/3": 0.0, "popqa/4": 0.0}, distill="other")]
+    pooled = pool_seeds(mine)
+    block = pool_against(pooled, mine, theirs)
+    # mine per question 1, .5, .25, .5 -> 56.25%; theirs .5, .5, 0, 0 -> 25%
+    assert block["sampled_em_end"] == pytest.approx(25.0) and block["distill"] == "other"
+    assert block["sampled_em_end_per_seed"] == {"0": pytest.approx(25.0), "1": pytest.approx(25.0)}
+    assert block["sampled_end_minus_against_ci"]["mean"] == pytest.approx(31.25)
+    assert block["greedy_end_minus_against_ci"]["mean"] == pytest.approx(31.25)
+    with pytest.raises(SystemExit, match="seeds"):
+        pool_against(pooled, mine, theirs[:1])
+    with pytest.raises(SystemExit, match="other settings .*steps"):
+        pool_against(pooled, mine, [theirs[0], write("t2.json", 1, {"nq/1": 0.0, "nq/2": 0.0, "popqa/3": 0.0, "popqa/4": 0.0},
+                                                          steps="other")])
+    out = tmp_path / "pooled.json"
+    assert main(["--pool", *map(str, mine), "--against", *map(str, theirs), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["against"]["sampled_end_minus_against_ci"]["mean"] == pytest.approx(31.25)
+    with pytest.raises(SystemExit):
+        main(["--against", str(theirs[0])])
