@@ -139,6 +139,31 @@ with the end - start interval above zero. Compared, descriptively, with the ``al
 sampled at seeds 0 and 1). Reported whichever way it comes out: ``benchmarks/results/distill_added_seed<N>.json``
 and ``distill_added.json`` pooled.
 
+FOLLOW-ON 4: A FORWARD KL WHERE THE REVERSE KL STALLS (written and committed before its runs; 2026-12-06 05:00 UTC)
+------------------------------------------------------------------------------------------------------------------
+Why (measured, seed 1 of follow-on 3 at step 8-14, before its end was scored). Seed 1 again drifted by step 7 to
+answering at once (``<answer> ... </answer>``, 10-30 tokens, no search), as in the ``alone`` follow-on. Teacher-forced
+on those samples, the teacher puts probability ~1 on ``<`` and then ~1e-5 on ``answer`` (-log p 10.5 and 13.0 on the
+two samples checked; it continues ``<search``): the whole divergence sits on one token the student is sure of. There
+the reverse KL's gradient in the student's logits, πθ(j)(log πθ(j) − log π_T(j) − KL), is ~0 on the student's token
+and ~πθ(search)·(KL + |log πθ(search)|) on the teacher's: it vanishes with the student's probability of the teacher's
+choice, so the student cannot be pulled back; the task reward (``added``) meanwhile reinforces the direct answers it
+gets right. The forward KL over the teacher's top-k (new estimator ``topk_forward_kl``: KL(π_T‖πθ) over the teacher's
+top-k plus one bucket for the rest, exact at each sampled prefix, enumeration-tested) has gradient πθ − π_T there:
+~-1 on the teacher's token whatever the student's probability of it (``tests/trainer/test_distill.py``).
+
+A. Mechanism check (this session; no held-out evaluation, no learning claim). Start: seed 1's step-40 student of
+follow-on 3. Two arms from it, 8 steps each, seed 1, every other setting of follow-on 3 (``mode=added``, lr 1e-4,
+top-16, no anchor), a fresh optimizer in both: ``topk_forward_kl`` and the control ``topk_reverse_kl``
+(``--no-eval``). Read from the per-step training metrics: searches per trajectory, no-answer rate, response length,
+the sampled reverse KL to the teacher, reward. Prediction: with the forward KL the student searches again (searches
+per trajectory > 0.5 by step 8); with the reverse KL it stays at ~0. Output
+``benchmarks/results/distill_recover_{forward,reverse}.json``.
+
+B. Learning (the next session with 2 free CPU hours; not run here). Follow-on 3's runs with ``--estimator
+topk_forward_kl``: ``mode=added``, 40 steps, seeds 0 and 1, scored and pooled exactly as above, against follow-on 3
+(``--against``); target unchanged.
+
     python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
     python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
         --no-cost --out benchmarks/results/distill_40steps_seed0.json                    # the follow-on, seed 0
@@ -147,6 +172,9 @@ and ``distill_added.json`` pooled.
         --out benchmarks/results/distill_added_seed0.json                                 # follow-on 3, seed 0
     python benchmarks/distill.py --pool benchmarks/results/distill_added_seed*.json \
         --against benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_added.json  # + added - alone
+    python benchmarks/distill.py --work runs/recover_fwd --student runs/distill_added_s1/arm_in_process/step_40/policy \
+        --estimator topk_forward_kl --mode added --steps 8 --seed 1 --arms in_process --no-cost --no-eval \
+        --out benchmarks/results/distill_recover_forward.json                              # follow-on 4 A (and reverse)
     python benchmarks/distill.py --quick               # smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2 steps
 """
 
@@ -481,7 +509,9 @@ def train_arm(s: dict[str, Any], run_dir: Path, url: str, engine_url: str, seed:
             "step_s": [get(h, "time/step", 2) for h in history], "teacher_s": [get(h, "time/teacher", 2) for h in history],
             "distill_reverse_kl": [get(h, "distill/reverse_kl") for h in history],
             "train_reward": [get(h, "reward/mean") for h in history],
-            "response_length": [get(h, "response/length_mean", 1) for h in history]}
+            "response_length": [get(h, "response/length_mean", 1) for h in history],
+            "searches_per_trajectory": [get(h, "search/per_traj", 2) for h in history],
+            "no_answer_rate": [get(h, "response/no_answer_rate", 3) for h in history]}
 
 
 def summarise(report: dict[str, Any], dirs: dict[str, Path]) -> None:
@@ -634,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--student", default=None, help="student model (default: smollm2-135m-instruct)")
     p.add_argument("--steps", type=int, default=None, help="distillation steps per arm (protocol: 20; --quick 2)")
     p.add_argument("--samples", type=int, default=None, help="samples per reader-slice question (protocol: 2)")
-    p.add_argument("--estimator", default=None, choices=["sampled_reverse_kl", "topk_reverse_kl"])
+    p.add_argument("--estimator", default=None, choices=["sampled_reverse_kl", "topk_reverse_kl", "topk_forward_kl"])
     p.add_argument("--mode", default=None, choices=["alone", "added", "below_best"])
     p.add_argument("--topk", type=int, default=None, help="k of topk_reverse_kl (protocol: 16)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (protocol: 1e-4)")
@@ -645,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
                    "protocol: all)")
     p.add_argument("--arms", nargs="+", default=["in_process", "remote"], choices=["in_process", "remote"])
     p.add_argument("--no-cost", action="store_true", help="skip the cost phase")
+    p.add_argument("--no-eval", action="store_true", help="train only: no reader-slice evaluation of the teacher, the start "
+                   "or the end (a mechanism check read from the per-step training metrics; needs --out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extend-from", default=None, help="the work folder of a finished shorter run with the same settings: its "
                    "teacher and start evaluations are kept, and each arm of the same seed continues from its last checkpoint "
@@ -707,8 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         s.update(guard=True, guard_overrides=guard_overrides(), mode_name="custom")
     out_path = Path(args.out)
     contract = out_path.resolve() == (RESULTS / "distill.json").resolve()
-    if contract and s["mode_name"] == "custom":
-        p.error("settings other than the protocol's need --out (distill.json holds the protocol's run)")
+    if contract and (s["mode_name"] == "custom" or args.no_eval):
+        p.error("settings other than the protocol's, and --no-eval, need --out (distill.json holds the protocol's run)")
     partial_path = out_path.with_name(out_path.stem + ".partial.json")
     base = load_config(TrainConfig, CONFIG_DIR / s["config"], s["extra"])
     r = base.rollout
@@ -764,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
             return served[0].url
 
         url = retriever.urls[0]
-        for label, model in (("teacher", s["teacher"]), ("start", s["student"])):
+        for label, model in () if args.no_eval else (("teacher", s["teacher"]), ("start", s["student"])):
             t = time.perf_counter()
             dirs[f"{label}_greedy"] = evaluate(model, work / f"{label}_greedy", url, engine.url, s, sampled=False, temperature=r.temperature)
             dirs[f"{label}_sampled"] = evaluate(model, work / f"{label}_sampled", url, engine.url, s, sampled=True, temperature=r.temperature)
@@ -792,12 +824,14 @@ def main(argv: list[str] | None = None) -> int:
                 if not ckpt.is_dir():  # the guard stopped the run: its last checkpoint
                     ckpt = latest_checkpoint(run_dir) / "policy"
                     summary["scored_checkpoint"] = ckpt.parent.name
-                evaluate(str(ckpt), run_dir / "end_sampled", url, engine.url, s, sampled=True, temperature=r.temperature)
-                if arm == "in_process":
+                if not args.no_eval:
+                    evaluate(str(ckpt), run_dir / "end_sampled", url, engine.url, s, sampled=True, temperature=r.temperature)
+                if arm == "in_process" and not args.no_eval:
                     evaluate(str(ckpt), run_dir / "end_greedy", url, engine.url, s, sampled=False, temperature=r.temperature)
                 done.write_text(json.dumps(summary, indent=2) + "\n")
             report["arms"][arm] = dict(summary)
-            dirs[f"{arm}_sampled"] = run_dir / "end_sampled"
+            if (run_dir / "end_sampled").is_dir():
+                dirs[f"{arm}_sampled"] = run_dir / "end_sampled"
             if (run_dir / "end_greedy").is_dir():
                 dirs[f"{arm}_greedy"] = run_dir / "end_greedy"
             phase(f"arm_{arm}", t)

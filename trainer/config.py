@@ -307,10 +307,12 @@ class DistillConfig:
                           "(it must share the policy's tokenizer)")
     teacher_urls: list[str] = option([], help="or remote teachers: URLs of `emapg engine serve --model TEACHER` servers, "
                                      "scored through their POST /score route (rows spread over them)")
-    estimator: Literal["sampled_reverse_kl", "topk_reverse_kl"] = option(
+    estimator: Literal["sampled_reverse_kl", "topk_reverse_kl", "topk_forward_kl"] = option(
         "sampled_reverse_kl", help="sampled_reverse_kl: per-token advantage -(log pi - log pi_teacher) on the sampled "
-        "token; topk_reverse_kl: the Top-k reverse KL over the teacher's top-k (exact head, sampled tail, unbiased gradient)")
-    topk: int = option(16, ge=1, help="topk_reverse_kl: k, the teacher's top-k tokens per position")
+        "token; topk_reverse_kl: the Top-k reverse KL over the teacher's top-k (exact head, sampled tail, unbiased gradient); "
+        "topk_forward_kl: the forward KL(teacher || policy) over the teacher's top-k plus one bucket for the rest, exact "
+        "at each sampled prefix (its gradient does not vanish where the policy is sure of a token the teacher rules out)")
+    topk: int = option(16, ge=1, help="topk_reverse_kl / topk_forward_kl: k, the teacher's top-k tokens per position")
     mode: Literal["alone", "added", "below_best"] = option(
         "added", help="alone: distillation only (the task reward's policy loss is dropped); added: the task's policy "
         "loss + coef * distillation; below_best: added, only on trajectories whose reward is below their group's best (DGPO)")

@@ -64,6 +64,55 @@ def test_estimators_are_the_reverse_kl_in_value_and_gradient(name, k, seed):
     torch.testing.assert_close(grad, true_grad, rtol=1e-12, atol=1e-12)
 
 
+def _coarsened_forward_kl(theta, phi, k):
+    """KL(π_T‖πθ) of both distributions coarsened to the teacher's top-k tokens and one bucket for the rest, by
+    enumeration over the vocabulary."""
+    lp, lt = torch.log_softmax(theta, -1), torch.log_softmax(phi, -1)
+    top = torch.topk(lt, k).indices
+    rest = torch.ones(V, dtype=torch.bool)
+    rest[top] = False
+    p, pt = lp.exp(), lt.exp()
+    kl = (pt[top] * (lt[top] - lp[top])).sum()
+    if rest.any():
+        kl = kl + pt[rest].sum() * (torch.log(pt[rest].sum()) - torch.log(p[rest].sum()))
+    return kl
+
+
+@pytest.mark.parametrize("k", [1, 3, V])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_topk_forward_kl_is_the_coarsened_forward_kl_in_value_and_gradient_at_every_sample(k, seed):
+    """The value does not depend on the sampled token: every position (each sampling a different token) gives the
+    enumerated KL of the coarsened distributions, and its gradient; with k = V it is the full forward KL."""
+    theta, phi = _logits(seed)
+    teacher, labels, idx = _teacher(phi, k)
+    policy = token_stats_from_logits(theta.expand(1, V, V), labels, gather_indices=idx)
+    per_tok = get_distill_estimator("topk_forward_kl").per_token(policy, teacher, labels, torch.ones(1, V, dtype=torch.float64))
+    exact = _coarsened_forward_kl(theta, phi, k)
+    true_grad = torch.autograd.grad(exact, theta)[0]
+    for pos in range(V):
+        torch.testing.assert_close(per_tok[0, pos], exact.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.autograd.grad(per_tok[0, pos], theta, retain_graph=True)[0], true_grad,
+                                   rtol=1e-10, atol=1e-12)
+    if k == V:
+        lp, lt = torch.log_softmax(theta, -1), torch.log_softmax(phi, -1)
+        torch.testing.assert_close(exact, (lt.exp() * (lt - lp)).sum(), rtol=1e-12, atol=1e-12)
+    # a lower bound of the full forward KL (data processing)
+    lp, lt = torch.log_softmax(theta.detach(), -1), torch.log_softmax(phi, -1)
+    assert float(exact.detach()) <= float((lt.exp() * (lt - lp)).sum()) + 1e-12
+
+
+def test_topk_forward_kl_keeps_its_gradient_where_the_reverse_kl_loses_it():
+    """A student sure of the token the teacher rules out (the measured failure: it answers where the teacher
+    searches): the reverse KL's gradient on the teacher's token shrinks with the student's probability of it, the
+    forward KL's stays near -π_T(j) = -1."""
+    theta = torch.tensor([12.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, requires_grad=True)  # student: token 0
+    phi = torch.tensor([0.0, 12.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # teacher: token 1
+    fwd = torch.autograd.grad(_coarsened_forward_kl(theta, phi, V), theta)[0][1]
+    rev = torch.autograd.grad(_exact_kl(theta, phi), theta)[0][1]
+    assert float(fwd) == pytest.approx(-1.0, abs=1e-3)
+    assert abs(float(rev)) < 0.02 * abs(float(fwd))
+
+
 def test_sampled_advantage_is_minus_the_log_ratio_and_zero_on_masked_tokens():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
     tlogp = torch.tensor([[-1.5, -1.0, float("nan")]], dtype=torch.float64)
@@ -71,7 +120,7 @@ def test_sampled_advantage_is_minus_the_log_ratio_and_zero_on_masked_tokens():
     assert sampled_reverse_kl_advantage(logp, tlogp, mask).tolist() == [[-0.5, 1.0, 0.0]]
 
 
-@pytest.mark.parametrize("name", ["sampled_reverse_kl", "topk_reverse_kl"])
+@pytest.mark.parametrize("name", ["sampled_reverse_kl", "topk_reverse_kl", "topk_forward_kl"])
 def test_masked_tokens_are_never_distilled(name):
     """Observation/tool-output tokens (loss mask 0) contribute nothing to the value or the gradient, even
     with a teacher whose scores there are garbage (NaN)."""
@@ -89,7 +138,7 @@ def test_masked_tokens_are_never_distilled(name):
     agg = LossAggregation.for_batch("token-mean", mask)
 
     def run(teacher):
-        policy = token_stats_from_logits(z, labels, gather_indices=top if name == "topk_reverse_kl" else None)
+        policy = token_stats_from_logits(z, labels, gather_indices=top if name != "sampled_reverse_kl" else None)
         loss, m = distill_loss(name, policy, teacher, labels, mask, agg)
         return loss, torch.autograd.grad(loss, z)[0], m
 
@@ -127,13 +176,13 @@ def _loss(mode, stored_extra=None, estimator="sampled_reverse_kl", coef=0.7):
         enabled=mode is not None, teacher="t", coef=coef, mode=mode or "added", estimator=estimator))
     agg = LossAggregation.for_batch("token-mean", mask)
     mb = MicroBatch(labels, torch.ones_like(labels), mask, T, stored)
-    policy = token_stats_from_logits(z, labels, gather_indices=top if estimator == "topk_reverse_kl" else None, entropy=True)
+    policy = token_stats_from_logits(z, labels, gather_indices=top if estimator != "sampled_reverse_kl" else None, entropy=True)
     loss, m = compute_loss(policy, mb, stored, alg, agg)
-    student = token_stats_from_logits(z, labels, gather_indices=top if estimator == "topk_reverse_kl" else None)
+    student = token_stats_from_logits(z, labels, gather_indices=top if estimator != "sampled_reverse_kl" else None)
     return loss, z, m, (student, labels, mask, agg, stored)
 
 
-@pytest.mark.parametrize("estimator", ["sampled_reverse_kl", "topk_reverse_kl"])
+@pytest.mark.parametrize("estimator", ["sampled_reverse_kl", "topk_reverse_kl", "topk_forward_kl"])
 def test_modes_through_compute_loss(estimator):
     from trainer.algo.distill import teacher_from_stored
 
@@ -166,7 +215,7 @@ def test_policy_view_split_keeps_the_kl_q_and_the_teachers_topk():
 
 
 def test_registry_config_and_metrics():
-    assert distill_estimator_names() == ["sampled_reverse_kl", "topk_reverse_kl"]
+    assert distill_estimator_names() == ["sampled_reverse_kl", "topk_forward_kl", "topk_reverse_kl"]
     with pytest.raises(KeyError, match="unknown distillation estimator 'k9'"):
         get_distill_estimator("k9")
     assert not AlgorithmConfig().distill.enabled  # off by default

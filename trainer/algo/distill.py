@@ -20,6 +20,18 @@ Estimators (registered by name, :func:`get_distill_estimator`), each a per-token
   the teacher's top-k and the reference = the teacher: the exact head Σ_{j∈q} πθ(j)(log πθ(j) − log π_T(j))
   plus the sampled tail on tokens outside q, with the unbiased gradient (``tail_grad="exact"``), so its
   value and gradient are KL(πθ‖π_T) and ∇KL in expectation over πθ's samples for any k.
+* ``topk_forward_kl`` — the forward KL(π_T‖πθ) of the two distributions coarsened to k + 1 outcomes: the
+  teacher's top-k tokens q and one bucket for the rest (:func:`teacher_topk_forward_kl`)::
+
+      Σ_{j∈q} π_T(j)(log π_T(j) − log πθ(j)) + t_T (log t_T − log t_θ),   t = 1 − Σ_{j∈q} π(j)
+
+  exact at every prefix (no sampled term; the sampled token does not enter), a lower bound of the full
+  forward KL (data processing), equal to it when k covers the vocabulary. Its gradient in the student's
+  logits is πθ − π_T on q (with the bucket for the rest), which stays O(1) where the student has put all
+  its mass on a token the teacher rules out -- exactly where the reverse KL's gradient, πθ(j)(log πθ(j) −
+  log π_T(j) − KL), vanishes with the probability of the teacher's choice (measured: a student that
+  answers at once where the teacher searches, ``docs/training.md``). The prefixes are the student's own
+  samples (GKD's on-policy data with its forward-KL divergence, arXiv 2306.13649).
 
 Modes (:data:`DistillMode`): ``alone`` — the loss is the distillation term (the task reward's
 policy-gradient term is dropped); ``added`` — the task's policy loss + coef · distillation;
@@ -56,6 +68,7 @@ __all__ = [
     "get_distill_estimator",
     "register_distill_estimator",
     "sampled_reverse_kl_advantage",
+    "teacher_topk_forward_kl",
     "teacher_from_stored",
 ]
 
@@ -84,6 +97,22 @@ def _ratio(logp: Tensor, old_logp: Tensor | None) -> Tensor:
     """s = πθ/π_old of the sampled token (value 1 and gradient ∇log πθ on-policy)."""
     old = logp.detach() if old_logp is None else old_logp.detach()
     return torch.exp(torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def teacher_topk_forward_kl(student_logp_k: Tensor, teacher_logp_k: Tensor, *, tail_floor: float = 1e-12) -> Tensor:
+    """Per-token forward KL(π_T‖πθ) over the teacher's top-k plus one bucket for every other token ``(B, T)``.
+
+    ``student_logp_k``: ``(B, T, k)`` log πθ at the teacher's top-k tokens (normalised over the whole
+    vocabulary, differentiable); ``teacher_logp_k``: ``(B, T, k)`` log π_T there (constants; -inf allowed).
+    The rest bucket's masses are 1 − Σ_q π; the student's is floored at ``tail_floor`` (the only place a
+    value or gradient is clipped: a student with no mass left outside q, to float precision)."""
+    teacher_logp_k = teacher_logp_k.detach()
+    p_teacher = teacher_logp_k.exp()
+    head = (torch.special.xlogy(p_teacher, p_teacher) - torch.where(p_teacher > 0, p_teacher * student_logp_k,
+                                                                      torch.zeros_like(student_logp_k))).sum(-1)
+    t_teacher = torch.clamp(1.0 - p_teacher.sum(-1), min=0.0)
+    t_student = torch.clamp(-torch.expm1(torch.logsumexp(student_logp_k, -1)), min=tail_floor)
+    return head + torch.special.xlogy(t_teacher, t_teacher) - t_teacher * torch.log(t_student)
 
 
 def sampled_reverse_kl_advantage(logp: Tensor, teacher_logp: Tensor, loss_mask: Tensor) -> Tensor:
@@ -126,6 +155,16 @@ class TopkReverseKLDistill(DistillEstimator):
         )
 
 
+class TopkForwardKLDistill(DistillEstimator):
+    name = "topk_forward_kl"
+    needs_topk = True
+
+    def per_token(self, policy, teacher, labels, loss_mask, *, old_logp=None):
+        if teacher.topk_logp is None or teacher.topk_indices is None or policy.topk_logits is None:
+            raise ValueError("topk_forward_kl distillation needs the teacher's top-k and the student's logits gathered there")
+        return teacher_topk_forward_kl(policy.topk_logits - policy.logsumexp[..., None], teacher.topk_logp)
+
+
 DISTILL_ESTIMATORS: dict[str, DistillEstimator] = {}
 
 
@@ -139,6 +178,7 @@ def register_distill_estimator(est: DistillEstimator) -> DistillEstimator:
 
 register_distill_estimator(SampledReverseKL())
 register_distill_estimator(TopkReverseKLDistill())
+register_distill_estimator(TopkForwardKLDistill())
 
 
 def distill_estimator_names() -> list[str]:
