@@ -139,7 +139,7 @@ with the end - start interval above zero. Compared, descriptively, with the ``al
 sampled at seeds 0 and 1). Reported whichever way it comes out: ``benchmarks/results/distill_added_seed<N>.json``
 and ``distill_added.json`` pooled.
 
-FOLLOW-ON 4: A FORWARD KL WHERE THE REVERSE KL STALLS (written and committed before its runs; 2026-12-06 05:00 UTC)
+FOLLOW-ON 4: A FORWARD KL WHERE THE REVERSE KL STALLS (written and committed before its runs; 2026-12-06 04:55 UTC)
 ------------------------------------------------------------------------------------------------------------------
 Why (measured, seed 1 of follow-on 3 at step 8-14, before its end was scored). Seed 1 again drifted by step 7 to
 answering at once (``<answer> ... </answer>``, 10-30 tokens, no search), as in the ``alone`` follow-on. Teacher-forced
