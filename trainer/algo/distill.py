@@ -133,6 +133,11 @@ class DistillEstimator:
         raise NotImplementedError
 
 
+def _require_topk(name: str, policy: TokenStats, teacher: TeacherScores) -> None:
+    if teacher.topk_logp is None or teacher.topk_indices is None or policy.topk_logits is None:
+        raise ValueError(f"{name} distillation needs the teacher's top-k and the student's logits gathered there")
+
+
 class SampledReverseKL(DistillEstimator):
     name = "sampled_reverse_kl"
 
@@ -145,8 +150,7 @@ class TopkReverseKLDistill(DistillEstimator):
     needs_topk = True
 
     def per_token(self, policy, teacher, labels, loss_mask, *, old_logp=None):
-        if teacher.topk_logp is None or teacher.topk_indices is None or policy.topk_logits is None:
-            raise ValueError("topk_reverse_kl distillation needs the teacher's top-k and the student's logits gathered there")
+        _require_topk(self.name, policy, teacher)
         zeros = torch.zeros_like(teacher.logp)
         return topk_reverse_kl(
             logits_k=policy.topk_logits, logsumexp=policy.logsumexp, logp=policy.logp,
@@ -160,8 +164,7 @@ class TopkForwardKLDistill(DistillEstimator):
     needs_topk = True
 
     def per_token(self, policy, teacher, labels, loss_mask, *, old_logp=None):
-        if teacher.topk_logp is None or teacher.topk_indices is None or policy.topk_logits is None:
-            raise ValueError("topk_forward_kl distillation needs the teacher's top-k and the student's logits gathered there")
+        _require_topk(self.name, policy, teacher)
         return teacher_topk_forward_kl(policy.topk_logits - policy.logsumexp[..., None], teacher.topk_logp)
 
 
