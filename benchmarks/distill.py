@@ -571,19 +571,29 @@ def summarise(report: dict[str, Any], dirs: dict[str, Path]) -> None:
 POOL_KEYS = ("benchmark", "teacher", "student", "steps", "train_set", "config", "distill", "rollout", "heldout", "guard")
 
 
+def read_seed_reports(paths: list[Path], flag: str, keys: tuple[str, ...], reference: dict[str, Any] | None = None,
+                      reference_path: Path | None = None) -> list[dict[str, Any]]:
+    """The per-seed reports at ``paths``, each checked to have run the settings ``keys`` of ``reference`` (default:
+    the first report) and to hold a finished in_process arm's per-question scores; a :class:`SystemExit` naming
+    ``flag`` and the file otherwise."""
+    reports = [json.loads(f.read_text()) for f in paths]
+    ref, ref_path = (reports[0], paths[0]) if reference is None else (reference, reference_path)
+    for f, r in zip(paths, reports):
+        differ = [k for k in keys if r.get(k) != ref.get(k)]
+        if differ:
+            raise SystemExit(f"{flag}: {f} ran other settings than {ref_path} ({', '.join(differ)})")
+        if "in_process_sampled" not in r.get("per_question_em", {}):
+            raise SystemExit(f"{flag}: {f} has no finished in_process arm with per-question scores")
+    return reports
+
+
 def pool_seeds(paths: list[Path]) -> dict[str, Any]:
     """The docstring's pooled estimates from per-seed reports of the same settings (:data:`POOL_KEYS`): the student's
     end sampled / greedy EM per seed and averaged over seeds, and end − start and end − teacher with a paired bootstrap
     over questions of each question's score averaged over seeds."""
     from benchmarks.learning_search import difference, pct, seed_mean
 
-    reports = [json.loads(f.read_text()) for f in paths]
-    for f, r in zip(paths, reports):
-        differ = [k for k in POOL_KEYS if r.get(k) != reports[0].get(k)]
-        if differ:
-            raise SystemExit(f"--pool: {f} ran other settings than {paths[0]} ({', '.join(differ)})")
-        if "in_process_sampled" not in r.get("per_question_em", {}):
-            raise SystemExit(f"--pool: {f} has no finished in_process arm with per-question scores")
+    reports = read_seed_reports(paths, "--pool", POOL_KEYS)
     seeds = [r["seed"] for r in reports]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--pool: the reports repeat a seed ({seeds})")
@@ -623,13 +633,8 @@ def pool_against(pooled: dict[str, Any], paths: list[Path], baseline_paths: list
     from benchmarks.learning_search import difference, pct, seed_mean
 
     mine = [json.loads(f.read_text()) for f in paths]
-    theirs = [json.loads(f.read_text()) for f in baseline_paths]
+    theirs = read_seed_reports(baseline_paths, "--against", AGAINST_KEYS, mine[0], paths[0])
     for f, r in zip(baseline_paths, theirs):
-        differ = [k for k in AGAINST_KEYS if r.get(k) != mine[0].get(k)]
-        if differ:
-            raise SystemExit(f"--against: {f} ran other settings than {paths[0]} ({', '.join(differ)})")
-        if "in_process_sampled" not in r.get("per_question_em", {}):
-            raise SystemExit(f"--against: {f} has no finished in_process arm with per-question scores")
         if r["per_question_em"]["teacher_sampled"] != mine[0]["per_question_em"]["teacher_sampled"]:
             raise SystemExit(f"--against: {f} scored the teacher differently (another engine or question set)")
     if sorted(r["seed"] for r in theirs) != sorted(pooled["seeds"]):
@@ -666,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=None, help="samples per reader-slice question (protocol: 2)")
     p.add_argument("--estimator", default=None, choices=["sampled_reverse_kl", "topk_reverse_kl", "topk_forward_kl"])
     p.add_argument("--mode", default=None, choices=["alone", "added", "below_best"])
-    p.add_argument("--topk", type=int, default=None, help="k of topk_reverse_kl (protocol: 16)")
+    p.add_argument("--topk", type=int, default=None, help="k of topk_reverse_kl / topk_forward_kl (protocol: 16)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (protocol: 1e-4)")
     p.add_argument("--cost-rounds", type=int, default=None, help="rounds of the cost phase (protocol: 3)")
     p.add_argument("--engine", default=None, choices=["vllm", "hf"], help="the shared generation server's engine (protocol: "
@@ -826,8 +831,8 @@ def main(argv: list[str] | None = None) -> int:
                     summary["scored_checkpoint"] = ckpt.parent.name
                 if not args.no_eval:
                     evaluate(str(ckpt), run_dir / "end_sampled", url, engine.url, s, sampled=True, temperature=r.temperature)
-                if arm == "in_process" and not args.no_eval:
-                    evaluate(str(ckpt), run_dir / "end_greedy", url, engine.url, s, sampled=False, temperature=r.temperature)
+                    if arm == "in_process":
+                        evaluate(str(ckpt), run_dir / "end_greedy", url, engine.url, s, sampled=False, temperature=r.temperature)
                 done.write_text(json.dumps(summary, indent=2) + "\n")
             report["arms"][arm] = dict(summary)
             if (run_dir / "end_sampled").is_dir():
