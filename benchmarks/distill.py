@@ -163,6 +163,9 @@ per trajectory > 0.5 by step 8); with the reverse KL it stays at ~0. Output
 B. Learning (the next session with 2 free CPU hours; not run here). Follow-on 3's runs with ``--estimator
 topk_forward_kl``: ``mode=added``, 40 steps, seeds 0 and 1, scored and pooled exactly as above, against follow-on 3
 (``--against``); target unchanged.
+Order (2026-12-06 06:50 UTC, before either run): seed 1 first, in its own work folder with its own teacher and start
+evaluations (``runs/distill_fwd_s1``), because seed 1 is the seed whose trap the estimator is meant to fix; seed 0
+then reuses them (``--extend-from``) if the session's CPU allows before its CI, else in the next session.
 
     python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
     python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
