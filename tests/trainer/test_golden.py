@@ -1,23 +1,32 @@
-"""Golden runs: the metrics of fixed-seed 3-step tiny runs, recorded before the trainer was split
-into step / stored statistics / metrics / lifecycle modules, must be reproduced by the current code.
+"""Golden runs: the metrics of fixed-seed 3-step tiny runs must be reproduced by the current code.
 
 Each case is a real `train()` on tiny-qwen2 (math task, transformers engine, the bundled MATH train
 prompts), covering every loss path: EMA-PG with Top-k reverse KL (stored π_old statistics, and the
 on-policy fused path), Top-k forward KL, GRPO with K3 to a frozen reference (two PPO epochs), the
-exact reverse/forward KL, and no KL. Timing metrics are not compared; every other metric is, as is
-a fingerprint of the final policy and anchor weights.
+exact reverse/forward KL, and no KL; and two search-task cases from a warm-started policy. Timing metrics
+and the engine-vs-trainer rounding metrics (``mismatch/``) are not compared; every other metric is, as is
+a fingerprint of the update of the policy's and anchor's weights.
 
-The runs keep ``model.share_prompt_training=false`` (the training pass as recorded: one pass per row).
-Sharing each group's prompt in the differentiable pass gives the same gradients up to float rounding
-(float64-exact: tests/trainer/test_shared_prompt_grad.py), but AdamW's first steps move every weight by
-about ±lr whatever its gradient's size, so rounding-sized differences in near-zero gradients become
-lr-sized weight differences and the 1e-4 comparison fails (grpo_k3: K3 to a frozen reference, two
-PPO epochs, kl/mean 0.031 vs 0.046 at step 1; exact_* and on-policy Top-k: 1e-4..5e-4 relative).
+Conditioning. AdamW with its usual epsilon (1e-8) moves every weight by about ±lr in its first steps whatever
+its gradient's size, so rounding-sized gradients (the math cases' rewards are all 0, and a KL to an identical
+anchor is 0) become lr-sized weight differences: a sign amplifier of the CPU's rounding. The golden file recorded
+that way on 2026-12-05 was reproduced on the host that recorded it and failed on two others (CI: search_grpo_k3 step 1
+kl/loss 0.006106 vs 0.006116; an AMD host: eight of nine cases), although torch's kernels were pinned to AVX2
+(ATEN_CPU_CAPABILITY) and MKL's to its AVX2 path (MKL_CBWR, both in tests/conftest.py). The cases therefore run with
+``optim.eps=1e-3``, which keeps the update linear in small gradients, so rounding stays rounding-sized. Measured on
+one host, AVX2 against scalar (``ATEN_CPU_CAPABILITY=default``) kernels as the stand-in for another CPU, from the
+same starting weights: every compared metric of the seven math cases equal to 1e-6 (it was 7% on kl/mean with
+eps=1e-8), update fingerprints within 2e-6 relative; the search cases within 1e-6 too. The search cases' warm
+start (120 supervised steps at eps=1e-8) is itself rebuilt by the test and carries the kernels' rounding into its
+weights (8.6e-5 of its update's norm in that comparison); from there the search metrics moved up to 2.5e-2 relative
+(kl/mean ~1.5e-4) and 2e-3 on grad norms, so the search cases are compared at 1e-2 relative, 1e-5 absolute.
 
-Kernels are pinned (tests/conftest.py): torch's to AVX2 (ATEN_CPU_CAPABILITY) and MKL's matrix products to its AVX2
-path (MKL_CBWR). With only the first, an AVX-512/AMX host reproduced no_kl and Top-k forward but not the other seven
-(grpo_k3 step 1 kl/mean 0.043 vs 0.046). The file was re-recorded with both pins on 2026-12-05; the code recorded
-gives, on that host, the same numbers as e357f89, which had passed against the old file on the earlier host.
+The runs keep ``model.share_prompt_training=false`` (the training pass as recorded: one pass per row). Sharing each
+group's prompt in the differentiable pass gives the same gradients up to float rounding (float64-exact:
+tests/trainer/test_shared_prompt_grad.py).
+
+Re-recorded on 2026-12-06 with the current code (eff2274 plus this file's change of settings), which passed the
+previous file on its host.
 
 Regenerate (only when a change is *meant* to alter training numbers, and say so in the commit):
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.trainer.test_golden
@@ -43,7 +52,7 @@ GOLDEN = Path(__file__).parent / "golden" / "trainer_golden.json"
 COMMON = [
     "logging.progress=false", "logging.tensorboard=false", "run.total_steps=3", "run.save_every=0",
     "data.prompts_per_step=2", "rollout.n_samples=4", "rollout.max_tokens_per_turn=16", "rollout.max_response_tokens=16",
-    "algorithm.micro_batch_size=2", "optim.lr=3e-3", "run.seed=7", "model.share_prompt_training=false",
+    "algorithm.micro_batch_size=2", "optim.lr=3e-3", "run.seed=7", "model.share_prompt_training=false", "optim.eps=1e-3",
 ]
 
 CASES: dict[str, list[str]] = {
@@ -71,7 +80,7 @@ CASES: dict[str, list[str]] = {
 # (the random tiny model never scores on math), through the real retriever and the QA reward.
 SEARCH_COMMON = ["logging.progress=false", "logging.tensorboard=false", "run.total_steps=3", "run.save_every=0",
                  "data.prompts_per_step=4", "rollout.n_samples=4", "algorithm.micro_batch_size=4", "optim.lr=1e-4",
-                 "run.seed=3", "model.share_prompt_training=false"]
+                 "run.seed=3", "model.share_prompt_training=false", "optim.eps=1e-3"]
 SEARCH_CASES: dict[str, list[str]] = {
     "search_emapg_topk_reverse": ["algorithm.mini_batch_size=8", "algorithm.kl.topk=8", "algorithm.ema.decay=0.5",
                                   "algorithm.ema.period=1", "algorithm.kl.coef=0.01"],
@@ -81,15 +90,18 @@ SEARCH_CASES: dict[str, list[str]] = {
 }
 WARM_START_STEPS = 120
 
-SKIP_PREFIXES = ("time/", "perf/")
+# time/ and perf/: wall times. mismatch/: the engine's log-probs against the trainer's, which measure float rounding
+# between two passes (~1e-7..1e-6) and so the kernels themselves.
+SKIP_PREFIXES = ("time/", "perf/", "mismatch/")
 
 
-def _fingerprint(state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """A few numbers that move when any weight moves: per-tensor-kind sums and sums of squares."""
-    total = sum(float(t.double().sum()) for t in state.values())
-    sq = sum(float(t.double().pow(2).sum()) for t in state.values())
-    first = next(iter(sorted(state)))
-    return {"sum": total, "sumsq": sq, "first_tensor_sum": float(state[first].double().sum())}
+def _fingerprint(state: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Two numbers that move when any weight moves differently, taken over the update (weights minus the starting
+    ones) and without cancellation (a plain sum of the update cancels down to its rounding): the sum of its absolute
+    values and of its squares."""
+    delta = [t.double() - start[k].double() for k, t in state.items() if k in start]  # not buffers (rotary inv_freq)
+    return {"update_abs_sum": sum(float(d.abs().sum()) for d in delta),
+            "update_sumsq": sum(float(d.pow(2).sum()) for d in delta)}
 
 
 def run_case(name: str, out_dir: Path, model_dir: Path, toy=None) -> dict:
@@ -115,10 +127,11 @@ def run_case(name: str, out_dir: Path, model_dir: Path, toy=None) -> dict:
     history = train(cfg)
     steps = [{k: v for k, v in m.items() if not k.startswith(SKIP_PREFIXES)} for m in history]
     ckpt = out_dir / "step_3"
-    result = {"steps": steps, "policy": _fingerprint(load_file(str(ckpt / "policy" / "model.safetensors")))}
+    start = load_file(str(Path(model_dir) / "model.safetensors"))
+    result = {"steps": steps, "policy": _fingerprint(load_file(str(ckpt / "policy" / "model.safetensors")), start)}
     anchor = read_training_state(ckpt).get("anchor")
     if anchor:
-        result["anchor"] = _fingerprint(anchor)
+        result["anchor"] = _fingerprint(anchor, start)
     return result
 
 
@@ -130,6 +143,12 @@ def _close(a: float, b: float, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool
 
 def _check(name: str, got: dict) -> None:
     golden = json.loads(GOLDEN.read_text())[name]
+    # The search cases start from a 120-step supervised warm start, which carries the kernels' rounding into its
+    # weights (8.6e-5 of its update's norm, AVX2 against scalar kernels on one host), and 3 steps on carry it to
+    # ~1e-3 relative in the metrics (2.5e-2 in kl/mean of ~1.5e-4): their tolerance is that spread's, not 1e-4.
+    # Math cases: 1e-4 relative, 2e-6 absolute (the worst spread in that comparison when the starting weights were also
+    # built by each kernel set: grpo_k3 loss/ppo_kl 2.63e-5 vs 2.78e-5).
+    rel, abs_ = (1e-2, 1e-5) if name in SEARCH_CASES else (1e-4, 2e-6)
     kernels = torch.backends.cpu.get_cpu_capability()
     assert kernels in ("AVX2", "DEFAULT"), (
         f"torch runs its {kernels} CPU kernels; the golden runs were recorded with AVX2 ones "
@@ -141,12 +160,12 @@ def _check(name: str, got: dict) -> None:
     for step, (g, want) in enumerate(zip(got["steps"], golden["steps"]), start=1):
         missing = set(want) - set(g)
         assert not missing, f"step {step}: metrics no longer reported: {sorted(missing)}"
-        bad = {k: (g[k], want[k]) for k in want if not _close(float(g[k]), float(want[k]))}
+        bad = {k: (g[k], want[k]) for k in want if not _close(float(g[k]), float(want[k]), rel=rel, abs_=abs_)}
         assert not bad, f"step {step}: metrics differ from the golden run (got, golden): {bad}"
     for part in ("policy", "anchor"):
         if part in golden:
             for k, v in golden[part].items():
-                assert _close(got[part][k], v, rel=1e-5), f"{part} weights {k}: {got[part][k]} vs golden {v}"
+                assert _close(got[part][k], v, rel=rel, abs_=1e-12), f"{part} weights {k}: {got[part][k]} vs golden {v}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -102,6 +102,15 @@ def wait_for(driver, condition, message: str):
         lambda d: condition(d), message)
 
 
+def act(driver, action, message: str):
+    """Do ``action(driver)`` on freshly found elements, again if the page redrew them in between (stale)."""
+    wait_for(driver, lambda d: action(d) or True, message)
+
+
+def choose(driver, select_id: str, value: str) -> None:
+    act(driver, lambda d: Select(d.find_element(By.ID, select_id)).select_by_value(value), f"choose {value!r} in #{select_id}")
+
+
 def test_runs_page(served, browser, tmp_path):
     url, _, runs = served
     open_page(browser, url + "/", tmp_path, "runs")
@@ -183,26 +192,32 @@ def test_eval_items_filters(served, browser, tmp_path):
     rows = lambda d: d.execute_script(ROWS)  # noqa: E731  (read in one go: the table is redrawn by each filter)
     counts = lambda d: d.find_element(By.ID, "counts").text  # noqa: E731
     assert len(rows(browser)) == 4 and counts(browser).startswith("4 of 4")
-    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("right")
+    choose(browser, "filter-outcome", "right")
     wait_for(browser, lambda d: [r["outcome"] for r in rows(d)] == ["right"], "the right filter")
     assert "<script>" in rows(browser)[0]["text"] and not browser.find_elements(By.CSS_SELECTOR, "#items script, #items img")
-    browser.find_element(By.CSS_SELECTOR, "#items tr.item").click()  # its trajectory, inert too
+    act(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#items tr.item").click(), "open the item")  # its trajectory, inert too
     wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#items .trajectory"), "no trajectory")
     browser.save_screenshot(str(tmp_path / "eval_item.png"))
-    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("wrong")
+    choose(browser, "filter-outcome", "wrong")
     wait_for(browser, lambda d: len(rows(d)) == 3 and all(r["outcome"] != "right" for r in rows(d)), "the wrong filter")
-    Select(browser.find_element(By.ID, "filter-dataset")).select_by_value("nq")
+    choose(browser, "filter-dataset", "nq")
     wait_for(browser, lambda d: [r["dataset"] for r in rows(d)] == ["nq", "nq"], "the dataset filter")
     assert "dataset=nq" in browser.current_url and "outcome=wrong" in browser.current_url
-    Select(browser.find_element(By.ID, "filter-dataset")).select_by_value("")
-    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("shown_wrong")
+    choose(browser, "filter-dataset", "")
+    choose(browser, "filter-outcome", "shown_wrong")
     wait_for(browser, lambda d: "outcome=shown_wrong" in d.current_url and "dataset" not in d.current_url
              and all(r["outcome"] == "shown_wrong" for r in rows(d)), "the shown-but-wrong filter")
-    Select(browser.find_element(By.ID, "filter-outcome")).select_by_value("")
+    choose(browser, "filter-outcome", "")
     wait_for(browser, lambda d: len(rows(d)) == 4, "every question again")
-    searches = Select(browser.find_element(By.ID, "filter-searches"))
-    n = [o.text for o in searches.options][1]
-    searches.select_by_visible_text(n)
+    n = ""
+
+    def pick_second(d):
+        nonlocal n
+        searches = Select(d.find_element(By.ID, "filter-searches"))
+        n = searches.options[1].text
+        searches.select_by_visible_text(n)
+
+    act(browser, pick_second, "choose a number of searches")
     wait_for(browser, lambda d: "searches=" in d.current_url and rows(d) and all(r["searches"] == n for r in rows(d)), "searches filter")
     finish(browser, tmp_path, "eval")
 
@@ -213,7 +228,7 @@ def test_two_evaluations_compared(served, browser, tmp_path):
     pairs = lambda d: d.find_elements(By.CSS_SELECTOR, "#compare tr.pair")  # noqa: E731
     assert len(pairs(browser)) == 4
     assert "1 wrong → right, 0 right → wrong" in browser.find_element(By.ID, "compare-counts").text
-    Select(browser.find_element(By.ID, "compare-change")).select_by_value("flipped")
+    choose(browser, "compare-change", "flipped")
     wait_for(browser, lambda d: len(pairs(d)) == 1, "the flipped filter")
     assert pairs(browser)[0].get_attribute("data-change") == "gained" and "wrong → right" in pairs(browser)[0].text
     finish(browser, tmp_path, "compare")
