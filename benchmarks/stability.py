@@ -109,6 +109,22 @@ and 101, 24 steps, the same rule; then the four contract arms at seeds 0-4 at th
 (``benchmarks/results/stability_mid.json``, work folder ``runs/stability_mid``). A toy step takes under a second
 on a free CPU, so this costs minutes.
 
+AMENDMENT 6 (2026-12-06 07:25 UTC, written and committed before its runs). A late stress. Amendments 4 and 5 found
+the two regimes but not the one between: at lr 8e-4 and above the reward halves at the first update (collapses at
+steps 3-7, the tail of an immediate break, which no signal can lead by 2 steps); at 4e-4 and 6e-4 GRPO learned or
+wandered for 24 steps without collapsing, but the last steps of a 6e-4 sweep run fell (seed 101: 0.53, 0.28, 0.09
+at steps 22-24) and a 4e-4 run dipped at step 24. The collapse users report comes after a learning phase, late.
+Sweep ``--grid late``: GRPO at lr ``LATE_SWEEP_LR`` = 4e-4, 6e-4, beta 0.001, the sweep seeds 100 and 101, **64
+steps**. Rule: lr ascending, the first point where a sweep seed collapses at step >= ``LATE_MIN_COLLAPSE_STEP`` = 12
+(a collapse after a learning phase; an earlier one does not count); none: the last point. Then the four contract
+arms at seeds 0-4 at that point, 64 steps, in their own work folder and report (``runs/stability_late``,
+``benchmarks/results/stability_late.json``), the same collapse definition, estimates and targets (the signals' lead
+times and false trips are the question here: a late collapse leaves room for a 2-step lead), no SmolLM2 arms. If the
+arms do not fit the session they run in the next one from the same sweep result.
+
+    python benchmarks/stability.py --grid late --steps 64 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
+        --work runs/stability_late --out benchmarks/results/stability_late.json
+
 Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
 
 Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
@@ -167,8 +183,14 @@ SLOW_SWEEP_LR = (1e-4, 2e-4, 4e-4)
 SLOW_SWEEP_BETA = (0.001,)
 # amendment 5: between the slow grid (learns) and the protocol's 1e-3 (breaks at the first update)
 MID_SWEEP_LR = (6e-4, 8e-4)
+# amendment 6: a collapse after a learning phase (64 steps); only a collapse at step >= LATE_MIN_COLLAPSE_STEP counts
+LATE_SWEEP_LR = (4e-4, 6e-4)
+LATE_MIN_COLLAPSE_STEP = 12
 #: --grid -> (the lrs, the betas) of the sweep
-GRIDS = {"protocol": (SWEEP_LR, SWEEP_BETA), "slow": (SLOW_SWEEP_LR, SLOW_SWEEP_BETA), "mid": (MID_SWEEP_LR, SLOW_SWEEP_BETA)}
+GRIDS = {"protocol": (SWEEP_LR, SWEEP_BETA), "slow": (SLOW_SWEEP_LR, SLOW_SWEEP_BETA), "mid": (MID_SWEEP_LR, SLOW_SWEEP_BETA),
+         "late": (LATE_SWEEP_LR, SLOW_SWEEP_BETA)}
+#: --grid -> the earliest collapse step its sweep's rule counts
+MIN_COLLAPSE_STEP = {"late": LATE_MIN_COLLAPSE_STEP}
 SWEEP_SEEDS = (100, 101)
 Z95 = 1.959963984540054
 
@@ -466,17 +488,18 @@ def parse_sweep_runs(text: str, grid: str = "protocol") -> list[tuple[float, flo
 
 def choose_stress(runner: Runner, config: Path, base: list[str], grid: str = "protocol") -> tuple[float | None, float | None, list[dict[str, Any]]]:
     """The pre-registered sweep: GRPO over the ``grid``'s lrs x betas (lr ascending, beta descending), the first point
-    where a sweep seed collapses (else the last). (None, None, ...) when a run it needs is not finished
-    (``--report-only``)."""
+    where a sweep seed collapses (at step >= ``MIN_COLLAPSE_STEP[grid]`` where the grid sets one; else the last).
+    (None, None, ...) when a run it needs is not finished (``--report-only``)."""
     sweep = []
     lrs, betas = GRIDS[grid]
+    min_step = MIN_COLLAPSE_STEP.get(grid, 1)
     points = [(lr, beta) for lr in lrs for beta in betas]
     for lr, beta in points:
         records = [runner.run(sweep_name(lr, beta, seed), config, base, "grpo", seed, lr, beta) for seed in SWEEP_SEEDS]
         if any(r is None for r in records):
             sweep.append({"lr": lr, "beta": beta, "unfinished": True})
             return None, None, sweep
-        collapsed = sum(r["collapse_step"] is not None for r in records)
+        collapsed = sum(r["collapse_step"] is not None and r["collapse_step"] >= min_step for r in records)
         sweep.append({"lr": lr, "beta": beta, "grpo_collapsed": collapsed, "seeds": list(SWEEP_SEEDS),
                       "collapse_steps": [r["collapse_step"] for r in records], "rewards": [r["reward"] for r in records]})
         if collapsed:
@@ -514,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(a lost work folder need not cost the runs again)")
     p.add_argument("--grid", choices=sorted(GRIDS), default="protocol",
                    help="the sweep grid: protocol (lr 1e-3, 3e-3, 1e-2 x beta 0.1, 0.001), slow (amendment 4: lr 1e-4, "
-                        "2e-4, 4e-4 x beta 0.001) or mid (amendment 5: lr 6e-4, 8e-4 x beta 0.001)")
+                        "2e-4, 4e-4 x beta 0.001), mid (amendment 5: lr 6e-4, 8e-4 x beta 0.001) or late (amendment 6: lr 4e-4, "
+                        "6e-4 x beta 0.001, only a collapse at step >= 12 counts)")
     p.add_argument("--sweep-runs", default=None,
                    help="LR:BETA:SEED,...: only run these runs of the sweep grid into --work and exit (several processes "
                         "can split the grid; a later run without it applies the sweep's rule to the finished runs)")

@@ -211,3 +211,23 @@ def test_the_slow_grid_sweeps_lower_rates_and_its_runs_are_checked_against_it(tm
         parse_sweep_runs("1e-3:0.001:100", "slow")
     with pytest.raises(SystemExit):
         main(["--grid", "slow", "--sweep-runs", "1e-3:0.1:100", "--work", str(tmp_path)])
+
+
+def test_the_late_grid_counts_only_a_collapse_after_a_learning_phase(tmp_path):
+    """Amendment 6's grid: lr 4e-4, 6e-4 at beta 0.001; a sweep seed that collapses before step 12 does not make a
+    stress point, one that collapses at step >= 12 does."""
+    from benchmarks.stability import LATE_MIN_COLLAPSE_STEP, main, sweep_name
+
+    early, late = run_record(degenerating(20, start=6)), run_record(degenerating(20, start=14))
+    assert early["collapse_step"] == 8 < LATE_MIN_COLLAPSE_STEP <= late["collapse_step"] == 16
+    for lr, seed, record in ((4e-4, 100, early), (4e-4, 101, run_record(healthy_run(20))), (6e-4, 100, late),
+                             (6e-4, 101, early)):
+        (tmp_path / sweep_name(lr, 0.001, seed)).mkdir(parents=True)
+        (tmp_path / sweep_name(lr, 0.001, seed) / "history.json").write_text(json.dumps(record))
+    out = tmp_path / "late.json"
+    assert main(["--report-only", "--grid", "late", "--seeds", "1", "--smollm2-seeds", "0", "--steps", "20",
+                 "--work", str(tmp_path), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["stress"] == {"lr": 6e-4, "beta": 0.001, "steps": 20, "chosen_by": "sweep (late grid)"}
+    assert [p["grpo_collapsed"] for p in report["sweep"]] == [0, 1]
+    assert [p["collapse_steps"] for p in report["sweep"]] == [[8, None], [16, 8]]
