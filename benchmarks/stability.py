@@ -125,6 +125,18 @@ arms do not fit the session they run in the next one from the same sweep result.
     python benchmarks/stability.py --grid late --steps 64 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
         --work runs/stability_late --out benchmarks/results/stability_late.json
 
+RESULT (2026-12-06, ``stability_late.json``, ``stability_late.png``). Sweep: no late collapse at either lr; GRPO
+learned to 0.94-1.00 (4e-4) and 0.88-0.62 (6e-4) by step 64, so the rule's last point, **lr 6e-4**, ran. Arms, seeds
+0-4, 64 steps: GRPO 2/5 collapsed (0.40 [0.12, 0.77]), EMA-PG, EMA anchor + K3 and frozen reference + Top-k 1/5 each
+(0.20 [0.04, 0.62]; each - GRPO -0.20 [-0.60, +0.31]). Four of the five collapses are seed 1's first-update break
+(step 3, every arm); of those, GRPO recovered to 0.88 and EMA-PG to 0.69 by step 64, the two others ended at 0.
+**One collapse came after a learning phase**: GRPO seed 2 at step 41, reward 0.91 -> 0.00 in one update (no-answer
+rate 0.06 -> 0.97; step 40's gradient norm 0.22, ordinary) and 0 for the remaining 23 steps: every group had equal
+rewards, so GRPO had no advantage left to climb back with. Nothing led it: ``format_errors``, ``reward_drop`` and
+``kl_to_start`` all tripped at step 41 (lead 0). On the 15 runs that did not collapse: ``kl_to_start`` tripped on all,
+``format_errors`` 7, ``reward_drop`` and ``repetition`` 4, ``kl_spike`` 3, ``gibberish`` and ``entropy_explosion`` 1
+(single-step dips that recovered: the plot's spikes).
+
 Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
 
 Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
