@@ -126,7 +126,7 @@ arms do not fit the session they run in the next one from the same sweep result.
         --work runs/stability_late --out benchmarks/results/stability_late.json
 
 RESULT (2026-12-06, ``stability_late.json``, ``stability_late.png``). Sweep: no late collapse at either lr; GRPO
-learned to 0.94-1.00 (4e-4) and 0.88-0.62 (6e-4) by step 64, so the rule's last point, **lr 6e-4**, ran. Arms, seeds
+ended at 0.97 and 0.97 (4e-4), 0.97 and 0.62 (6e-4) at step 64, so the rule's last point, **lr 6e-4**, ran. Arms, seeds
 0-4, 64 steps: GRPO 2/5 collapsed (0.40 [0.12, 0.77]), EMA-PG, EMA anchor + K3 and frozen reference + Top-k 1/5 each
 (0.20 [0.04, 0.62]; each - GRPO -0.20 [-0.60, +0.31]). Four of the five collapses are seed 1's first-update break
 (step 3, every arm); of those, GRPO recovered to 0.88 and EMA-PG to 0.69 by step 64, the two others ended at 0.
