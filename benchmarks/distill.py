@@ -167,6 +167,12 @@ Order (2026-12-06 06:50 UTC, before either run): seed 1 first, in its own work f
 evaluations (``runs/distill_fwd_s1``), because seed 1 is the seed whose trap the estimator is meant to fix; seed 0
 then reuses them (``--extend-from``) if the session's CPU allows before its CI, else in the next session.
 
+RESULT (2026-12-06, ``distill_forward_seed{0,1}.json``, pooled ``distill_forward.json``): seed 1 0.0 -> 16.9 sampled
+(+16.9 [+12.7, +21.3]), 26.0 greedy; seed 0 16.0 sampled (+16.0 [+11.9, +20.4]), 29.3 greedy; pooled **16.4 sampled
+(82% of the teacher's 20.2: target met)**, 27.6 greedy; forward - reverse (follow-on 3), paired by question, +7.6 pp
+sampled [+4.6, +10.8], +11.6 greedy [+6.6, +16.6]. Neither seed drifted to direct answers (about one search per
+trajectory over the last 10 steps in both). Seed 1's teacher and start evaluations reproduced the recorded ones.
+
     python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
     python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
         --no-cost --out benchmarks/results/distill_40steps_seed0.json                    # the follow-on, seed 0
