@@ -191,15 +191,22 @@ def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missi
               "--out", str(tmp_path / "other.json"), "--resume-from", str(out)])
 
 
+def put_sweep_run(work, lr: float, seed: int, record: dict) -> None:
+    """A finished sweep run at beta 0.001 in ``work``, as the benchmark leaves it."""
+    from benchmarks.stability import sweep_name
+
+    (work / sweep_name(lr, 0.001, seed)).mkdir(parents=True)
+    (work / sweep_name(lr, 0.001, seed) / "history.json").write_text(json.dumps(record))
+
+
 def test_the_slow_grid_sweeps_lower_rates_and_its_runs_are_checked_against_it(tmp_path):
     """Amendment 4's grid: lr 1e-4, 2e-4, 4e-4 at beta 0.001, lr ascending; the first with a collapsed sweep seed is the
     stress point. --sweep-runs accepts only runs of the grid it names."""
-    from benchmarks.stability import main, parse_sweep_runs, sweep_name
+    from benchmarks.stability import main, parse_sweep_runs
 
     for lr, record in ((1e-4, run_record(healthy_run())), (2e-4, run_record(degenerating()))):
         for seed in (100, 101):
-            (tmp_path / sweep_name(lr, 0.001, seed)).mkdir(parents=True)
-            (tmp_path / sweep_name(lr, 0.001, seed) / "history.json").write_text(json.dumps(record))
+            put_sweep_run(tmp_path, lr, seed, record)
     out = tmp_path / "slow.json"
     assert main(["--report-only", "--grid", "slow", "--seeds", "1", "--smollm2-seeds", "0", "--steps", "12",
                  "--work", str(tmp_path), "--out", str(out)]) == 0
@@ -216,14 +223,13 @@ def test_the_slow_grid_sweeps_lower_rates_and_its_runs_are_checked_against_it(tm
 def test_the_late_grid_counts_only_a_collapse_after_a_learning_phase(tmp_path):
     """Amendment 6's grid: lr 4e-4, 6e-4 at beta 0.001; a sweep seed that collapses before step 12 does not make a
     stress point, one that collapses at step >= 12 does."""
-    from benchmarks.stability import LATE_MIN_COLLAPSE_STEP, main, sweep_name
+    from benchmarks.stability import LATE_MIN_COLLAPSE_STEP, main
 
     early, late = run_record(degenerating(20, start=6)), run_record(degenerating(20, start=14))
     assert early["collapse_step"] == 8 < LATE_MIN_COLLAPSE_STEP <= late["collapse_step"] == 16
     for lr, seed, record in ((4e-4, 100, early), (4e-4, 101, run_record(healthy_run(20))), (6e-4, 100, late),
                              (6e-4, 101, early)):
-        (tmp_path / sweep_name(lr, 0.001, seed)).mkdir(parents=True)
-        (tmp_path / sweep_name(lr, 0.001, seed) / "history.json").write_text(json.dumps(record))
+        put_sweep_run(tmp_path, lr, seed, record)
     out = tmp_path / "late.json"
     assert main(["--report-only", "--grid", "late", "--seeds", "1", "--smollm2-seeds", "0", "--steps", "20",
                  "--work", str(tmp_path), "--out", str(out)]) == 0
