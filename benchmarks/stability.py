@@ -139,6 +139,38 @@ rewards, so GRPO had no advantage left to climb back with. Nothing led it: ``for
 
 Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
 
+AMENDMENT 7 (2026-12-06 09:25 UTC, written and committed before any SmolLM2 run). The SmolLM2 arms. The protocol
+above ran them "at the same lr and beta" as the toy stress; that was written before amendments 2-6 showed that at
+beta 0.001 the arms differ little by construction (the KL term barely acts) and that the toy's stress lr is a
+property of the toy warm start, not of a model: no SmolLM2 run at lr 1e-3 exists to say what it does there. The one
+SmolLM2 setting where a difference between the algorithms was measured is the issue's lead
+(``learning_search_lever_beta1.json``: lr 1e-4, beta 1, 12 steps, one seed; held-out greedy EM GRPO -3.4 pp
+[-6.3, -0.6], EMA-PG -0.3 [-2.9, +2.3]). The question here: does that lead hold on 2 seeds and, with the two
+halves, which half carries it; and does any run collapse.
+
+* Setting (``SMOLLM2_LR``, ``SMOLLM2_BETA``, ``SMOLLM2_STEPS``): **lr 1e-4, beta 1, 12 steps**; the four contract
+  arms (``ARMS``: k = 32 tail + IW, the default ``tail_grad=paper``; EMA eta 0.9, period 2); seeds 0 and 1,
+  seed-major (grpo, emapg, ema_k3, frozen_topk at seed 0, then at seed 1). The shipped starter
+  (``emapg.models.STARTER``), ``configs/demo_search_smollm2.yaml`` (bf16 autocast), the answerable training pool,
+  the bundled index behind a real retriever, one shared ``emapg engine serve`` (vLLM) for training and scoring;
+  4 prompts x 4 samples per step, ``rollout.uniform_groups=topup``, ``logging.kl_to_start``, 8 probe questions
+  every 2 steps.
+* Held-out scoring (the reader slice, ``data/qa/reader_slice.json``, 181 held-out questions no training, warm start
+  or selection touched; ``benchmarks/distill.py``'s scoring): **greedy EM** and **sampled mean@2 EM** at T = 1.0,
+  top_p 1.0, sampling seed 1; the starter scored once, each run's end checkpoint once.
+* Estimates: per arm, end - start on each scoring, paired by question, with a 95% paired-bootstrap interval (pooled:
+  the per-question score averaged over seeds; and per seed); each arm - GRPO at the end, the same way; the collapse
+  rate (Wilson) and the signals' lead times and false trips as above, over the SmolLM2 runs alone.
+* Known limit of the instrument, stated before the runs: at 16 trajectories per step and a starting reward near
+  0.15, "below half the start for 3 consecutive steps" can happen by sampling noise alone (P(at most 1 of 16
+  right) ~ 0.28 per step at p = 0.15); a SmolLM2 "collapse" is read with the held-out change beside it.
+* Prediction from the lead (one seed, so weak): GRPO's greedy end - start below EMA-PG's. Whatever comes out is
+  committed: ``benchmarks/results/stability_smollm2.json`` and ``.png`` (work folder ``runs/stability_smollm2``);
+  then ``stability.json`` is rebuilt from its own records with the SmolLM2 section added
+  (``--resume-from benchmarks/results/stability.json --report-only --steps 8 --work runs/stability_smollm2``).
+
+    python benchmarks/stability.py --smollm2-only --work runs/stability_smollm2
+
 Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
 ``--work``: a finished run (its ``history.json``) is not run again. The report keeps every toy run's record, so
 ``--resume-from benchmarks/results/stability.json`` continues in an empty work folder (added 2026-12-05, after a
@@ -159,6 +191,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -188,6 +221,9 @@ ARMS: dict[str, list[str]] = {
 GUARDED = "emapg_guard"
 CONTRACT_ARMS = ("grpo", "emapg", "ema_k3", "frozen_topk")
 SMOLLM2_ARMS = CONTRACT_ARMS
+# amendment 7: the SmolLM2 arms' setting (the issue's one-seed lead, learning_search_lever_beta1.json) and scoring
+SMOLLM2_LR, SMOLLM2_BETA, SMOLLM2_STEPS = 1e-4, 1.0, 12
+SMOLLM2_SAMPLES = 2  # sampled mean@2 on the reader slice (benchmarks/distill.py's scoring)
 SWEEP_LR = (1e-3, 3e-3, 1e-2)
 SWEEP_BETA = (0.1, 0.001)
 # amendment 4: the slow stress (collapse after a learning phase)
@@ -523,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2 seeds x 3 steps on tiny-qwen2, no sweep, no SmolLM2 (a smoke run)")
     p.add_argument("--seeds", type=int, default=5, help="toy-task seeds per arm")
-    p.add_argument("--smollm2-seeds", type=int, default=2, help="SmolLM2 seeds per arm (0: none)")
+    p.add_argument("--smollm2-seeds", type=int, default=2, help="SmolLM2 seeds per arm (0: none; --quick: 1, on tiny-qwen2)")
+    p.add_argument("--smollm2-only", action="store_true",
+                   help="only the SmolLM2 arms (amendment 7), no toy task: --out default benchmarks/results/stability_smollm2.json")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--lr", type=float, default=None, help="skip the sweep: this lr (with --beta)")
     p.add_argument("--beta", type=float, default=None, help="skip the sweep: this KL coefficient (with --lr)")
@@ -575,15 +613,27 @@ def main(argv: list[str] | None = None) -> int:
     if (args.lr is None) != (args.beta is None):
         p.error("--lr and --beta go together")
     if args.quick:
-        args.seeds, args.smollm2_seeds, args.steps = 2, 0, 3
+        args.seeds, args.smollm2_seeds, args.steps = 2, min(args.smollm2_seeds, 1), 3
         args.lr, args.beta = args.lr or 1e-3, args.beta or 0.001
     work = args.work or Path(tempfile.mkdtemp(prefix="stability-"))
-    out = args.out or (work / "stability.json" if args.quick else RESULTS / "stability.json")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    default_out = "stability_smollm2.json" if args.smollm2_only else "stability.json"
+    out = args.out or (work / default_out if args.quick else RESULTS / default_out)
+    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3",
+                 # the toy arms run several processes side by side on one thread each; the SmolLM2 arms one at a time
+                 "OMP_NUM_THREADS": str(os.cpu_count() or 1) if args.smollm2_only else "1"}.items():
+        os.environ.setdefault(k, v)
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if args.smollm2_only:
+        if not args.smollm2_seeds:
+            p.error("--smollm2-only needs --smollm2-seeds > 0")
+        work.mkdir(parents=True, exist_ok=True)
+        report = {"date": _now(), "protocol": "benchmarks/stability.py docstring, amendment 7", "quick": args.quick,
+                  "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+                  "smollm2": smollm2(args, work)}
+        write_smollm2(report, out)
+        return 0
     from emapg.models import resolve_model
     from emapg.paths import CONFIG_DIR
     from retriever.launch import RetrieverServer
@@ -636,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         report["not_run"] = runner.missing
     report["toy"] = {"runs": toy_runs, **summarise(toy_runs)}
     if args.smollm2_seeds:
-        report["smollm2"] = smollm2(runner, args, work)
+        report["smollm2"] = smollm2(args, work)
+        report["complete"] = report["complete"] and report["smollm2"].get("complete", False)
     else:
         report["smollm2"] = "not run (--smollm2-seeds 0)"
     # the contract: the toy task's estimates at the top level (SmolLM2's beside them under "smollm2")
@@ -662,29 +713,162 @@ def main(argv: list[str] | None = None) -> int:
               f"[{a['collapse_rate_ci'][0]:.2f}, {a['collapse_rate_ci'][1]:.2f}]")
     for s in report["signals"]:
         print(f"  {s['name']:18s} median lead {s['median_lead_steps']}, false trips {s['false_trip_rate']}")
+    if isinstance(report["smollm2"], dict):
+        print_smollm2(report["smollm2"])
     print(f"wrote {out} and {png}")
     return 0
 
 
-def smollm2(runner: Runner, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The SmolLM2 arms: the shipped starter on the answerable training pool through the bundled index."""
+def smollm2_settings(quick: bool) -> dict[str, Any]:
+    """The SmolLM2 arms' setting (amendment 7); ``quick``: the same code path on tiny-qwen2 (a smoke run)."""
     from emapg.models import STARTER
     from emapg.paths import CONFIG_DIR
-    from provision.indexes import ensure_bundled_index
-    from retriever.launch import RetrieverServer
 
-    smol = Runner(work, steps=args.steps, prompts=4, samples=4, probe=8)
-    runs: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in SMOLLM2_ARMS}
-    with RetrieverServer(ensure_bundled_index(), omp_num_threads=1, device="cpu", topk=3) as server:
-        # groups of equal rewards are trained (topup), not dropped: every signal and the reward are over all sampled trajectories
-        base = [f"model.policy={STARTER}", "data.train=qa_pool", "data.split=train", f"retriever.urls=[{server.url}]",
-                "retriever.index_dir=null", "rollout.uniform_groups=topup"]
-        for seed in range(args.smollm2_seeds):
-            for arm in SMOLLM2_ARMS:
-                runs[arm][seed] = smol.run(f"smollm2/{arm}_seed{seed}", CONFIG_DIR / "demo_search_smollm2.yaml", base, arm,
-                                           seed, args.lr, args.beta)
-    return {"runs": runs, **summarise(runs)}
+    if quick:
+        return {"policy": "tiny-qwen2", "config": CONFIG_DIR / "search_tiny_cpu.yaml", "index_limit": 2000, "engine": "hf",
+                "protocol": {"max_tokens": 24, "max_turns": 2}, "reader_limit": 1, "samples": SMOLLM2_SAMPLES,
+                "lr": 1e-3, "beta": SMOLLM2_BETA, "steps": 2, "probe": 2, "arms": ("grpo", "emapg"),
+                "extra": ["logging.tensorboard=false", "run.precision=bf16"]}
+    return {"policy": STARTER, "config": CONFIG_DIR / "demo_search_smollm2.yaml", "index_limit": None, "engine": "vllm",
+            "protocol": {}, "reader_limit": None, "samples": SMOLLM2_SAMPLES, "lr": SMOLLM2_LR, "beta": SMOLLM2_BETA,
+            "steps": SMOLLM2_STEPS, "probe": 8, "arms": SMOLLM2_ARMS, "extra": []}
 
+
+def smollm2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The SmolLM2 arms (amendment 7): the shipped starter on the answerable training pool through the bundled index,
+    one shared engine server for training and scoring; each run's end checkpoint scored on the reader slice (greedy
+    and sampled mean@2 EM) against the starter's scoring of the same questions. ``--report-only``: the finished runs
+    in ``work`` only."""
+    from benchmarks.distill import evaluate
+    from benchmarks.learning_search import per_question
+
+    s = smollm2_settings(args.quick)
+    folder = work / "smollm2"
+    smol = Runner(work, steps=s["steps"], prompts=4, samples=4, probe=s["probe"], train_missing=not args.report_only)
+    runs: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in s["arms"]}
+    starter_file = folder / "starter.json"
+    missing: list[str] = []
+
+    def scored(model: str, out: Path) -> dict[str, dict[str, float]]:
+        greedy = evaluate(model, out / "greedy", url, engine_url, s, sampled=False, temperature=1.0)
+        sampled = evaluate(model, out / "sampled", url, engine_url, s, sampled=True, temperature=1.0)
+        return {"greedy_em": per_question([greedy]), "sampled_em": per_question([sampled])}
+
+    with contextlib.ExitStack() as stack:
+        url = engine_url = ""
+        base: list[str] = []
+        if not args.report_only:
+            from agent.engines.launch import EngineServer
+            from emapg.config import load_config
+            from provision.indexes import ensure_bundled_index
+            from provision.retrievers import open_retriever
+            from trainer.config import TrainConfig
+
+            folder.mkdir(parents=True, exist_ok=True)
+            r = load_config(TrainConfig, s["config"], []).rollout
+            retriever = stack.enter_context(open_retriever(index_dir=ensure_bundled_index(s["index_limit"]),
+                                                           log_path=folder / "retriever.log"))
+            engine = stack.enter_context(EngineServer(
+                s["policy"], engine=s["engine"], max_model_len=r.max_prompt_tokens + r.max_response_tokens,
+                omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=folder / "engine.log"))
+            url, engine_url = retriever.urls[0], engine.url
+            # groups of equal rewards are trained (topup), not dropped: every signal and the reward are over all
+            # sampled trajectories
+            base = [f"model.policy={s['policy']}", "data.train=qa_pool", "data.split=train", f"retriever.urls=[{url}]",
+                    "retriever.index_dir=null", "rollout.engine=remote", f"rollout.engine_urls=[{engine_url}]",
+                    "rollout.uniform_groups=topup", *s["extra"]]
+            if not starter_file.is_file():
+                starter_file.write_text(json.dumps(scored(s["policy"], folder / "starter")))
+                print(f"smollm2 starter: {summary_line(json.loads(starter_file.read_text()))}", flush=True)
+        if not starter_file.is_file():
+            return {"not_run": "the starter was not scored in this work folder"}
+        starter = json.loads(starter_file.read_text())
+        for seed in range(args.smollm2_seeds):  # seed-major: an interrupted run has every arm at the same seeds
+            for arm in s["arms"]:
+                name = f"smollm2/{arm}_seed{seed}"
+                record = smol.run(name, s["config"], base, arm, seed, s["lr"], s["beta"])
+                if record is not None and "heldout" not in record:
+                    if args.report_only:
+                        record = None
+                    else:  # scored, then the checkpoint goes (a crash in between scores it again)
+                        from trainer.checkpoint import step_dir_name
+
+                        ckpt = work / name / "run" / step_dir_name(s["steps"])
+                        record["heldout"] = scored(str(ckpt / "policy"), work / name / "end")
+                        (work / name / "history.json").write_text(json.dumps(record))
+                        shutil.rmtree(ckpt, ignore_errors=True)
+                        print(f"{name}: {summary_line(record['heldout'])}", flush=True)
+                if record is None:
+                    missing.append(name)
+                else:
+                    runs[arm][seed] = record
+    out = {"stress": {"lr": s["lr"], "beta": s["beta"], "steps": s["steps"], "chosen_by": "amendment 7 (the issue's one-seed lead)"},
+           "policy": s["policy"], "heldout_set": "reader slice (data/qa/reader_slice.json)",
+           "scoring": f"greedy EM and sampled mean@{s['samples']} EM at T = 1.0, top_p 1.0, sampling seed 1",
+           "complete": not missing, "runs": runs, **summarise(runs), "heldout": heldout_change(starter, runs)}
+    if missing:
+        out["not_run"] = missing
+    return out
+
+
+def write_smollm2(report: dict[str, Any], out: Path) -> None:
+    """``--smollm2-only``: the report, its plot (reward and signals per arm and seed) and a printed summary."""
+    s = report["smollm2"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if "runs" in s and any(s["runs"].values()):
+        st = s["stress"]
+        report["plot"] = str(plot(s["runs"], out.with_suffix(".png"),
+                                  f"SmolLM2 search task, lr {st['lr']:g}, beta {st['beta']:g}, {st['steps']} steps").name)
+    out.write_text(json.dumps(report, indent=2))
+    print_smollm2(s)
+    print(f"wrote {out}")
+
+
+def print_smollm2(s: dict[str, Any]) -> None:
+    if "heldout" not in s:
+        print(f"SmolLM2 arms: {s.get('not_run', 'not run')}")
+        return
+    h = s["heldout"]
+    print(f"SmolLM2 arms ({h['questions']} held-out questions; starter greedy {h['start']['greedy_em']:.1f}, "
+          f"sampled {h['start']['sampled_em']:.1f}):")
+    for arm in s["runs"]:
+        if arm not in h:
+            continue
+        a, c = h[arm], s[arm]
+        parts = [f"{kind} {a[kind + '_end']:.1f} ({a[kind + '_end_minus_start']['mean']:+.1f} "
+                 f"[{a[kind + '_end_minus_start']['low']:+.1f}, {a[kind + '_end_minus_start']['high']:+.1f}])"
+                 for kind in ("greedy_em", "sampled_em")]
+        print(f"  {arm:12s} collapsed {c['collapsed']}/{len(c['seeds'])}; " + "; ".join(parts))
+
+
+def summary_line(scores: dict[str, dict[str, float]]) -> str:
+    return ", ".join(f"{k} {100 * sum(v.values()) / len(v):.1f}" for k, v in scores.items())
+
+
+def heldout_change(starter: dict[str, dict[str, float]], runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Per arm and scoring (``greedy_em``, ``sampled_em``): the end score (per question averaged over seeds), end -
+    start with a paired bootstrap interval over questions (pooled and per seed), and arm - GRPO at the end on the
+    seeds both finished."""
+    from benchmarks.learning_search import difference, pct, seed_mean
+
+    out: dict[str, Any] = {"questions": len(starter["greedy_em"]), "start": {k: pct(v) for k, v in starter.items()}}
+    for arm, by_seed in runs.items():
+        if not by_seed:
+            continue
+        a: dict[str, Any] = {"seeds": sorted(by_seed)}
+        for kind in starter:
+            end = seed_mean([r["heldout"][kind] for r in by_seed.values()])
+            a[f"{kind}_end"] = pct(end)
+            a[f"{kind}_end_minus_start"] = difference(starter[kind], end)
+            a[f"{kind}_end_minus_start_per_seed"] = {seed: difference(starter[kind], r["heldout"][kind])
+                                                     for seed, r in sorted(by_seed.items())}
+            common = sorted(set(by_seed) & set(runs.get("grpo", {})))
+            if arm != "grpo" and common:
+                a[f"{kind}_minus_grpo"] = difference(seed_mean([runs["grpo"][x]["heldout"][kind] for x in common]),
+                                                     seed_mean([by_seed[x]["heldout"][kind] for x in common]))
+                a[f"{kind}_minus_grpo"]["seeds"] = common
+        out[arm] = a
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())
