@@ -237,3 +237,87 @@ def test_the_late_grid_counts_only_a_collapse_after_a_learning_phase(tmp_path):
     assert report["stress"] == {"lr": 6e-4, "beta": 0.001, "steps": 20, "chosen_by": "sweep (late grid)"}
     assert [p["grpo_collapsed"] for p in report["sweep"]] == [0, 1]
     assert [p["collapse_steps"] for p in report["sweep"]] == [[8, None], [16, 8]]
+
+
+def test_heldout_change_pools_seeds_per_question_and_compares_with_grpo():
+    from benchmarks.stability import heldout_change
+
+    starter = {"greedy_em": {"nq/1": 0.0, "nq/2": 1.0}, "sampled_em": {"nq/1": 0.5, "nq/2": 0.5}}
+
+    def run(greedy: list[float], sampled: list[float]) -> dict:
+        return {"heldout": {"greedy_em": dict(zip(["nq/1", "nq/2"], greedy)), "sampled_em": dict(zip(["nq/1", "nq/2"], sampled))}}
+
+    runs = {"grpo": {0: run([1.0, 1.0], [0.5, 0.5]), 1: run([0.0, 1.0], [0.0, 0.5])},
+            "emapg": {0: run([0.0, 0.0], [1.0, 1.0])}}
+    h = heldout_change(starter, runs)
+    assert h["questions"] == 2 and h["start"] == {"greedy_em": 50.0, "sampled_em": 50.0}
+    g = h["grpo"]
+    assert g["seeds"] == [0, 1] and g["greedy_em_end"] == 75.0 and g["sampled_em_end"] == 37.5
+    assert g["greedy_em_end_minus_start"]["mean"] == pytest.approx(25.0)
+    assert g["sampled_em_end_minus_start"]["mean"] == pytest.approx(-12.5)
+    assert g["greedy_em_end_minus_start_per_seed"][0]["mean"] == pytest.approx(50.0)
+    assert "greedy_em_minus_grpo" not in g
+    e = h["emapg"]  # against GRPO on the seeds both finished (seed 0): greedy 0 vs 100, sampled 100 vs 50
+    assert e["greedy_em_minus_grpo"]["mean"] == pytest.approx(-100.0) and e["greedy_em_minus_grpo"]["seeds"] == [0]
+    assert e["sampled_em_minus_grpo"]["mean"] == pytest.approx(50.0)
+
+
+@pytest.mark.slow
+def test_smollm2_arms_quick_score_every_end_checkpoint_against_the_starter(tmp_path):
+    """--smollm2-only --quick: the SmolLM2 code path (shared engine server, training through it, reader-slice scoring
+    greedy and sampled) on tiny-qwen2; then --report-only rebuilds the same estimates from the work folder."""
+    import os
+    import subprocess
+    import sys
+
+    from emapg.paths import REPO_ROOT
+
+    work, out, again = tmp_path / "work", tmp_path / "smol.json", tmp_path / "again.json"
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "stability.py"), "--smollm2-only", "--quick", "--work", str(work)]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())["smollm2"]
+    assert s["complete"] and s["stress"]["beta"] == 1.0 and s["policy"] == "tiny-qwen2"
+    questions = s["heldout"]["questions"]
+    assert questions >= 5  # the reader slice, one question per QA set at most
+    for arm in ("grpo", "emapg"):
+        run = s["runs"][arm]["0"]
+        assert len(run["reward"]) == 2 and set(run["heldout"]) == {"greedy_em", "sampled_em"}
+        assert len(run["heldout"]["greedy_em"]) == questions
+        assert not (work / "smollm2" / f"{arm}_seed0" / "run" / "step_2").exists()  # scored, then removed
+        h = s["heldout"][arm]
+        assert {"greedy_em_end", "sampled_em_end", "greedy_em_end_minus_start", "sampled_em_end_minus_start"} <= set(h)
+        assert 0.0 <= s[arm]["collapse_rate"] <= 1.0
+    assert s["heldout"]["emapg"]["greedy_em_minus_grpo"]["seeds"] == [0]
+    proc = subprocess.run([*cmd, "--report-only", "--out", str(again)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(again.read_text())["smollm2"]["heldout"] == s["heldout"]
+
+
+@pytest.mark.slow
+def test_collapse_anatomy_quick_dissects_a_run_and_its_guarded_twin(tmp_path):
+    """benchmarks/collapse_anatomy.py --quick (8 steps; the last step stands in for the collapse): the runs keep every
+    checkpoint, the anchors are the run's own correct trajectories, and the token series, the breaking update and
+    the guarded run are reported."""
+    import os
+    import subprocess
+    import sys
+
+    from emapg.paths import REPO_ROOT
+
+    out = tmp_path / "anatomy.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "collapse_anatomy.py"), "--quick", "--work",
+                           str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["settings"]["steps"] == 8 and r["anchors"] >= 1 and r["flipped_token"]["anchor_positions"] >= 1
+    assert isinstance(r["reproduced_stability_late"], bool)  # reported; bit-equal only on the recording's kind of CPU
+    token = r["collapsed"]["token"]
+    assert [x["step"] for x in token] == list(range(1, 9)) and all(x["logprob"] <= 0 for x in token)
+    assert token[0]["update_norm"] is None and all(x["update_norm"] > 0 for x in token[1:])
+    b = r["collapsed"]["breaking_update"]
+    assert (b["from_step"], b["to_step"]) == (r["collapse_step"] - 2, r["collapse_step"] - 1)
+    assert b["actual_change"] == pytest.approx(token[b["to_step"] - 1]["logprob"] - token[b["from_step"] - 1]["logprob"], abs=1e-5)
+    assert len(r["guarded"]["reward"]) == 8 and isinstance(r["guarded"]["rollbacks"], list)
