@@ -48,29 +48,6 @@ COLLAPSED_SEED, HEALTHY_SEED = 2, 0
 ANCHOR_STEPS = 12  # anchors: correct trajectories logged in the first steps
 
 
-def train_run(work: Path, base: list[str], seed: int, steps: int, *, guard: bool) -> Path:
-    """One GRPO run of amendment 6's settings with every step's checkpoint kept; returns its run folder."""
-    from benchmarks.stability import ARMS
-    from emapg.config import load_config
-    from emapg.paths import CONFIG_DIR
-    from trainer.config import TrainConfig
-    from trainer.guard import DETECTORS
-    from trainer.loop import train
-
-    out = work / f"grpo_seed{seed}{'_guard' if guard else ''}"
-    if (out / "done").is_file():
-        return out
-    guarded = ["guard.enabled=true", "guard.nonfinite.action=rollback", *(f"guard.{d}.action=rollback" for d in DETECTORS)]
-    overrides = [*base, f"run.output_dir={out}", f"run.seed={seed}", f"run.total_steps={steps}", f"optim.lr={LATE['lr']}",
-                 f"algorithm.kl.coef={LATE['beta']}", "logging.progress=false", "logging.tensorboard=false",
-                 "logging.kl_to_start=true", "logging.probe_size=8", "logging.probe_every=2", "data.prompts_per_step=8",
-                 "rollout.n_samples=4", "algorithm.mini_batch_size=32", *ARMS["grpo"], "run.save_every=1", "run.keep_last=0",
-                 *(guarded if guard else [])]
-    train(load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", overrides))
-    (out / "done").write_text("")
-    return out
-
-
 def anchors(run: Path, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     """(token ids, model-token mask) of the run's first correct trajectory per question in its first
     :data:`ANCHOR_STEPS` steps (segments tokenized one by one, observations masked)."""
@@ -218,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from emapg.models import resolve_model
+    from benchmarks.stability import Runner, toy_base
+    from emapg.paths import CONFIG_DIR
     from retriever.launch import RetrieverServer
-    from tests.fixtures.trainer import WARM_CACHE_STEPS, build_toy_task, cached_warm_start, toy_overrides
+    from tests.fixtures.trainer import build_toy_task
     from transformers import AutoTokenizer
     from trainer.collapse import collapse_step
     from trainer.recovery import read_guard_events
@@ -230,12 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="anatomy-"))
     out = args.out or (work / "collapse_anatomy.json" if args.quick else RESULTS / "collapse_anatomy.json")
     task = build_toy_task(work / "task")
+    runner = Runner(work, steps=steps, prompts=8, samples=4, probe=8)
     with RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1, startup_timeout=900) as server:
-        start = cached_warm_start(Path(resolve_model("tiny-qwen2")), task, WARM_CACHE_STEPS)
-        base = [o for o in toy_overrides(task, server.url, work, **{"model.policy": str(start), "algorithm.micro_batch_size": 16})
-                if not o.startswith("run.output_dir=")]
-        runs = {seed: train_run(work, base, seed, steps, guard=False) for seed in (COLLAPSED_SEED, HEALTHY_SEED)}
-        guarded = train_run(work, base, COLLAPSED_SEED, steps, guard=True)
+        base = toy_base(task, server.url, work)
+
+        def train(seed: int, guard: bool) -> Path:
+            name = f"grpo_seed{seed}{'_guard' if guard else ''}"
+            runner.run(name, CONFIG_DIR / "search_tiny_cpu.yaml", base, "grpo", seed, LATE["lr"], LATE["beta"], guard=guard,
+                       keep_checkpoints=True)
+            return work / name / "run"
+
+        runs = {seed: train(seed, guard=False) for seed in (COLLAPSED_SEED, HEALTHY_SEED)}
+        guarded = train(COLLAPSED_SEED, guard=True)
     rewards = {seed: [float(m["reward/mean"]) for m in read_metrics(run)] for seed, run in runs.items()}
     recorded = json.loads((RESULTS / "stability_late.json").read_text())["toy"]["runs"]["grpo"][str(COLLAPSED_SEED)]["reward"]
     reproduced = [round(x, 6) for x in rewards[COLLAPSED_SEED]] == [round(x, 6) for x in recorded[:steps]]

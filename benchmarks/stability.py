@@ -450,6 +450,17 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> 
     return path
 
 
+def toy_base(task: Any, url: str, work: Path) -> list[str]:
+    """The toy arms' common overrides: ``task`` (a :class:`tests.fixtures.trainer.ToyTask`) behind the retriever at
+    ``url``, from the cached tiny-qwen2 warm start (built the first time); each run sets its own output folder."""
+    from emapg.models import resolve_model
+    from tests.fixtures.trainer import WARM_CACHE_STEPS, cached_warm_start, toy_overrides
+
+    start = cached_warm_start(Path(resolve_model("tiny-qwen2")), task, WARM_CACHE_STEPS)
+    base = toy_overrides(task, url, work, **{"model.policy": str(start), "algorithm.micro_batch_size": 16})
+    return [o for o in base if not o.startswith("run.output_dir=")]
+
+
 class Runner:
     """Trains one run per (task, arm, seed) with the production trainer, kept in ``work`` for resumption."""
 
@@ -458,7 +469,11 @@ class Runner:
         self.train_missing = train_missing  # False (--report-only): a run not finished in work is None
         self.missing: list[str] = []
 
-    def run(self, name: str, config: Path, base: list[str], arm: str, seed: int, lr: float, beta: float) -> dict[str, Any] | None:
+    def run(self, name: str, config: Path, base: list[str], arm: str, seed: int, lr: float, beta: float, *,
+            guard: bool = False, keep_checkpoints: bool = False) -> dict[str, Any] | None:
+        """One run of ``arm`` (its run folder ``<work>/<name>/run``); ``guard`` (always for :data:`GUARDED`): the
+        guard on, every detector's action ``rollback``, a checkpoint every step; ``keep_checkpoints``: a checkpoint
+        every step, all kept (else one at the end)."""
         from emapg.config import load_config
         from trainer.config import TrainConfig
         from trainer.errors import TrainingError
@@ -471,24 +486,23 @@ class Runner:
         if not self.train_missing:
             self.missing.append(name)
             return None
+        guard = guard or arm == GUARDED
         extra = list(ARMS["emapg" if arm == GUARDED else arm])
-        if arm == GUARDED:
+        if guard:
             from trainer.guard import DETECTORS
 
-            extra += ["guard.enabled=true", "guard.nonfinite.action=rollback", "run.save_every=1", "run.keep_last=0",
-                      *(f"guard.{d}.action=rollback" for d in DETECTORS)]
+            extra += ["guard.enabled=true", "guard.nonfinite.action=rollback", *(f"guard.{d}.action=rollback" for d in DETECTORS)]
+        extra += ["run.save_every=1", "run.keep_last=0"] if guard or keep_checkpoints else ["run.save_every=0"]
         overrides = [*base, f"run.output_dir={out / 'run'}", f"run.seed={seed}", f"run.total_steps={self.steps}",
                      f"optim.lr={lr}", f"algorithm.kl.coef={beta}", "logging.progress=false", "logging.tensorboard=false",
                      "logging.kl_to_start=true", f"logging.probe_size={self.probe}", "logging.probe_every=2",
                      f"data.prompts_per_step={self.prompts}", f"rollout.n_samples={self.samples}",
                      f"algorithm.mini_batch_size={self.prompts * self.samples}", *extra]
-        if arm != GUARDED:
-            overrides.append("run.save_every=0")
         try:
             history = train(load_config(TrainConfig, config, overrides))
             stopped = None
         except TrainingError as e:  # the guard's stop (guard.max_recoveries spent): the run ends there, it is a result
-            if arm != GUARDED or "stability guard stopped" not in str(e):
+            if not guard or "stability guard stopped" not in str(e):
                 raise
             history, stopped = read_metrics(out / "run" / "metrics.jsonl"), str(e)
         record = {**run_record(history), "stopped_by_guard": stopped}
@@ -634,10 +648,9 @@ def main(argv: list[str] | None = None) -> int:
                   "smollm2": smollm2(args, work)}
         write_smollm2(report, out)
         return 0
-    from emapg.models import resolve_model
     from emapg.paths import CONFIG_DIR
     from retriever.launch import RetrieverServer
-    from tests.fixtures.trainer import WARM_CACHE_STEPS, build_toy_task, cached_warm_start, toy_overrides
+    from tests.fixtures.trainer import build_toy_task
 
     earlier = json.loads(args.resume_from.read_text()) if args.resume_from else None
     if earlier is not None:
@@ -658,10 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     with serving as server:
         base: list[str] = []
         if not args.report_only:
-            start = cached_warm_start(Path(resolve_model("tiny-qwen2")), task, WARM_CACHE_STEPS)
-            url = args.retriever_url or server.url
-            base = toy_overrides(task, url, work, **{"model.policy": str(start), "algorithm.micro_batch_size": 16})
-            base = [o for o in base if not o.startswith("run.output_dir=")]
+            base = toy_base(task, args.retriever_url or server.url, work)
         if args.sweep_runs:  # only these sweep runs (processes sharing --work split the grid; the rule is applied later)
             for lr, beta, seed in args.sweep_runs:
                 runner.run(sweep_name(lr, beta, seed), toy_config, base, "grpo", seed, lr, beta)
