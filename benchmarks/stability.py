@@ -137,7 +137,7 @@ rewards, so GRPO had no advantage left to climb back with. Nothing led it: ``for
 ``format_errors`` 7, ``reward_drop`` and ``repetition`` 4, ``kl_spike`` 3, ``gibberish`` and ``entropy_explosion`` 1
 (single-step dips that recovered: the plot's spikes).
 
-Not measured here (issue #42, still open): the SmolLM2 arms' end-of-run held-out change (greedy and sampled).
+Not measured here: the SmolLM2 arms' end-of-run held-out change (greedy and sampled); see amendment 7.
 
 AMENDMENT 7 (2026-12-06 09:25 UTC, written and committed before any SmolLM2 run). The SmolLM2 arms. The protocol
 above ran them "at the same lr and beta" as the toy stress; that was written before amendments 2-6 showed that at
@@ -171,7 +171,26 @@ halves, which half carries it; and does any run collapse.
 
     python benchmarks/stability.py --smollm2-only --work runs/stability_smollm2
 
-Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min). Runs are kept in
+RESULT (2026-12-06, ``stability_smollm2.json``, ``.png``; the SmolLM2 section of ``stability.json``). Starter on the
+reader slice (181 questions): greedy 34.3, sampled mean@2 20.2. End - start, pooled over seeds 0 and 1 [95% paired
+bootstrap]; per seed:
+
+* ``grpo``        greedy -4.1 [-8.8, +0.6] (0.0, -8.3); sampled -4.0 [-6.8, -1.4] (+1.1, -9.1)
+* ``emapg``       greedy -2.5 [-6.6, +1.7] (-1.1, -3.9); sampled -5.9 [-9.0, -3.2] (-6.4, -5.5)
+* ``ema_k3``      greedy -4.4 [-8.8, +0.0] (-1.7, -7.2); sampled -1.1 [-3.9, +1.7] (0.0, -2.2)
+* ``frozen_topk`` greedy -2.2 [-6.4, +1.7] (-1.7, -2.8); sampled -3.3 [-6.1, -0.7] (+0.3, -6.9)
+
+Arm - GRPO at the end: EMA-PG greedy +1.7 [-2.5, +5.8], sampled -1.9 [-4.6, +0.6]; EMA anchor + K3 greedy -0.3
+[-3.6, +3.3], sampled **+2.9 [+0.6, +5.2]** (the one resolved difference); frozen reference + Top-k greedy +1.9
+[-2.8, +6.6], sampled +0.7 [-1.9, +3.3]. This setting harms every arm on held-out questions within 12 steps. The
+lead's GRPO-below-EMA-PG on greedy EM points the same way pooled (+1.7) but is not resolved, and GRPO's seed 0 lost
+nothing. Collapse by the definition: 1 of 2 runs in every arm (steps 8, 4, 6, 4). As stated before the runs, these
+are the batches' difficulty, not the policies: each seed's reward series has the same shape in all four arms (seed
+0: 0.38 at step 1, then 0-0.19; seed 1: 0 at step 1, 0.25-0.44 at steps 4-6, then 0-0.19), since each seed draws the
+same questions in every arm. No detector tripped on any of the 8 runs; ``kl/to_start`` stayed below 0.13.
+
+Cost: about 150 min on 2 cores (sweep ~12 min, toy protocol ~30 min, SmolLM2 ~100 min; amendment 7's SmolLM2 arms
+took 132 min, about 15 min a run: 12 steps of ~55 s and two reader-slice scorings of ~5 min together). Runs are kept in
 ``--work``: a finished run (its ``history.json``) is not run again. The report keeps every toy run's record, so
 ``--resume-from benchmarks/results/stability.json`` continues in an empty work folder (added 2026-12-05, after a
 machine was lost with its work folder; it checks the stress setting and keeps the earlier sweep and replay).
