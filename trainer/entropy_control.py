@@ -58,6 +58,17 @@ class EntropyController:
         self.coef = min(max(math.exp(log_c), self.coef_min), self.coef_max)
         return self.coef
 
+    def step_config(self, cfg: Any) -> Any:
+        """``cfg`` (a :class:`trainer.config.TrainConfig`) with this step's adapted ``algorithm.entropy_coef``."""
+        from dataclasses import replace
+
+        return replace(cfg, algorithm=replace(cfg.algorithm, entropy_coef=self.coef))
+
+    def after_step(self, metrics: dict[str, float]) -> None:
+        """Report the coefficient this step's update used (``actor/entropy_coef``), then adapt it to its entropy."""
+        metrics["actor/entropy_coef"] = self.coef
+        self.update(metrics.get("actor/entropy", math.nan))
+
     def state_dict(self) -> dict[str, float]:
         return {"coef": self.coef}
 

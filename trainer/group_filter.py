@@ -16,8 +16,8 @@ keeps sampling until the batch is full of informative groups; this is that rule 
 Departure from DAPO: DAPO has no round bound (it samples until full); a bound keeps a step's cost
 predictable. The KL term of the dropped groups is not trained on (DAPO has no KL).
 
-The pure selection is :func:`fill_informative`; :meth:`trainer.loop.Trainer.train_step` supplies the
-rollout batches. ``filter/*`` metrics say what was sampled: ``filter/sampled_reward_mean`` is the mean
+The pure selection is :func:`fill_informative`; :class:`InformativeFilling`, one of the step's batch shapers
+(:meth:`trainer.loop.Trainer.train_step`), supplies it the rollout batches. ``filter/*`` metrics say what was sampled: ``filter/sampled_reward_mean`` is the mean
 reward over everything generated in the step (``reward/mean`` is over the trained batch).
 """
 
@@ -25,11 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    from provision.engines import EngineSession
+    from trainer.config import TrainConfig
+    from trainer.data import SampledPrompt
+    from trainer.distributed import DistInfo
     from trainer.sampled_batch import SampledBatch
 
 
@@ -112,3 +116,46 @@ def fill_informative(first: "SampledBatch", more: Callable[[int], "SampledBatch"
         "filter/dropped_uniform_groups": float(0 if topup else len(spare) - (0 if kept else 1)),
     }
     return out, sums
+
+
+class ProducingTrainer(Protocol):
+    """What :class:`InformativeFilling` uses of the run (:class:`trainer.loop.Trainer` is one): its place, the
+    prompt sampler's next share, the engine session and the produce half of a step."""
+
+    cfg: "TrainConfig"
+    step: int
+    dist: "DistInfo"
+    engine_session: "EngineSession"
+
+    def sample_prompts(self) -> list["SampledPrompt"]: ...
+
+    def produce(self, engine: Any, prompts: list["SampledPrompt"], seed: int) -> "SampledBatch": ...
+
+
+class InformativeFilling:
+    """``rollout.filter_groups`` (or ``rollout.uniform_groups=drop``) as a batch shaper of the step: the sampled batch
+    with its groups of equal rewards replaced by informative groups of up to ``rollout.filter_max_rounds`` more prompt
+    batches (:func:`fill_informative`); the ``reward/*`` counts are those of the rows kept (from their outcomes:
+    nothing is graded again), the ``filter/*`` sums its ``sampling``."""
+
+    def __call__(self, trainer: ProducingTrainer, sampled: "SampledBatch") -> "SampledBatch":
+        from trainer import distributed as D
+        from trainer.data import SampledPrompt
+        from trainer.sampled_batch import reward_counts, step_seed
+
+        cfg = trainer.cfg
+        base_seed = step_seed(cfg.run.seed, trainer.step + 1, trainer.dist.rank)
+
+        def more(round_: int) -> "SampledBatch":
+            prompts = [SampledPrompt(p.example, f"{p.group_id}.{round_}") for p in trainer.sample_prompts()]
+            with trainer.engine_session.generating(tag=f"step-{trainer.step}-fill{round_}") as engine:
+                return trainer.produce(engine, prompts, (base_seed + 7_919 * round_) % (2**31 - 1))
+
+        def all_full(full: bool) -> bool:  # one answer for all ranks: they draw from one prompt sampler
+            return D.all_reduce_max(torch.tensor([0.0 if full else 1.0])).item() == 0
+
+        drop = cfg.rollout.uniform_groups == "drop"
+        out, sums = fill_informative(sampled, more, want=len(sampled.prompts), group_size=cfg.rollout.n_samples,
+                                     max_rounds=cfg.rollout.filter_max_rounds, agree=all_full,
+                                     enough=None if cfg.rollout.filter_groups else 1, topup=not drop)
+        return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, cfg), sampling=sums)

@@ -81,3 +81,17 @@ def guide_all_wrong_groups(sampled: "SampledBatch", tokenizer: Any, retriever: A
     return out, {"guidance/all_wrong_groups": float(len(all_wrong)), "guidance/guided_groups": float(guided),
                  "guidance/unguidable_groups": float(unguidable)}
 
+
+
+class Guidance:
+    """``algorithm.guidance`` as a batch shaper of the step (before the informative filter: a guided group is
+    informative): every all-wrong group's last trajectory replaced by :func:`guide_all_wrong_groups`; the ``reward/*``
+    counts recounted, ``guidance/*`` counted in the batch's ``sampling``. ``trainer``: the run (its ``tokenizer``,
+    ``retriever`` and ``cfg``)."""
+
+    def __call__(self, trainer: Any, sampled: "SampledBatch") -> "SampledBatch":
+        from trainer.sampled_batch import grade, reward_counts
+
+        out, counts = guide_all_wrong_groups(sampled, trainer.tokenizer, trainer.retriever, trainer.cfg, grade)
+        return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, trainer.cfg),
+                       sampling={**out.sampling, **counts})

@@ -7,9 +7,12 @@ One step, top to bottom (every rank does the same on its share of the prompts):
    trajectories per prompt (the GRPO group) come from :func:`agent.rollout.run_rollouts`
    (search: the real retriever over HTTP), each graded once by its task (:mod:`tasks.task`) into a
    :class:`trainer.sampled_batch.SampledBatch`;
-3. *consume* (:meth:`Trainer.learn`): the batch as tensors (:func:`trainer.batch.trajectory_batch`), the
-   step's stored-statistics plan, π_old's and the anchor's statistics as the KL kind needs
-   them (:mod:`trainer.stored_stats`), GRPO advantages per group, the PPO update
+   then the batch shapers (guidance, the informative-group filter) reshape it;
+3. *consume* (:meth:`Trainer.learn`): the step's plan (:meth:`Trainer.plan_step`: the batch as tensors,
+   :func:`trainer.batch.trajectory_batch`; GRPO advantages per group; the stored-statistics plan; the passes
+   over the batch -- π_old's and the anchor's statistics as the KL kind needs them, :mod:`trainer.stored_stats`,
+   then each concern's: the teacher, ``kl/to_start``), the passes run together, once per micro-batch
+   (:func:`trainer.passes.run_passes`), the PPO update
    (:mod:`trainer.step`: mini-batches of ``algorithm.mini_batch_size``, gradient accumulation,
    loss normalised over the whole mini-batch on all ranks, clipping, AdamW, NaN/inf updates
    skipped), the LR schedule, the EMA blend after steps P, 2P, ...; the step's metrics are summed
@@ -34,16 +37,16 @@ import random
 import signal
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from emapg.config import ConfigError, to_dict
+from emapg.config import ConfigError
 from provision.engines import EngineSession, EngineSpec, RemoteOptions, VLLMOptions, build_engine
-from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions
+from tasks.contamination import TrainedQuestions
 from tasks.task import get_task
 from trainer import distributed as D
 from trainer.batch import TokenBatch, pad_id_of, trajectory_batch
@@ -51,18 +54,19 @@ from trainer.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, s
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
 from trainer.errors import TrainingError
-from trainer.teacher import distill_gathers_topk, store_teacher_scores
+from trainer.teacher import distill_gathers_topk
 from trainer.entropy_control import EntropyController, controller_card
 from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
-from trainer.metrics import rollout_sums, step_metrics, update_metrics
+from trainer.metrics import learn_sums, step_metrics, update_metrics
+from trainer.provenance import record_files, refreshed, train_provenance, trained_questions
 from trainer.policy import build_policy, deterministic, use_bf16
-from trainer.sampled_batch import (SampledBatch, TrainingRows, generate, grade, reward_counts, session_counts,
-                                    shuffled_outcomes, step_seed, tool_sums, training_rows)
+from trainer.sampled_batch import SampledBatch, TrainingRows, batch_sums, produce, rank_training_rows, step_seed
 from trainer.samples import sample_records
 from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
-from trainer.stored_stats import StatsPlan, compute_stored_stats, on_policy_single_update, plan_stored_stats
+from trainer.passes import BatchPass, StepConcern, run_passes
+from trainer.stored_stats import StatsPlan, compute_stored_stats, on_policy_single_update, plan_stored_stats, stored_stat_passes
 from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -97,6 +101,20 @@ def engine_spec(cfg: TrainConfig, model_path: str, device: torch.device, bf16: b
         vllm=VLLMOptions(r.vllm_tensor_parallel_size, r.vllm_gpu_memory_utilization, r.vllm_sleep and device.type == "cuda"),
         max_lora_rank=cfg.model.lora.rank if serves_adapters(cfg.model.lora) else None,
     )  # fmt: skip
+
+
+def open_engine_session(cfg: TrainConfig, policy: Any, model_path: str, dist: D.DistInfo, bf16: bool, *,
+                        on_close: Callable[[Callable[[], Any]], None]) -> EngineSession:
+    """The run's generation engine (:func:`engine_spec`; ``on_close`` gets its release) in a session that syncs the
+    policy's weights (or LoRA adapters: an engine that cannot serve them fails here, before any rollout)."""
+    spec = engine_spec(cfg, model_path, dist.device, bf16)
+    engine = build_engine(spec)
+    on_close(engine.close)
+    lora = engine_lora_config(policy.model) if serves_adapters(cfg.model.lora) else None
+    if lora is not None:
+        check_engine_serves_lora(engine.info, cfg.model.lora)
+    return EngineSession(engine, spec.kind, export_weights=policy.export_weights, is_main=dist.is_main, barrier=D.barrier,
+                         lora_config=lora)
 
 
 def training_signal(cfg: TrainConfig) -> dict[str, Any]:
@@ -139,6 +157,51 @@ def open_run_retriever(cfg: TrainConfig, dist: D.DistInfo) -> Any:
                           wait_s=r.wait)
 
 
+@dataclass
+class StepPlan:
+    """One step's batch and what runs over it (:meth:`Trainer.plan_step`)."""
+
+    rows: TrainingRows  # the update's rows: trajectories, their extra segments, filler rows
+    batch: TokenBatch  # those rows as tensors; ``stored`` gets the advantages, then the passes' statistics
+    stats: StatsPlan  # what π_old's and the anchor's passes store and the update reads
+    advantages: torch.Tensor  # (trajectories,) GRPO advantages
+    passes: list[BatchPass]  # the no-grad passes before the update, in order (trainer.passes)
+
+
+def attach_concerns(trainer: "Trainer") -> None:
+    """Give ``trainer`` (set up up to its policy) the concerns its config asks for: ``algorithm.distill``'s teacher
+    and ``logging.kl_to_start``'s start policy (passes over each batch: :attr:`Trainer.concerns`), the stability guard
+    (a step hook with state in the checkpoints)."""
+    cfg = trainer.cfg
+    if cfg.algorithm.distill.enabled:  # refused here when its tokenizer differs from the policy's
+        from trainer.teacher import Distillation
+
+        trainer.teacher = Distillation(cfg, trainer.dist.device, policy_model=trainer.model_path, policy_tokenizer=trainer.tokenizer)
+        trainer._on_close(trainer.teacher.close)
+        trainer.concerns.append(trainer.teacher)
+    if cfg.logging.kl_to_start:
+        from trainer.start_kl import StartPolicy
+
+        trainer.start_policy = StartPolicy(trainer.policy, cfg)
+        trainer.concerns.append(trainer.start_policy)
+    if cfg.guard.enabled:
+        from trainer.recovery import GuardHook
+
+        trainer.guard = GuardHook(cfg.guard, fsdp=trainer.fsdp, has_anchor=trainer.anchor is not None)
+        trainer.step_hooks.insert(0, trainer.guard)  # before the non-finite streak stop: it may recover first
+        trainer.stateful["guard"] = trainer.guard
+
+
+def batch_shapers(cfg: TrainConfig) -> list[Callable[[Any, SampledBatch], SampledBatch]]:
+    """The step's batch shapers, in order: ``algorithm.guidance`` (:class:`trainer.guidance.Guidance`; before the
+    filter: a guided group is informative), then the informative filter (:class:`trainer.group_filter.InformativeFilling`)."""
+    from trainer.group_filter import InformativeFilling
+    from trainer.guidance import Guidance
+
+    return [*([Guidance()] if cfg.algorithm.guidance != "none" else []),
+            *([InformativeFilling()] if cfg.rollout.filter_groups or cfg.rollout.uniform_groups == "drop" else [])]
+
+
 def budget_spent(budget_s: float, elapsed_s: float, steps: int) -> bool:
     """Whether one more step, as long as the mean of the ``steps`` taken in ``elapsed_s``, would end past
     ``budget_s`` (0: no budget; nothing is judged before the first step)."""
@@ -177,12 +240,15 @@ class Trainer:
         self.engine_session: EngineSession | None = None
         self.engine = self.retriever = self.tracker = None
         self.search_guard: SearchOutageGuard | None = None
-        self.teacher = None  # trainer.teacher: algorithm.distill's teacher (in process or remote)
+        self.teacher = None  # trainer.teacher.Distillation: algorithm.distill's teacher (in process or remote)
         self.length_drift = LengthDrift(cfg.logging.length_drift_steps)  # response/length_drift against the run's start
         self.entropy_control = EntropyController.from_config(cfg.algorithm)  # algorithm.entropy_target (else None)
+        # The concerns with state in trainer_state.json (state_dict/load_state_dict), by their key there.
+        self.stateful: dict[str, Any] = {"length_drift": self.length_drift, "entropy_control": self.entropy_control}
         self.start_policy = None  # trainer.start_kl.StartPolicy when logging.kl_to_start
-        self.probe_prompts: list[SampledPrompt] = []  # logging.probe_size fixed training questions
-        self.probe_last: list[tuple[str | None, bool]] | None = None  # their answers at the last probe
+        self.concerns: list[StepConcern] = []  # the step's concerns with passes over its batch (trainer.passes)
+        self.shapers = batch_shapers(cfg)  # what reshapes a sampled batch before it is learned from
+        self.probe: Callable[[Trainer], dict[str, float]] | None = None  # trainer.probe.Probe when logging.probe_size
         self._resources = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ set-up
@@ -203,10 +269,9 @@ class Trainer:
         examples = load_prompts(cfg.data.train, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.run.seed)
         self.sampler = PromptSampler(examples, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         if cfg.logging.probe_size:
-            if cfg.rollout.max_staleness:
-                raise ConfigError("logging.probe_size works with synchronous training only (rollout.max_staleness=0)")
-            chosen = random.Random(cfg.run.seed).sample(examples, min(cfg.logging.probe_size, len(examples)))
-            self.probe_prompts = [SampledPrompt(ex, f"probe{i}") for i, ex in enumerate(chosen)]
+            from trainer.probe import Probe
+
+            self.probe = Probe(cfg, examples)
         # Then the retriever: one that is down or refuses the key fails within retriever.wait, before any model loads.
         self.retriever = open_run_retriever(cfg, self.dist)
         if self.retriever is not None:
@@ -217,53 +282,23 @@ class Trainer:
         from emapg.models import resolve_model
 
         self.model_path = str(ckpt_path / "policy") if ckpt_path else resolve_model(cfg.model.policy)
-        from trainer.provenance import trained_questions
-
         # What the run can train on (+ what the initial policy was trained on): saved beside every checkpoint's
         # weights for `emapg eval`'s contamination guard. Before the model loads: a damaged record fails fast.
         self.trained_questions = trained_questions(cfg, examples, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.policy = build_policy(cfg, self.dist, self.model_path, bf16=bf16)
         self.model, self.anchor, self.fsdp = self.policy.model, self.policy.anchor, self.policy.fsdp
-        if cfg.algorithm.distill.enabled:  # refused here when its tokenizer differs from the policy's
-            from trainer.teacher import build_teacher
-
-            self.teacher = build_teacher(cfg, self.dist.device, policy_model=self.model_path, policy_tokenizer=self.tokenizer)
-            if hasattr(self.teacher, "close"):
-                self._on_close(self.teacher.close)
-        if cfg.logging.kl_to_start:
-            from trainer.start_kl import StartPolicy
-
-            self.start_policy = StartPolicy(self.policy, frozen_anchor=cfg.algorithm.ema.decay == 1.0)
-        if cfg.guard.enabled:
-            from trainer.recovery import GuardHook
-
-            self.guard = GuardHook(cfg.guard, fsdp=self.fsdp, has_anchor=self.anchor is not None)
-            self.step_hooks.insert(0, self.guard)  # before the non-finite streak stop: it may recover first
+        attach_concerns(self)  # the teacher, kl/to_start, the stability guard
         if ckpt_path is not None:
             self._restore(ckpt_path)
         if self.dist.is_main:
-            from trainer.provenance import train_provenance
-
             self.provenance = {**train_provenance(cfg, self.retriever, examples, self.model_path),
-                               "trained_questions": self.trained_questions.summary(),
-                               "compute_precision": "bf16" if bf16 else "fp32",  # what ran (run.precision=bf16 may fall back)
-                               "training_signal": training_signal(cfg)}
+                               "trained_questions": self.trained_questions.summary(), "training_signal": training_signal(cfg),
+                               "compute_precision": "bf16" if bf16 else "fp32"}  # what ran (run.precision=bf16 may fall back)
         if with_engine:
-            spec = engine_spec(cfg, self.model_path, self.dist.device, bf16)
-            engine = build_engine(spec)
-            self._on_close(engine.close)
-            lora = engine_lora_config(self.model) if serves_adapters(cfg.model.lora) else None
-            if lora is not None:  # an engine that cannot serve the adapters fails here, before any rollout
-                check_engine_serves_lora(engine.info, cfg.model.lora)
-            self.engine_session = EngineSession(engine, spec.kind, export_weights=self.policy.export_weights,
-                                                is_main=self.dist.is_main, barrier=D.barrier, lora_config=lora)
-            self.engine = engine
-        self.tracker = Tracker(
-            self.run_dir, total_steps=cfg.run.total_steps, start_step=self.step, tensorboard=cfg.logging.tensorboard,
-            wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, run_name=cfg.run.name, config=to_dict(cfg),
-            progress=cfg.logging.progress, enabled=self.dist.is_main,
-        )  # fmt: skip
+            self.engine_session = open_engine_session(cfg, self.policy, self.model_path, self.dist, bf16, on_close=self._on_close)
+            self.engine = self.engine_session.engine
+        self.tracker = Tracker.for_run(cfg, start_step=self.step, enabled=self.dist.is_main)
         self._on_close(self.tracker.close)
         return self
 
@@ -279,11 +314,9 @@ class Trainer:
         self.step, state = ckpt.step, ckpt.trainer_state
         self.sampler.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
-        self.length_drift.load_state_dict(state.get("length_drift", {}))
-        if self.entropy_control is not None:
-            self.entropy_control.load_state_dict(state.get("entropy_control", {}))
-        if self.guard is not None and state.get("guard"):
-            self.guard.load_state_dict(state["guard"])
+        for key, concern in self.stateful.items():
+            if concern is not None and state.get(key):
+                concern.load_state_dict(state[key])
         self.policy.restore(path, ckpt.anchor_state, state.get("anchor", {}))
         if self.dist.is_main:
             log.info("resumed from %s at step %d", path, self.step)
@@ -322,57 +355,10 @@ class Trainer:
         with self.engine_session.generating(tag=f"step-{self.step}") as engine:
             return self.produce(engine, prompts, step_seed(self.cfg.run.seed, self.step + 1, self.dist.rank))
 
-    def fill_informative(self, sampled: SampledBatch) -> SampledBatch:
-        """``rollout.filter_groups``: ``sampled`` with its groups of equal rewards replaced by informative groups of
-        up to ``rollout.filter_max_rounds`` more prompt batches (:mod:`trainer.group_filter`); the ``reward/*``
-        counts are those of the rows kept (from their outcomes: nothing is graded again)."""
-        from trainer.group_filter import fill_informative
-
-        cfg = self.cfg
-        base_seed = step_seed(cfg.run.seed, self.step + 1, self.dist.rank)
-
-        def more(round_: int) -> SampledBatch:
-            prompts = [SampledPrompt(p.example, f"{p.group_id}.{round_}") for p in self.sample_prompts()]
-            with self.engine_session.generating(tag=f"step-{self.step}-fill{round_}") as engine:
-                return self.produce(engine, prompts, (base_seed + 7_919 * round_) % (2**31 - 1))
-
-        def all_full(full: bool) -> bool:  # one answer for all ranks: they draw from one prompt sampler
-            return D.all_reduce_max(torch.tensor([0.0 if full else 1.0])).item() == 0
-
-        drop = cfg.rollout.uniform_groups == "drop"
-        out, sums = fill_informative(sampled, more, want=len(sampled.prompts), group_size=cfg.rollout.n_samples,
-                                     max_rounds=cfg.rollout.filter_max_rounds, agree=all_full,
-                                     enough=None if cfg.rollout.filter_groups else 1, topup=not drop)
-        return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, cfg), sampling=sums)
-
-    def guide(self, sampled: SampledBatch) -> SampledBatch:
-        """``algorithm.guidance``: every all-wrong group's last trajectory replaced by the model's own searches with the
-        gold answer written in (:mod:`trainer.guidance`); the ``reward/*`` counts recounted, ``guidance/*`` counted."""
-        from trainer.guidance import guide_all_wrong_groups
-
-        out, counts = guide_all_wrong_groups(sampled, self.tokenizer, self.retriever, self.cfg, grade)
-        return replace(out, reward_counts=reward_counts(out.trajectories, out.outcomes, self.cfg),
-                       sampling={**out.sampling, **counts})
-
     def produce(self, engine: Any, prompts: list[SampledPrompt], seed: int) -> SampledBatch:
         """Generate on ``engine`` with ``seed`` (retried on failure: weights and prompts unchanged) and grade.
         The synchronous step calls it in :meth:`sample_batch`; the pipeline's producer thread (:mod:`trainer.pipeline`) too."""
-
-        cfg = self.cfg
-        last: Exception | None = None
-        for attempt in range(cfg.run.rollout_retries + 1):
-            try:
-                trajectories, stats = generate(engine, self.tokenizer, prompts, self.retriever, cfg, seed=seed + attempt)
-                break
-            except Exception as e:  # a crashed rollout batch is retried
-                last = e
-                self._warn(f"rollout attempt {attempt + 1} failed: {type(e).__name__}: {e}")
-        else:
-            raise TrainingError(f"rollout failed {cfg.run.rollout_retries + 1} times; last error: {last}") from last
-        outcomes = grade(trajectories, prompts, cfg)
-        if cfg.reward.shuffle_control:  # the random-reward control: rewards unrelated to the answers, same rate
-            outcomes = shuffled_outcomes(outcomes, seed)
-        return SampledBatch(prompts, trajectories, outcomes, reward_counts(trajectories, outcomes, cfg), stats)
+        return produce(engine, self.tokenizer, prompts, self.retriever, self.cfg, seed=seed, warn=self._warn)
 
     def stats_plan(self, n: int) -> StatsPlan:
         """The stored-statistics plan for ``n`` rows on this rank."""
@@ -387,92 +373,62 @@ class Trainer:
     def update(self, batch: TokenBatch, plan: StatsPlan | None = None) -> dict[str, float]:
         """The PPO update on ``batch`` (stored statistics and ``advantages`` in ``batch.stored``) and the
         LR schedule's step; its metrics, reduced over ranks."""
-        result = self._update(batch, plan or self.stats_plan(batch.size))
-        return update_metrics(result.sums.reduce(), **self._update_summary(result))
+        result, summary = self._update(batch, plan or self.stats_plan(batch.size))
+        return update_metrics(result.sums.reduce(), **summary)
 
-    def _update(self, batch: TokenBatch, plan: StatsPlan) -> UpdateResult:
-        cfg = self.cfg
-        if self.entropy_control is not None:  # this step's adapted coefficient
-            cfg = replace(cfg, algorithm=replace(cfg.algorithm, entropy_coef=self.entropy_control.coef))
+    def _update(self, batch: TokenBatch, plan: StatsPlan) -> tuple[UpdateResult, dict[str, Any]]:
+        """The update and the schedule's step: what it did, and the keyword arguments of its metrics (:func:`update_metrics`)."""
+        cfg = self.cfg if self.entropy_control is None else self.entropy_control.step_config(self.cfg)  # its coefficient
         result = ppo_update(batch, self.policy, plan, cfg, self.dist, warn=self._warn)
         with warnings.catch_warnings():  # the schedule advances per step even when every update was skipped
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
             self.policy.scheduler.step()
-        return result
+        return result, dict(world_size=self.dist.world_size, grad_norms=result.grad_norms, updates=result.updates, skipped=result.skipped,
+                            lr=self.policy.optimizer.param_groups[0]["lr"], kl_enabled=self.cfg.algorithm.kl.enabled)
 
-    def _update_summary(self, result: UpdateResult) -> dict[str, Any]:
-        return dict(world_size=self.dist.world_size, grad_norms=result.grad_norms, updates=result.updates,
-                    skipped=result.skipped, lr=self.policy.optimizer.param_groups[0]["lr"], kl_enabled=self.cfg.algorithm.kl.enabled)
-
-    def learn(self, sampled: SampledBatch) -> tuple[dict[str, float], dict[str, float]]:
-        """Consume a rollout batch: stored statistics, advantages, update, EMA blend; returns the step's
-        metrics (timings included) and the rank-summed sums they came from."""
+    def plan_step(self, sampled: SampledBatch) -> StepPlan:
+        """What the step runs over ``sampled``: its rows as tensors with their GRPO advantages, the stored-statistics
+        plan (once per step: the passes and the update follow it), the passes (π_old's and the anchor's, then each concern's)."""
         from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
         cfg, alg = self.cfg, self.cfg.algorithm
-        rows = self.training_rows(sampled)  # each trajectory, then its extra segments (a recorded session that split)
+        # Each trajectory, then its extra segments (a recorded session that split), then filler rows (trainer.sampled_batch).
+        rows = rank_training_rows(sampled.trajectories, pad_id=self.pad_id, cfg=cfg, world_size=self.dist.world_size)
         batch = trajectory_batch(rows.rows, pad_id=self.pad_id)  # ids, masks, behaviour log-probs
-        plan = self.stats_plan(batch.size)  # once per step: the stored statistics and the update follow it
-        t0 = time.perf_counter()
-        timings = self.compute_stored_stats(batch, plan)
-        if self.teacher is not None:  # the teacher's scores beside the anchor's (trainer.teacher)
-            group_ids = [sampled.group_ids[e] if e >= 0 else "filler" for e in rows.episode]
-            timings.update(store_teacher_scores(batch, self.teacher, cfg, rewards=rows.per_row(sampled.rewards), group_ids=group_ids))
-        extra_sums: dict[str, float] = {}  # sums beside the rollout's: kl/to_start, sessions, tools
-        if self.start_policy is not None:  # kl/to_start: of the weights that sampled the batch, before the update
-            t1 = time.perf_counter()
-            extra_sums.update(self.start_policy.kl_sums(batch, cfg, self.dist.device))
-            timings["time/kl_to_start"] = time.perf_counter() - t1
+        stats = self.stats_plan(batch.size)
         adv = grpo_advantages(sampled.rewards, sampled.group_ids, norm_by_std=alg.adv_std != "none",
                               unbiased_std=alg.adv_std != "biased", eps=alg.adv_eps)
         batch.stored["advantages"] = broadcast_advantages(rows.per_row(adv), batch.loss_mask)  # a segment: its episode's
-        result = self._update(batch, plan)
+        passes = stored_stat_passes(batch, stats, self.policy, cfg)
+        for concern in self.concerns:
+            passes += concern.passes(batch, sampled, rows)
+        return StepPlan(rows, batch, stats, adv, passes)
+
+    def learn(self, sampled: SampledBatch) -> tuple[dict[str, float], dict[str, float]]:
+        """Consume a rollout batch: its plan's passes (stored statistics and the concerns'), the update, the EMA blend;
+        returns the step's metrics (timings included) and the rank-summed sums they came from."""
+        cfg, step = self.cfg, self.plan_step(sampled)
+        t0 = time.perf_counter()
+        done = run_passes(step.batch, step.passes, cfg.algorithm, self.dist.device, share_prompts=cfg.model.share_prompt)
+        result, summary = self._update(step.batch, step.stats)
         t_train = time.perf_counter() - t0
         self.step += 1
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
         if result.updates > 0 and self.engine_session is not None:
             self.engine_session.weights_changed()
-        sums = rollout_sums(sampled.rewards, cfg.rollout.n_samples, sampled.trajectories, sampled.stats, sampled.reward_counts, batch,
-                            answers=[o.answer for o in sampled.outcomes])
-        if cfg.rollout.agent:  # recorded sessions: splits and the segments trained (the same names on every rank)
-            extra_sums.update(session_counts(sampled.trajectories))
-            extra_sums["rollout/extra_rows"] = float(rows.extra)
-        if cfg.rollout.tools:  # per tool: calls, failures, reward (every offered tool's name on every rank)
-            extra_sums.update(tool_sums(sampled.trajectories, sampled.rewards, self.tool_names(),
-                                        builtin_search="search" in cfg.rollout.tools))
-        for name, value in {**sampled.sampling, **extra_sums}.items():
-            sums.add(name, value)
-        sums.merge(result.sums)
-        if "rollout/entropy_sum" not in sums:  # π_old's pass measured it
-            sums.add("rollout/entropy_sum", float((batch.stored["entropy"] * batch.loss_mask).sum()))
-        totals = sums.reduce()
-        metrics = {**step_metrics(totals, **self._update_summary(result)), **timings, "ema/updated": float(ema_updated),
+        extra = {**done.sums, **batch_sums(sampled, step.rows, cfg)}  # beside the rollout's: kl/to_start, sessions, tools
+        totals = learn_sums(sampled, step.batch, result.sums, extra, group_size=cfg.rollout.n_samples).reduce()
+        metrics = {**step_metrics(totals, **summary), **done.timings, "ema/updated": float(ema_updated),
                    "time/generation": totals["rollout/generation_s"] / self.dist.world_size,
                    "time/retrieval": totals["rollout/retrieval_s"] / self.dist.world_size, "time/training": t_train,
                    "response/length_drift": self.length_drift(totals["rollout/response_tokens"] / totals["rollout/trajectories"])}
-        self.last_samples = sample_records(sampled, cfg.logging.log_samples, tokenizer=self.tokenizer, advantages=adv)
+        self.last_samples = sample_records(sampled, cfg.logging.log_samples, tokenizer=self.tokenizer, advantages=step.advantages)
         finite = math.isfinite(metrics["loss/pg"]) and result.skipped == 0
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         metrics["actor/nonfinite_streak"] = float(self.nonfinite_streak)
         if self.entropy_control is not None:  # the coefficient this update used; then the next step's
-            metrics["actor/entropy_coef"] = self.entropy_control.coef
-            self.entropy_control.update(metrics.get("actor/entropy", math.nan))
+            self.entropy_control.after_step(metrics)
         return metrics, totals
-
-    def training_rows(self, sampled: SampledBatch) -> TrainingRows:
-        """The update's rows (:func:`trainer.sampled_batch.training_rows`); with an external agent in a sharded run,
-        padded with filler rows to the most rows any rank has (its extra segments differ by rank)."""
-        at_least = 0
-        if self.cfg.rollout.agent and self.dist.world_size > 1:
-            own = len(training_rows(sampled.trajectories, pad_id=self.pad_id).rows)
-            at_least = int(D.all_reduce_max(torch.tensor([own], dtype=torch.float64)).item())
-        return training_rows(sampled.trajectories, pad_id=self.pad_id, at_least=at_least)
-
-    def tool_names(self) -> list[str]:
-        """The names of the tools ``rollout.tools`` offers the model (the rollout's toolbox, opened once per process)."""
-        from agent.tools import toolbox_for
-
-        return toolbox_for(self.cfg.rollout).names()
 
     def train_step(self) -> dict[str, float]:
         """One full step (produce, then consume); returns its metrics (already reduced over ranks)."""
@@ -481,37 +437,18 @@ class Trainer:
         sampled = self.sample_batch(prompts)
         while self.search_guard is not None and not self.search_guard.accept(sampled.trajectories):
             sampled = self.sample_batch(prompts)  # its searches failed: never trained on (the guard pauses or stops on an outage)
-        if self.cfg.algorithm.guidance != "none":  # before the filter: a guided group is informative
-            sampled = self.guide(sampled)
-        if self.cfg.rollout.filter_groups or self.cfg.rollout.uniform_groups == "drop":
-            sampled = self.fill_informative(sampled)
+        for shape in self.shapers:  # guidance, then the informative filter
+            sampled = shape(self, sampled)
         t_rollout = time.perf_counter() - t_step
         metrics, totals = self.learn(sampled)
         if self.search_guard is not None:
             metrics.update(self.search_guard.step_metrics())
-        metrics.update(self.probe())
+        if self.probe is not None:
+            metrics.update(self.probe(self))
         t_total = time.perf_counter() - t_step
         metrics.update({"time/rollout": t_rollout, "time/step": t_total,
                         "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9)})
         return metrics
-
-    def probe(self) -> dict[str, float]:
-        """``logging.probe_size``: after the first step and every ``logging.probe_every`` steps, the fixed probe
-        questions answered greedily by the current weights on the run's engine; ``probe/*`` of
-        :func:`trainer.health_signals.probe_metrics` (flips against the previous probe of this process)."""
-        from trainer.health_signals import probe_metrics
-
-        cfg = self.cfg
-        if not self.probe_prompts or (self.probe_last is not None and self.step % cfg.logging.probe_every):
-            return {}
-        greedy = replace(cfg, rollout=replace(cfg.rollout, temperature=0.0, n_samples=1))
-        t0 = time.perf_counter()
-        with self.engine_session.generating(tag=f"probe-{self.step}") as engine:
-            trajectories, _ = generate(engine, self.tokenizer, self.probe_prompts, self.retriever, greedy, seed=cfg.run.seed)
-        now = [(o.answer, o.reward >= 1.0) for o in grade(trajectories, self.probe_prompts, greedy)]
-        metrics = probe_metrics(self.probe_last, now)
-        self.probe_last = now
-        return {**metrics, "time/probe": time.perf_counter() - t0}
 
     @property
     def pad_id(self) -> int:
@@ -558,24 +495,12 @@ class Trainer:
         return save_checkpoint(
             self.run_dir, self.step, tokenizer=self.tokenizer, **self.policy.checkpoint_state(is_main=self.dist.is_main),
             trainer_state={"data": self.sampler.state_dict(), "nonfinite_streak": self.nonfinite_streak,
-                           "length_drift": self.length_drift.state_dict(),
-                           **({"entropy_control": self.entropy_control.state_dict()} if self.entropy_control is not None else {}),
-                           "anchor": self.policy.anchor_schedule(), "provenance": self._provenance_now(),
-                           **({"guard": self.guard.state_dict()} if self.guard is not None else {})},
+                           **{key: c.state_dict() for key, c in self.stateful.items() if c is not None},
+                           "anchor": self.policy.anchor_schedule(),
+                           "provenance": refreshed(self.provenance, self.retriever) if self.dist.is_main else {}},
             config=cfg, keep_last=cfg.run.keep_last, rank=self.dist.rank, world_size=self.dist.world_size, barrier=D.barrier,
-            files=self._record_files(),
+            files=record_files(self.trained_questions),
         )
-
-    def _record_files(self) -> dict[str, str]:
-        """Files saved with every checkpoint: the trained-questions record in ``policy/`` (what ``emapg eval
-        --model`` loads) and in the checkpoint folder."""
-        text = self.trained_questions.to_json()
-        return {TRAINED_QUESTIONS: text, f"policy/{TRAINED_QUESTIONS}": text}
-
-    def _provenance_now(self) -> dict[str, Any]:
-        from trainer.provenance import refreshed
-
-        return refreshed(self.provenance, self.retriever) if self.dist.is_main else {}
 
     def _on_signal(self, signum: int) -> None:
         if self.stop_signal is not None:  # a second signal: stop now

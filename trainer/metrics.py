@@ -63,6 +63,20 @@ class MetricSums:
         return out
 
 
+def learn_sums(sampled: Any, batch: TokenBatch, update: MetricSums, extra: Mapping[str, float], *, group_size: int) -> MetricSums:
+    """This rank's sums of a step that learned from ``sampled`` (a :class:`trainer.sampled_batch.SampledBatch`) as
+    ``batch``: the rollout's (:func:`rollout_sums`), the batch's ``sampling`` sums and the ``extra`` ones, the
+    ``update``'s, and π_old's entropy from its pass when the update did not measure it."""
+    sums = rollout_sums(sampled.rewards, group_size, sampled.trajectories, sampled.stats, sampled.reward_counts, batch,
+                        answers=[o.answer for o in sampled.outcomes])
+    for name, value in {**sampled.sampling, **extra}.items():
+        sums.add(name, value)
+    sums.merge(update)
+    if "rollout/entropy_sum" not in sums:
+        sums.add("rollout/entropy_sum", float((batch.stored["entropy"] * batch.loss_mask).sum()))
+    return sums
+
+
 def rollout_sums(rewards: torch.Tensor, group_size: int, trajectories: list[Any], stats: Any,
                  reward_counts: Mapping[str, float], batch: TokenBatch, *,
                  answers: Sequence[str | None] | None = None) -> MetricSums:

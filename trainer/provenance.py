@@ -15,7 +15,7 @@ from typing import Any
 
 from emapg.config import to_dict
 from provision.provenance import dataset_card, model_card, protocol_card
-from tasks.contamination import TrainedQuestions, read_trained_questions
+from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions, read_trained_questions
 
 __all__ = ["train_provenance", "refreshed", "trained_questions"]
 
@@ -42,6 +42,13 @@ def trained_questions(cfg: Any, examples: list[Any], model_path: str) -> Trained
     mine = TrainedQuestions.from_questions({source: (ex.question for ex in examples)})
     initial = Path(model_path)
     return mine.union(read_trained_questions(initial) if initial.is_dir() else None)
+
+
+def record_files(record: TrainedQuestions) -> dict[str, str]:
+    """Files saved with every checkpoint: the trained-questions ``record`` in ``policy/`` (what ``emapg eval --model``
+    loads) and in the checkpoint folder."""
+    text = record.to_json()
+    return {TRAINED_QUESTIONS: text, f"policy/{TRAINED_QUESTIONS}": text}
 
 
 def refreshed(provenance: dict[str, Any], retriever: Any) -> dict[str, Any]:

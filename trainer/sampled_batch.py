@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -142,6 +142,18 @@ def training_rows(trajectories: list[Trajectory], *, pad_id: int, at_least: int 
     return TrainingRows(rows, episode)
 
 
+def rank_training_rows(trajectories: list[Trajectory], *, pad_id: int, cfg: Any, world_size: int) -> TrainingRows:
+    """:func:`training_rows` of this rank; with an external agent (``rollout.agent``) in a sharded run, padded with
+    filler rows to the most rows any rank has (its extra segments differ by rank)."""
+    at_least = 0
+    if cfg.rollout.agent and world_size > 1:
+        from trainer import distributed as D
+
+        own = len(training_rows(trajectories, pad_id=pad_id).rows)
+        at_least = int(D.all_reduce_max(torch.tensor([own], dtype=torch.float64)).item())
+    return training_rows(trajectories, pad_id=pad_id, at_least=at_least)
+
+
 def session_counts(trajectories: list[Trajectory]) -> dict[str, float]:
     """External agents' recorded sessions (``rollout.agent``): ``rollout/sessions``, the sessions that split into
     several contexts (``rollout/session_splits``) and the contexts trained (``rollout/session_segments``)."""
@@ -181,6 +193,45 @@ def tool_sums(trajectories: list[Trajectory], rewards: torch.Tensor, names: list
         out.update({p + "calls": calls, p + "failures": failures, p + "timeouts": timeouts, p + "oversized": oversized,
                     p + "errors": failures - timeouts - oversized, p + "trajectories": users, p + "reward_sum": reward_sum})
     return {k: float(v) for k, v in out.items()}
+
+
+def batch_sums(sampled: SampledBatch, rows: TrainingRows, cfg: Any) -> dict[str, float]:
+    """The step's sums beside the rollout's from its batch: external agents' sessions and the segments trained
+    (``rollout.agent``), per-tool calls, failures and rewards (``rollout.tools``; every offered tool's name, the rollout's
+    toolbox opened once per process) -- the same names on every rank."""
+    out: dict[str, float] = {}
+    if cfg.rollout.agent:
+        out.update(session_counts(sampled.trajectories))
+        out["rollout/extra_rows"] = float(rows.extra)
+    if cfg.rollout.tools:
+        from agent.tools import toolbox_for
+
+        out.update(tool_sums(sampled.trajectories, sampled.rewards, toolbox_for(cfg.rollout).names(),
+                             builtin_search="search" in cfg.rollout.tools))
+    return out
+
+
+def produce(engine: Any, tokenizer: Any, prompts: list[SampledPrompt], retriever: Any, cfg: Any, *, seed: int,
+            warn: Callable[[str], None]) -> SampledBatch:
+    """Generate on ``engine`` with ``seed`` (retried ``run.rollout_retries`` times on failure, ``warn`` told: weights
+    and prompts unchanged, the seed moved on) and grade (``reward.shuffle_control``: the random-reward control,
+    rewards unrelated to the answers at the same rate)."""
+    last: Exception | None = None
+    for attempt in range(cfg.run.rollout_retries + 1):
+        try:
+            trajectories, stats = generate(engine, tokenizer, prompts, retriever, cfg, seed=seed + attempt)
+            break
+        except Exception as e:  # a crashed rollout batch is retried
+            last = e
+            warn(f"rollout attempt {attempt + 1} failed: {type(e).__name__}: {e}")
+    else:
+        from trainer.errors import TrainingError
+
+        raise TrainingError(f"rollout failed {cfg.run.rollout_retries + 1} times; last error: {last}") from last
+    outcomes = grade(trajectories, prompts, cfg)
+    if cfg.reward.shuffle_control:
+        outcomes = shuffled_outcomes(outcomes, seed)
+    return SampledBatch(prompts, trajectories, outcomes, reward_counts(trajectories, outcomes, cfg), stats)
 
 
 def grade(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any) -> list[Outcome]:

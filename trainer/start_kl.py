@@ -25,18 +25,21 @@ import torch
 
 from emapg.config import ConfigError
 from trainer.algo.topk_kl import ExactKLAnchor
-from trainer.batch import TokenBatch, micro_batches
+from trainer.batch import TokenBatch
 from trainer.lora import AdaptersOffReference
+from trainer.passes import run_passes
 from trainer.policy import Policy
 
-__all__ = ["StartPolicy"]
+__all__ = ["StartPolicy", "KLToStart"]
 
 
 class StartPolicy:
-    """The run's starting policy, for ``kl/to_start``; ``kind`` says where it comes from (module docstring)."""
+    """The run's starting policy, for ``kl/to_start`` (the step's concern: its pass :class:`KLToStart` over each batch);
+    ``kind`` says where it comes from (module docstring)."""
 
-    def __init__(self, policy: Policy, *, frozen_anchor: bool) -> None:
-        self.policy = policy
+    def __init__(self, policy: Policy, cfg: Any) -> None:
+        self.policy, self.cfg = policy, cfg
+        frozen_anchor = cfg.algorithm.ema.decay == 1.0
         self.tensors: dict[str, torch.Tensor] = {}
         self.head: tuple[torch.Tensor, torch.Tensor | None] | None = None
         if policy.anchor is not None and frozen_anchor:
@@ -71,16 +74,32 @@ class StartPolicy:
         to = dict(dtype=hidden.dtype, device=hidden.device)
         return ExactKLAnchor(hidden, weight.to(**to), None if bias is None else bias.to(**to), "reverse")
 
-    @torch.no_grad()
+    def passes(self, batch: TokenBatch, sampled: Any = None, rows: Any = None) -> list["KLToStart"]:
+        """The step's pass over ``batch`` (:mod:`trainer.passes`), run before the update: of π_old."""
+        return [KLToStart(self, self.cfg)]
+
     def kl_sums(self, batch: TokenBatch, cfg: Any, device: torch.device) -> dict[str, float]:
         """This rank's ``health/kl_to_start_sum`` (the per-token KLs over response tokens) and
-        ``health/kl_to_start_tokens`` for ``batch``, with the current (pre-update) weights."""
-        total, tokens = 0.0, 0.0
-        for rows in micro_batches(batch, range(batch.size), cfg.algorithm):
-            mb = batch.micro(rows, device)
-            st = self.policy.stats(mb, exact_kl_to=self._reference(mb), temperature=cfg.rollout.temperature,
-                                   chunk_size=cfg.model.chunk_size)
-            mask = mb.loss_mask.to(st.exact_kl.dtype)
-            total += float((st.exact_kl * mask).sum())
-            tokens += float(mask.sum())
-        return {"health/kl_to_start_sum": total, "health/kl_to_start_tokens": tokens}
+        ``health/kl_to_start_tokens`` for ``batch``, with the current weights."""
+        return run_passes(batch, [KLToStart(self, cfg)], cfg.algorithm, device, share_prompts=cfg.model.share_prompt).sums
+
+
+class KLToStart:
+    """The pass of ``kl/to_start``: the policy's exact KL to its start on each micro-batch, summed over response tokens."""
+
+    timing = "time/kl_to_start"
+    per_micro_batch = True
+
+    def __init__(self, start: StartPolicy, cfg: Any) -> None:
+        self.start, self.cfg = start, cfg
+        self.total, self.tokens = 0.0, 0.0
+
+    def micro(self, mb: Any, rows: Any) -> None:
+        st = self.start.policy.stats(mb, exact_kl_to=self.start._reference(mb), temperature=self.cfg.rollout.temperature,
+                                     chunk_size=self.cfg.model.chunk_size)
+        mask = mb.loss_mask.to(st.exact_kl.dtype)
+        self.total += float((st.exact_kl * mask).sum())
+        self.tokens += float(mask.sum())
+
+    def finish(self, batch: TokenBatch) -> dict[str, float]:
+        return {"health/kl_to_start_sum": self.total, "health/kl_to_start_tokens": self.tokens}

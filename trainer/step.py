@@ -190,9 +190,11 @@ def ppo_update(
     mini = max(1, alg.mini_batch_size // dist.world_size)
     optimizer = policy.optimizer
     result = UpdateResult()
+    # Each mini-batch's micro-batches, planned once for every epoch.
+    minis = [micro_batches(batch, range(start, min(start + mini, n)), alg, share_prompts=cfg.model.share_prompt)
+             for start in range(0, n, mini)]
     for _ in range(alg.ppo_epochs):
-        for start in range(0, n, mini):
-            micro = micro_batches(batch, range(start, min(start + mini, n)), alg, share_prompts=cfg.model.share_prompt)
+        for micro in minis:
             agg = LossAggregation.for_batch(
                 alg.loss_agg, [batch.loss_mask[r] for r in micro], num_micro_batches=len(micro),
                 all_reduce=D.all_reduce_sum if dist.distributed else None, norm_length=float(cfg.rollout.max_response_tokens),

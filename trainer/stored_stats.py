@@ -1,8 +1,10 @@
 """The no-grad passes before the PPO updates: π_old's statistics and the anchor's, planned from the KL kind.
 
 :func:`plan_stored_stats` turns what the KL kind needs (:meth:`trainer.algo.kl_kinds.KLKind.needs`) and
-the shape of the update into a :class:`StatsPlan`; :func:`compute_stored_stats` runs it over a
-:class:`~trainer.batch.TokenBatch` and stores per-token tensors in ``batch.stored`` (CPU, aligned
+the shape of the update into a :class:`StatsPlan`; :func:`stored_stat_passes` makes it the step's passes
+(:mod:`trainer.passes`: :class:`OldStats`, :class:`AnchorTokens` or :class:`AnchorHidden`), which
+:func:`compute_stored_stats` (alone) or the training step (with the other concerns' passes) runs over a
+:class:`~trainer.batch.TokenBatch`, storing per-token tensors in ``batch.stored`` (CPU, aligned
 with the response columns):
 
 ====================== ========== ====================================================================
@@ -27,19 +29,19 @@ log-probs, once trusted, would be one more source for ``old_logp`` here.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from trainer.batch import MicroBatch, TokenBatch, micro_batches
+from trainer.batch import MicroBatch, TokenBatch
 from trainer.config import TrainConfig
 from trainer.algo.kl_kinds import get_kl_kind
+from trainer.passes import BatchPass, run_passes
 from trainer.policy import Policy
 from trainer.algo.topk_kl import Direction
 
-__all__ = ["StatsPlan", "plan_stored_stats", "compute_stored_stats", "fused_anchor_stats"]
+__all__ = ["StatsPlan", "plan_stored_stats", "stored_stat_passes", "compute_stored_stats", "fused_anchor_stats"]
 
 
 @dataclass(frozen=True)
@@ -91,75 +93,108 @@ def plan_stored_stats(cfg: TrainConfig, *, on_policy: bool, fuse: bool) -> Stats
     return StatsPlan(old_pass=plan.old_pass, old_topk=old_topk, anchor="tokens", anchor_topk=anchor_topk, gather_topk=needs.topk)
 
 
-@torch.no_grad()
+def stored_stat_passes(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg: TrainConfig) -> list[BatchPass]:
+    """``plan``'s passes over ``batch`` (:mod:`trainer.passes`): π_old's, then the anchor's (which may gather on π_old's top-k)."""
+    if not plan.any_stored_pass:
+        return []  # old = current policy: indices and anchor statistics come inside the training pass
+    k = plan.old_topk or plan.anchor_topk
+    topk_idx = torch.zeros(batch.size, batch.response_width, k, dtype=torch.long) if k else None
+    passes: list[BatchPass] = [OldStats(batch, plan, policy, cfg, topk_idx)]
+    if plan.anchor == "hidden":
+        passes.append(AnchorHidden(batch, policy))
+    elif plan.anchor == "tokens":
+        passes.append(AnchorTokens(batch, plan, policy, cfg, topk_idx))
+    return passes
+
+
 def compute_stored_stats(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg: TrainConfig, device: torch.device) -> dict[str, float]:
     """Run ``plan``'s passes over ``batch`` and fill ``batch.stored``; returns their wall times."""
-    if not plan.any_stored_pass:
-        return {}  # old = current policy: indices and anchor statistics come inside the training pass
-    temp, chunk = cfg.rollout.temperature, cfg.model.chunk_size
-    n, t = batch.size, batch.response_width
-    k = plan.old_topk or plan.anchor_topk
-    topk_idx = torch.zeros(n, t, k, dtype=torch.long) if k else None
-    timings = {}
-    t0 = time.perf_counter()
-    if plan.old_pass:
-        old_logp, entropy = torch.zeros(n, t), torch.zeros(n, t)
-        for rows in micro_batches(batch, range(n), cfg.algorithm, share_prompts=cfg.model.share_prompt):
-            mb = batch.micro(rows, device)
-            st = policy.stats(mb, topk=plan.old_topk, entropy=True, temperature=temp, chunk_size=chunk,
-                              share_prompt=cfg.model.share_prompt)
-            w = mb.response_width
-            old_logp[rows, :w] = st.logp.float().cpu()
-            entropy[rows, :w] = st.entropy.float().cpu()
-            if plan.old_topk:
-                topk_idx[rows, :w] = st.topk_indices.cpu()
-        batch.stored["old_logp"] = old_logp
-        batch.stored["entropy"] = entropy
-    timings["time/old_logprobs"] = time.perf_counter() - t0
-    if plan.anchor == "none":
-        return timings
-    t0 = time.perf_counter()
-    if plan.anchor == "hidden":
-        _store_anchor_hidden(batch, policy, cfg, device)
-    else:
-        _store_anchor_tokens(batch, plan, policy, cfg, device, topk_idx)
-    timings["time/anchor"] = time.perf_counter() - t0
-    return timings
+    return run_passes(batch, stored_stat_passes(batch, plan, policy, cfg), cfg.algorithm, device,
+                      share_prompts=cfg.model.share_prompt).timings
 
 
-def _store_anchor_tokens(batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg: TrainConfig, device: torch.device,
-                         topk_idx: torch.Tensor | None) -> None:
-    n, t, k = batch.size, batch.response_width, plan.gather_topk
-    anchor_logp, anchor_lse = torch.zeros(n, t), torch.zeros(n, t)
-    anchor_vals = torch.zeros(n, t, k) if k else None
-    for rows in micro_batches(batch, range(n), cfg.algorithm, share_prompts=cfg.model.share_prompt):
-        mb = batch.micro(rows, device)
+class OldStats:
+    """π_old's log-probs and entropy (and its own top-k: q of Top-k reverse) when ``plan.old_pass``; its wall time
+    is reported (``time/old_logprobs``) whenever the plan stores statistics."""
+
+    timing = "time/old_logprobs"
+
+    def __init__(self, batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg: TrainConfig, topk_idx: torch.Tensor | None) -> None:
+        self.plan, self.policy, self.cfg, self.topk_idx = plan, policy, cfg, topk_idx
+        self.per_micro_batch = plan.old_pass
+        shape = (batch.size, batch.response_width) if plan.old_pass else (0, 0)
+        self.old_logp, self.entropy = torch.zeros(shape), torch.zeros(shape)
+
+    def micro(self, mb: MicroBatch, rows: slice | torch.Tensor) -> None:
+        cfg = self.cfg
+        st = self.policy.stats(mb, topk=self.plan.old_topk, entropy=True, temperature=cfg.rollout.temperature,
+                               chunk_size=cfg.model.chunk_size, share_prompt=cfg.model.share_prompt)
         w = mb.response_width
-        gather = topk_idx[rows, :w].to(device) if plan.old_topk else None
-        st = policy.anchor_stats(mb, topk=plan.anchor_topk, gather_indices=gather, temperature=cfg.rollout.temperature,
-                                 chunk_size=cfg.model.chunk_size)
-        anchor_logp[rows, :w] = st.logp.float().cpu()
-        anchor_lse[rows, :w] = st.logsumexp.float().cpu()
-        if k:
-            anchor_vals[rows, :w] = st.topk_logits.float().cpu()
+        self.old_logp[rows, :w] = st.logp.float().cpu()
+        self.entropy[rows, :w] = st.entropy.float().cpu()
+        if self.plan.old_topk:
+            self.topk_idx[rows, :w] = st.topk_indices.cpu()
+
+    def finish(self, batch: TokenBatch) -> dict[str, float]:
+        if self.plan.old_pass:
+            batch.stored["old_logp"] = self.old_logp
+            batch.stored["entropy"] = self.entropy
+        return {}
+
+
+class AnchorTokens:
+    """The anchor's log-prob of the sampled token and logsumexp, and its logits on q (Top-k kinds: π_old's top-k,
+    already taken on this micro-batch, or the anchor's own)."""
+
+    timing = "time/anchor"
+    per_micro_batch = True
+
+    def __init__(self, batch: TokenBatch, plan: StatsPlan, policy: Policy, cfg: TrainConfig, topk_idx: torch.Tensor | None) -> None:
+        self.plan, self.policy, self.cfg, self.topk_idx = plan, policy, cfg, topk_idx
+        n, t, k = batch.size, batch.response_width, plan.gather_topk
+        self.logp, self.lse = torch.zeros(n, t), torch.zeros(n, t)
+        self.vals = torch.zeros(n, t, k) if k else None
+
+    def micro(self, mb: MicroBatch, rows: slice | torch.Tensor) -> None:
+        plan, w = self.plan, mb.response_width
+        gather = self.topk_idx[rows, :w].to(mb.input_ids.device) if plan.old_topk else None
+        st = self.policy.anchor_stats(mb, topk=plan.anchor_topk, gather_indices=gather, temperature=self.cfg.rollout.temperature,
+                                      chunk_size=self.cfg.model.chunk_size)
+        self.logp[rows, :w] = st.logp.float().cpu()
+        self.lse[rows, :w] = st.logsumexp.float().cpu()
+        if self.vals is not None:
+            self.vals[rows, :w] = st.topk_logits.float().cpu()
             if plan.anchor_topk:
-                topk_idx[rows, :w] = st.topk_indices.cpu()
-    batch.stored["anchor_logp"] = anchor_logp
-    batch.stored["anchor_logsumexp"] = anchor_lse
-    if k:
-        batch.stored["anchor_topk_logits"] = anchor_vals
-        batch.stored["topk_indices"] = topk_idx
+                self.topk_idx[rows, :w] = st.topk_indices.cpu()
+
+    def finish(self, batch: TokenBatch) -> dict[str, float]:
+        batch.stored["anchor_logp"] = self.logp
+        batch.stored["anchor_logsumexp"] = self.lse
+        if self.vals is not None:
+            batch.stored["anchor_topk_logits"] = self.vals
+            batch.stored["topk_indices"] = self.topk_idx
+        return {}
 
 
-def _store_anchor_hidden(batch: TokenBatch, policy: Policy, cfg: TrainConfig, device: torch.device) -> None:
-    hidden: torch.Tensor | None = None
-    for rows in micro_batches(batch, range(batch.size), cfg.algorithm, share_prompts=cfg.model.share_prompt):
-        mb = batch.micro(rows, device)
-        h = policy.anchor_hidden(mb)
-        if hidden is None:  # in the dtype the forward produced (bf16 on GPU): H numbers per token
-            hidden = torch.zeros(batch.size, batch.response_width, h.shape[-1], dtype=h.dtype)
-        hidden[rows, : mb.response_width] = h.cpu()
-    batch.stored["anchor_hidden"] = hidden
+class AnchorHidden:
+    """The anchor's final hidden states (the exact KL's), in the dtype the forward produced (bf16 on GPU)."""
+
+    timing = "time/anchor"
+    per_micro_batch = True
+
+    def __init__(self, batch: TokenBatch, policy: Policy) -> None:
+        self.policy, self.size, self.width = policy, batch.size, batch.response_width
+        self.hidden: torch.Tensor | None = None
+
+    def micro(self, mb: MicroBatch, rows: slice | torch.Tensor) -> None:
+        h = self.policy.anchor_hidden(mb)
+        if self.hidden is None:  # H numbers per token
+            self.hidden = torch.zeros(self.size, self.width, h.shape[-1], dtype=h.dtype)
+        self.hidden[rows, : mb.response_width] = h.cpu()
+
+    def finish(self, batch: TokenBatch) -> dict[str, float]:
+        batch.stored["anchor_hidden"] = self.hidden
+        return {}
 
 
 def fused_anchor_stats(mb: MicroBatch, policy: Policy, indices: torch.Tensor, cfg: TrainConfig) -> dict[str, torch.Tensor]:

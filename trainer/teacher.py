@@ -3,7 +3,8 @@
 For each response position of a :class:`~trainer.batch.TokenBatch` the teacher gives log π_T of the sampled
 token and, for a top-k estimator, its own top-k tokens and their log-probabilities, under
 softmax(logits / ``rollout.temperature``) like the policy's statistics (:mod:`trainer.algo.distill`).
-:func:`store_teacher_scores` puts them in ``batch.stored`` beside the anchor's:
+:class:`Distillation` (the step's concern: the teacher and its pass over each batch, :mod:`trainer.passes`) puts them
+in ``batch.stored`` beside the anchor's:
 
 ========================= ========== ===========================================================
 ``teacher_logp``          (N, T)     log π_T of the sampled token (0 past a row's response)
@@ -28,15 +29,16 @@ of another vocabulary's ids would be meaningless.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Sequence
 
 import torch
 
 from emapg.config import ConfigError
-from trainer.batch import TokenBatch, micro_batches
+from trainer.batch import TokenBatch
+from trainer.passes import run_passes
 
-__all__ = ["LocalTeacher", "RemoteTeacher", "build_teacher", "check_same_tokenizer", "distill_gathers_topk", "store_teacher_scores"]
+__all__ = ["LocalTeacher", "RemoteTeacher", "TeacherScores", "Distillation", "build_teacher", "check_same_tokenizer",
+           "distill_gathers_topk"]
 
 
 def check_same_tokenizer(teacher: dict, policy: dict) -> None:
@@ -83,20 +85,10 @@ class LocalTeacher:
 
     def score(self, batch: TokenBatch, *, topk: int, temperature: float, chunk_size: int, alg: Any,
               share_prompts: bool = False) -> dict[str, torch.Tensor]:
-        n, t = batch.size, batch.response_width
-        out = _empty(n, t, topk)
-        for rows in micro_batches(batch, range(n), alg, share_prompts=share_prompts):
-            mb = batch.micro(rows, self.device)
-            lp, tk_lp, tk_idx = self.score_micro(mb, topk=topk, temperature=temperature, chunk_size=chunk_size)
-            w = mb.response_width
-            out["teacher_logp"][rows, :w] = lp.float().cpu()
-            if topk:
-                out["teacher_topk_logp"][rows, :w] = tk_lp.float().cpu()
-                out["teacher_topk_indices"][rows, :w] = tk_idx.cpu()
-        past = torch.arange(t)[None, :] >= batch.response_lens[:, None]  # padding: predictions of nothing
-        for v in out.values():
-            v[past] = 0
-        return out
+        """The table's ``teacher_*`` tensors of ``batch``, micro-batched by ``alg`` (:func:`trainer.batch.micro_batches`)."""
+        scores = TeacherScores(self, batch, topk=topk, temperature=temperature, chunk_size=chunk_size)
+        run_passes(batch, [scores], alg, self.device, share_prompts=share_prompts)
+        return scores.out
 
 
 class RemoteTeacher:
@@ -166,22 +158,79 @@ def build_teacher(cfg: Any, device: torch.device, *, policy_model: str, policy_t
     return LocalTeacher(d.teacher, device, policy_tokenizer=policy_tokenizer)
 
 
-def store_teacher_scores(batch: TokenBatch, teacher: LocalTeacher | RemoteTeacher, cfg: Any, *,
-                         rewards: Sequence[float] | None = None, group_ids: Sequence[Any] | None = None) -> dict[str, float]:
-    """Score ``batch`` with ``teacher`` into ``batch.stored`` (the table above); returns ``{"time/teacher": seconds}``."""
-    from trainer.algo.distill import below_best_rows, get_distill_estimator
+class TeacherScores:
+    """The teacher's pass over a batch (:mod:`trainer.passes`): a :class:`LocalTeacher` scores each micro-batch, a
+    :class:`RemoteTeacher` the whole batch in its own requests; :meth:`finish` leaves the ``teacher_*`` tensors in
+    :attr:`out` (0 past a row's response)."""
 
-    d = cfg.algorithm.distill
-    t0 = time.perf_counter()
-    topk = d.topk if get_distill_estimator(d.estimator).needs_topk else 0
-    batch.stored.update(teacher.score(batch, topk=topk, temperature=cfg.rollout.temperature, chunk_size=cfg.model.chunk_size,
-                                      alg=cfg.algorithm, share_prompts=cfg.model.share_prompt))
-    if d.mode == "below_best":
-        if rewards is None or group_ids is None:
-            raise ValueError("distill.mode=below_best needs the rows' rewards and groups")
-        rows = below_best_rows(rewards, group_ids).to(torch.float32)
-        batch.stored["distill_rows"] = rows[:, None].expand(batch.size, batch.response_width).contiguous()
-    return {"time/teacher": time.perf_counter() - t0}
+    timing = "time/teacher"
+
+    def __init__(self, teacher: LocalTeacher | RemoteTeacher, batch: TokenBatch, *, topk: int, temperature: float,
+                 chunk_size: int) -> None:
+        self.teacher, self.batch, self.topk, self.temperature, self.chunk_size = teacher, batch, topk, temperature, chunk_size
+        self.per_micro_batch = isinstance(teacher, LocalTeacher)
+        self.out = _empty(batch.size, batch.response_width, topk)
+
+    def micro(self, mb: Any, rows: Any) -> None:
+        if mb.input_ids.device != self.teacher.device:
+            mb = self.batch.micro(rows, self.teacher.device)
+        lp, tk_lp, tk_idx = self.teacher.score_micro(mb, topk=self.topk, temperature=self.temperature, chunk_size=self.chunk_size)
+        w = mb.response_width
+        self.out["teacher_logp"][rows, :w] = lp.float().cpu()
+        if self.topk:
+            self.out["teacher_topk_logp"][rows, :w] = tk_lp.float().cpu()
+            self.out["teacher_topk_indices"][rows, :w] = tk_idx.cpu()
+
+    def finish(self, batch: TokenBatch) -> dict[str, float]:
+        if not self.per_micro_batch:
+            self.out = self.teacher.score(batch, topk=self.topk, temperature=self.temperature)
+        past = torch.arange(batch.response_width)[None, :] >= batch.response_lens[:, None]  # padding: predictions of nothing
+        for v in self.out.values():
+            v[past] = 0
+        return {}
+
+
+class Distillation:
+    """``algorithm.distill`` in the training step: the teacher (:func:`build_teacher`), released by :meth:`close`, and
+    its pass over each batch, which stores the table's tensors in ``batch.stored`` beside the anchor's."""
+
+    def __init__(self, cfg: Any, device: torch.device, *, policy_model: str, policy_tokenizer: Any) -> None:
+        self.cfg = cfg
+        self.teacher = build_teacher(cfg, device, policy_model=policy_model, policy_tokenizer=policy_tokenizer)
+
+    def passes(self, batch: TokenBatch, sampled: Any, rows: Any) -> list["StoredTeacherScores"]:
+        """The teacher's pass over ``batch``: the :class:`~trainer.sampled_batch.TrainingRows` ``rows`` of ``sampled``
+        (their rewards and groups for ``mode=below_best``; a filler row is a group of its own)."""
+        group_ids = [sampled.group_ids[e] if e >= 0 else "filler" for e in rows.episode]
+        return [StoredTeacherScores(self.teacher, batch, self.cfg, rewards=rows.per_row(sampled.rewards), group_ids=group_ids)]
+
+    def close(self) -> None:
+        if hasattr(self.teacher, "close"):
+            self.teacher.close()
+
+
+class StoredTeacherScores(TeacherScores):
+    """:class:`TeacherScores` stored in ``batch.stored`` at ``algorithm.distill``'s settings, with ``distill_rows``
+    for ``mode=below_best``."""
+
+    def __init__(self, teacher: LocalTeacher | RemoteTeacher, batch: TokenBatch, cfg: Any, *, rewards: Sequence[float],
+                 group_ids: Sequence[Any]) -> None:
+        from trainer.algo.distill import get_distill_estimator
+
+        d = cfg.algorithm.distill
+        super().__init__(teacher, batch, topk=d.topk if get_distill_estimator(d.estimator).needs_topk else 0,
+                         temperature=cfg.rollout.temperature, chunk_size=cfg.model.chunk_size)
+        self.mode, self.rewards, self.group_ids = d.mode, rewards, group_ids
+
+    def finish(self, batch: TokenBatch) -> dict[str, float]:
+        from trainer.algo.distill import below_best_rows
+
+        super().finish(batch)
+        batch.stored.update(self.out)
+        if self.mode == "below_best":
+            rows = below_best_rows(self.rewards, self.group_ids).to(torch.float32)
+            batch.stored["distill_rows"] = rows[:, None].expand(batch.size, batch.response_width).contiguous()
+        return {}
 
 
 def distill_gathers_topk(cfg: Any) -> bool:

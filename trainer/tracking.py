@@ -60,6 +60,16 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 class Tracker:
     """Fan a step's metrics out to every enabled sink. A no-op on ranks other than 0."""
 
+    @classmethod
+    def for_run(cls, cfg: Any, *, start_step: int, enabled: bool) -> "Tracker":
+        """The tracker of a run of :class:`trainer.config.TrainConfig` ``cfg`` (``logging.*``), from ``start_step``."""
+        from emapg.config import to_dict
+
+        lg = cfg.logging
+        return cls(cfg.output_path, total_steps=cfg.run.total_steps, start_step=start_step, tensorboard=lg.tensorboard,
+                   wandb=lg.wandb, wandb_project=lg.wandb_project, run_name=cfg.run.name, config=to_dict(cfg),
+                   progress=lg.progress, enabled=enabled)
+
     def __init__(
         self,
         run_dir: Path,

@@ -65,6 +65,7 @@ def test_guidance_writes_the_gold_answer_into_the_models_own_search_for_all_wron
     its last trajectory replaced by the same search (replayed through the rollout loop against the real retriever)
     with the gold answer as the last turn; it scores 1, keeps the group's prompt ids, and its observation is exactly
     the one the policy's own search returned."""
+    from trainer.guidance import Guidance
     from trainer.loop import Trainer
 
     cfg = load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", toy_overrides(
@@ -76,7 +77,7 @@ def test_guidance_writes_the_gold_answer_into_the_models_own_search_for_all_wron
     try:
         trainer.setup()
         sampled = trainer.sample_batch(trainer.sample_prompts())
-        guided = trainer.guide(sampled)
+        guided = Guidance()(trainer, sampled)
     finally:
         trainer.close()
     n = cfg.rollout.n_samples
