@@ -35,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-recorded", action="store_true",
                    help="recompute the recorded slice's membership by its own rule and by today's (eval.reader_slice.RULE) "
                         "from its recorded passages, print what today's rule would change, write nothing")
+    p.add_argument("--json", default=None, help="--compare-recorded: also write the comparison to this JSON file "
+                                                "(benchmarks/results/reader_slice_rule.json)")
     args = p.parse_args(argv)
     if args.compare_recorded:
-        return compare_recorded()
+        return compare_recorded(args.json)
     for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
         os.environ.setdefault(k, v)
 
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compare_recorded() -> int:
+def compare_recorded(json_out: str | None = None) -> int:
     """The recorded slice by its own rule (must give its recorded membership) and by :data:`eval.reader_slice.RULE`."""
     from transformers import AutoTokenizer
 
@@ -98,14 +100,26 @@ def compare_recorded() -> int:
     if mismatch:
         raise SystemExit(f"build_reader_slice: {len(mismatch)} recorded memberships do not recompute, e.g. {mismatch[:3]}")
     print(f"recorded slice: {recorded.size} questions by {rule_name(recorded.rule)} (recomputed: identical); by {RULE_NAME}:")
-    changed = 0
+    changed, per_dataset = 0, {}
     for ds, rows in recorded.questions.items():
         out = [q["id"] for q in rows if q["in_slice"] and not today[ds][q["id"]]]
         inn = [q["id"] for q in rows if not q["in_slice"] and today[ds][q["id"]]]
         changed += len(out) + len(inn)
-        print(f"  {ds}: {len(recorded.ids[ds])} -> {len(recorded.ids[ds]) - len(out) + len(inn)}"
+        per_dataset[ds] = {"recorded": len(recorded.ids[ds]), "today": len(recorded.ids[ds]) - len(out) + len(inn),
+                           "leaving": out, "joining": inn}
+        print(f"  {ds}: {len(recorded.ids[ds])} -> {per_dataset[ds]['today']}"
               + (f" (leaving: {', '.join(out)})" if out else "") + (f" (joining: {', '.join(inn)})" if inn else ""))
-    print(f"{changed} of {recorded.size} slice questions would change ({recorded.size - changed} kept); the file is unchanged")
+    print(f"{changed} of {recorded.size} slice questions would change; the file is unchanged")
+    if json_out:
+        Path(json_out).write_text(json.dumps({
+            "benchmark": "reader_slice_rule", "date": time.strftime("%Y-%m-%d"),
+            "what": "the recorded reader slice (data/qa/reader_slice.json, unchanged) recomputed from its recorded passages "
+                    "by its own rule and by today's, which leaves out gold answers the question names",
+            "command": "python scripts/build_reader_slice.py --compare-recorded --json " + json_out,
+            "recorded_rule": rule_name(recorded.rule), "today_rule": RULE_NAME, "recorded_questions": recorded.size,
+            "recomputed_identical": True, "changed": changed, "today_questions": sum(v["today"] for v in per_dataset.values()),
+            "per_dataset": per_dataset}, indent=2) + "\n")
+        print(f"wrote {json_out}")
     return 0
 
 
