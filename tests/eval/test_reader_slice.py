@@ -101,3 +101,26 @@ def test_todays_rule_leaves_out_the_slice_questions_that_name_their_answer(recor
         assert in_slice(searches, ex.question, ex.answers, tokenizer, recorded.protocol["max_obs_tokens"]) is False
     with pytest.raises(ValueError, match="unknown reader-slice rule 'x'"):
         in_slice([], "q", ["a"], tokenizer, 10, rule="x")
+
+
+def test_a_new_slice_is_built_by_todays_rule(tmp_path):
+    """slice_from_eval on a greedy run's items: membership recomputed from the retrieved passage ids, a gold the
+    question names left out (a passage about the number 0 shows "0" for the second question but not the first)."""
+    from transformers import AutoTokenizer
+
+    from emapg.models import resolve_model
+    from eval.items import append_items
+    from eval.reader_slice import slice_from_eval
+
+    def record(i, question, golds):
+        sample = {"retrieved_ids": [["vital-0", "vital-2"]], "queries": ["zero"], "scores": {"em": 0.0, "retrieval_recall": 1.0}}
+        return {"id": f"nq-{i}", "question": question, "golds": golds, "scores": sample["scores"], "samples": [sample]}
+
+    (tmp_path / "items").mkdir()
+    append_items(tmp_path, "nq", [record(1, "Which is smaller, 0 or 1?", ["0"]), record(2, "What is the additive identity?", ["0"]),
+                                  record(3, "Which race is the shortest sprint?", ["200 metres"])])
+    protocol = {"name": "qa_quick", "max_obs_tokens": 256}
+    made = slice_from_eval(tmp_path, ["nq"], protocol=protocol, starter="x",
+                           tokenizer=AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")))
+    assert made["rule"] == RULE and made["ids"] == {"nq": ["nq-2"]} and made["size"] == 1
+    assert [q["in_slice"] for q in made["questions"]["nq"]] == [False, True, False]
