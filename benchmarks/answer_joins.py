@@ -23,6 +23,7 @@ scored 0, and its last complete answer is an exact match. Output: ``benchmarks/r
 
     python benchmarks/answer_joins.py --work /tmp/answer_joins            # ~15 min on 2 cores (vLLM)
     python benchmarks/answer_joins.py --work DIR --count-only --train-run RUN   # count what DIR and RUN hold
+    python benchmarks/answer_joins.py --work DIR --count-only --eval-run EVAL --out /tmp/j.json   # any eval run
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4, help="samples per question of the sampled runs (T = 1)")
     p.add_argument("--pool", type=int, default=96, help="training-pool questions sampled")
     p.add_argument("--train-run", action="append", default=[], help="a training run folder whose samples.jsonl to count")
+    p.add_argument("--eval-run", action="append", default=[], help="any emapg eval output folder whose items to count")
     p.add_argument("--count-only", action="store_true", help="count what --work and --train-run hold; run nothing")
     p.add_argument("--out", default=str(RESULTS / "answer_joins.json"))
     args = p.parse_args(argv)
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[answer_joins] {name}: emapg {' '.join(cmd)}", flush=True)
             subprocess.run([sys.executable, "-m", "app.cli", *cmd], check=True, cwd=ROOT)
     runs = {name: count_eval(work / name) for name in commands if (work / name / "items").is_dir()}
+    for run in args.eval_run:
+        runs[f"eval:{Path(run).name}"] = count_eval(Path(run))
     for run in args.train_run:
         rows = [json.loads(x) for x in (Path(run) / "samples.jsonl").read_text().splitlines() if x.strip()]
         runs[f"train:{Path(run).name}"] = {**count_samples(rows), "steps": len({r.get("step") for r in rows})}
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": "qa_quick (2 searches, 64 tokens per turn, top-3 passages, 256-token observations)",
         "commands": {name: "emapg " + " ".join(cmd) for name, cmd in commands.items()},
         "train_runs": args.train_run,
+        "eval_runs": args.eval_run,
         "runs": runs,
         "lost_over_right": {name: c["lost"] / max(c["right"] + c["lost"], 1) for name, c in runs.items()},
         "wall_s": round(time.perf_counter() - t0, 1),
