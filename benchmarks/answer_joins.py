@@ -12,7 +12,7 @@ run folders are not kept), so this script measures fresh rollouts of the shipped
 (``qa_quick``: 2 searches, 64 tokens per turn) through the real retriever over the bundled index:
 
 * ``heldout_greedy`` / ``heldout_sampled``: the demo's 105 held-out questions (15 per QA set, data seed 0), greedy
-  and ``--n`` samples at T = 1 (the demo's and ``learning_search.py``'s evaluations);
+  and ``--n`` samples at T = 1 (the demo's sampled evaluation: mean@2, seed 1);
 * ``pool_sampled``: ``--pool`` questions of the training pool (``qa_pool``), ``--n`` samples at T = 1 (what the demo's
   training samples at its first step);
 * any ``--train-run`` folders: their ``samples.jsonl`` (the trajectories a training run logged,
@@ -105,7 +105,7 @@ def count_samples(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", required=True, help="folder for the evaluations (kept; a rerun resumes them)")
-    p.add_argument("--n", type=int, default=4, help="samples per question of the sampled runs (T = 1)")
+    p.add_argument("--n", type=int, default=2, help="samples per question of the sampled runs (T = 1; the demo's mean@2)")
     p.add_argument("--pool", type=int, default=96, help="training-pool questions sampled")
     p.add_argument("--train-run", action="append", default=[], help="a training run folder whose samples.jsonl to count")
     p.add_argument("--eval-run", action="append", default=[], help="any emapg eval output folder whose items to count")
