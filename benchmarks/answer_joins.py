@@ -21,7 +21,7 @@ run folders are not kept), so this script measures fresh rollouts of the shipped
 A sample counts as *lost* when its scored prediction joined an earlier answer (``tasks.qa.joined_answer``), it
 scored 0, and its last complete answer is an exact match. Output: ``benchmarks/results/answer_joins.json``.
 
-    python benchmarks/answer_joins.py --work /tmp/answer_joins            # ~15 min on 2 cores (vLLM)
+    python benchmarks/answer_joins.py --work /tmp/answer_joins            # ~7 min on 2 cores (vLLM)
     python benchmarks/answer_joins.py --work DIR --count-only --train-run RUN   # count what DIR and RUN hold
     python benchmarks/answer_joins.py --work DIR --count-only --eval-run EVAL --out /tmp/j.json   # any eval run
 """
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-run", action="append", default=[], help="a training run folder whose samples.jsonl to count")
     p.add_argument("--eval-run", action="append", default=[], help="any emapg eval output folder whose items to count")
     p.add_argument("--count-only", action="store_true", help="count what --work and --train-run hold; run nothing")
+    p.add_argument("--note", default="", help="how the --train-run / --eval-run folders were made (recorded in the JSON)")
     p.add_argument("--out", default=str(RESULTS / "answer_joins.json"))
     args = p.parse_args(argv)
     for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
@@ -141,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": "qa_quick (2 searches, 64 tokens per turn, top-3 passages, 256-token observations)",
         "commands": {name: "emapg " + " ".join(cmd) for name, cmd in commands.items()},
         "train_runs": args.train_run,
+        "note": args.note,
         "eval_runs": args.eval_run,
         "runs": runs,
         "lost_over_right": {name: c["lost"] / max(c["right"] + c["lost"], 1) for name, c in runs.items()},
+        "count_only": args.count_only,  # true: the runs were made before (their commands above), only counted here
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
