@@ -23,7 +23,7 @@ scored 0, and its last complete answer is an exact match. Output: ``benchmarks/r
 
     python benchmarks/answer_joins.py --work /tmp/answer_joins            # ~7 min on 2 cores (vLLM)
     python benchmarks/answer_joins.py --work DIR --count-only --train-run RUN   # count what DIR and RUN hold
-    python benchmarks/answer_joins.py --work DIR --count-only --eval-run EVAL --out /tmp/j.json   # any eval run
+    python benchmarks/answer_joins.py --count-only --eval-run EVAL --out /tmp/j.json   # any evaluation
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def count_samples(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--work", required=True, help="folder for the evaluations (kept; a rerun resumes them)")
+    p.add_argument("--work", default=None, help="folder for the evaluations (kept; a rerun resumes them); needed unless --count-only")
     p.add_argument("--n", type=int, default=2, help="samples per question of the sampled runs (T = 1; the demo's mean@2)")
     p.add_argument("--pool", type=int, default=96, help="training-pool questions sampled")
     p.add_argument("--train-run", action="append", default=[], help="a training run folder whose samples.jsonl to count")
@@ -115,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
         os.environ.setdefault(k, v)
-    work = Path(args.work)
-    commands = eval_commands(work, args.n, args.pool)
+    if args.work is None and not args.count_only:
+        p.error("--work is needed to run the evaluations (or --count-only with --eval-run / --train-run)")
+    work = Path(args.work) if args.work else None
+    commands = eval_commands(work, args.n, args.pool) if work else {}
     t0 = time.perf_counter()
     if not args.count_only:
         for name, cmd in commands.items():
             print(f"[answer_joins] {name}: emapg {' '.join(cmd)}", flush=True)
             subprocess.run([sys.executable, "-m", "app.cli", *cmd], check=True, cwd=ROOT)
-    runs = {name: count_eval(work / name) for name in commands if (work / name / "items").is_dir()}
+    runs = {name: count_eval(work / name) for name in commands if work and (work / name / "items").is_dir()}
     for run in args.eval_run:
         runs[f"eval:{Path(run).name}"] = count_eval(Path(run))
     for run in args.train_run:
