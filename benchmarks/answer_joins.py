@@ -61,10 +61,10 @@ def eval_commands(work: Path, n: int, pool: int) -> dict[str, list[str]]:
 def classify(prediction: str | None, golds: list[str]) -> dict[str, int]:
     """One scored sample: answered, joined (its prediction swallowed an open ``<answer>``), lost (joined, scored 0,
     and its last complete answer is right)."""
-    from tasks.qa import exact_match, joined_answer
+    from tasks.qa import exact_match, joined_answer, last_complete_answer
 
     joined = joined_answer(prediction)
-    last = prediction.rsplit("<answer>", 1)[-1].strip() if joined else prediction
+    last = last_complete_answer(prediction).strip() if joined else prediction
     lost = joined and exact_match(prediction, golds) == 0.0 and exact_match(last, golds) == 1.0
     return {"samples": 1, "answered": int(prediction is not None), "joined": int(joined), "lost": int(lost),
             "right": int(exact_match(prediction, golds) == 1.0)}

@@ -48,6 +48,7 @@ __all__ = [
     "find_tags",
     "extract_answer",
     "joined_answer",
+    "last_complete_answer",
     "AnswerRule",
     "ANSWER_RULES",
     "exact_match",
@@ -104,10 +105,13 @@ def extract_answer(text: str, *, paper_prompt_included: bool = False, rule: Answ
     matches = [content for _, content in find_tags(text)]
     if len(matches) < (2 if paper_prompt_included else 1):
         return None
-    last = matches[-1]
-    if rule == "last_complete":
-        last = last.rsplit(_OPEN, 1)[-1]
-    return last.strip()
+    return (last_complete_answer(matches[-1]) if rule == "last_complete" else matches[-1]).strip()
+
+
+def last_complete_answer(content: str) -> str:
+    """What follows the last ``<answer>`` in a match's ``content`` (all of it when there is none): the answer that
+    the closing tag closes, without an earlier one that was left open."""
+    return content.rsplit(_OPEN, 1)[-1]
 
 
 def joined_answer(prediction: str | None) -> bool:
