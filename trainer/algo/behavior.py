@@ -37,7 +37,7 @@ never sampled). The Top-k head is computed exactly at every visited prefix and n
 
 A token MIS drops (w = 0) stays in the loss normaliser (:class:`trainer.algo.grpo.LossAggregation`), unlike verl's
 rollout correction, which removes it from ``response_mask``: with a fixed normaliser the loss is an unbiased estimate
-of the band-restricted on-policy objective (the enumeration tests above), and on the one-pass path a micro-batch's
+of the band-restricted on-policy objective (``tests/trainer/test_behavior.py``), and on the one-pass path a micro-batch's
 rejections are known only after its forward, later than the optimizer step's normaliser (``docs/ALGORITHM.md`` §3.3).
 """
 
