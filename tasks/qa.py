@@ -18,6 +18,13 @@ Answer extraction departs from the paper in where it looks, not in what it finds
   rules agree whenever the model wrote at least one answer tag.
   ``extract_answer(text, paper_prompt_included=True)`` reproduces the paper's rule on
   prompt + response text, for comparisons with published numbers.
+* What counts as the answer is Search-R1's pattern by default (``rule="search_r1"``): the non-greedy
+  ``<answer>(.*?)</answer>`` over the model's turns joined by newlines. An answer cut off inside
+  ``<answer>`` (a turn that ran out of tokens) is then joined to the next complete one: ``<answer> New Yo``
+  … ``<answer> New York City</answer>`` reads ``"New Yo … <answer> New York City"`` and scores 0. Evaluation
+  keeps this rule, for comparability with the paper; ``rule="last_complete"`` (the training option
+  ``reward.qa_answer``) reads the last complete answer, the text after the last ``<answer>`` that its
+  ``</answer>`` closes. :func:`joined_answer` says whether a prediction was so joined.
 * Text the environment inserted is never read as an answer: the ``<information>`` blocks and
   Search-R1's corrective message (which itself contains ``<answer> and </answer>``) are not model
   spans. The paper scans them too; as a model answer always ends the trajectory, that changes the
@@ -34,15 +41,22 @@ import re
 import string
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal
 
 __all__ = [
     "normalize_answer",
     "find_tags",
     "extract_answer",
+    "joined_answer",
+    "last_complete_answer",
+    "AnswerRule",
+    "ANSWER_RULES",
     "exact_match",
     "cover_exact_match",
     "token_f1",
     "retrieval_recall",
+    "golds_outside_question",
+    "gold_shown",
     "qa_reward",
     "qa_scores",
 ]
@@ -72,18 +86,38 @@ def find_tags(text: str, names: tuple[str, ...] = ("answer",)) -> Iterator[tuple
     return ((m.group(1), m.group(2)) for m in _tags_re(tuple(names)).finditer(text))
 
 
-def extract_answer(text: str, *, paper_prompt_included: bool = False) -> str | None:
+AnswerRule = Literal["search_r1", "last_complete"]
+ANSWER_RULES: tuple[str, ...] = ("search_r1", "last_complete")
+_OPEN = "<answer>"
+
+
+def extract_answer(text: str, *, paper_prompt_included: bool = False, rule: AnswerRule = "search_r1") -> str | None:
     """Content (stripped) of the last ``<answer>…</answer>`` in ``text``; ``None`` if absent.
 
     ``paper_prompt_included=True`` applies the paper's rule to prompt + response text: fewer
     than two matches gives ``None`` (the first is assumed to be the prompt's example).
     Matching is the paper's non-greedy DOTALL regex, so ``<answer><answer>x</answer>`` yields
-    ``"<answer>x"`` and an unclosed ``<answer>`` yields nothing.
+    ``"<answer>x"`` and an unclosed ``<answer>`` yields nothing. ``rule="last_complete"`` keeps only what
+    follows the match's last ``<answer>`` (``"x"``): an earlier answer left open (cut off) is not joined to it.
     """
+    if rule not in ANSWER_RULES:
+        raise ValueError(f"unknown answer rule {rule!r}; choose {' or '.join(ANSWER_RULES)}")
     matches = [content for _, content in find_tags(text)]
     if len(matches) < (2 if paper_prompt_included else 1):
         return None
-    return matches[-1].strip()
+    return (last_complete_answer(matches[-1]) if rule == "last_complete" else matches[-1]).strip()
+
+
+def last_complete_answer(content: str) -> str:
+    """What follows the last ``<answer>`` in a match's ``content`` (all of it when there is none): the answer that
+    the closing tag closes, without an earlier one that was left open."""
+    return content.rsplit(_OPEN, 1)[-1]
+
+
+def joined_answer(prediction: str | None) -> bool:
+    """Whether a Search-R1-rule prediction joined an earlier, unclosed ``<answer>`` to the answer that closed
+    (its content holds an opening tag)."""
+    return prediction is not None and _OPEN in prediction
 
 
 def _as_list(golds: str | Iterable[str]) -> list[str]:
@@ -134,6 +168,11 @@ def token_f1(prediction: str | None, golds: str | Iterable[str]) -> float:
     return max(_f1(pred, normalize_answer(g).split()) for g in golds)
 
 
+def _padded(text: str) -> str:
+    """SQuAD-normalised ``text`` between spaces, for token-bounded containment (``" g " in _padded(t)``)."""
+    return f" {normalize_answer(text)} "
+
+
 def retrieval_recall(passages: Iterable[str], golds: str | Iterable[str]) -> float:
     """1.0 if any retrieved passage contains a gold answer, else 0.0.
 
@@ -143,10 +182,27 @@ def retrieval_recall(passages: Iterable[str], golds: str | Iterable[str]) -> flo
     """
     golds = [g for g in (normalize_answer(x) for x in _as_list(golds)) if g]
     for passage in passages:
-        padded = f" {normalize_answer(passage)} "
+        padded = _padded(passage)
         if any(f" {g} " in padded for g in golds):
             return 1.0
     return 0.0
+
+
+def golds_outside_question(question: str, golds: str | Iterable[str]) -> list[str]:
+    """The gold answers that the question does not itself contain (SQuAD-normalised, token-bounded), in order.
+
+    A comparison question names its answer ("Who was born first, Gene Mayer or Serena Williams?" → "Gene Mayer"):
+    a passage that repeats it shows the model nothing it had not been told. Empty when every gold is in the question.
+    """
+    padded = _padded(question)
+    return [g for g in _as_list(golds) if (n := normalize_answer(g)) and f" {n} " not in padded]
+
+
+def gold_shown(passages: Iterable[str], question: str, golds: str | Iterable[str]) -> float:
+    """1.0 if a passage contains a gold answer that the question does not (:func:`golds_outside_question`,
+    :func:`retrieval_recall`'s token-bounded match), else 0.0: the evidence reached the model."""
+    outside = golds_outside_question(question, golds)
+    return retrieval_recall(passages, outside) if outside else 0.0
 
 
 def qa_reward(model_text: str, golds: str | Sequence[str]) -> float:
@@ -162,10 +218,13 @@ def qa_scores(
     model_text: str,
     golds: str | Sequence[str],
     passages: Iterable[str] | None = None,
+    *,
+    rule: AnswerRule = "search_r1",
 ) -> dict[str, float]:
     """All per-item QA metrics for one trajectory's ``model_text``: ``em``, ``f1``, ``cover_em``,
-    ``has_answer`` and, when the retrieved passages are given, ``retrieval_recall``."""
-    pred = extract_answer(model_text)
+    ``has_answer`` and, when the retrieved passages are given, ``retrieval_recall``; the answer read by ``rule``
+    (:func:`extract_answer`)."""
+    pred = extract_answer(model_text, rule=rule)
     scores = {
         "em": exact_match(pred, golds),
         "f1": token_f1(pred, golds),

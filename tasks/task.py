@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from tasks.datasets import MATH_DATASETS, QA_DATASETS
 from tasks.math import DEFAULT_GRADER, Grader, grade_many
-from tasks.qa import exact_match, extract_answer, qa_scores
+from tasks.qa import AnswerRule, exact_match, extract_answer, qa_scores
 
 #: Every name a user may type for a task (``rollout.task``, ``--suite``, a dataset's registry entry).
 TaskName = Literal["qa", "search", "math"]
@@ -47,11 +47,13 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Grading:
-    """How answers are graded (math): the equivalence check, seconds per item, worker processes."""
+    """How answers are graded: math's equivalence check, seconds per item and worker processes; QA's answer rule
+    (:func:`tasks.qa.extract_answer`: ``search_r1``, the paper's and evaluation's, or ``last_complete``)."""
 
     grader: Grader = DEFAULT_GRADER
     timeout: float = 10.0
     workers: int = 2
+    qa_answer: AnswerRule = "search_r1"
 
 
 class Task:
@@ -135,17 +137,19 @@ class QATask(Task):
         return "search_tools" if fmt == "tool_calls" else "search_r1"
 
     def grade(self, texts, golds, grading=Grading(), *, pool=None) -> list[Outcome]:
-        """SQuAD-normalised exact match of the model's last ``<answer>`` (:func:`tasks.qa.qa_reward`'s rule)."""
+        """SQuAD-normalised exact match of the model's last ``<answer>`` (read by ``grading.qa_answer``)."""
         _same_length(texts, golds)
         out = []
         for text, g in zip(texts, golds):
-            answer = extract_answer(text)
+            answer = extract_answer(text, rule=grading.qa_answer)
             out.append(Outcome(exact_match(answer, g), answer))
         return out
 
     def sample_scores(self, texts, golds, passages, grading=Grading(), *, pool=None) -> list[dict[str, Any]]:
         _same_length(texts, golds)
-        return [{"prediction": extract_answer(t), "scores": qa_scores(t, g, p)} for t, g, p in zip(texts, golds, passages)]
+        rule = grading.qa_answer
+        return [{"prediction": extract_answer(t, rule=rule), "scores": qa_scores(t, g, p, rule=rule)}
+                for t, g, p in zip(texts, golds, passages)]
 
     def item_scores(self, samples) -> dict[str, Any]:
         scores = {k: sum(s["scores"][k] for s in samples) / len(samples) for k in samples[0]["scores"]}

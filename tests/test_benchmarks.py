@@ -541,3 +541,23 @@ def test_no_benchmark_script_shadows_an_importable_module():
     finally:
         sys.path[:] = saved
     assert shadowing == [], f"benchmark scripts named like importable modules: {shadowing}"
+
+
+# --------------------------------------------------------------------------- benchmarks/answer_joins.py
+
+
+def test_answer_joins_counts_a_right_answer_lost_to_a_joined_cut_off_one(tmp_path):
+    joins = _load_script("answer_joins", ROOT / "benchmarks" / "answer_joins.py")
+    golds = ["New York City", "NYC"]
+    lost = "New Yo\nMy previous action is invalid.\n<answer> New York City"  # a Search-R1-rule prediction
+    assert joins.classify(lost, golds) == {"samples": 1, "answered": 1, "joined": 1, "lost": 1, "right": 0}
+    assert joins.classify("New Yo\n<answer> Boston", golds)["lost"] == 0  # joined, but wrong either way
+    assert joins.classify("New York City", golds) == {"samples": 1, "answered": 1, "joined": 0, "lost": 0, "right": 1}
+    assert joins.classify(None, golds) == {"samples": 1, "answered": 0, "joined": 0, "lost": 0, "right": 0}
+    (tmp_path / "items").mkdir()
+    row = {"id": "q1", "golds": golds, "samples": [{"prediction": lost}, {"prediction": "NYC"}, {"prediction": None}]}
+    (tmp_path / "items" / "nq.jsonl").write_text(json.dumps(row) + "\n")
+    c = joins.count_eval(tmp_path)
+    assert {k: c[k] for k in ("samples", "answered", "joined", "lost", "right")} == {
+        "samples": 3, "answered": 2, "joined": 1, "lost": 1, "right": 1}
+    assert c["examples"] == [{"id": "q1", "golds": golds, "prediction": lost}]

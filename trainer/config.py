@@ -422,6 +422,12 @@ class RewardConfig:
     qa_reward: Literal["em", "f1", "em_f1"] = option(
         "em", help="search task: the training reward of an answer -- em (exact match, the paper's), f1 (token F1: partial "
         "credit, a denser signal), or em_f1 (their mean); evaluation always reports EM and F1")
+    qa_answer: Literal["search_r1", "last_complete"] = option(
+        "search_r1", help="search task: which answer the training reward reads -- search_r1 (the paper's pattern, "
+        "also what evaluation always uses: the model's turns joined, the first <answer> to the next </answer>, so "
+        "an answer cut off inside <answer> by the turn's token cap swallows the next, complete one and scores 0) or "
+        "last_complete (the text after the last <answer> that a </answer> closes: a cut-off answer no longer hides a "
+        "right one; tasks.qa.extract_answer)")
     no_answer_penalty: float = option(
         0.0, ge=0, le=1, help="search task: subtracted from the reward of a trajectory that gives no answer (no <answer> "
         "tag), so answering wrongly is never worse than not answering; 0: off")

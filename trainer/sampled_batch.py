@@ -251,7 +251,8 @@ def grade(trajectories: list[Trajectory], prompts: list[SampledPrompt], cfg: Any
     golds = [prompts[i // n].example.answers for i in range(len(trajectories))]
     texts = [t.scored_text if t.stop_reason != "error" else "" for t in trajectories]
     r = cfg.reward
-    outcomes = get_task(cfg.rollout.task).grade(texts, golds, Grading(r.math_grader, r.math_timeout, r.math_workers))
+    grading = Grading(r.math_grader, r.math_timeout, r.math_workers, qa_answer=getattr(r, "qa_answer", "search_r1"))
+    outcomes = get_task(cfg.rollout.task).grade(texts, golds, grading)
     if cfg.rollout.task == "search" and (getattr(r, "qa_reward", "em") != "em" or getattr(r, "no_answer_penalty", 0.0)):
         outcomes = shaped_qa_outcomes(outcomes, golds, r.qa_reward, r.no_answer_penalty)
     return outcomes

@@ -62,7 +62,8 @@ def compute_loss(
     q for Top-k kinds, with ``exact_kl`` for the exact kinds); ``stored``: ``advantages`` and
     what :mod:`trainer.stored_stats` stored (no ``old_logp``: on-policy, π_old = the policy
     itself, detached; ``behavior_logp``: the engine's sampling log-probs, the behaviour policy of
-    :mod:`trainer.algo.behavior`, whose weights multiply the PPO term and the KL's importance weight).
+    :mod:`trainer.algo.behavior`, whose weights multiply the PPO term and the importance weights of the KL and
+    distillation terms).
     Returns ``(loss, metrics)`` with the metrics of
     :func:`trainer.algo.grpo.compute_policy_loss` and, with a KL term, of :meth:`trainer.algo.kl_kinds.KLKind.loss`.
     """
@@ -79,15 +80,18 @@ def compute_loss(
     )
     if behavior is not None:
         metrics.update(behavior.metrics)
+    # The sampled terms' importance weight πθ/π_old becomes (πθ/π_old)·w: their samples came from the engine, μ.
+    weighted_old = None if behavior is None or behavior.weights is None else kl_old_logp(old_logp, behavior.weights)
     teacher = teacher_from_stored(stored) if alg.distill.enabled else None
     if teacher is not None:  # trainer.algo.distill: the teacher's scores are stored beside the anchor's
         dloss, dmetrics = distill_loss(alg.distill.estimator, student, teacher, micro_batch.labels, mask, agg,
-                                       old_logp=stored.get("old_logp"), row_weights=stored.get("distill_rows"))
+                                       old_logp=stored.get("old_logp") if weighted_old is None else weighted_old,
+                                       row_weights=stored.get("distill_rows"))
         loss = alg.distill.coef * dloss + (0.0 if alg.distill.mode == "alone" else loss)
         metrics.update(dmetrics)
     kl = alg.kl
     if kl.enabled:
-        kl_old = old_logp if behavior is None or behavior.weights is None else kl_old_logp(old_logp, behavior.weights)
+        kl_old = old_logp if weighted_old is None else weighted_old
         kloss, kl_metrics = get_kl_kind(kl.type).loss(
             policy, anchor_from_stored(stored, policy), micro_batch.labels, mask, agg, cfg=kl, old_logp=kl_old
         )

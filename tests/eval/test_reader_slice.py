@@ -5,9 +5,11 @@ import json
 
 import pytest
 
-from eval.reader_slice import READER_SLICE_FILE, RULE, in_slice, load_reader_slice, shown_text, starter_digest
+from eval.reader_slice import (READER_SLICE_FILE, RULE, RULES, in_slice, load_reader_slice, rule_name, shown_text,
+                               starter_digest)
 from tasks.datasets import QA_DATASETS, heldout_ids, load_dataset
 from tasks.heldout import question_key
+from tasks.qa import golds_outside_question
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +20,9 @@ def recorded():
 def test_the_slice_is_recorded_with_its_rule_and_the_shipped_starters_digest(recorded):
     from emapg.models import STARTER
 
-    assert json.loads(READER_SLICE_FILE.read_text())["rule"] == RULE
+    # recorded by the rule of its day, kept as recorded; slices built from now on leave out golds the question names
+    assert json.loads(READER_SLICE_FILE.read_text())["rule"] == recorded.rule == RULES["gold_in_passages"] != RULE
+    assert rule_name(recorded.rule) == "gold_in_passages"
     assert recorded.starter == STARTER
     # rebuilt only with the starter: a new starter fails here until scripts/build_reader_slice.py runs again
     assert recorded.starter_digest == starter_digest()
@@ -63,12 +67,60 @@ def test_the_rule_recomputed_from_the_record_gives_the_recorded_membership(recor
     wanted = {pid for q in sample for ids in q["retrieved_ids"] for pid in ids}
     passages = {p.id: p.contents for p in iter_corpus(BUNDLED_CORPUS) if p.id in wanted}
     assert set(passages) == wanted
-    golds = {ex.id: ex.answers for ds in QA_DATASETS for ex in load_dataset(ds, split="heldout")}
+    examples = {ex.id: ex for ds in QA_DATASETS for ex in load_dataset(ds, split="heldout")}
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))  # the starter's own tokenizer
     budget = recorded.protocol["max_obs_tokens"]
     for q in sample:
         searches = [[passages[pid] for pid in ids] for ids in q["retrieved_ids"]]
-        assert in_slice(searches, golds[q["id"]], tokenizer, budget) == q["in_slice"], q["id"]
+        ex = examples[q["id"]]
+        assert in_slice(searches, ex.question, ex.answers, tokenizer, budget, rule="gold_in_passages") == q["in_slice"], q["id"]
+        if golds_outside_question(ex.question, ex.answers) == list(ex.answers):  # no gold in the question: the rules agree
+            assert in_slice(searches, ex.question, ex.answers, tokenizer, budget) == q["in_slice"], q["id"]
     # the budget matters: the observation is cut, so a passage's tail can be out of view
     long = [[passages[pid] for pid in ids] for q in sample for ids in q["retrieved_ids"]][:1]
     assert len(tokenizer(shown_text(long, tokenizer, budget)[0])["input_ids"]) <= budget + 2
+
+
+def test_todays_rule_leaves_out_the_slice_questions_that_name_their_answer(recorded):
+    """The recorded slice's comparison questions in the slice ("Who was born first, X or Y?" -> "Y"): by today's rule
+    they are in only when a passage shows a gold the question does not name (none is)."""
+    from transformers import AutoTokenizer
+
+    from emapg.models import resolve_model
+    from eval.reader_slice import corpus_passages
+
+    examples = {ex.id: ex for ds in QA_DATASETS for ex in load_dataset(ds, split="heldout")}
+    named = [q for ds in QA_DATASETS for q in recorded.questions[ds]
+             if q["in_slice"] and golds_outside_question(examples[q["id"]].question, examples[q["id"]].answers) == []]
+    assert len(named) >= 3
+    passages = corpus_passages({pid for q in named for ids in q["retrieved_ids"] for pid in ids})
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    for q in named:
+        ex = examples[q["id"]]
+        searches = [[passages[pid] for pid in ids] for ids in q["retrieved_ids"]]
+        assert in_slice(searches, ex.question, ex.answers, tokenizer, recorded.protocol["max_obs_tokens"]) is False
+    with pytest.raises(ValueError, match="unknown reader-slice rule 'x'"):
+        in_slice([], "q", ["a"], tokenizer, 10, rule="x")
+
+
+def test_a_new_slice_is_built_by_todays_rule(tmp_path):
+    """slice_from_eval on a greedy run's items: membership recomputed from the retrieved passage ids, a gold the
+    question names left out (a passage about the number 0 shows "0" for the second question but not the first)."""
+    from transformers import AutoTokenizer
+
+    from emapg.models import resolve_model
+    from eval.items import append_items
+    from eval.reader_slice import slice_from_eval
+
+    def record(i, question, golds):
+        sample = {"retrieved_ids": [["vital-0", "vital-2"]], "queries": ["zero"], "scores": {"em": 0.0, "retrieval_recall": 1.0}}
+        return {"id": f"nq-{i}", "question": question, "golds": golds, "scores": sample["scores"], "samples": [sample]}
+
+    (tmp_path / "items").mkdir()
+    append_items(tmp_path, "nq", [record(1, "Which is smaller, 0 or 1?", ["0"]), record(2, "What is the additive identity?", ["0"]),
+                                  record(3, "Which race is the shortest sprint?", ["200 metres"])])
+    protocol = {"name": "qa_quick", "max_obs_tokens": 256}
+    made = slice_from_eval(tmp_path, ["nq"], protocol=protocol, starter="x",
+                           tokenizer=AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")))
+    assert made["rule"] == RULE and made["ids"] == {"nq": ["nq-2"]} and made["size"] == 1
+    assert [q["in_slice"] for q in made["questions"]["nq"]] == [False, True, False]

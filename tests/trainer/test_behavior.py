@@ -332,3 +332,26 @@ def test_token_band_masking_counts_tokens_and_sequences():
     out = behavior_metrics(m)
     assert out["behavior/masked_frac"] == pytest.approx(3 / 7)
     assert out["behavior/masked_seq_frac"] == pytest.approx(1 / 3) and out["behavior/partly_masked_seq_frac"] == pytest.approx(2 / 3)
+
+
+def test_a_rejected_token_stays_in_the_normaliser():
+    """MIS drops a token (w = 0): it adds nothing to the loss but still counts in the token-mean normaliser (unlike
+    verl's rollout correction; docs/ALGORITHM.md §3.3): the loss is the kept token's term over both tokens."""
+    prox, behav, adv = _setup(3)
+    labels = torch.tensor([[0, 1]])
+    theta = prox.clone().requires_grad_(True)
+    policy = token_stats_from_logits(theta.expand(1, 2, V), labels)
+    lp_prox, lp_behav = torch.log_softmax(prox, -1), torch.log_softmax(behav, -1)
+    behav_row = lp_behav[:2].clone()
+    behav_row[1] = lp_prox[1] + math.log(10.0)  # ρ = 0.1 on token 1: outside the band, dropped
+    stored = {"advantages": adv[None, :2].clone(), "old_logp": lp_prox[None, :2].clone(), "behavior_logp": behav_row[None]}
+    alg = _alg("mis", behavior_band=[0.2, 5.0])
+    both = torch.ones(1, 2, dtype=torch.float64)
+    loss, m = compute_loss(policy, MicroBatch(labels, torch.ones_like(labels), both, 2, stored), stored, alg,
+                           LossAggregation.for_batch("token-mean", both))
+    assert float(m["behavior/masked"]) == 1.0
+    first = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    kept = lambda n: compute_loss(policy, MicroBatch(labels, torch.ones_like(labels), first, 2, stored), stored, alg,  # noqa: E731
+                                  LossAggregation("token-mean", n, 1.0))[0]
+    torch.testing.assert_close(loss, kept(2.0), rtol=1e-12, atol=1e-12)  # N = 2: the rejected token counts
+    assert abs(float((loss - kept(1.0)).detach())) > 1e-6  # verl's N = 1 would double it

@@ -229,3 +229,94 @@ def test_registry_config_and_metrics():
                            "update/tokens": 8.0}, world_size=1, steps=2)
     assert out == {"distill/reverse_kl": 0.5, "distill/value_mean": 0.25, "distill/loss": 1.5, "distill/tokens": 4.0,
                    "distill/token_frac": 0.5}
+
+
+# --- off-policy: the engine (μ) sampled the tokens, not π_old -----------------------------------------------------
+# One V-token state sampled from μ: position p samples token p under its own one-token mask, so Σ_p μ(p)·loss(p) is
+# the exact expectation over the engine's samples of what compute_loss returns, and its gradient the expected gradient.
+
+
+def _behaviour_setup(seed, theta_offset):
+    g = torch.Generator().manual_seed(seed)
+    prox = 1.1 * torch.randn(V, dtype=torch.float64, generator=g)  # π_old (the proximal policy) logits
+    behav = prox + 0.9 * torch.randn(V, dtype=torch.float64, generator=g)  # μ: the engine, far from π_old
+    phi = 1.3 * torch.randn(V, dtype=torch.float64, generator=g)  # the teacher
+    theta = (prox + theta_offset * torch.randn(V, dtype=torch.float64, generator=g)).requires_grad_(True)
+    return prox, behav, phi, theta
+
+
+def _expected_under_engine(estimator, theta, prox, behav, phi, *, correction, stored_old, k=3, band=(0.0, 1e12)):
+    """Σ_p μ(p)·compute_loss(p) and its gradient in θ (distillation alone, coef 1, no KL term)."""
+    teacher, labels, idx = _teacher(phi, k)
+    gather = idx if get_distill_estimator(estimator).needs_topk else None
+    policy = token_stats_from_logits(theta.expand(1, V, V), labels, gather_indices=gather, entropy=True)
+    stored = {"advantages": torch.zeros(1, V, dtype=torch.float64), "behavior_logp": torch.log_softmax(behav, -1)[None].clone(),
+              "teacher_logp": teacher.logp, "teacher_topk_logp": teacher.topk_logp, "teacher_topk_indices": teacher.topk_indices}
+    if stored_old:  # a separate π_old pass; else the training pass's own log-probs are π_old (θ = π_old)
+        stored["old_logp"] = torch.log_softmax(prox, -1)[None].clone()
+    alg = AlgorithmConfig(kl=KLConfig(enabled=False), behavior_correction=correction, behavior_cap=1e12,
+                          behavior_band=list(band),
+                          distill=DistillConfig(enabled=True, teacher="t", coef=1.0, mode="alone", estimator=estimator))
+    mu = torch.softmax(behav, -1)
+    total = 0.0
+    for p in range(V):
+        m = torch.zeros(1, V, dtype=torch.float64)
+        m[0, p] = 1.0
+        loss, _ = compute_loss(policy, MicroBatch(labels, torch.ones_like(labels), m, V, stored), stored, alg,
+                               LossAggregation("token-mean", 1.0, 1.0))
+        total = total + mu[p] * loss
+    return total.detach(), torch.autograd.grad(total, theta)[0]
+
+
+def _uncorrected_under_engine(estimator, theta, prox, behav, phi, k=3):
+    """What distill_loss gave before the fix: the π_old importance weight alone on μ's samples (no w)."""
+    teacher, labels, idx = _teacher(phi, k)
+    gather = idx if get_distill_estimator(estimator).needs_topk else None
+    policy = token_stats_from_logits(theta.expand(1, V, V), labels, gather_indices=gather)
+    old = torch.log_softmax(prox, -1)[None]
+    mu = torch.softmax(behav, -1)
+    total = 0.0
+    for p in range(V):
+        m = torch.zeros(1, V, dtype=torch.float64)
+        m[0, p] = 1.0
+        loss, _ = distill_loss(estimator, policy, teacher, labels, m, LossAggregation("token-mean", 1.0, 1.0), old_logp=old)
+        total = total + mu[p] * loss
+    return total.detach(), torch.autograd.grad(total, theta)[0]
+
+
+@pytest.mark.parametrize("estimator,k", [("sampled_reverse_kl", 0), ("topk_reverse_kl", 3), ("topk_reverse_kl", 1)])
+@pytest.mark.parametrize("correction", ["tis", "mis"])  # w = ρ exactly: a cap no ρ reaches, a band holding every ρ
+@pytest.mark.parametrize("stored_old,offset", [(False, 0.0), (True, 0.0), (True, 0.2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reverse_kl_estimators_are_unbiased_off_policy_with_the_behaviour_weights(estimator, k, correction, stored_old, offset, seed):
+    """Tokens from μ ≠ π_old, weighted by w = ρ = π_old/μ: the expected value and gradient are KL(πθ‖π_T) and
+    ∇KL(πθ‖π_T), as on-policy (θ = π_old on the one-pass path; any θ with a stored π_old)."""
+    prox, behav, phi, theta = _behaviour_setup(seed, offset)
+    value, grad = _expected_under_engine(estimator, theta, prox, behav, phi, correction=correction, stored_old=stored_old, k=k)
+    kl = _exact_kl(theta, phi)
+    torch.testing.assert_close(value, kl.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, torch.autograd.grad(kl, theta)[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("estimator,k", [("sampled_reverse_kl", 0), ("topk_reverse_kl", 3)])
+def test_without_the_behaviour_weights_the_estimators_were_biased_off_policy(estimator, k):
+    """The code before the fix (π_old's importance weight, not w) on μ's samples: off in value and gradient."""
+    prox, behav, phi, theta = _behaviour_setup(0, 0.0)
+    value, grad = _uncorrected_under_engine(estimator, theta, prox, behav, phi, k=k)
+    kl = _exact_kl(theta, phi)
+    true_grad = torch.autograd.grad(kl, theta)[0]
+    assert abs(float(value - kl.detach())) > 0.02 * float(kl.detach())
+    assert float((grad - true_grad).abs().max()) > 0.02
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+@pytest.mark.parametrize("stored_old", [False, True])
+def test_topk_forward_kl_is_unaffected_by_the_behaviour_policy(correction, stored_old):
+    """No sampled term: every sample gives the coarsened forward KL and its gradient, so any sampling distribution
+    and any weights give them in expectation (μ sums to 1)."""
+    prox, behav, phi, theta = _behaviour_setup(2, 0.1 if stored_old else 0.0)
+    value, grad = _expected_under_engine("topk_forward_kl", theta, prox, behav, phi, correction=correction,
+                                         stored_old=stored_old, k=3, band=(0.0, 1e12))
+    exact = _coarsened_forward_kl(theta, phi, 3)
+    torch.testing.assert_close(value, exact.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, torch.autograd.grad(exact, theta)[0], rtol=1e-10, atol=1e-12)

@@ -29,10 +29,16 @@ loss tokens (the exact sequence weight) for every token of it; ``geometric`` use
 
 EMA-PG: the Top-k set q and the tail's importance weight πθ/π_old use the proximal policy; the tail's
 sample came from μ, so its weight becomes (πθ/π_prox)·w (:func:`kl_old_logp` folds ``w`` into the
-log-prob the KL kind divides by). Conditions for an unbiased tail: ``kl.importance_weight=true``,
+log-prob the KL kind divides by; the distillation estimators' importance weights take the same fold,
+:mod:`trainer.algo.distill`). Conditions for an unbiased tail: ``kl.importance_weight=true``,
 ``w = ρ`` exactly (``tis`` with a cap no ρ reaches, ``mis`` with a band containing every ρ), and
 supp(π_prox) ⊆ supp(μ) on the tail (false with ``rollout.top_p < 1``: tokens outside the nucleus are
 never sampled). The Top-k head is computed exactly at every visited prefix and needs no correction.
+
+A token MIS drops (w = 0) stays in the loss normaliser (:class:`trainer.algo.grpo.LossAggregation`), unlike verl's
+rollout correction, which removes it from ``response_mask``: with a fixed normaliser the loss is an unbiased estimate
+of the band-restricted on-policy objective (``tests/trainer/test_behavior.py``), and on the one-pass path a micro-batch's
+rejections are known only after its forward, later than the optimizer step's normaliser (``docs/ALGORITHM.md`` §3.3).
 """
 
 from __future__ import annotations

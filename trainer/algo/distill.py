@@ -33,6 +33,12 @@ Estimators (registered by name, :func:`get_distill_estimator`), each a per-token
   answers at once where the teacher searches, ``docs/training.md``). The prefixes are the student's own
   samples (GKD's on-policy data with its forward-KL divergence, arXiv 2306.13649).
 
+Off-policy (the engine μ sampled the tokens, not π_old: ``rollout.max_staleness`` ≥ 1, top-p, other kernels) the
+sampled terms need the behaviour correction's weight w: the caller passes ``old_logp`` = log π_old − log w
+(:func:`trainer.algo.behavior.kl_old_logp`, as for the KL term), so s becomes (πθ/π_old)·w; with w = ρ = π_old/μ the
+expected value and gradient over μ's samples are the on-policy ones (``tests/trainer/test_distill.py``, by
+enumeration). ``topk_forward_kl`` has no sampled term and ignores ``old_logp``.
+
 Modes (:data:`DistillMode`): ``alone`` — the loss is the distillation term (the task reward's
 policy-gradient term is dropped); ``added`` — the task's policy loss + coef · distillation;
 ``below_best`` — added, but only on trajectories whose reward is below their group's best
@@ -231,9 +237,10 @@ def distill_loss(
     """The distillation loss of one micro-batch (normalised like the policy loss by ``agg``) and its metric sums.
 
     ``policy``: the student's differentiable statistics (gathered on ``teacher.topk_indices`` for a
-    top-k estimator); ``labels``, ``loss_mask``: ``(B, T)``; ``old_logp``: π_old of the sampled tokens
-    (``None``: on-policy); ``row_weights``: ``(B, T)`` or ``(B, 1)`` multipliers (``below_best``: 1 on the
-    rows to distil, 0 elsewhere). Metrics (detached sums): ``distill/tokens`` distilled tokens,
+    top-k estimator); ``labels``, ``loss_mask``: ``(B, T)``; ``old_logp``: log π_old of the sampled tokens, minus
+    log w of the behaviour correction when the engine sampled them (``None``: on-policy); ``row_weights``: ``(B, T)``
+    or ``(B, 1)`` multipliers (``below_best``: 1 on the rows to distil, 0 elsewhere; the rows left out still count in
+    ``agg``'s normaliser, so a distilled token weighs as in ``added``). Metrics (detached sums): ``distill/tokens`` distilled tokens,
     ``distill/rkl_sum`` Σ(log πθ − log π_T) on them (the sampled reverse-KL estimate),
     ``distill/value_sum`` Σ of the estimator's per-token values, ``distill/loss`` the aggregated loss.
     """
