@@ -121,7 +121,8 @@ def training_signal(cfg: TrainConfig) -> dict[str, Any]:
     """What the run learned from, beyond the algorithm: the reward's form, the random-reward control, what was done
     with groups of equal rewards (recorded in the provenance, so a result names its levers)."""
     r, ro = cfg.reward, cfg.rollout
-    return {"qa_reward": r.qa_reward if ro.task == "search" else None, "no_answer_penalty": r.no_answer_penalty,
+    return {"qa_reward": r.qa_reward if ro.task == "search" else None,
+            "qa_answer": r.qa_answer if ro.task == "search" else None, "no_answer_penalty": r.no_answer_penalty,
             "shuffle_control": r.shuffle_control, "uniform_groups": ro.uniform_groups, "filter_groups": ro.filter_groups,
             "guidance": cfg.algorithm.guidance, **controller_card(cfg.algorithm)}
 

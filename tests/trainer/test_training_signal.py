@@ -44,7 +44,7 @@ def test_a_run_drops_uniform_groups_trains_on_shuffled_rewards_and_records_its_s
         provenance = trainer.provenance
     finally:
         trainer.close()
-    assert provenance["training_signal"] == {"qa_reward": "em_f1", "no_answer_penalty": 0.05, "shuffle_control": True,
+    assert provenance["training_signal"] == {"qa_reward": "em_f1", "qa_answer": "search_r1", "no_answer_penalty": 0.05, "shuffle_control": True,
                                              "uniform_groups": "drop", "filter_groups": False, "guidance": "none",
                                              "entropy_coef": 0.0, "entropy_control": None}
     n = cfg.rollout.n_samples
