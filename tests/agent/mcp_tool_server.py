@@ -1,8 +1,9 @@
 """A stdio MCP server for tests/agent/test_mcp_tools.py: a ``search`` tool (what the scripted tool caller calls) that
 behaves as argv[1] says -- ``ok`` (a passage), ``hang`` (never answers), ``big`` (100,000 characters), ``fail``
-(raises) -- and a second tool, ``lookup``. Run as ``python mcp_tool_server.py MODE``."""
+(raises) -- a second tool, ``lookup``, and ``crash``, which ends the server process (a transport that fails). Run as ``python mcp_tool_server.py MODE``."""
 
 import asyncio
+import os
 import sys
 
 from mcp.server.mcpserver import MCPServer
@@ -28,6 +29,12 @@ async def search(query: str) -> str:
 def lookup(key: str) -> str:
     """Look a key up."""
     return key.upper()
+
+
+@server.tool()
+def crash() -> str:
+    """End this server's process at once (what a crashed tool server does to its client's transport)."""
+    os._exit(3)
 
 
 if __name__ == "__main__":
