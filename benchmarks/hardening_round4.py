@@ -190,14 +190,13 @@ def main() -> int:
             return 1
         before = json.loads(proc.stdout.strip().splitlines()[-1])
     after = measure(args.cases)
-    result = {"before": before, "after": after, "cases": args.cases}
-    if before:
-        ratios = {}
-        for case, key in (("score_topk", "poll_max_s"), ("score_body", "poll_max_s"), ("viewer_gold", "poll_max_s"),
-                          ("score_abandoned", "generate_after_abandon_s"), ("calculator", "round_s")):
-            if case in before and case in after and after[case].get(key):
-                ratios[f"before_over_after_{key}_{case}"] = before[case][key] / after[case][key]
-        result["ratios"] = ratios
+    ratios = {}
+    for case, key in (("score_topk", "poll_max_s"), ("score_body", "poll_max_s"), ("viewer_gold", "poll_max_s"),
+                      ("score_abandoned", "generate_after_abandon_s"), ("calculator", "round_s")):
+        if before and case in before and case in after and after[case].get(key):
+            ratios[f"before_over_after_{key}_{case}"] = before[case][key] / after[case][key]
+    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), **ratios, "cases": args.cases, "before": before, "after": after,
+              "machine": f"{os.cpu_count()} CPUs, {sys.platform}"}
     for case in args.cases:
         print(f"{case:16} before {json.dumps(before.get(case)) if before else '-'}\n{'':16} after  {json.dumps(after.get(case))}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

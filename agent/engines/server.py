@@ -193,6 +193,8 @@ class ScoreBody(_Strict):
 
 #: A /score body up to this size is parsed on the event loop (cheaper than a thread hop); larger ones in a worker.
 INLINE_BYTES = 64 << 10
+#: An answer of at most this many values (log-probs and top-k values) is encoded on the event loop (a few ms).
+INLINE_VALUES = 1 << 16
 #: How often a request whose answer the engine is computing checks that its client is still there.
 DISCONNECT_POLL_S = 0.2
 
@@ -360,9 +362,15 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
 
     score_budget = ScoreBudget(cfg.max_score_values)
 
-    def parse_score(body: bytes) -> tuple[dict, list[list[int]]]:
+    def parse_score(body: bytes, engine: Any) -> tuple[dict, list[list[int]]]:
+        """The body's fields and its token ids, every id checked against the vocabulary and the context (422)."""
         data = check_fields(parse_json(body), "body", ("token_ids", "start", "topk", "temperature"), ("token_ids", "start"))
-        return data, parse_prompts(data["token_ids"], cfg.max_prompts_per_request, "token_ids")
+        ids = parse_prompts(data["token_ids"], cfg.max_prompts_per_request, "token_ids")
+        try:
+            check_prompts(ids, engine.vocab_size, engine.max_model_len, 1)
+        except ValueError as e:
+            raise HTTPError(422, str(e)) from None
+        return data, ids
 
     @app.post("/score", openapi_extra=openapi_body(ScoreBody))
     @endpoint
@@ -375,7 +383,7 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         when the client goes away (the engine checks between sequences and between layers)."""
         engine = ready_engine()
         body = await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout)
-        data, ids = parse_score(body) if len(body) <= INLINE_BYTES else await prep.run(parse_score, body)
+        data, ids = parse_score(body, engine) if len(body) <= INLINE_BYTES else await prep.run(parse_score, body, engine)
         start = data["start"]
         if not isinstance(start, list) or len(start) != len(ids):
             raise HTTPError(422, "'start' must be a list with one integer in [1, len(token_ids[i])] per sequence")
@@ -387,10 +395,6 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         if values > cfg.max_score_values:
             raise HTTPError(413, f"the answer would hold {values} top-k values > --max-score-values {cfg.max_score_values}; "
                                  "score fewer or shorter sequences per request, or a smaller topk", "score_too_large")
-        try:
-            check_prompts(ids, engine.vocab_size, engine.max_model_len, 1)
-        except ValueError as e:
-            raise HTTPError(422, str(e)) from None
         if with_topk and not hasattr(engine, "score_topk"):
             raise HTTPError(422, f"the {engine.info.kind} engine cannot score top-k tokens")
         stop = threading.Event()
@@ -404,7 +408,10 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
             scored = await run(unless_gone(request, fut, stop, loop_.counters))
             rows = [finite_or_none(r.logprobs) for r in scored] if with_topk else [finite_or_none(r) for r in scored]
             note_nonfinite(rows)
-            return Response(await prep.run(encode_scores, rows, scored if with_topk else None), media_type="application/json")
+            extra = scored if with_topk else None
+            small = values + sum(map(len, rows)) <= INLINE_VALUES  # a few ms to encode: not worth a thread hop
+            body = encode_scores(rows, extra) if small else await prep.run(encode_scores, rows, extra)
+            return Response(body, media_type="application/json")
 
     # ------------------------------------------------------------------ sleep / wake
     @app.post("/sleep")
