@@ -31,6 +31,12 @@ from agent.engines.sampling import sample
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _rows(t: torch.Tensor, chunk: int = 256) -> list[list]:
+    """``t.tolist()`` of a 2-D tensor, ``chunk`` rows at a time: one ``tolist`` of millions of values holds the
+    interpreter lock for a second, which the generation server's event loop (``/health``) would wait out."""
+    return [row for i in range(0, len(t), chunk) for row in t[i : i + chunk].tolist()]
+
+
 @contextlib.contextmanager
 def _before_each_layer(model: torch.nn.Module, hook: Callable[..., None] | None) -> Iterator[None]:
     """``hook`` called before each block of the model's (first, longest) layer list -- a decoder's layers -- while
@@ -271,7 +277,7 @@ class HFEngine:
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
                 logp = (self.model(input_ids=x).logits[0, s - 1 : len(ids) - 1].float() / temperature).log_softmax(-1)
                 top = torch.topk(logp, topk, dim=-1)
-                out.append(ScoredTokens(logp.gather(-1, x[0, s:, None])[:, 0].tolist(), top.indices.tolist(), top.values.tolist()))
+                out.append(ScoredTokens(logp.gather(-1, x[0, s:, None])[:, 0].tolist(), _rows(top.indices), _rows(top.values)))
         return out
 
     # ------------------------------------------------------------------ weights
