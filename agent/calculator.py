@@ -169,10 +169,10 @@ class Sandbox:
     ``QUICK_SECONDS + LONG_WAIT_SECONDS + WALL_SECONDS``. At most :data:`MAX_CHILDREN` children exist at a time;
     an expression beyond that is refused at once."""
 
-    def __init__(self, *, long_slots: int | None = None) -> None:
+    def __init__(self) -> None:
         import asyncio
 
-        self._long = asyncio.Semaphore(LONG_SLOTS if long_slots is None else long_slots)
+        self._long = asyncio.Semaphore(LONG_SLOTS)
         self.children = 0
 
     async def calculate(self, expression: str) -> str:
