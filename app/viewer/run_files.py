@@ -10,8 +10,8 @@ readable and say what is not, never fail a request on it. So every reader here:
   checked with ``fstat`` on the descriptor, so nothing can swap the file between the check and the read); a symlink
   is followed only when its target stays inside the run folder (a link out of it, e.g. to ``/etc/passwd``, is
   reported as outside the run). At most :data:`MAX_FILE_BYTES` of a file are read;
-* reads **line by line from bytes**: each line is decoded on its own (a torn UTF-8 line is one skipped record, not
-  an unreadable file), parsed as JSON with ``NaN``/``Infinity`` as null (the trainer writes them bare), and kept only
+* reads **line by line from bytes** (:func:`emapg.jsonl.parse_lines`, what the trainer's own readers use): each line
+  is decoded on its own (a torn UTF-8 line is one skipped record, not an unreadable file), parsed as JSON with ``NaN``/``Infinity`` as null (the trainer writes them bare), and kept only
   when it is an object no deeper than :data:`MAX_RECORD_DEPTH` levels whose strings are valid Unicode (a lone
   surrogate escape would make the answer unencodable);
 * **counts** what it skipped (:class:`FileReport`), which the API shows with the run (``problems``).
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from emapg.jsonl import parse_lines
 from emapg.server_input import HTTPError, check_json_value
 
 __all__ = ["MAX_FILE_BYTES", "MAX_RECORD_DEPTH", "FileReport", "RunFiles", "int_field"]
@@ -88,16 +89,15 @@ def _constant(_name: str) -> None:
     return None  # NaN, Infinity, -Infinity: what the trainer writes for a non-finite number; shown as missing
 
 
-def parse_record(line: bytes) -> dict[str, Any] | None:
-    """One JSON-lines record, or None when the line is not a record the viewer can show (module docstring)."""
+def _showable(value: Any) -> bool:
+    """Whether a parsed record is one the viewer can show: an object, not too deep, valid Unicode."""
+    if not isinstance(value, dict):
+        return False
     try:
-        value = json.loads(line.decode("utf-8"), parse_constant=_constant)
-        if not isinstance(value, dict):
-            return None
         check_json_value(value, "record", max_depth=MAX_RECORD_DEPTH)
-    except (UnicodeDecodeError, ValueError, RecursionError, HTTPError):
-        return None
-    return value
+    except HTTPError:
+        return False
+    return True
 
 
 def int_field(value: Any, default: int | None = 0) -> int | None:
@@ -195,20 +195,17 @@ class RunFiles:
         raises on -- a field of the wrong type -- is skipped and counted); [] when absent or unreadable."""
 
         def parse(data: bytes, report: FileReport) -> list[dict[str, Any]]:
+            parsed, report.skipped = parse_lines(data, parse_constant=_constant)
             out = []
-            for line in data.split(b"\n"):
-                if not line.strip():
-                    continue
-                record = parse_record(line)
-                if record is not None and keep is not None:
-                    try:
-                        record = record if keep(record) else None
-                    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError):
-                        record = None
-                if record is None:
-                    report.skipped += 1
-                else:
+            for record in parsed:
+                try:
+                    shown = _showable(record) and (keep is None or keep(record))
+                except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError):
+                    shown = False
+                if shown:
                     out.append(record)
+                else:
+                    report.skipped += 1
             return out
 
         return self._cached(name, parse) or []
@@ -217,8 +214,11 @@ class RunFiles:
         """The JSON object in the file ``name`` ({} when absent, unreadable or not such an object: then reported)."""
 
         def parse(data: bytes, report: FileReport) -> dict[str, Any]:
-            record = parse_record(data)
-            if record is None:
+            try:
+                record = json.loads(data.decode("utf-8"), parse_constant=_constant)
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                record = None
+            if not _showable(record):
                 report.skipped = 1
                 return {}
             return record

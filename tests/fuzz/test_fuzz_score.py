@@ -79,23 +79,24 @@ def test_a_large_body_of_token_ids_is_parsed_off_the_loop(tiny_server):
     assert status == 200 and len(latencies) >= 1
 
 
-def test_the_score_budget_refuses_a_second_maximal_answer(tiny_server):
-    """Two maximal answers at once would hold twice --max-score-values: the second is refused (503, Retry-After),
-    never queued holding its memory; the first is answered."""
-    ids = [[(5 * i + j) % 2000 + 3 for j in range(4096)] for i in range(4)]
-    body = {"token_ids": ids, "start": [1] * 4, "topk": 1024}
-    with httpx.Client(timeout=600) as c:
-        first: dict = {}
-        t = threading.Thread(target=lambda: first.update(r=c.post(tiny_server.url + "/score", headers=H, json=body).status_code))
-        t.start()
-        time.sleep(0.5)
-        with httpx.Client(timeout=600) as c2:
-            second = c2.post(tiny_server.url + "/score", headers=H, json=body)
-        t.join()
-    assert first["r"] == 200
-    assert second.status_code in (200, 503)  # 200 only when the first was answered before the second arrived
-    if second.status_code == 503:
-        assert second.headers["retry-after"] == "1" and "--max-score-values" in second.json()["detail"]
+def test_the_score_budget_refuses_what_would_exceed_it():
+    """Answers being built hold at most --max-score-values values together: a second answer that would pass the bound
+    is refused at once (503, Retry-After), never queued holding its memory; one answer alone always fits (its size
+    was checked against the same bound: 413); the budget is given back however the request ends."""
+    from agent.engines.server import ScoreBudget
+    from emapg.server_input import HTTPError
+
+    budget = ScoreBudget(100)
+    with budget.holding(100):
+        with pytest.raises(HTTPError) as refused:
+            with budget.holding(1):
+                pass
+        assert refused.value.status == 503 and refused.value.retry_after == 1 and "--max-score-values" in refused.value.message
+    with budget.holding(60), budget.holding(40):
+        assert budget.held == 100
+    with pytest.raises(RuntimeError), budget.holding(70):
+        raise RuntimeError("the engine failed")
+    assert budget.held == 0
 
 
 def test_a_score_whose_client_left_stops_and_frees_the_engine(smollm2_dir, tmp_path):

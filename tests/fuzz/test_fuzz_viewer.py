@@ -221,3 +221,14 @@ def test_the_command_times_out_headers_answers_its_loopback_host_and_stops_on_si
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_shared_jsonl_reader_skips_a_line_torn_mid_character(tmp_path):
+    """emapg.jsonl.read_jsonl (the trainer's guard events and metrics) decoded the whole file first: a line cut inside a
+    UTF-8 character made the file unreadable. Lines are decoded one by one now, and U+2028 inside a string is no line end."""
+    from emapg.jsonl import parse_lines, read_jsonl
+
+    path = tmp_path / "guard.jsonl"
+    path.write_bytes(b'{"step": 1, "reason": "caf\xc3\xa9 \xe2\x80\xa8 ok"}\n{"step": 2, "reason": "caf\xc3')
+    assert read_jsonl(path) == [{"step": 1, "reason": "caf\u00e9 \u2028 ok"}]
+    assert parse_lines(b'1\n\n{"a": NaN}\n[' + b"[" * 100_000 + b"\n", parse_constant=lambda _: None) == ([1, {"a": None}], 1)
