@@ -80,7 +80,7 @@ def score_cases(cases: list[str]) -> dict:
     if {"score_topk", "score_body"} & set(cases):
         with EngineServer(resolve_model("tiny-qwen2"), engine="hf", api_key=KEY, max_model_len=4096) as s:
             if "score_topk" in cases:
-                ids = [[(7 * i + j) % 2000 + 3 for j in range(4096)] for i in range(4)]
+                ids = [[(7 * i + j) % 2000 + 3 for j in range(4095)] for i in range(4)]
 
                 def topk() -> int:
                     with httpx.Client(timeout=600) as c, c.stream("POST", s.url + "/score", headers=H,

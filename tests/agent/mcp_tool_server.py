@@ -1,6 +1,6 @@
 """A stdio MCP server for tests/agent/test_mcp_tools.py: a ``search`` tool (what the scripted tool caller calls) that
 behaves as argv[1] says -- ``ok`` (a passage), ``hang`` (never answers), ``big`` (100,000 characters), ``fail``
-(raises) -- a second tool, ``lookup``, and ``crash``, which ends the server process (a transport that fails). Run as ``python mcp_tool_server.py MODE``."""
+(raises), ``nosearch`` (not offered) -- a second tool, ``lookup``, and ``crash``, which ends the server process (a transport that fails). Run as ``python mcp_tool_server.py MODE``."""
 
 import asyncio
 import os
@@ -13,7 +13,6 @@ MODE = sys.argv[1] if len(sys.argv) > 1 else "ok"
 server = MCPServer("emapg-test-tools", log_level="ERROR")
 
 
-@server.tool()
 async def search(query: str) -> str:
     """Search a tiny corpus."""
     if MODE == "hang":
@@ -23,6 +22,10 @@ async def search(query: str) -> str:
     if MODE == "fail":
         raise ToolError("the index is on fire")
     return f'Doc 1(Title: "Paris") Paris is the capital of France. (query: {query})'
+
+
+if MODE != "nosearch":  # nosearch: beside another source's search (tests/fuzz/test_fuzz_tools.py)
+    server.add_tool(search, name="search")
 
 
 @server.tool()

@@ -40,7 +40,7 @@ def mcp_search_url(retriever_index):
 def box(mcp_search_url):
     from agent.tools import ToolBox
 
-    box = ToolBox(["calculator", mcp_search_url, f"stdio:{sys.executable} {SERVER} ok"], timeout_s=20, max_output_chars=4000)
+    box = ToolBox(["calculator", mcp_search_url, f"stdio:{sys.executable} {SERVER} nosearch"], timeout_s=20, max_output_chars=4000)
     yield box
     box.close()
 
