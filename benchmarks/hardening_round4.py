@@ -12,10 +12,10 @@ ratios. Cases:
 * ``score_body``: a 38 MiB body of token ids (refused after parsing: its last id is past the vocabulary): the same;
 * ``score_abandoned``: an 8 x 4,095-token ``/score`` (SmolLM2-135M) whose client leaves after 3 s, then a 1-token
   ``/generate``: how long that call waits;
-* ``calculator``: 64 runaway expressions and 4 good ones in one round of the tool box (``rollout.tool_timeout_s`` 30):
-  how many good ones answered, and the slowest good answer;
-* ``viewer_gold``: the samples page of a run whose sample is 1 MB of words with a 500-word gold answer, while the
-  viewer's ``/static/view.js`` is polled: the slowest poll.
+* ``calculator``: 64 runaway expressions, and while they run 4 good ones, through the tool box
+  (``rollout.tool_timeout_s`` 30): how many good ones answered and how long they waited;
+* ``viewer_gold``: the samples page of a run whose sample is 1 MB of ``a a a ...`` with a 500-word gold answer
+  ``a a ... a b``, while the viewer's ``/static/view.js`` is polled: the slowest poll.
 
     python benchmarks/hardening_round4.py --before /tmp/before    # ~6 min on 2 cores
     python benchmarks/hardening_round4.py --cases calculator viewer_gold
@@ -113,22 +113,28 @@ def score_cases(cases: list[str]) -> dict:
 
 
 def calculator_case() -> dict:
+    """64 runaways sent in one call, then (0.3 s later, while they run) 4 good ones in another: the good ones' wait."""
     from agent.tools import ToolBox
 
     box = ToolBox(["calculator"], timeout_s=30, max_output_chars=1000)
     try:
         runaway = [("calculate", {"expression": f"9 ** 9 ** 9 ** {9 + i}"}) for i in range(64)]
         good = [("calculate", {"expression": f"{i} * 7 + 1"}) for i in range(4)]
-        done: dict[int, float] = {}
+        bad: dict = {}
         t0 = time.perf_counter()
-        answers = box.call_many(runaway[:32] + good + runaway[32:])
+        thread = threading.Thread(target=lambda: bad.update(answers=box.call_many(runaway)))
+        thread.start()
+        time.sleep(0.3)
+        t1 = time.perf_counter()
+        answers = box.call_many(good)
+        good_s = time.perf_counter() - t1
+        thread.join()
         round_s = time.perf_counter() - t0
-        ok = [a.text == str(i * 7 + 1) for i, a in enumerate(answers[32:36])]
-        t0 = time.perf_counter()
+        t2 = time.perf_counter()
         (after,) = box.call_many([("calculate", {"expression": "6 * 7"})])
-        done["next"] = time.perf_counter() - t0
-        return {"good_answered": sum(ok), "good_total": 4, "round_s": round_s, "next_good_call_s": done["next"],
-                "next_good_ok": after.text == "42"}
+        return {"good_answered": sum(a.text == str(i * 7 + 1) for i, a in enumerate(answers)), "good_total": 4,
+                "good_calls_s": good_s, "round_s": round_s, "runaways_refused": sum(a.error is not None for a in bad["answers"]),
+                "next_good_call_s": time.perf_counter() - t2, "next_good_ok": after.text == "42"}
     finally:
         box.close()
 
@@ -136,12 +142,12 @@ def calculator_case() -> dict:
 def viewer_case() -> dict:
     from emapg.servers import free_port
 
-    words = " ".join(f"w{i}" for i in range(500))
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         run.mkdir()
-        text = (words + " ") * (1_000_000 // len(words))
-        sample = {"step": 1, "question": "q", "golds": [words + " extra"], "response": f"<information>{text}</information>"}
+        # every position of the text starts 500 matching words before the gold's last one fails: what backtracks
+        text, gold = "a " * 500_000, " ".join(["a"] * 500 + ["b"])
+        sample = {"step": 1, "question": "q", "golds": [gold], "response": f"<information>{text}</information>"}
         (run / "samples.jsonl").write_text(json.dumps(sample) + "\n")
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", "view", str(run), "--port", str(port)],
@@ -191,11 +197,15 @@ def main() -> int:
         before = json.loads(proc.stdout.strip().splitlines()[-1])
     after = measure(args.cases)
     ratios = {}
+    if args.out.exists():  # a run of some cases keeps the others' measurements
+        old = json.loads(args.out.read_text())
+        before = {**(old.get("before") or {}), **(before or {})} if before is not None else old.get("before")
+        after = {**(old.get("after") or {}), **after}
     for case, key in (("score_topk", "poll_max_s"), ("score_body", "poll_max_s"), ("viewer_gold", "poll_max_s"),
-                      ("score_abandoned", "generate_after_abandon_s"), ("calculator", "round_s")):
+                      ("score_abandoned", "generate_after_abandon_s"), ("calculator", "good_calls_s")):
         if before and case in before and case in after and after[case].get(key):
             ratios[f"before_over_after_{key}_{case}"] = before[case][key] / after[case][key]
-    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), **ratios, "cases": args.cases, "before": before, "after": after,
+    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), **ratios, "cases": sorted(after), "before": before, "after": after,
               "machine": f"{os.cpu_count()} CPUs, {sys.platform}"}
     for case in args.cases:
         print(f"{case:16} before {json.dumps(before.get(case)) if before else '-'}\n{'':16} after  {json.dumps(after.get(case))}")
