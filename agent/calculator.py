@@ -10,8 +10,10 @@ comprehensions, lambdas or strings), so a file or a socket cannot be reached and
 What the whitelist cannot bound -- ``9 ** 9 ** 9`` is two operators -- the sandbox does: each expression is evaluated
 in a forked child with a CPU limit (``RLIMIT_CPU``, :data:`CPU_SECONDS`), an address-space limit (``RLIMIT_AS``,
 :data:`MEMORY_BYTES`), no file writes (``RLIMIT_FSIZE`` 0), no new files or sockets (``RLIMIT_NOFILE`` at the
-descriptors already open), and a wall-clock deadline (:data:`WALL_SECONDS`) after which it is killed. Every refusal
-is an answer the model reads (``Error: ...``), never an exception of the server.
+descriptors already open), and a wall-clock deadline after which it is killed. The server's :class:`Sandbox` runs
+every call's child at once and gives runaways a budget (a few slots, a bounded wait), so however many runaways a
+round sends, its good calls answer in milliseconds. Every refusal is an answer the model reads (``Error: ...``),
+never an exception of the server.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ import signal
 import time
 from typing import Any
 
-__all__ = ["CONSTANTS", "FUNCTIONS", "CalculatorError", "evaluate", "calculate", "main"]
+__all__ = ["CONSTANTS", "FUNCTIONS", "CalculatorError", "Sandbox", "evaluate", "calculate", "main"]
 
 CPU_SECONDS = 2
 WALL_SECONDS = 3.0
+QUICK_SECONDS = 0.5  # wall-clock time every expression gets at once, however many run (Sandbox)
+LONG_SLOTS = 2  # expressions past QUICK_SECONDS that may run at a time; the others wait, stopped
+LONG_WAIT_SECONDS = 10.0  # how long a stopped expression waits for a slot before it is refused
+MAX_CHILDREN = 256
 MEMORY_BYTES = 512 << 20
 MAX_EXPRESSION_CHARS = 1000
 MAX_RESULT_CHARS = 200
@@ -151,51 +157,125 @@ def _child(expression: str, write_fd: int) -> None:  # pragma: no cover - runs i
         os._exit(code)
 
 
-def calculate(expression: str) -> str:
-    """The value of ``expression``, evaluated in a sandboxed child (module docstring); ``Error: ...`` when refused."""
-    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
-        return f"Error: the expression must be text of at most {MAX_EXPRESSION_CHARS} characters"
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        os.close(read_fd)
-        _child(expression, write_fd)
-    os.close(write_fd)
-    deadline = time.monotonic() + WALL_SECONDS
-    status = None
-    try:
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
+class Sandbox:
+    """Expressions evaluated in sandboxed children (module docstring), many at once, with a budget for runaways.
+
+    Every expression starts at once in its own child (no queue: a good one takes milliseconds of CPU, which the OS
+    gives it however many others run) and has :data:`QUICK_SECONDS` of wall-clock time. One still running then is a
+    *runaway* candidate: it is stopped (``SIGSTOP``: it neither computes nor grows) and waits for one of
+    :data:`LONG_SLOTS` slots, in which it runs on (continued) until :data:`WALL_SECONDS` more have passed. One that
+    waits :data:`LONG_WAIT_SECONDS` for a slot is refused. So 64 runaways in a round cost the machine at most
+    ``LONG_SLOTS`` busy children, cannot delay a good expression behind them, and are all answered within
+    ``QUICK_SECONDS + LONG_WAIT_SECONDS + WALL_SECONDS``. At most :data:`MAX_CHILDREN` children exist at a time;
+    an expression beyond that is refused at once."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._long = asyncio.Semaphore(LONG_SLOTS)
+        self.children = 0
+
+    async def calculate(self, expression: str) -> str:
+        """The value of ``expression`` (``Error: ...`` when refused, stopped or out of budget)."""
+        import asyncio
+
+        if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
+            return f"Error: the expression must be text of at most {MAX_EXPRESSION_CHARS} characters"
+        if self.children >= MAX_CHILDREN:
+            return f"Error: the calculator is evaluating {self.children} expressions at once; retry shortly"
+        self.children += 1
+        child = _Child(expression)
+        try:
+            if await child.wait(QUICK_SECONDS):
+                return child.answer()
+            child.signal(signal.SIGSTOP)
+            try:
+                await asyncio.wait_for(self._long.acquire(), LONG_WAIT_SECONDS)
+            except asyncio.TimeoutError:
+                return (f"Error: the expression ran for more than {QUICK_SECONDS:g} s and the calculator is busy with other "
+                        "long expressions; it was stopped. Simplify it")
+            try:
+                child.signal(signal.SIGCONT)
+                if await child.wait(WALL_SECONDS):
+                    return child.answer()
+                return f"Error: the expression ran for more than {QUICK_SECONDS + WALL_SECONDS:g} s and was stopped"
+            finally:
+                self._long.release()
+        finally:
+            child.close()
+            self.children -= 1
+
+
+class _Child:
+    """One expression's forked, limited child (:func:`_child`) and the pipe it answers on."""
+
+    def __init__(self, expression: str) -> None:
+        self.read_fd, write_fd = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            os.close(self.read_fd)
+            _child(expression, write_fd)
+        os.close(write_fd)
+        self.status: int | None = None
+
+    async def wait(self, seconds: float) -> bool:
+        """Whether the child ended within ``seconds`` of wall-clock time (polled; the event loop stays free)."""
+        import asyncio
+
+        deadline = time.monotonic() + seconds
+        while True:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
             if done:
-                break
-            time.sleep(0.005)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return f"Error: the expression ran for more than {WALL_SECONDS:g} s and was stopped"
-        answer = os.read(read_fd, 8192).decode("utf-8", "replace")
-    finally:
-        os.close(read_fd)
-    if answer.startswith("ok:"):
-        return answer[3:]
-    if answer.startswith("err:"):
-        return f"Error: {answer[4:]}"
-    if status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL):
-        return f"Error: the expression used more than {CPU_SECONDS} s of CPU and was stopped"
-    return "Error: the expression exceeded the calculator's limits (CPU, memory) and was stopped"
+                self.status = status
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def answer(self) -> str:
+        answer = os.read(self.read_fd, 8192).decode("utf-8", "replace")
+        if answer.startswith("ok:"):
+            return answer[3:]
+        if answer.startswith("err:"):
+            return f"Error: {answer[4:]}"
+        status = self.status
+        if status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL):
+            return f"Error: the expression used more than {CPU_SECONDS} s of CPU and was stopped"
+        return "Error: the expression exceeded the calculator's limits (CPU, memory) and was stopped"
+
+    def close(self) -> None:
+        """Kill the child if it still runs (a stopped one too), reap it, close the pipe."""
+        if self.status is None:
+            self.signal(signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.status = -1
+        os.close(self.read_fd)
+
+
+def calculate(expression: str) -> str:
+    """The value of ``expression``, evaluated in a sandboxed child (module docstring); ``Error: ...`` when refused.
+    One expression, in this thread (the server's tool uses a shared :class:`Sandbox`)."""
+    import asyncio
+
+    return asyncio.run(Sandbox().calculate(expression))
 
 
 def main() -> None:
     """The stdio MCP server (``python -m agent.calculator``)."""
-    import asyncio
-
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
     server = MCPServer("ema-pg-calculator", log_level="ERROR")
+    sandbox = Sandbox()
 
     async def calculate_tool(expression: str) -> str:
-        answer = await asyncio.to_thread(calculate, expression)
+        answer = await sandbox.calculate(expression)
         if answer.startswith("Error: "):
             raise ToolError(answer[len("Error: "):])
         return answer

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from emapg.config import ConfigError
+from emapg.server_input import MAX_JSON_DEPTH
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ __all__ = ["BUILTIN_SEARCH", "ToolResult", "ToolBox", "ToolConnectError", "open_
 BUILTIN_SEARCH = "search"
 CONNECT_ATTEMPTS = 3
 CALCULATOR = "calculator"
+MAX_ARGUMENT_CHARS = 1 << 20  # a tool call's arguments as JSON; a model's real calls are a few hundred characters
 
 
 class ToolConnectError(ConfigError):
@@ -87,6 +89,38 @@ def check_sources(sources: list[str]) -> None:
                           f"calculator), an MCP server's URL (http://HOST:PORT/mcp) or 'stdio:COMMAND ARGS' (an MCP server over stdio)")
 
 
+def argument_problem(arguments: Any) -> str | None:
+    """What makes a tool call's ``arguments`` unfit to send (None: fit): not a JSON object, nested more than
+    :data:`emapg.server_input.MAX_JSON_DEPTH` levels, a string or key that is not valid Unicode (a lone surrogate,
+    which a model's text can hold and no transport can encode), a number JSON cannot carry (NaN, infinity, an integer
+    past the interpreter's digit limit), or more than :data:`MAX_ARGUMENT_CHARS` characters as JSON."""
+    from emapg.server_input import HTTPError, check_json_value
+
+    if not isinstance(arguments, dict):
+        return f"the arguments must be a JSON object, got {type(arguments).__name__}"
+    try:
+        check_json_value(arguments, "the arguments", max_depth=MAX_JSON_DEPTH)
+        size = len(json.dumps(arguments, allow_nan=False))
+    except HTTPError as e:
+        return e.message
+    except (ValueError, TypeError) as e:  # NaN or infinity, an over-long integer, a value JSON has no form for
+        return f"the arguments are not JSON a tool can receive ({str(e)[:200]})"
+    if size > MAX_ARGUMENT_CHARS:
+        return f"the arguments are {size} characters as JSON, more than {MAX_ARGUMENT_CHARS}"
+    return None
+
+
+def _connection_lost(e: BaseException) -> bool:
+    """Whether a call failed because its client's connection is gone (the SDK's CONNECTION_CLOSED error, or a closed
+    or broken stream), rather than with an answer of the server."""
+    import anyio
+    from mcp.types import CONNECTION_CLOSED
+
+    e = _cause(e)
+    code = getattr(getattr(e, "error", None), "code", None)
+    return code == CONNECTION_CLOSED or isinstance(e, (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream))
+
+
 def _cause(e: BaseException) -> BaseException:
     """The first leaf of an exception group (the SDK's task groups wrap the cause)."""
     while isinstance(e, BaseExceptionGroup) and e.exceptions:
@@ -126,12 +160,15 @@ class ToolBox:
         self._refused: dict[str, int] = {}  # HTTP source -> the 401/403 it answered (for the error message)
         self.builtin_search = BUILTIN_SEARCH in sources
         self.schemas: list[dict] = []
-        self._owner: dict[str, Any] = {}  # tool name -> client
+        self._owner: dict[str, str] = {}  # tool name -> its source
+        self._clients: dict[str, Any] = {}  # source -> its connected client
+        self._holders: dict[str, asyncio.Future] = {}  # source -> the task that holds its client's context (_hold)
+        self._reconnecting: dict[str, asyncio.Lock] = {}
+        self.reconnects = 0  # clients connected again after their transport failed
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="emapg-mcp-tools", daemon=True)
         self._thread.start()
         self._closing: asyncio.Event | None = None
-        self._holder: asyncio.Future | None = None
         # Each source's connect and list_tools run under a deadline of connect_timeout_s on the tool loop (the holder task
         # is cancelled there, so the SDK's contexts unwind in the task that entered them); this thread waits for all of
         # them plus a margin, in case the loop itself is stuck.
@@ -146,6 +183,7 @@ class ToolBox:
                     if attempt + 1 == CONNECT_ATTEMPTS:
                         raise RuntimeError(str(e)) from None
                     log.warning("rollout.tools: %s; connecting again (%d/%d)", e, attempt + 2, CONNECT_ATTEMPTS)
+                    asyncio.run_coroutine_threadsafe(self._close_holders(), self._loop).result(20)
                     self.schemas.clear()
                     self._owner.clear()
         except FutureTimeout:
@@ -181,74 +219,81 @@ class ToolBox:
 
     # --- the event loop's side
     async def _open(self) -> None:
-        started: asyncio.Future = self._loop.create_future()
+        """Connect every source (each in a task of its own: :meth:`_hold`) and collect the tools they offer."""
         self._closing = asyncio.Event()
-        self._holder = asyncio.ensure_future(self._hold(started))
-        await started
+        names: dict[str, str] = {}
+        if self.builtin_search:
+            from agent.formats import SEARCH_TOOL
 
-    async def _hold(self, started: asyncio.Future) -> None:
-        """Enter every client in one task (their contexts must be left by the task that entered them), list the
-        tools, then wait for :meth:`close`."""
+            self.schemas.append(SEARCH_TOOL)
+            names[BUILTIN_SEARCH] = "the built-in search"
+        for source in self.sources:
+            if source == BUILTIN_SEARCH:
+                continue
+            for tool in await self._connect(source):
+                if tool.name in names:
+                    raise RuntimeError(f"the tool {tool.name!r} of {source!r} is also offered by {names[tool.name]}")
+                names[tool.name] = repr(source)
+                self._owner[tool.name] = source
+                self.schemas.append(_schema(tool))
+
+    async def _connect(self, source: str) -> list[Any]:
+        """Start ``source``'s holder task; its tools once its client is connected (the error of the connect otherwise)."""
+        started: asyncio.Future = self._loop.create_future()
+        self._holders[source] = asyncio.ensure_future(self._hold(source, started))
+        client, tools = await started
+        self._clients[source] = client
+        return tools
+
+    async def _hold(self, source: str, started: asyncio.Future) -> None:
+        """Enter ``source``'s client (its context must be left by the task that entered it), list its tools, then
+        wait for :meth:`close`. One source per task: a client whose transport fails ends its own task only, never
+        another source's client (:meth:`_live_client` reconnects it)."""
         try:  # every exit, an import's included, resolves ``started`` (else _open would wait out the whole deadline)
             from contextlib import AsyncExitStack
 
             from mcp import Client, StdioServerParameters
 
-            from agent.formats import SEARCH_TOOL
-
             async with AsyncExitStack() as stack:
-                names: dict[str, str] = {}
-                if self.builtin_search:
-                    self.schemas.append(SEARCH_TOOL)
-                    names[BUILTIN_SEARCH] = "the built-in search"
-                for source in self.sources:
-                    if source == BUILTIN_SEARCH:
-                        continue
-                    if source == CALCULATOR:
-                        import sys
+                if source == CALCULATOR:
+                    import sys
 
-                        server: Any = StdioServerParameters(command=sys.executable, args=["-m", "agent.calculator"])
-                    elif source.startswith("stdio:"):
-                        command, *args = shlex.split(source[len("stdio:"):])
-                        server = StdioServerParameters(command=command, args=args)
-                    else:
-                        server = await self._http_transport(stack, source)
-                    deadline = asyncio.get_running_loop().call_later(self.connect_timeout_s, self._cut_off, asyncio.current_task())
-                    try:
-                        self._connecting = (source, "connect")
-                        client = await stack.enter_async_context(
-                            Client(server, read_timeout_seconds=max(self.connect_timeout_s, self.timeout_s) + 5.0))
-                        self._check_deadline()
-                        self._connecting = (source, "list_tools")
-                        tools = (await client.list_tools()).tools
-                        self._check_deadline()
-                    except asyncio.CancelledError:
-                        if self._timed_out is None:
-                            raise
-                        src, phase = self._timed_out
-                        raise ToolConnectError(src, phase, f"no answer within {self.connect_timeout_s:g} s") from None
-                    except ToolConnectError:
+                    server: Any = StdioServerParameters(command=sys.executable, args=["-m", "agent.calculator"])
+                elif source.startswith("stdio:"):
+                    command, *args = shlex.split(source[len("stdio:"):])
+                    server = StdioServerParameters(command=command, args=args)
+                else:
+                    server = await self._http_transport(stack, source)
+                deadline = asyncio.get_running_loop().call_later(self.connect_timeout_s, self._cut_off, asyncio.current_task())
+                try:
+                    self._connecting = (source, "connect")
+                    client = await stack.enter_async_context(
+                        Client(server, read_timeout_seconds=max(self.connect_timeout_s, self.timeout_s) + 5.0))
+                    self._check_deadline()
+                    self._connecting = (source, "list_tools")
+                    tools = (await client.list_tools()).tools
+                    self._check_deadline()
+                except asyncio.CancelledError:
+                    if self._timed_out is None:
                         raise
-                    except Exception as e:  # noqa: BLE001 - said once, with the source
-                        phase = self._connecting[1]
-                        if self._timed_out is not None:
-                            raise ToolConnectError(source, phase, f"no answer within {self.connect_timeout_s:g} s") from None
-                        e = _cause(e)
-                        why = f"{type(e).__name__}: {e}"
-                        if source in self._refused:
-                            why = (f"HTTP {self._refused[source]}: the server refused the API key or wants one (send it with "
-                                   f"rollout.tool_api_key_env or rollout.tool_headers); {why}")
-                        raise ToolConnectError(source, phase, why) from None
-                    finally:
-                        deadline.cancel()
-                    self._connecting = None
-                    for tool in tools:
-                        if tool.name in names:
-                            raise RuntimeError(f"the tool {tool.name!r} of {source!r} is also offered by {names[tool.name]}")
-                        names[tool.name] = repr(source)
-                        self._owner[tool.name] = client
-                        self.schemas.append(_schema(tool))
-                started.set_result(None)
+                    src, phase = self._timed_out
+                    raise ToolConnectError(src, phase, f"no answer within {self.connect_timeout_s:g} s") from None
+                except ToolConnectError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - said once, with the source
+                    phase = self._connecting[1] if self._connecting else "connect"
+                    if self._timed_out is not None:
+                        raise ToolConnectError(source, phase, f"no answer within {self.connect_timeout_s:g} s") from None
+                    e = _cause(e)
+                    why = f"{type(e).__name__}: {e}"
+                    if source in self._refused:
+                        why = (f"HTTP {self._refused[source]}: the server refused the API key or wants one (send it with "
+                               f"rollout.tool_api_key_env or rollout.tool_headers); {why}")
+                    raise ToolConnectError(source, phase, why) from None
+                finally:
+                    deadline.cancel()
+                self._connecting = None
+                started.set_result((client, tools))
                 await self._closing.wait()
             if not started.done():
                 if self._timed_out is not None:  # the deadline's cancellation was swallowed by one of the SDK's scopes
@@ -263,8 +308,30 @@ class ToolBox:
                     src, phase = self._timed_out
                     e = ToolConnectError(src, phase, f"no answer within {self.connect_timeout_s:g} s")
                 started.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
-            elif not isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                log.warning("closing the MCP tool clients: %s: %s", type(e).__name__, e)
+            elif self._closing is not None and not self._closing.is_set() and not isinstance(e, asyncio.CancelledError):
+                log.warning("the MCP client of %r closed (%s: %s); the next call reconnects it", source, type(e).__name__, e)
+
+    async def _drop(self, source: str) -> None:
+        """End ``source``'s holder task (its client's context unwinds there), so :meth:`_live_client` reconnects it."""
+        holder = self._holders.get(source)
+        if holder is not None and not holder.done():
+            log.warning("the MCP server %r closed its connection; the next call reconnects it", source)
+            holder.cancel()
+            await asyncio.wait([holder], timeout=10)
+
+    async def _live_client(self, source: str) -> Any:
+        """``source``'s client, reconnected first when its holder task has ended (its transport failed)."""
+        holder = self._holders.get(source)
+        if holder is not None and not holder.done():
+            return self._clients[source]
+        lock = self._reconnecting.setdefault(source, asyncio.Lock())
+        async with lock:  # concurrent calls of a dead source reconnect it once
+            holder = self._holders.get(source)
+            if holder is None or holder.done():
+                self._timed_out = None
+                await self._connect(source)
+                self.reconnects += 1
+            return self._clients[source]
 
     def _check_deadline(self) -> None:
         if self._timed_out is not None:
@@ -296,15 +363,26 @@ class ToolBox:
         http.event_hooks = {**http.event_hooks, "response": [*http.event_hooks.get("response", []), note_refusal]}
         return streamable_http_client(url, http_client=http)
 
-    async def _call(self, name: str, arguments: dict) -> ToolResult:
-        client = self._owner.get(name)
-        if client is None:
+    async def _call(self, name: str, arguments: Any) -> ToolResult:
+        source = self._owner.get(name)
+        if source is None:
             return ToolResult(f"Error: unknown tool {name!r}; the tools are {', '.join(self.names())}.", "unknown tool")
+        problem = argument_problem(arguments)
+        if problem is not None:  # before any client sees them: what a client cannot encode must never reach it
+            return ToolResult(f"Error: {name} was not called: {problem}."[:1000], "invalid arguments")
+        try:
+            client = await asyncio.wait_for(self._live_client(source), self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the server cannot be reached again: this call fails, the next one retries
+            e = _cause(e)
+            return ToolResult(f"Error: the tool {name} is unavailable: its server could not be reconnected "
+                              f"({type(e).__name__}: {e})"[:1000], "disconnected")
         try:
             result = await asyncio.wait_for(client.call_tool(name, arguments), self.timeout_s)
         except asyncio.TimeoutError:
             return ToolResult(f"Error: the tool {name} did not answer within {self.timeout_s:g} s.", "timeout")
         except Exception as e:  # noqa: BLE001 - the server's or the transport's: the model is told, the batch goes on
+            if _connection_lost(e):  # the server or its transport is gone: the next call of this source reconnects
+                await self._drop(source)
             return ToolResult(f"Error: the tool {name} failed: {type(e).__name__}: {e}"[:1000], f"{type(e).__name__}")
         text = _result_text(result).strip()
         reason = "tool error" if result.is_error else None
@@ -315,7 +393,7 @@ class ToolBox:
             reason = reason or "oversized"
         return ToolResult(text, reason)
 
-    async def _call_all(self, calls: list[tuple[str, dict]]) -> list[ToolResult]:
+    async def _call_all(self, calls: list[tuple[str, Any]]) -> list[ToolResult]:
         return list(await asyncio.gather(*(self._call(name, args) for name, args in calls)))
 
     # --- the drivers' side
@@ -337,21 +415,28 @@ class ToolBox:
             fut.cancel()
             return [ToolResult(f"Error: the tool {n} did not answer within {self.timeout_s:g} s.", "timeout") for n, _ in calls]
 
+    async def _close_holders(self) -> None:
+        """Let every holder task leave its client's context (at most 10 s; a server that will not close is left to its
+        process group)."""
+        if self._closing is None:
+            return
+        self._closing.set()
+        holders = [h for h in self._holders.values() if not h.done()]
+        if holders:
+            _, pending = await asyncio.wait([asyncio.shield(h) for h in holders], timeout=10)
+            if pending:
+                for h in holders:
+                    h.cancel()
+        self._holders.clear()
+        self._clients.clear()
+
     def close(self) -> None:
         if self._loop.is_closed():
             return
-        if self._closing is not None and self._holder is not None:
-            async def stop():
-                self._closing.set()
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._holder), 10)
-                except Exception:  # noqa: BLE001 - a server that will not close is left to its process group
-                    self._holder.cancel()
-
-            try:
-                asyncio.run_coroutine_threadsafe(stop(), self._loop).result(15)
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_holders(), self._loop).result(15)
+        except Exception:  # noqa: BLE001
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():

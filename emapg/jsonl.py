@@ -19,7 +19,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["append_jsonl", "read_jsonl", "read_jsonl_repairing"]
+__all__ = ["append_jsonl", "parse_lines", "read_jsonl", "read_jsonl_repairing"]
 
 
 def append_jsonl(path: str | Path, records: list[dict[str, Any]], *, escape_non_ascii: bool = False,
@@ -40,15 +40,24 @@ def append_jsonl(path: str | Path, records: list[dict[str, Any]], *, escape_non_
             os.fsync(f.fileno())
 
 
+def parse_lines(data: bytes, **loads: Any) -> tuple[list[Any], int]:
+    """The records of JSON-lines ``data`` (``json.loads(line, **loads)`` of each line) and how many non-blank lines were
+    skipped. Each line is decoded on its own, so a line cut mid-character by a kill (records are written as UTF-8) is
+    one skipped line, not an undecodable file; lines end at ``\n`` only (a JSON string may hold U+2028)."""
+    records, skipped = [], 0
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line.decode("utf-8"), **loads))
+        except (UnicodeDecodeError, ValueError, RecursionError):  # torn, not JSON, an over-long integer, too deep
+            skipped += 1
+    return records, skipped
+
+
 def read_jsonl(path: str | Path) -> list[Any]:
     """Every record of ``path`` whose line parses; a line cut by a kill mid-write (or a blank one) is skipped."""
-    records = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return parse_lines(Path(path).read_bytes())[0]
 
 
 def read_jsonl_repairing(path: str | Path) -> list[Any]:

@@ -7,12 +7,14 @@ Two tools, over streamable HTTP (the official ``mcp`` SDK), next to ``/retrieve`
 
 Both go through the server's own micro-batcher, so an MCP search and a ``/retrieve`` of the same query return the
 same passages and scores, and they are checked by the same function with the same limits
-(:func:`retriever.schema.check_retrieve`: ``--max-query-chars``, ``--max-topk``, ``--max-queries-per-request``).
+(:func:`retriever.schema.check_retrieve`: ``--max-query-chars``, ``--max-topk``, ``--max-queries-per-request``;
+``topk`` is an integer, never ``"5"``, ``true`` or ``5.0``).
 A tool result carries the passages twice: as text in Search-R1's format (``Doc 1(Title: ...) ...``, what a
 model reads) and as structured content ``{"hits": [{"id", "contents", "score"}], "fingerprint": ...}`` (the
 batch form: ``{"results": [[hit, ...], ...], "fingerprint"}``), whose ``fingerprint`` is ``/health``'s.
 
-The MCP endpoint is stateless and answers JSON (no sessions to hold, no event streams), takes bodies up to
+The MCP endpoint is stateless and answers JSON (no sessions to hold, no event streams: ``GET`` and ``DELETE`` are
+405), takes bodies up to
 ``--max-body-bytes``, and asks for the API key like every other route (``Authorization: Bearer KEY`` or
 ``X-API-Key: KEY``; 401 before the body is read). A refused tool call (a limit, the index still loading) is an
 MCP tool error whose text says what to fix, never a 5xx.
@@ -24,13 +26,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.types import CallToolResult, TextContent
+from pydantic import WithJsonSchema
 
 from emapg.server_input import UNAUTHORIZED, HTTPError, api_key_ok, error_response
 from retriever.schema import check_retrieve
@@ -49,6 +52,12 @@ def passages_text(hits: list[dict]) -> str:
         title, _, body = str(hit.get("contents", "")).partition("\n")
         parts.append(f"Doc {i}(Title: {title}) {body}\n")
     return "".join(parts)
+
+
+#: ``topk`` as the tools declare it (an integer or null), checked by :func:`retriever.schema.check_retrieve` exactly as
+#: ``/retrieve`` checks it: the SDK's own validation would take ``"5"``, ``true`` and ``5.0`` for 5.
+TopK = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}], "default": None,
+                                      "description": "passages per query (default: the server's --topk)"})]
 
 
 def _hits(found: list[dict]) -> list[dict]:
@@ -84,13 +93,13 @@ def build_mcp(state: Any, cfg: Any, count: Callable[[str, int, str | None, float
         count("mcp:tool", 200, None, time.perf_counter() - t0)
         return [_hits(q) for q in found], state.searcher.fingerprint
 
-    async def search(query: str, topk: int | None = None) -> CallToolResult:
+    async def search(query: str, topk: TopK = None) -> CallToolResult:
         """Search the passage index: the top-k passages for one query (default topk: the server's --topk)."""
         (hits,), fingerprint = await run([query], topk)
         return CallToolResult(content=[TextContent(type="text", text=passages_text(hits))],
                               structured_content={"hits": hits, "fingerprint": fingerprint})  # fmt: skip
 
-    async def search_batch(queries: list[str], topk: int | None = None) -> CallToolResult:
+    async def search_batch(queries: list[str], topk: TopK = None) -> CallToolResult:
         """Search the passage index for several queries at once: the top-k passages of each, in order."""
         results, fingerprint = await run(queries, topk)
         structured = {"results": results, "fingerprint": fingerprint}
@@ -119,6 +128,13 @@ def build_mcp(state: Any, cfg: Any, count: Callable[[str, int, str | None, float
         if not api_key_ok(_Headers(scope), api_key):
             count(MCP_PATH, 401, None, 0.0)
             await error_response(HTTPError(401, UNAUTHORIZED))(scope, receive, send)
+            return
+        if scope.get("method") != "POST":  # stateless: no event stream to open (GET) and no session to end (DELETE)
+            count(MCP_PATH, 405, "method_not_allowed", 0.0)
+            response = error_response(HTTPError(405, "the MCP endpoint is stateless and answers POST only (no event "
+                                                     "stream, no sessions)"))
+            response.headers["allow"] = "POST"
+            await response(scope, receive, send)
             return
         t0 = time.perf_counter()
         status = [0]

@@ -20,6 +20,7 @@ the sampler's own numbers, kept for diagnostics and importance-sampling correcti
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
 
@@ -120,6 +121,10 @@ class EngineInfo:
 MAX_SCORE_TOPK = 1024
 
 
+class ScoreStopped(RuntimeError):
+    """A score stopped because its ``should_stop`` said so (the generation server's client went away)."""
+
+
 @dataclass(frozen=True)
 class ScoredTokens:
     """One sequence's scores from :meth:`Engine.score_topk`, for its positions ``t >= start``: ``logprobs[i]``
@@ -194,7 +199,7 @@ class Engine(Protocol):
     def score(self, token_ids: list[list[int]], start: list[int]) -> list[list[float]]: ...
 
     def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
-                   temperature: float = 1.0) -> list[ScoredTokens]: ...
+                   temperature: float = 1.0, should_stop: Callable[[], bool] | None = None) -> list[ScoredTokens]: ...
 
     def load_weights(self, state_dict: dict) -> None: ...
 

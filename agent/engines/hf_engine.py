@@ -13,19 +13,44 @@ padded row produces the same logits as the row alone (up to float rounding).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from agent.engines.base import (EngineInfo, GenerationOutput, SamplingParams, ScoredTokens, check_prompts, lora_adapter_config,
-                                per_prompt_params)
+from agent.engines.base import (EngineInfo, GenerationOutput, SamplingParams, ScoredTokens, ScoreStopped, check_prompts,
+                                lora_adapter_config, per_prompt_params)
 from emapg.models import adapter_base_model, is_adapter_folder, read_adapter_config
 from agent.engines.sampling import sample
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _rows(t: torch.Tensor, chunk: int = 256) -> list[list]:
+    """``t.tolist()`` of a 2-D tensor, ``chunk`` rows at a time: one ``tolist`` of millions of values holds the
+    interpreter lock for a second, which the generation server's event loop (``/health``) would wait out."""
+    return [row for i in range(0, len(t), chunk) for row in t[i : i + chunk].tolist()]
+
+
+@contextlib.contextmanager
+def _before_each_layer(model: torch.nn.Module, hook: Callable[..., None] | None) -> Iterator[None]:
+    """``hook`` called before each block of the model's (first, longest) layer list -- a decoder's layers -- while
+    inside; nothing when ``hook`` is None. What lets a long forward pass be stopped between layers."""
+    if hook is None:
+        yield
+        return
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    handles = [block.register_forward_pre_hook(hook) for block in (max(stacks, key=len) if stacks else [])]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _served_lora(model) -> dict:
@@ -230,21 +255,29 @@ class HFEngine:
         return [scored.logprobs for scored in self.score_topk(token_ids, start, topk=0)]
 
     def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
-                   temperature: float = 1.0) -> list[ScoredTokens]:
-        """:meth:`score` with each position's ``topk`` most likely tokens, under softmax(logits / ``temperature``)."""
+                   temperature: float = 1.0, should_stop: Callable[[], bool] | None = None) -> list[ScoredTokens]:
+        """:meth:`score` with each position's ``topk`` most likely tokens, under softmax(logits / ``temperature``).
+        ``should_stop`` (the server's: its client went away) is checked before each sequence and each decoder layer;
+        when it says so, :class:`agent.engines.base.ScoreStopped` is raised."""
         if len(token_ids) != len(start):
             raise ValueError("token_ids and start must have the same length")
         if not 0 <= topk <= self.vocab_size or not temperature > 0:
             raise ValueError(f"topk must be in [0, {self.vocab_size}] and temperature > 0, got {topk} and {temperature}")
+
+        def check(*_: Any) -> None:
+            if should_stop is not None and should_stop():
+                raise ScoreStopped("scoring stopped: its requester went away")
+
         out = []
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), _before_each_layer(self.model, check if should_stop else None):
             for ids, s in zip(token_ids, start):
                 if not 1 <= s < len(ids) + 1:
                     raise ValueError(f"start must be in [1, len(ids)], got {s}")
+                check()
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
                 logp = (self.model(input_ids=x).logits[0, s - 1 : len(ids) - 1].float() / temperature).log_softmax(-1)
                 top = torch.topk(logp, topk, dim=-1)
-                out.append(ScoredTokens(logp.gather(-1, x[0, s:, None])[:, 0].tolist(), top.indices.tolist(), top.values.tolist()))
+                out.append(ScoredTokens(logp.gather(-1, x[0, s:, None])[:, 0].tolist(), _rows(top.indices), _rows(top.values)))
         return out
 
     # ------------------------------------------------------------------ weights

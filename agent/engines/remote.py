@@ -322,10 +322,14 @@ class RemoteEngine:
         rows = self._request("POST", self.urls[next(self._rr) % len(self.urls)] + "/score", json=body).json()["logprobs"]
         return [floats_from_json(r) for r in rows]  # null: not a finite number
 
-    def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int, temperature: float = 1.0) -> list:
-        """:meth:`score` with each position's ``topk`` most likely tokens (``POST /score`` with ``topk``/``temperature``)."""
-        from agent.engines.base import ScoredTokens
+    def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int, temperature: float = 1.0,
+                   should_stop=None) -> list:
+        """:meth:`score` with each position's ``topk`` most likely tokens (``POST /score`` with ``topk``/``temperature``);
+        ``should_stop`` is checked before the request is sent."""
+        from agent.engines.base import ScoredTokens, ScoreStopped
 
+        if should_stop is not None and should_stop():
+            raise ScoreStopped("scoring stopped: its requester went away")
         if len(token_ids) != len(start):
             raise ValueError("token_ids and start must have the same length")
         body = {"token_ids": [list(map(int, t)) for t in token_ids], "start": list(start), "topk": int(topk),

@@ -14,7 +14,8 @@ and the schema, ``/openapi.json`` and ``/docs``):
 * ``POST /score``: ``{"token_ids": [[ids]], "start": [int]}`` -> ``{"logprobs": [[float | null]]}``; with
   ``"topk": k`` (1..1024) and/or ``"temperature"`` also ``"topk_ids": [[[int]]]`` and ``"topk_logprobs": [[[float | null]]]``,
   each position's k most likely tokens (a teacher scoring sampled tokens for on-policy distillation, trainer/teacher.py).
-  At most ``--max-score-values`` top-k values per answer (413 beyond); the engine thread does the work.
+  At most ``--max-score-values`` top-k values per answer (413 beyond) and in all answers being built (503); the engine
+  thread computes, the request workers parse large bodies and encode answers, and a client that leaves stops its work.
 * ``/weights/...``: the weight sync, over http (staged safetensors buckets, then a commit) or a collective
   (agent/engines/weight_routes.py). A sync may carry LoRA adapters, served over the base (``--max-lora-rank``);
   ``/health`` says ``serves_lora``/``max_lora_rank``.
@@ -31,13 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import threading
+from collections.abc import Awaitable
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from agent.engines.base import MAX_LORA_RANK, MAX_SCORE_TOPK, check_prompts, per_prompt_params, tokenizer_fingerprint
@@ -48,7 +52,7 @@ from agent.engines.wire import MAX_INT32, MAX_SEED, MAX_TEMPERATURE, check_seeds
 from emapg.config import ConfigError, option
 from emapg.connection_guard import CLOSES
 from emapg.request_workers import RequestWorkers
-from emapg.server_input import HTTPError, as_float, as_int, as_list, check_fields, guarded, install_error_handlers, openapi_body, parse_json, read_body
+from emapg.server_input import ClientGone, HTTPError, as_float, as_int, as_list, check_fields, guarded, install_error_handlers, openapi_body, parse_json, read_body
 from emapg.servers import ServerOptions, help_of
 
 
@@ -185,6 +189,70 @@ class ScoreBody(_Strict):
     temperature: float | None = Field(None, gt=0, le=MAX_TEMPERATURE, description="score softmax(logits / temperature) (default 1)")
 
 
+# ----------------------------------------------------------------------------- /score's answer
+
+#: A /score body up to this size is parsed on the event loop (cheaper than a thread hop); larger ones in a worker.
+INLINE_BYTES = 64 << 10
+#: An answer of at most this many values (log-probs and top-k values) is encoded on the event loop (a few ms).
+INLINE_VALUES = 1 << 16
+#: How often a request whose answer the engine is computing checks that its client is still there.
+DISCONNECT_POLL_S = 0.2
+
+
+class ScoreBudget:
+    """The top-k values that /score answers being computed, built and encoded may hold together: at most
+    ``max_values`` (one answer of the largest size ``--max-score-values`` allows, or several smaller ones). A
+    request beyond it is refused at once (503, ``Retry-After: 1``) rather than holding its share of memory while it
+    waits. Used from the event loop only (no lock)."""
+
+    def __init__(self, max_values: int) -> None:
+        self.max_values, self.held = max_values, 0
+
+    @contextmanager
+    def holding(self, values: int):
+        if self.held and self.held + values > self.max_values:
+            raise HTTPError(503, f"the server is building /score answers of {self.held} top-k values (--max-score-values "
+                                 f"{self.max_values} in all); retry shortly", "busy", retry_after=1)
+        self.held += values
+        try:
+            yield
+        finally:
+            self.held -= values
+
+
+async def unless_gone(request: Request, fut: Future, stop: threading.Event, counters: collections.Counter) -> Any:
+    """``fut``'s result; if the client disconnects first, ``stop`` is set (the engine's ``should_stop``), ``fut`` is
+    cancelled when it has not started, ``counters["scores_stopped"]`` counts it, and :class:`ClientGone` is raised."""
+    waiting = asyncio.wrap_future(fut)
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return waiting.result()
+        if await request.is_disconnected():
+            stop.set()
+            fut.cancel()
+            counters["scores_stopped"] += 1
+            waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+            raise ClientGone("the client went away while its /score was computed; the engine stopped it")
+
+
+def encode_scores(rows: list[list[float | None]], scored: list | None) -> bytes:
+    """/score's answer as JSON bytes, position by position (each ``json.dumps`` call is short, so the interpreter lock
+    passes to the event loop between them; one call over millions of values would hold it for seconds)."""
+    parts = [b'{"logprobs":', json.dumps(rows).encode()]
+    if scored is not None:
+        for key in ("topk_ids", "topk_logprobs"):
+            parts.append(f',"{key}":['.encode())
+            for i, r in enumerate(scored):
+                parts.append(b"," if i else b"")
+                per_position = getattr(r, key)
+                parts.append(b"[" + b",".join(json.dumps(finite_or_none(p) if key == "topk_logprobs" else p).encode()
+                                              for p in per_position) + b"]")
+            parts.append(b"]")
+    parts.append(b"}")
+    return b"".join(parts)
+
+
 # ----------------------------------------------------------------------------- app
 
 
@@ -239,9 +307,9 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
             raise HTTPError(503, f"engine is {loop_.status}{': ' + loop_.error if loop_.error else ''}; retry when GET /health returns 200")
         return loop_.engine
 
-    async def run(fut: Future) -> Any:
+    async def run(fut: Future | Awaitable[Any]) -> Any:
         try:
-            return await asyncio.wrap_future(fut)
+            return await (asyncio.wrap_future(fut) if isinstance(fut, Future) else fut)
         except HTTPError:
             raise
         except EngineStepError as e:  # logged by the engine loop; only this request failed
@@ -292,13 +360,30 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         note_nonfinite([o["logprobs"] for o in outputs])
         return {"outputs": outputs, "weights_version": weights.version}
 
+    score_budget = ScoreBudget(cfg.max_score_values)
+
+    def parse_score(body: bytes, engine: Any) -> tuple[dict, list[list[int]]]:
+        """The body's fields and its token ids, every id checked against the vocabulary and the context (422)."""
+        data = check_fields(parse_json(body), "body", ("token_ids", "start", "topk", "temperature"), ("token_ids", "start"))
+        ids = parse_prompts(data["token_ids"], cfg.max_prompts_per_request, "token_ids")
+        try:
+            check_prompts(ids, engine.vocab_size, engine.max_model_len, 1)
+        except ValueError as e:
+            raise HTTPError(422, str(e)) from None
+        return data, ids
+
     @app.post("/score", openapi_extra=openapi_body(ScoreBody))
     @endpoint
     async def score(request: Request):
-        """log p(token_t | tokens_<t) for t >= start[i] under the served weights (raw model, temperature 1)."""
+        """log p(token_t | tokens_<t) for t >= start[i] under the served weights (raw model, temperature 1).
+
+        Off the event loop: a body over :data:`INLINE_BYTES` is parsed, and every answer is built and encoded, in the
+        request workers (``--prep-workers``), so ``/health`` answers during the largest score. The answers being built
+        hold at most ``--max-score-values`` top-k values together (503 beyond: :class:`ScoreBudget`), and the work stops
+        when the client goes away (the engine checks between sequences and between layers)."""
         engine = ready_engine()
-        data = await json_body(request, ("token_ids", "start", "topk", "temperature"), ("token_ids", "start"))
-        ids = parse_prompts(data["token_ids"], cfg.max_prompts_per_request, "token_ids")
+        body = await read_body(request, cfg.max_body_bytes, timeout_s=cfg.body_timeout)
+        data, ids = parse_score(body, engine) if len(body) <= INLINE_BYTES else await prep.run(parse_score, body, engine)
         start = data["start"]
         if not isinstance(start, list) or len(start) != len(ids):
             raise HTTPError(422, "'start' must be a list with one integer in [1, len(token_ids[i])] per sequence")
@@ -310,21 +395,23 @@ def create_app(cfg: EngineServeConfig, on_fatal=None, load: Callable[[], Any] | 
         if values > cfg.max_score_values:
             raise HTTPError(413, f"the answer would hold {values} top-k values > --max-score-values {cfg.max_score_values}; "
                                  "score fewer or shorter sequences per request, or a smaller topk", "score_too_large")
-        try:
-            check_prompts(ids, engine.vocab_size, engine.max_model_len, 1)
-        except ValueError as e:
-            raise HTTPError(422, str(e)) from None
-        if not with_topk:
-            rows = [finite_or_none(r) for r in await run(loop_.call(lambda: engine.score(ids, start)))]
-            note_nonfinite(rows)
-            return {"logprobs": rows}
-        if not hasattr(engine, "score_topk"):
+        if with_topk and not hasattr(engine, "score_topk"):
             raise HTTPError(422, f"the {engine.info.kind} engine cannot score top-k tokens")
-        scored = await run(loop_.call(lambda: engine.score_topk(ids, start, topk=topk, temperature=temperature)))
-        rows = [finite_or_none(r.logprobs) for r in scored]
-        note_nonfinite(rows)
-        return {"logprobs": rows, "topk_ids": [r.topk_ids for r in scored],
-                "topk_logprobs": [[finite_or_none(v) for v in r.topk_logprobs] for r in scored]}
+        stop = threading.Event()
+        with score_budget.holding(max(values, sum(map(len, ids)))):
+            if with_topk:
+                fut = loop_.call(lambda: engine.score_topk(ids, start, topk=topk, temperature=temperature, should_stop=stop.is_set))
+            elif hasattr(engine, "score_topk"):
+                fut = loop_.call(lambda: [r.logprobs for r in engine.score_topk(ids, start, topk=0, should_stop=stop.is_set)])
+            else:
+                fut = loop_.call(lambda: engine.score(ids, start))
+            scored = await run(unless_gone(request, fut, stop, loop_.counters))
+            rows = [finite_or_none(r.logprobs) for r in scored] if with_topk else [finite_or_none(r) for r in scored]
+            note_nonfinite(rows)
+            extra = scored if with_topk else None
+            small = values + sum(map(len, rows)) <= INLINE_VALUES  # a few ms to encode: not worth a thread hop
+            body = encode_scores(rows, extra) if small else await prep.run(encode_scores, rows, extra)
+            return Response(body, media_type="application/json")
 
     # ------------------------------------------------------------------ sleep / wake
     @app.post("/sleep")

@@ -227,13 +227,17 @@ class VLLMEngine:
         return [scored.logprobs for scored in self.score_topk(token_ids, start, topk=0)]
 
     def score_topk(self, token_ids: list[list[int]], start: list[int], *, topk: int,
-                   temperature: float = 1.0) -> list:
+                   temperature: float = 1.0, should_stop=None) -> list:
         """:meth:`score` with each position's ``topk`` most likely tokens, from vLLM's prompt log-probs (``prompt_logprobs=topk``:
-        the given token's log-prob and the top-k, of the raw model). vLLM computes prompt log-probs at temperature 1 only."""
+        the given token's log-prob and the top-k, of the raw model). vLLM computes prompt log-probs at temperature 1 only.
+        ``should_stop`` is checked before the batch starts (vLLM's ``generate`` runs to its end)."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
-        from agent.engines.base import ScoredTokens
+        from agent.engines.base import ScoredTokens, ScoreStopped
+
+        if should_stop is not None and should_stop():
+            raise ScoreStopped("scoring stopped: its requester went away")
 
         if len(token_ids) != len(start):
             raise ValueError("token_ids and start must have the same length")

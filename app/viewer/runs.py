@@ -5,9 +5,10 @@ step's sampled trajectories); an *eval run* one with ``items/`` or ``run.json`` 
 per question); a folder holding runs one level down -- ``emapg demo``'s ``train/``, ``eval_base/``,
 ``eval_trained/`` -- opens as all of them. Anything else is refused with one line (:class:`emapg.errors.UserError`).
 
-Files are re-read when they change (size and modification time), so a run still being written shows its new
-steps; a line cut by a kill mid-write is skipped (:func:`emapg.jsonl.read_jsonl`), never repaired: the viewer is
-read-only.
+Files are read by :mod:`app.viewer.run_files` (regular files inside the run folder only, record by record) and
+re-read when they change (size and modification time), so a run still being written shows its new steps; a line cut
+by a kill mid-write, or any record the viewer cannot show, is skipped and counted (``problems`` in the run's summary),
+never repaired: the viewer is read-only.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from app.viewer.trajectory import render
+from app.viewer.run_files import RunFiles, int_field
+from app.viewer.trajectory import render, shown
 from emapg.errors import UserError
-from emapg.jsonl import read_jsonl
 
 METRICS_FILE, SAMPLES_FILE, GUARD_FILE = "metrics.jsonl", "samples.jsonl", "guard.jsonl"  # trainer.tracking's, trainer.recovery's
 RESULTS_FILE, ITEMS_DIR, EVAL_RUN_FILE = "results.json", "items", "run.json"  # eval.runner's, eval.items'
@@ -32,11 +33,21 @@ OUTCOMES = ("right", "wrong", "shown_wrong", "not_shown_wrong")
 
 
 def run_kind(path: Path) -> Kind | None:
-    if (path / METRICS_FILE).is_file() or (path / SAMPLES_FILE).is_file():
+    # exists(), not is_file(): a run whose metrics.jsonl is damaged (a named pipe in its place) still opens, and says so
+    if (path / METRICS_FILE).exists() or (path / SAMPLES_FILE).exists():
         return "train"
-    if (path / ITEMS_DIR).is_dir() or (path / EVAL_RUN_FILE).is_file():  # a demo's report/ has a results.json only
+    if (path / ITEMS_DIR).is_dir() or (path / EVAL_RUN_FILE).exists():  # a demo's report/ has a results.json only
         return "eval"
     return None
+
+
+def _stepped(record: dict[str, Any]) -> bool:
+    return int_field(record.get("step")) is not None
+
+
+def _summarizable(record: dict[str, Any]) -> bool:
+    item_summary("", record)  # raises on a record whose fields have the wrong types
+    return True
 
 
 @dataclass
@@ -45,59 +56,58 @@ class Run:
     label: str
     kind: Kind
     path: Path
-    _cache: dict[str, tuple[tuple[int, int], Any]] = field(default_factory=dict, repr=False)
+    files: RunFiles = field(init=False, repr=False)
 
-    def _read(self, name: str, reader) -> Any:
-        """``reader(path)`` of a file under the run, re-read only when its size or mtime changed (None: absent)."""
-        path = self.path / name
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return None
-        key = (st.st_size, st.st_mtime_ns)
-        hit = self._cache.get(name)
-        if hit is None or hit[0] != key:
-            hit = (key, reader(path))
-            self._cache[name] = hit
-        return hit[1]
+    def __post_init__(self) -> None:
+        self.files = RunFiles(self.path)
 
     # ------------------------------------------------------------------ training runs
     def metrics(self) -> list[dict[str, Any]]:
-        return self._read(METRICS_FILE, read_jsonl) or []
+        return self.files.records(METRICS_FILE, keep=_stepped)
 
     def samples(self) -> list[dict[str, Any]]:
-        return self._read(SAMPLES_FILE, read_jsonl) or []
+        return self.files.records(SAMPLES_FILE, keep=_stepped)
 
     def guard_events(self) -> list[dict[str, Any]]:
-        return self._read(GUARD_FILE, read_jsonl) or []
+        return self.files.records(GUARD_FILE, keep=_stepped)
 
     def sample_steps(self) -> list[int]:
-        return sorted({int(s.get("step", 0)) for s in self.samples()})
+        return sorted({int_field(s.get("step")) for s in self.samples()})
 
-    def step_samples(self, step: int) -> list[dict[str, Any]]:
-        return [render(s) for s in self.samples() if int(s.get("step", 0)) == step]
+    def step_samples(self, step: int) -> tuple[list[dict[str, Any]], int]:
+        """The step's samples as display data, and how many of its records could not be shown (skipped)."""
+        shown_, skipped = [], 0
+        for s in self.samples():
+            if int_field(s.get("step")) == step:
+                try:
+                    shown_.append(render(s))
+                except (TypeError, ValueError, AttributeError, KeyError, IndexError):  # a field of the wrong type
+                    skipped += 1
+        return shown_, skipped
 
     # ------------------------------------------------------------------ eval runs
     def results(self) -> dict[str, Any]:
-        return self._read(RESULTS_FILE, lambda p: json.loads(p.read_text())) or {}
+        return self.files.document(RESULTS_FILE)
 
     def datasets(self) -> list[str]:
-        folder = self.path / ITEMS_DIR
-        return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+        return self.files.listing(ITEMS_DIR, ".jsonl")
 
     def records(self, dataset: str) -> list[dict[str, Any]]:
         if dataset not in self.datasets():  # only names found on disk reach a path
             return []
-        return self._read(f"{ITEMS_DIR}/{dataset}.jsonl", read_jsonl) or []
+        return self.files.records(f"{ITEMS_DIR}/{dataset}.jsonl", keep=_summarizable)
 
     def items(self) -> list[dict[str, Any]]:
         """One summary per question of every dataset (what the filters and the comparison read)."""
         return [item_summary(ds, r) for ds in self.datasets() for r in self.records(ds)]
 
     def item(self, dataset: str, item_id: str) -> dict[str, Any] | None:
+        """The question ``item_id`` (as the API shows ids: :func:`app.viewer.trajectory.shown`) of ``dataset``."""
         for r in self.records(dataset):
-            if str(r.get("id")) == item_id:
+            if shown(str(r.get("id"))) == item_id:
                 sample = (r.get("samples") or [{}])[0]
+                if not isinstance(sample, dict):
+                    sample = {}
                 return {**render({**r, **sample, "golds": r.get("golds"), "question": r.get("question"), "prompt": r.get("prompt"),
                                   "prompt_tokens": None}), **item_summary(dataset, r)}
         return None
@@ -108,23 +118,29 @@ class Run:
                                "updated": _mtime(self.path)}
         if self.kind == "train":
             metrics = self.metrics()
-            out.update(steps=len(metrics), last_step=int(metrics[-1].get("step", 0)) if metrics else 0,
+            out.update(steps=len(metrics), last_step=int_field(metrics[-1].get("step")) if metrics else 0,
                        sample_steps=len(self.sample_steps()))
+            self.guard_events()
         else:
             items = self.items()
             out.update(datasets=self.datasets(), questions=len(items), right=sum(i["right"] for i in items),
                        model=str(self.results().get("model", "")))
+        problems = self.files.problems()
+        out.update(problems=problems, skipped_records=sum(p["skipped"] for p in problems.values()),
+                   unreadable_files=sum(p["unreadable"] is not None for p in problems.values()))
         return out
 
 
 def _mtime(path: Path) -> float:
-    """The newest modification time of the run's files (one level down, and items/): when it was last written."""
-    times = [path.stat().st_mtime]
-    for child in [*path.iterdir(), *((path / ITEMS_DIR).iterdir() if (path / ITEMS_DIR).is_dir() else [])]:
+    """The newest modification time of the run's files (one level down, and items/): when it was last written (the
+    entries' own times: a link is not followed)."""
+    times = [0.0]
+    for folder in (path, path / ITEMS_DIR):
         try:
-            times.append(child.stat().st_mtime)
-        except FileNotFoundError:
-            pass
+            times.append(folder.lstat().st_mtime)
+            times += [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(folder)]
+        except OSError:  # gone, not a folder, unreadable: what could be read stands
+            continue
     return max(times)
 
 

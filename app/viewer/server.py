@@ -4,19 +4,34 @@ Read-only (GET only), bound to 127.0.0.1 by default, every asset from the packag
 ``app/viewer/static/``, plotly.js from the installed ``plotly`` wheel. The page builds its DOM from the JSON API with
 text nodes only; the Content-Security-Policy below also forbids inline scripts, ``eval``, other origins and
 framing, so even a rendering mistake could not run what a trajectory contains. The Host header must name this
-machine (a DNS-rebinding page elsewhere cannot read the runs).
+machine: ``localhost`` or a loopback address, the one bound included (a DNS-rebinding page elsewhere cannot read the
+runs).
+
+Bounded work per request: every API answer is built and encoded in one of :data:`WORKERS` threads (never on the
+event loop; at most :data:`MAX_WAITING` more wait, then 503), within a deadline (:data:`DEADLINE_S`, then 503 while
+the work finishes in its thread), from files read by :mod:`app.viewer.run_files` (regular files only: nothing can
+block a read). A connection's headers must arrive within :data:`HEADER_TIMEOUT_S` (:mod:`emapg.connection_guard`),
+and SIGINT/SIGTERM stop the server within :data:`SHUTDOWN_S`. Every answer is JSON that cannot fail to encode:
+non-finite numbers are null and bidirectional control characters are shown as their code points
+(:func:`app.viewer.trajectory.shown`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import math
+import os
 import sys
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from app.viewer.run_files import int_field
 from app.viewer.runs import OUTCOMES, Run, compare, filter_items, finite, open_runs
+from app.viewer.trajectory import shown
 from emapg.config import ConfigError, add_config_arguments, config_from_args, option
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -28,6 +43,10 @@ SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "n
                     "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
 #: How many eval items one page of the table lists.
 MAX_ITEMS = 500
+#: Threads that build the API's answers, answers that may wait for one (503 beyond), and how long one may take (503).
+WORKERS, MAX_WAITING, DEADLINE_S = 4, 64, 30.0
+#: Seconds a connection has to send a request's headers; connections kept idle at most; seconds to stop on a signal.
+HEADER_TIMEOUT_S, MAX_IDLE_CONNECTIONS, SHUTDOWN_S = 10.0, 64, 3
 
 
 @dataclass
@@ -60,22 +79,75 @@ def _number(value: Any) -> Any:
     return finite(value)
 
 
+def _displayable(value: Any) -> Any:
+    """``value`` as the page receives it: non-finite numbers null, bidirectional controls visible (module docstring).
+    Records are at most :data:`app.viewer.run_files.MAX_RECORD_DEPTH` deep, so the recursion is bounded."""
+    if isinstance(value, str):
+        return shown(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {shown(str(k)): _displayable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_displayable(v) for v in value]
+    return value
+
+
+def encode(value: Any) -> bytes:
+    """The API's JSON for ``value``: never NaN, never unencodable (a lone surrogate from a file name becomes '?')."""
+    return json.dumps(_displayable(value), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8", "replace")
+
+
+def host_allowed(host_header: str, allowed: list[str] | None) -> bool:
+    """Whether a request's ``Host`` names an allowed host: ``allowed`` names (``"*"``: any), or by default
+    ``localhost`` and any loopback address (``127.0.0.2`` too, for ``--host 127.0.0.2``)."""
+    from emapg.servers import is_loopback
+
+    host = host_header.strip()
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    host = host.lower()
+    if allowed is not None:
+        return "*" in allowed or host in allowed
+    return bool(host) and is_loopback(host)
+
+
 def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import FileResponse, JSONResponse, Response
-    from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+    from emapg.request_workers import RequestWorkers
+    from emapg.server_input import HTTPError
 
     app = FastAPI(title="emapg view", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or ["127.0.0.1", "localhost", "[::1]", "::1"])
     by_id = {r.id: r for r in runs}
     page = (STATIC / "index.html").read_bytes()
     bundle = plotly_js()
+    workers = RequestWorkers(WORKERS, MAX_WAITING, name="view")
 
     @app.middleware("http")
     async def headers(request: Request, call_next):
-        response = await call_next(request)
+        if not host_allowed(request.headers.get("host", ""), allowed_hosts):
+            response = JSONResponse({"detail": "Invalid host header: the viewer answers requests for localhost or a "
+                                               "loopback address only"}, status_code=400)
+        else:
+            response = await call_next(request)
         response.headers.update(SECURITY_HEADERS)
         return response
+
+    async def answer(build, *args) -> Response:
+        """``build(*args)`` in a worker thread, encoded there (module docstring); 503 when busy or past the deadline."""
+        work = workers.run(lambda: encode(build(*args)))
+        try:
+            body = await asyncio.wait_for(asyncio.shield(work), DEADLINE_S)
+        except asyncio.TimeoutError:
+            return JSONResponse({"detail": f"building this answer took more than {DEADLINE_S:g} s; it is still being "
+                                           "built, retry shortly"}, status_code=503, headers={"Retry-After": "5"})
+        except HTTPError as e:  # the workers' bound
+            return JSONResponse({"detail": e.message}, status_code=e.status, headers={"Retry-After": str(e.retry_after or 1)})
+        return Response(body, media_type="application/json")
 
     def run_of(run_id: str, kind: str | None = None) -> Run:
         run = by_id.get(run_id)
@@ -96,49 +168,71 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
             raise HTTPException(404, "no such asset")
         return FileResponse(STATIC / name, media_type=ASSETS[name])
 
-    @app.get("/api/runs")
-    def list_runs():
-        return [r.summary() for r in runs]
+    @app.get("/api/health")
+    async def health():
+        """200 at once: the event loop is answering (what a monitor, or a test of a slow request, polls)."""
+        return {"status": "ok", "runs": len(runs), "workers": workers.stats()}
 
-    @app.get("/api/runs/{run_id}/metrics")
-    def metrics(run_id: str, since: int = -1):
-        run = run_of(run_id, "train")
+    @app.get("/api/runs")
+    async def list_runs():
+        return await answer(lambda: [r.summary() for r in runs])
+
+    def metrics_of(run: Run, since: int) -> dict[str, Any]:
         records = run.metrics()
         keys = sorted({k for r in records for k, v in r.items() if k != "step" and _number(v) is not None})
-        rows = [{"step": int(r.get("step", 0)), **{k: _number(v) for k, v in r.items() if k != "step"}}
-                for r in records if int(r.get("step", 0)) > since]
-        guard = [{"step": e.get("step"), "action": str(e.get("action", "")), "reason": str(e.get("reason", ""))}
+        rows = [{"step": int_field(r.get("step")), **{k: _number(v) for k, v in r.items() if k != "step"}}
+                for r in records if int_field(r.get("step")) > since]
+        guard = [{"step": int_field(e.get("step"), None), "action": str(e.get("action", "")), "reason": str(e.get("reason", ""))}
                  for e in run.guard_events()]
-        return JSONResponse({"keys": keys, "records": rows, "guard": guard})
+        return {"keys": keys, "records": rows, "guard": guard}
 
-    @app.get("/api/runs/{run_id}/samples")
-    def samples(run_id: str, step: int | None = None):
-        run = run_of(run_id, "train")
+    @app.get("/api/runs/{run_id}/metrics")
+    async def metrics(run_id: str, since: int = -1):
+        return await answer(metrics_of, run_of(run_id, "train"), since)
+
+    def samples_of(run: Run, step: int | None) -> dict[str, Any]:
         steps = run.sample_steps()
         if step is None:
             step = steps[-1] if steps else 0
-        return {"steps": steps, "step": step, "samples": run.step_samples(step)}
+        shown_, skipped = run.step_samples(step)
+        return {"steps": steps, "step": step, "samples": shown_, "skipped": skipped}
 
-    @app.get("/api/runs/{run_id}/items")
-    def items(run_id: str, dataset: str | None = None, outcome: str | None = None, searches: int | None = None):
-        run = run_of(run_id, "eval")
-        if outcome and outcome not in OUTCOMES:
-            raise HTTPException(422, f"outcome must be one of {', '.join(OUTCOMES)}")
+    @app.get("/api/runs/{run_id}/samples")
+    async def samples(run_id: str, step: int | None = None):
+        return await answer(samples_of, run_of(run_id, "train"), step)
+
+    def items_of(run: Run, dataset: str | None, outcome: str | None, searches: int | None) -> dict[str, Any]:
         every = run.items()
         kept = filter_items(every, dataset=dataset or None, outcome=outcome or None, searches=searches)
         return {"datasets": run.datasets(), "total": len(every), "matching": len(kept), "items": kept[:MAX_ITEMS],
                 "searches": sorted({i["searches"] for i in every})}
 
-    @app.get("/api/runs/{run_id}/items/{dataset}/{item_id}")
-    def item(run_id: str, dataset: str, item_id: str):
-        found = run_of(run_id, "eval").item(dataset, item_id)
+    @app.get("/api/runs/{run_id}/items")
+    async def items(run_id: str, dataset: str | None = None, outcome: str | None = None, searches: int | None = None):
+        run = run_of(run_id, "eval")
+        if outcome and outcome not in OUTCOMES:
+            raise HTTPException(422, f"outcome must be one of {', '.join(OUTCOMES)}")
+        return await answer(items_of, run, dataset, outcome, searches)
+
+    def item_of(run: Run, dataset: str, item_id: str) -> dict[str, Any]:
+        try:
+            found = run.item(dataset, item_id)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError):  # a field of the wrong type
+            raise HTTPException(422, "this question's record has fields of the wrong type; it cannot be shown") from None
         if found is None:
             raise HTTPException(404, "no such question")
         return found
 
+    # ``:path``: an id may hold "/" (the page sends it %2F-encoded, which the server decodes before routing)
+    @app.get("/api/runs/{run_id}/items/{dataset}/{item_id:path}")
+    async def item(run_id: str, dataset: str, item_id: str):
+        return await answer(item_of, run_of(run_id, "eval"), dataset, item_id)
+
     @app.get("/api/compare")
-    def compare_runs(a: str, b: str):
-        return compare(run_of(a, "eval"), run_of(b, "eval"))
+    async def compare_runs(a: str, b: str):
+        return await answer(compare, run_of(a, "eval"), run_of(b, "eval"))
+
+    app.state.workers = workers
 
     return app
 
@@ -153,6 +247,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import uvicorn
 
+    from emapg.connection_guard import MAX_HEAD_BYTES, guarded_protocol
     from emapg.servers import is_loopback
 
     cfg = config_from_args(ViewConfig, parser().parse_args(argv))
@@ -163,17 +258,17 @@ def main(argv: list[str]) -> int:
     runs = open_runs(cfg.runs)
     hosts = None if is_loopback(cfg.host) else ["*"]
     app = create_app(runs, allowed_hosts=hosts)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                            http=guarded_protocol(HEADER_TIMEOUT_S, MAX_IDLE_CONNECTIONS), h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                            timeout_graceful_shutdown=SHUTDOWN_S)
     server = uvicorn.Server(config)
-    shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    address = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
 
     async def announce() -> None:
-        import asyncio
-
         while not server.started:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else cfg.port
-        url = f"http://{shown}:{port}/"
+        url = f"http://{address}:{port}/"
         kinds = ", ".join(f"{r.label} ({r.kind})" for r in runs)
         print(f"emapg view: {url}  -- {kinds}  (Ctrl-C stops)", file=sys.stderr, flush=True)
         if cfg.open_browser:
@@ -182,15 +277,18 @@ def main(argv: list[str]) -> int:
             webbrowser.open(url)
 
     async def serve() -> None:
-        import asyncio
-
         watcher = asyncio.create_task(announce())
         try:
             await server.serve()
         finally:
             watcher.cancel()
 
-    import asyncio
-
     asyncio.run(serve())
-    return 0 if server.started else 1
+    code = 0 if server.started else 1
+    workers = app.state.workers
+    pending = workers.stats()["pending"]
+    workers.close()
+    if pending:  # answers still being built in threads nobody waits for: do not let them hold the exit
+        print(f"emapg view: stopped, abandoning {pending} answer(s) still being built", file=sys.stderr, flush=True)
+        os._exit(code)
+    return code
