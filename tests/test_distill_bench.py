@@ -1,4 +1,4 @@
-"""benchmarks/distill.py --quick end to end: tiny teacher, perturbed tiny student, real retriever and engine servers,
+"""studies/distill.py --quick end to end: tiny teacher, perturbed tiny student, real retriever and engine servers,
 the reader slice scored greedy and sampled, the cost phase (distill vs RL step on the same rows, teacher throughput in
 process vs remote) and 2 distillation steps with the teacher in process and remote; the report carries the contract
 keys of benchmarks/results/distill.json."""
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.distill import CONTRACT, main
+from studies.distill import CONTRACT, main
 
 
 @pytest.mark.slow
@@ -35,7 +35,7 @@ def test_distill_benchmark_quick_writes_the_contract_keys(tmp_path):
 
 
 def _seed_report(seed: int, end: dict[str, float], **changes) -> dict:
-    from benchmarks.distill import POOL_KEYS
+    from studies.distill import POOL_KEYS
 
     report = {k: f"same-{k}" for k in POOL_KEYS}
     teacher = {"nq/1": 1.0, "nq/2": 0.5, "popqa/3": 0.0, "popqa/4": 1.0}
@@ -47,7 +47,7 @@ def _seed_report(seed: int, end: dict[str, float], **changes) -> dict:
 
 
 def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings(tmp_path):
-    from benchmarks.distill import pool_line, pool_seeds
+    from studies.distill import pool_line, pool_seeds
 
     ends = [{"nq/1": 1.0, "nq/2": 0.5, "popqa/3": 0.0, "popqa/4": 0.0}, {"nq/1": 0.0, "nq/2": 0.5, "popqa/3": 0.5, "popqa/4": 1.0}]
     files = []
@@ -73,7 +73,7 @@ def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings
 
 
 def test_pool_against_pairs_two_settings_by_question_over_the_same_seeds(tmp_path):
-    from benchmarks.distill import main, pool_against, pool_seeds
+    from studies.distill import main, pool_against, pool_seeds
 
     def write(name, seed, end, **changes):
         f = tmp_path / name

@@ -1,4 +1,4 @@
-"""benchmarks/distill_gap.py: the response split into generated text and observations, the part labels, the
+"""studies/distill_gap.py: the response split into generated text and observations, the part labels, the
 per-token statistics against a brute-force sum over the vocabulary, and an end-to-end run on tiny models (a student
 equal to its teacher diverges by 0, a perturbed one does not)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agent.actions import INVALID_ACTION_MESSAGE, information_text
-from benchmarks.distill_gap import encode, main, part_labels, split_response, token_stats
+from studies.distill_gap import encode, main, part_labels, split_response, token_stats
 
 
 def test_the_response_splits_into_generated_text_and_observations():

@@ -1,10 +1,10 @@
-"""benchmarks/learning_search.py's pieces (the benchmark itself runs minutes: see its --quick mode)."""
+"""studies/learning_search.py's pieces (the benchmark itself runs minutes: see its --quick mode)."""
 
 import json
 
 import pytest
 
-from benchmarks.learning_search import ALGOS, per_question_em, plot
+from studies.learning_search import ALGOS, per_question_em, plot
 from tasks.datasets import QA_DATASETS
 
 
@@ -36,7 +36,7 @@ def test_arms_are_the_papers_baseline_emapg_and_a_shuffled_reward_control():
 
 
 def test_the_default_arms_are_the_protocols_and_the_contract_file_refuses_others(capsys):
-    from benchmarks.learning_search import PROTOCOL_ARMS, main
+    from studies.learning_search import PROTOCOL_ARMS, main
 
     assert PROTOCOL_ARMS == ("grpo", "emapg", "control")
     with pytest.raises(SystemExit):
@@ -45,7 +45,7 @@ def test_the_default_arms_are_the_protocols_and_the_contract_file_refuses_others
 
 
 def test_the_protocol_is_written_in_the_docstring():
-    import benchmarks.learning_search as ls
+    import studies.learning_search as ls
 
     doc = ls.__doc__
     assert "PRE-REGISTERED PROTOCOL" in doc and "mean@4" in doc and "Seeds 0, 1, 2" in doc and "reader slice" in doc.lower()
@@ -73,7 +73,7 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
 
     pytest.importorskip("matplotlib")
     out = tmp_path / "ls.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "learning_search.py"), "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "studies" / "learning_search.py"), "--quick", "--out", str(out),
                            "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -92,7 +92,7 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
 
 
 def test_partial_runs_may_not_overwrite_the_contract_file():
-    from benchmarks.learning_search import main
+    from studies.learning_search import main
 
     for argv in (["--algorithms", "emapg", "--seeds", "0", "1"], ["--reduced", "--seeds", "0"], ["--override", "optim.lr=1e-4"]):
         with pytest.raises(SystemExit):
@@ -100,7 +100,7 @@ def test_partial_runs_may_not_overwrite_the_contract_file():
 
 
 def _recorded(reader_em, heldout_em):
-    """An evaluation's recorded scores (benchmarks.learning_search.recorded_scores) from per-question EMs."""
+    """An evaluation's recorded scores (studies.learning_search.recorded_scores) from per-question EMs."""
     reader = {f"nq/q{i}": x for i, x in enumerate(reader_em)}
     return {"reader": {"em": reader, "f1": dict(reader), "pass": dict(reader)},
             "heldout": {"em": {f"nq/h{i}": x for i, x in enumerate(heldout_em)}}}
@@ -120,7 +120,7 @@ def _run(reader_em, heldout_em):
 def test_summarise_pools_recorded_scores_and_compares_arms_on_common_seeds():
     """The estimates come from the recorded per-question scores alone (no work folder): the pooled end averages each
     question over seeds; between-arm differences use only the seeds both arms finished."""
-    from benchmarks.learning_search import summarise
+    from studies.learning_search import summarise
 
     start = _recorded([0, 0, 1, 1], [0, 1])
     report = {"starter": {"reader_a": start["reader"], "reader_b": start["reader"], "heldout": start["heldout"], "misses": _misses(2)},
@@ -137,7 +137,7 @@ def test_summarise_pools_recorded_scores_and_compares_arms_on_common_seeds():
 
 
 def test_resume_from_takes_recorded_runs_of_the_same_protocol_only(tmp_path):
-    from benchmarks.learning_search import PROTOCOL_KEYS, import_recorded
+    from studies.learning_search import PROTOCOL_KEYS, import_recorded
 
     proto = {k: f"value of {k}" for k in PROTOCOL_KEYS}
     earlier = {**proto, "starter": {"reader_a": {}}, "runs": {"grpo": {"0": _run([1], [1]), "1": {"no": "per_question"}}}}

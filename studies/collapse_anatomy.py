@@ -1,7 +1,7 @@
 """Anatomy of a late collapse (issue #42): what the one update that broke a learning GRPO run changed, whether the
 weights showed it coming, and what the guard's rollback does with it.
 
-PROTOCOL (written 2026-12-06 09:55 UTC, after amendment 6 of ``benchmarks/stability.py``; descriptive, not a test of
+PROTOCOL (written 2026-12-06 09:55 UTC, after amendment 6 of ``studies/stability.py``; descriptive, not a test of
 a hypothesis: it dissects the one collapse after a learning phase that the stability benchmark has measured)
 ====================================================================================================================
 
@@ -26,8 +26,8 @@ forced through every step's checkpoint: the log-probability of each model token.
 
 Cost: three 64-step toy runs and ~130 teacher-forced passes, about 6 min on 2 free cores.
 
-    python benchmarks/collapse_anatomy.py            # writes benchmarks/results/collapse_anatomy.json and .png
-    python benchmarks/collapse_anatomy.py --quick --work /tmp/anatomy   # 8 steps, any run (a smoke run of the code)
+    python studies/collapse_anatomy.py            # writes benchmarks/results/collapse_anatomy.json and .png
+    python studies/collapse_anatomy.py --quick --work /tmp/anatomy   # 8 steps, any run (a smoke run of the code)
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from benchmarks.stability import Runner, toy_base
+    from studies.stability import Runner, toy_base
     from emapg.paths import CONFIG_DIR
     from retriever.launch import RetrieverServer
     from tests.fixtures.trainer import build_toy_task
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     healthy_seqs = anchors(runs[HEALTHY_SEED], tokenizer)
     healthy_where = positions(healthy_seqs, pair)
     report: dict[str, Any] = {
-        "date": _now(), "protocol": "benchmarks/collapse_anatomy.py docstring", "quick": args.quick, "settings": {**LATE, "steps": steps, "arm": "grpo"},
+        "date": _now(), "protocol": "studies/collapse_anatomy.py docstring", "quick": args.quick, "settings": {**LATE, "steps": steps, "arm": "grpo"},
         "reproduced_stability_late": reproduced, "collapse_step": collapse, "anchors": len(seqs),
         "flipped_token": {"previous": tokenizer.decode([pair[0]]), "text": tokenizer.decode([pair[1]]),
                           "anchor_positions": sum(len(w) for w in where)},

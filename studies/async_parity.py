@@ -1,6 +1,6 @@
 """Learning parity of asynchronous training: ``rollout.max_staleness`` s = 1 (and 2) vs s = 0 on the toy search task.
 
-The toy search task of ``benchmarks/learning_toy.py`` (``tests/fixtures/trainer.py``: 8 synthetic
+The toy search task of ``studies/learning_toy.py`` (``tests/fixtures/trainer.py``: 8 synthetic
 facts stating 4 digits, so a constant answer scores 0.25, in a real MiniLM + FAISS index behind a real
 ``emapg serve``; tiny-qwen2 warm-started to search and copy the observed digit about half the time).
 Every run starts from the same warm-started weights and generates on the same ``emapg engine serve``
@@ -20,7 +20,7 @@ Writes ``benchmarks/results/async_parity.json`` and ``benchmarks/results/async_p
 (reward curves, one line per run). Takes several minutes on 2 cores; run it alone
 (``flock /tmp/emapg-heavy.lock``).
 
-    python benchmarks/async_parity.py [--steps 20] [--seeds 0 1 2] [--staleness 0 1 2] [--quick]
+    python studies/async_parity.py [--steps 20] [--seeds 0 1 2] [--staleness 0 1 2] [--quick]
 """
 
 from __future__ import annotations

@@ -173,18 +173,18 @@ RESULT (2026-12-06, ``distill_forward_seed{0,1}.json``, pooled ``distill_forward
 sampled [+4.6, +10.8], +11.6 greedy [+6.6, +16.6]. Neither seed drifted to direct answers (about one search per
 trajectory over the last 10 steps in both). Seed 1's teacher and start evaluations reproduced the recorded ones.
 
-    python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
-    python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
+    python studies/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
+    python studies/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
         --no-cost --out benchmarks/results/distill_40steps_seed0.json                    # the follow-on, seed 0
-    python benchmarks/distill.py --pool benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_40steps.json
-    python benchmarks/distill.py --work runs/distill_added_s0 --mode added --steps 40 --arms in_process --no-cost \
+    python studies/distill.py --pool benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_40steps.json
+    python studies/distill.py --work runs/distill_added_s0 --mode added --steps 40 --arms in_process --no-cost \
         --out benchmarks/results/distill_added_seed0.json                                 # follow-on 3, seed 0
-    python benchmarks/distill.py --pool benchmarks/results/distill_added_seed*.json \
+    python studies/distill.py --pool benchmarks/results/distill_added_seed*.json \
         --against benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_added.json  # + added - alone
-    python benchmarks/distill.py --work runs/recover_fwd --student runs/distill_added_s1/arm_in_process/step_40/policy \
+    python studies/distill.py --work runs/recover_fwd --student runs/distill_added_s1/arm_in_process/step_40/policy \
         --estimator topk_forward_kl --mode added --steps 8 --seed 1 --arms in_process --no-cost --no-eval \
         --out benchmarks/results/distill_recover_forward.json                              # follow-on 4 A (and reverse)
-    python benchmarks/distill.py --quick               # smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2 steps
+    python studies/distill.py --quick               # smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2 steps
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def evaluate(model: str, out: Path, url: str, engine_url: str, s: dict[str, Any]
     """``model`` on the reader slice through the shared engine server (its weights loaded first): greedy, or
     ``s["samples"]`` samples per question at ``temperature`` (sampling seed :data:`SAMPLING_SEED`). Kept when a
     finished evaluation is already in ``out`` (a resumed run)."""
-    from benchmarks.learning_search import check_heldout
+    from studies.learning_search import check_heldout
     from eval.protocols import get_protocol
     from eval.runner import EvalConfig, run_eval
     from tasks.datasets import QA_DATASETS
@@ -528,7 +528,7 @@ def summarise(report: dict[str, Any], dirs: dict[str, Path]) -> None:
     from eval.learning import compare_learning, compare_sampled
     from tasks.datasets import QA_DATASETS
 
-    from benchmarks.learning_search import per_question
+    from studies.learning_search import per_question
 
     ds = list(QA_DATASETS)
     # Question -> score of every finished evaluation (sampled: mean@n EM), so that seeds can be pooled from the reports.
@@ -600,7 +600,7 @@ def pool_seeds(paths: list[Path]) -> dict[str, Any]:
     """The docstring's pooled estimates from per-seed reports of the same settings (:data:`POOL_KEYS`): the student's
     end sampled / greedy EM per seed and averaged over seeds, and end − start and end − teacher with a paired bootstrap
     over questions of each question's score averaged over seeds."""
-    from benchmarks.learning_search import difference, pct, seed_mean
+    from studies.learning_search import difference, pct, seed_mean
 
     reports = read_seed_reports(paths, "--pool", POOL_KEYS)
     seeds = [r["seed"] for r in reports]
@@ -610,7 +610,7 @@ def pool_seeds(paths: list[Path]) -> dict[str, Any]:
     teacher, start = first["teacher_sampled"], first["start_sampled"]
     end = seed_mean([r["per_question_em"]["in_process_sampled"] for r in reports])
     out: dict[str, Any] = {
-        "benchmark": "distill", "protocol": "benchmarks/distill.py docstring, FOLLOW-ON (pooled over seeds)",
+        "benchmark": "distill", "protocol": "studies/distill.py docstring, FOLLOW-ON (pooled over seeds)",
         "reports": [str(f) for f in paths], "seeds": seeds, **{k: reports[0][k] for k in POOL_KEYS if k in reports[0]},
         "teacher_sampled_em": pct(teacher), "student_sampled_em_start": pct(start), "student_sampled_em_end": pct(end),
         "student_sampled_em_end_per_seed": {str(r["seed"]): r["student_sampled_em_end"] for r in reports},
@@ -639,7 +639,7 @@ def pool_against(pooled: dict[str, Any], paths: list[Path], baseline_paths: list
     """Another setting's per-seed reports (``--against``) beside a pooled report: its pooled sampled / greedy EM and
     this setting − that one, paired by question, each question's score averaged over the same seeds on both sides.
     Both sets must share every field of :data:`AGAINST_KEYS`, the seeds and the teacher's scores."""
-    from benchmarks.learning_search import difference, pct, seed_mean
+    from studies.learning_search import difference, pct, seed_mean
 
     mine = [json.loads(f.read_text()) for f in paths]
     theirs = read_seed_reports(baseline_paths, "--against", AGAINST_KEYS, mine[0], paths[0])

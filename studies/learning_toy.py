@@ -17,7 +17,7 @@ averages, and the evidence probe ``evidence_probs`` -- e.g. ``cf_obs``, P(answer
 observation states when it contradicts the fact) -- for the warm start and each final policy)
 and ``benchmarks/results/learning_toy.png`` (reward, KL, length curves).
 
-    python benchmarks/learning_toy.py [--steps 40] [--seeds 0 1] [--quick]
+    python studies/learning_toy.py [--steps 40] [--seeds 0 1] [--quick]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ distribution flatter than the teacher's where it generates -- more entropy, more
 and in which parts of a response (search queries, answers, the rest)?
 
 Method. For each evaluation folder given (``emapg eval`` items with ``samples``: the reader-slice evaluations of
-``benchmarks/distill.py``), every sampled response is split into the model's text and the environment's
+``studies/distill.py``), every sampled response is split into the model's text and the environment's
 observations (``<information>`` blocks and the invalid-action message, :mod:`agent.actions`); the prompt and the
 observations are tokenized as the agent tokenized them, the model's text segment by segment (a re-tokenization of
 generated text: the report gives how often the count equals the recorded ``model_tokens``). On every model-generated
@@ -17,7 +17,7 @@ whether the two models' argmax agree. Averaged per token, by part of the respons
 ``<search>...</search>``, ``answer`` -- inside ``<answer>...</answer>``, ``other``), for each student checkpoint
 given, on the same samples.
 
-    python benchmarks/distill_gap.py --samples runs/distill40_s0/arm_in_process/end_sampled \\
+    python studies/distill_gap.py --samples runs/distill40_s0/arm_in_process/end_sampled \\
         --student step20=runs/distill/arm_in_process/step_20/policy --student step40=runs/distill40_s0/arm_in_process/step_40/policy \\
         --limit 120 --out benchmarks/results/distill_gap.json
 """

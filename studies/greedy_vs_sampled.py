@@ -17,8 +17,8 @@ dynamic-sampling filter).
 Output: ``benchmarks/results/greedy_vs_sampled.json`` -- per set and decoding: the start and trained accuracy
 (pooled percent), trained − start with a paired-bootstrap 95% interval, per dataset, and the questions compared.
 
-    python benchmarks/greedy_vs_sampled.py --trained RUN/step_12/policy     # ~25 min on 2 cores
-    python benchmarks/greedy_vs_sampled.py --quick                           # smoke run: tiny-qwen2 against itself
+    python studies/greedy_vs_sampled.py --trained RUN/step_12/policy     # ~25 min on 2 cores
+    python studies/greedy_vs_sampled.py --quick                           # smoke run: tiny-qwen2 against itself
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ signed gradient's error ``sqrt(2 (1 - cos))`` is predicted by the |A| error time
 The arms update a fresh trainer each (fp32 and bf16 x signed and absolute advantages) on one batch sampled the demo's
 way by the starter (as ``update_speed.py``); the gradient is read just before the first optimizer step.
 
-    python benchmarks/bf16_gradient.py           # the demo's rows, SmolLM2-135M starter (~8 min)
-    python benchmarks/bf16_gradient.py --quick   # tiny-qwen2, toy rows (< 1 min; bf16 needs a CPU with native bf16)
+    python studies/bf16_gradient.py           # the demo's rows, SmolLM2-135M starter (~8 min)
+    python studies/bf16_gradient.py --quick   # tiny-qwen2, toy rows (< 1 min; bf16 needs a CPU with native bf16)
 
 Writes ``benchmarks/results/bf16_gradient.json``.
 """

@@ -68,8 +68,8 @@ Outputs: ``benchmarks/results/learning_search.json`` (contract keys: per arm ``r
 ``reader_sampled_em_end``, ``reader_sampled_end_minus_start_ci``, ``heldout_em_start``, ``heldout_em_end``,
 ``seeds``; ``reader_questions``, ``heldout_questions``, ``trajectories_per_min``) and ``learning_search.png``.
 
-    python benchmarks/learning_search.py --work runs/learning_search   # the protocol above (~3 h on 2 cores, resumable)
-    python benchmarks/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 seeds, few questions
+    python studies/learning_search.py --work runs/learning_search   # the protocol above (~3 h on 2 cores, resumable)
+    python studies/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 seeds, few questions
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ last). Then the four contract arms at seeds 0-4 at that point, 24 steps, in thei
 (``--smollm2-seeds 0``). If no sweep point collapses, the arms still run at the last point and the report says how
 many runs collapsed, possibly none.
 
-    python benchmarks/stability.py --grid slow --steps 24 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
+    python studies/stability.py --grid slow --steps 24 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
         --work runs/stability_slow --out benchmarks/results/stability_slow.json
 
 AMENDMENT 5 (2026-12-06 01:24 UTC, after amendment 4's sweep, before these runs). Amendment 4's sweep: no run
@@ -122,7 +122,7 @@ arms at seeds 0-4 at that point, 64 steps, in their own work folder and report (
 times and false trips are the question here: a late collapse leaves room for a 2-step lead), no SmolLM2 arms. If the
 arms do not fit the session they run in the next one from the same sweep result.
 
-    python benchmarks/stability.py --grid late --steps 64 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
+    python studies/stability.py --grid late --steps 64 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
         --work runs/stability_late --out benchmarks/results/stability_late.json
 
 RESULT (2026-12-06, ``stability_late.json``, ``stability_late.png``). Sweep: no late collapse at either lr; GRPO
@@ -156,7 +156,7 @@ halves, which half carries it; and does any run collapse.
   4 prompts x 4 samples per step, ``rollout.uniform_groups=topup``, ``logging.kl_to_start``, 8 probe questions
   every 2 steps.
 * Held-out scoring (the reader slice, ``data/qa/reader_slice.json``, 181 held-out questions no training, warm start
-  or selection touched; ``benchmarks/distill.py``'s scoring): **greedy EM** and **sampled mean@2 EM** at T = 1.0,
+  or selection touched; ``studies/distill.py``'s scoring): **greedy EM** and **sampled mean@2 EM** at T = 1.0,
   top_p 1.0, sampling seed 1; the starter scored once, each run's end checkpoint once.
 * Estimates: per arm, end - start on each scoring, paired by question, with a 95% paired-bootstrap interval (pooled:
   the per-question score averaged over seeds; and per seed); each arm - GRPO at the end, the same way; the collapse
@@ -169,7 +169,7 @@ halves, which half carries it; and does any run collapse.
   then ``stability.json`` is rebuilt from its own records with the SmolLM2 section added
   (``--resume-from benchmarks/results/stability.json --report-only --steps 8 --work runs/stability_smollm2``).
 
-    python benchmarks/stability.py --smollm2-only --work runs/stability_smollm2
+    python studies/stability.py --smollm2-only --work runs/stability_smollm2
 
 RESULT (2026-12-06, ``stability_smollm2.json``, ``.png``; the SmolLM2 section of ``stability.json``). Starter on the
 reader slice (181 questions): greedy 34.3, sampled mean@2 20.2. End - start, pooled over seeds 0 and 1 [95% paired
@@ -199,8 +199,8 @@ Outputs: ``benchmarks/results/stability.json`` (contract: ``collapse_definition`
 ``emapg``, ``ema_k3``, ``frozen_topk``: ``seeds``, ``collapse_rate``, ``collapse_rate_ci``; ``signals``: a list of
 {``name``, ``median_lead_steps``, ``false_trip_rate``}) and ``stability.png``.
 
-    python benchmarks/stability.py                 # the protocol (long)
-    python benchmarks/stability.py --quick --out /tmp/stability.json   # 2 seeds x 3 steps, tiny-qwen2, no sweep
+    python studies/stability.py                 # the protocol (long)
+    python studies/stability.py --quick --out /tmp/stability.json   # 2 seeds x 3 steps, tiny-qwen2, no sweep
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ CONTRACT_ARMS = ("grpo", "emapg", "ema_k3", "frozen_topk")
 SMOLLM2_ARMS = CONTRACT_ARMS
 # amendment 7: the SmolLM2 arms' setting (the issue's one-seed lead, learning_search_lever_beta1.json) and scoring
 SMOLLM2_LR, SMOLLM2_BETA, SMOLLM2_STEPS = 1e-4, 1.0, 12
-SMOLLM2_SAMPLES = 2  # sampled mean@2 on the reader slice (benchmarks/distill.py's scoring)
+SMOLLM2_SAMPLES = 2  # sampled mean@2 on the reader slice (studies/distill.py's scoring)
 SWEEP_LR = (1e-3, 3e-3, 1e-2)
 SWEEP_BETA = (0.1, 0.001)
 # amendment 4: the slow stress (collapse after a learning phase)
@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.smollm2_seeds:
             p.error("--smollm2-only needs --smollm2-seeds > 0")
         work.mkdir(parents=True, exist_ok=True)
-        report = {"date": _now(), "protocol": "benchmarks/stability.py docstring, amendment 7", "quick": args.quick,
+        report = {"date": _now(), "protocol": "studies/stability.py docstring, amendment 7", "quick": args.quick,
                   "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
                   "smollm2": smollm2(args, work)}
         write_smollm2(report, out)
@@ -678,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         taken = import_runs(earlier, work, lr=args.lr, beta=args.beta, steps=args.steps)
         print(f"taken from {args.resume_from}: {len(taken)} finished runs", flush=True)
     task = build_toy_task(work / "task")
-    report: dict[str, Any] = {"date": _now(), "protocol": "benchmarks/stability.py docstring", "quick": args.quick, "steps": args.steps,
+    report: dict[str, Any] = {"date": _now(), "protocol": "studies/stability.py docstring", "quick": args.quick, "steps": args.steps,
                               "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}
     runner = Runner(work, steps=args.steps, prompts=4 if args.quick else 8, samples=4, probe=4 if args.quick else 8,
                     train_missing=not args.report_only)
@@ -768,8 +768,8 @@ def smollm2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     one shared engine server for training and scoring; each run's end checkpoint scored on the reader slice (greedy
     and sampled mean@2 EM) against the starter's scoring of the same questions. ``--report-only``: the finished runs
     in ``work`` only."""
-    from benchmarks.distill import evaluate
-    from benchmarks.learning_search import per_question
+    from studies.distill import evaluate
+    from studies.learning_search import per_question
 
     s = smollm2_settings(args.quick)
     folder = work / "smollm2"
@@ -878,7 +878,7 @@ def heldout_change(starter: dict[str, dict[str, float]], runs: dict[str, dict[in
     """Per arm and scoring (``greedy_em``, ``sampled_em``): the end score (per question averaged over seeds), end -
     start with a paired bootstrap interval over questions (pooled and per seed), and arm - GRPO at the end on the
     seeds both finished."""
-    from benchmarks.learning_search import difference, pct, seed_mean
+    from studies.learning_search import difference, pct, seed_mean
 
     out: dict[str, Any] = {"questions": len(starter["greedy_em"]), "start": {k: pct(v) for k, v in starter.items()}}
     for arm, by_seed in runs.items():
