@@ -33,8 +33,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from studies import harness  # noqa: E402
+harness.environment()
 
 PRECISIONS = {"fp32": "run.precision=fp32", "bf16": "run.precision=bf16"}
 ADVANTAGES = ("signed", "absolute", "absolute_uncertain")
@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 on a 2k-passage index")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bf16_gradient.json")
+    harness.add_arguments(ap)
     args = ap.parse_args(argv)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
     import torch
 
     from benchmarks.update_speed import base_overrides, sample_rows
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 ran_bf16 |= bf16
                 print(f"[bf16_gradient] {prec} {adv}: |g| {float(grads[prec, adv].norm()):.4g} "
                       f"({time.perf_counter() - t0:.0f} s; bf16 ran: {bf16})", flush=True)
-    report: dict[str, Any] = {"benchmark": "bf16_gradient", "mode": "quick" if args.quick else "default", "policy": policy,
+    report: dict[str, Any] = {"provenance": provenance, "benchmark": "bf16_gradient", "mode": "quick" if args.quick else "default", "policy": policy,
                               "config": config.name, "rows": len(rewards), "reward_mean": sum(rewards) / len(rewards),
                               "cpu_native_bf16": cpu_has_bf16(), "bf16_ran": ran_bf16, "advantages": {}}
     for adv in ADVANTAGES:

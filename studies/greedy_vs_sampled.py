@@ -36,6 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from studies import harness  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 DECODINGS = ("greedy", "sampled")
 
@@ -58,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for both models: paired samples)")
     p.add_argument("--out", default=str(RESULTS / "greedy_vs_sampled.json"))
     p.add_argument("--work", default=None, help="folder for the evaluations (default: a temp folder, removed)")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     if not args.quick and not args.trained:
         p.error("give --trained (an RL checkpoint's policy folder), or --quick")
     if args.n < 1 or args.temperature <= 0:
         p.error("--n must be >= 1 and --temperature > 0")
-    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
-        os.environ.setdefault(k, v)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    harness.environment()
 
     from agent.engines.launch import EngineServer
     from emapg.config import load_config
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 dirs[(label, decoding)] = out
                 print(f"[greedy_vs_sampled] {label} {decoding}: done ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
 
-    report: dict[str, Any] = {
+    report: dict[str, Any] = {"provenance": provenance,
         "benchmark": "greedy_vs_sampled", "mode": "quick" if args.quick else "default", "start": start, "trained": trained,
         "sampled": {"temperature": args.temperature, "n": args.n, "seed": args.seed, "score": "mean over samples (pass@1)"},
         "greedy": "qa_quick (temperature 0)",

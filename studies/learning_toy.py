@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from studies import harness  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 ALGOS = {
@@ -41,17 +41,18 @@ ALGOS = {
 }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--quick", action="store_true", help="one seed, 20 steps")
-    args = p.parse_args()
+    harness.add_arguments(p)
+    args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 20, [0]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    harness.environment(OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)
@@ -72,7 +73,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="learning-toy-"))
     task = build_toy_task(work / "task")
-    report: dict = {"steps": args.steps, "seeds": args.seeds, "lr": args.lr, "facts": task.facts, "runs": {}}
+    report: dict = {"steps": args.steps, "seeds": args.seeds, "lr": args.lr, "facts": task.facts, "runs": {}, "provenance": provenance}
     run_dirs, labels = [], []
     with RetrieverServer(task.index_dir, omp_num_threads=1, device="cpu", topk=1) as server:
         start = warm_start(Path(resolve_model("tiny-qwen2")), task, work / "warm_start")

@@ -64,7 +64,7 @@ def test_a_student_equal_to_its_teacher_diverges_by_zero_and_a_perturbed_one_doe
     tok.save_pretrained(noisy)
     out = tmp_path / "gap.json"
     assert main(["--samples", str(tmp_path / "eval"), "--teacher", str(tiny_model_dir), "--student", f"same={tiny_model_dir}",
-                 "--student", f"noisy={noisy}", "--topk", "4", "--out", str(out)]) == 0
+                 "--student", f"noisy={noisy}", "--topk", "4", "--out", str(out), "--allow-dirty"]) == 0
     report = json.loads(out.read_text())
     assert report["samples"] == 2 and report["retokenized_count_matches_recorded"] == 1.0
     same, other = report["students"]["same"]["per_part"]["all"], report["students"]["noisy"]["per_part"]["all"]
