@@ -134,6 +134,10 @@ def test_summarise_pools_recorded_scores_and_compares_arms_on_common_seeds():
     assert d["seeds"] == [0] and d["mean"] == pytest.approx(-25.0)
     assert "grpo_minus_control_reader_sampled" not in out and "control" not in out  # the control finished no run
     assert out["trajectories_per_min"] == pytest.approx(30.0) and len(out["misses"]["grpo_end"]) == 2
+    seed_level = out["grpo"]["reader_sampled_end_minus_start_seed_level"]  # seeds +25 and +50 pp: the seed-level interval
+    assert seed_level["per_seed"] == pytest.approx([25.0, 50.0]) and seed_level["mean"] == pytest.approx(37.5)
+    assert out["grpo"]["reader_sampled_end_minus_start_seed_ci"] == [seed_level["low"], seed_level["high"]]
+    assert out["emapg"]["heldout_end_minus_start_seed_ci"] == [0.0, 0.0]  # one seed that changed nothing
 
 
 def test_resume_from_takes_recorded_runs_of_the_same_protocol_only(tmp_path):
