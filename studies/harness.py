@@ -175,8 +175,8 @@ def per_question(eval_dirs: Sequence[Path], metric: str = "em") -> dict[str, flo
 
 def seed_mean(records: Sequence[dict[str, float]]) -> dict[str, float]:
     """Question -> its score averaged over runs (seeds); every run must have scored the same questions."""
-    keys = set(records[0])
-    if any(set(r) != keys for r in records):
+    keys = sorted(records[0])  # a fixed order: the sums are the same in every process
+    if any(sorted(r) != keys for r in records):
         raise ValueError("the runs scored different questions")
     return {k: sum(r[k] for r in records) / len(records) for k in keys}
 

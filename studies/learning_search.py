@@ -316,6 +316,23 @@ def write_report(report: dict[str, Any], out: Path, *, plot_too: bool = True) ->
     harness.write_report(report, out, plot if plot_too else None)
 
 
+def summarise_only(path: Path, out: Path) -> int:
+    """``--summarise-only``: the report at ``path`` with its estimates recomputed from its recorded scores."""
+    report = json.loads(path.read_text())
+    if "starter" not in report:
+        raise SystemExit(f"--summarise-only: {path} records no per-question scores (written before they were kept)")
+    algos = [alg for alg in report["runs"] if report["runs"][alg]]
+    runs = [run for alg in algos for run in report["runs"][alg].values()]
+    measured = report.get("trajectories_per_min")  # from unrounded training times (runs record them rounded)
+    summarise(report, list(report["runs"]), sum(r["trajectories_sampled"] for r in runs), sum(r["train_s"] for r in runs),
+              complete=report.get("complete", True))
+    if measured is not None:
+        report["trajectories_per_min"] = measured
+    harness.write_report(report, out)
+    print(f"[learning_search] recomputed {path} into {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 on a 2k-passage index, 2 steps, 2 seeds, few questions")
@@ -338,8 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume-from", default=None, help="an earlier report (e.g. the committed learning_search.partial.json) of the "
                    "same protocol: its recorded starter scores and finished runs are taken into --work instead of being run again "
                    "(reports keep every evaluation's per-question scores for this)")
+    p.add_argument("--summarise-only", default=None, metavar="REPORT",
+                   help="train nothing: recompute a report's estimates from its recorded per-question scores (e.g. once the "
+                        "statistics gained the seed-level interval) and write it to --out (its plot kept)")
     harness.add_arguments(p)
     args = p.parse_args(argv)
+    if args.summarise_only:
+        return summarise_only(Path(args.summarise_only), Path(args.out))
     steps = args.steps or (2 if args.quick else 12)
     seeds = args.seeds or ([0, 1] if args.quick else [0, 1, 2])
     per_dataset = args.per_dataset or (2 if args.quick else 50)
