@@ -16,6 +16,7 @@ def test_distill_benchmark_quick_writes_the_contract_keys(tmp_path):
     assert main(["--quick", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     report = json.loads(out.read_text())
     assert set(CONTRACT) <= set(report) and report["complete"] and report["mode"] == "quick" and report["steps"] == 2
+    assert report["provenance"]["allowed_by"] == "quick"
     for key in ("teacher_sampled_em", "student_sampled_em_start", "student_sampled_em_end", "teacher_greedy_em",
                 "student_greedy_em_start", "student_greedy_em_end"):
         assert 0.0 <= report[key] <= 100.0
@@ -61,6 +62,8 @@ def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings
     assert pooled["student_sampled_em_end_per_seed"] == {"0": pytest.approx(37.5), "1": pytest.approx(50.0)}
     assert pooled["student_end_over_teacher"] == pytest.approx(0.7)
     assert pooled["student_end_minus_start_ci"]["mean"] == pytest.approx(43.75)
+    seed_level = pooled["student_end_minus_start_seed_level"]  # the seeds' own differences: 37.5 and 50 pp
+    assert seed_level["per_seed"] == pytest.approx([37.5, 50.0]) and seed_level["mean"] == pytest.approx(43.75)
     assert pooled["student_end_minus_teacher_ci"]["mean"] == pytest.approx(-18.75)
     assert pooled["student_greedy_em_end"] == pytest.approx(43.75)
     assert pooled["targets"]["student_sampled_em_end_at_least_80pct_of_teacher"] is False

@@ -83,10 +83,12 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
     for alg in ("grpo", "emapg", "control"):
         r = report[alg]
         assert r["seeds"] == [0, 1] and len(r["reader_sampled_end_minus_start_ci"]) == 2
+        assert len(r["reader_sampled_end_minus_start_seed_ci"]) == 2 and len(r["heldout_end_minus_start_seed_ci"]) == 2
         assert {"reader_sampled_em_start", "reader_sampled_em_end", "heldout_em_start", "heldout_em_end"} <= set(r)
         assert len(r["reader_sampled_end_minus_start_per_seed"]) == 2
         assert len(report["misses"][f"{alg}_end"]) == 2
     assert "emapg_minus_grpo_reader_sampled" in report and "starter_seed_b_minus_seed_a" in report
+    assert report["provenance"]["allowed_by"] == "quick" and len(report["provenance"]["commit"]) == 40
     start = report["misses"]["start"]
     assert start["right"] + start["wrong_shown"] + start["wrong_not_shown"] == start["questions"] == 14
 
@@ -155,3 +157,21 @@ def test_resume_from_takes_recorded_runs_of_the_same_protocol_only(tmp_path):
         import_recorded({**proto, "algorithms": {"grpo": "new"}}, {**earlier, "algorithms": {"grpo": "old"}}, tmp_path / "o", ["grpo"], [0])
     with pytest.raises(SystemExit, match="no per-question scores"):
         import_recorded(dict(proto), {**proto, "runs": {}}, tmp_path / "other", ["grpo"], [0])
+
+
+def test_summarise_only_recomputes_a_report_from_its_recorded_scores(tmp_path):
+    """``--summarise-only``: no run, the estimates (with the seed-level interval) from the report's own records; its
+    measured trajectories per minute kept."""
+    from studies.learning_search import main
+
+    start = _recorded([0, 0, 1, 1], [0, 1])
+    report = {"starter": {"reader_a": start["reader"], "reader_b": start["reader"], "heldout": start["heldout"], "misses": _misses(2)},
+              "runs": {"grpo": {"0": _run([1, 0, 1, 1], [1, 1]), "1": _run([1, 1, 1, 1], [0, 1])}}, "trajectories_per_min": 12.5}
+    (tmp_path / "old.json").write_text(json.dumps(report))
+    assert main(["--summarise-only", str(tmp_path / "old.json"), "--out", str(tmp_path / "new.json")]) == 0
+    new = json.loads((tmp_path / "new.json").read_text())
+    assert new["grpo"]["reader_sampled_end_minus_start_seed_level"]["per_seed"] == pytest.approx([25.0, 50.0])
+    assert new["trajectories_per_min"] == 12.5 and new["grpo"]["reader_sampled_em_end"] == pytest.approx(87.5)
+    (tmp_path / "older.json").write_text(json.dumps({"runs": {}}))
+    with pytest.raises(SystemExit, match="no per-question scores"):
+        main(["--summarise-only", str(tmp_path / "older.json"), "--out", str(tmp_path / "x.json")])

@@ -93,6 +93,7 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
     run = report["toy"]["runs"]["emapg"]["0"]
     assert len(run["reward"]) == 3 and all(x is not None for x in run["kl_to_start"])
     assert out.with_suffix(".png").is_file()
+    assert report["provenance"]["allowed_by"] == "quick"  # the harness: a smoke run may start from a dirty tree
 
 
 def write_run(folder, name: str, history: list[dict[str, float]]) -> None:
