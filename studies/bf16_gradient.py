@@ -67,7 +67,6 @@ def first_gradient(config: Path, overrides: list[str], sampled: Any, advantages:
     from trainer.batch import trajectory_batch
     from trainer.config import TrainConfig
     from trainer.loop import Trainer
-    from trainer.policy import use_bf16
 
     cfg = load_config(TrainConfig, config, overrides)
     torch.manual_seed(0)
@@ -97,7 +96,7 @@ def first_gradient(config: Path, overrides: list[str], sampled: Any, advantages:
             trainer.update(batch)
         except StopUpdate:
             pass
-        return torch.cat([grads[n] for n in sorted(grads)]), use_bf16(cfg, torch.device("cpu"))
+        return torch.cat([grads[n] for n in sorted(grads)]), policy.bf16
     finally:
         trainer.close()
 
