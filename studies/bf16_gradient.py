@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 ran_bf16 |= bf16
                 print(f"[bf16_gradient] {prec} {adv}: |g| {float(grads[prec, adv].norm()):.4g} "
                       f"({time.perf_counter() - t0:.0f} s; bf16 ran: {bf16})", flush=True)
-    report: dict[str, Any] = {"provenance": provenance, "benchmark": "bf16_gradient", "mode": "quick" if args.quick else "default", "policy": policy,
-                              "config": config.name, "rows": len(rewards), "reward_mean": sum(rewards) / len(rewards),
+    report: dict[str, Any] = {"benchmark": "bf16_gradient", "mode": "quick" if args.quick else "default", "policy": policy,
+                              "provenance": provenance, "config": config.name, "rows": len(rewards), "reward_mean": sum(rewards) / len(rewards),
                               "cpu_native_bf16": cpu_has_bf16(), "bf16_ran": ran_bf16, "advantages": {}}
     for adv in ADVANTAGES:
         a, b = grads["bf16", adv], grads["fp32", adv]

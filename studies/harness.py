@@ -15,6 +15,7 @@ A study (one file in ``studies/``) writes its protocol in its docstring and comm
   (:func:`seed_mean`), the per-question paired interval (:func:`difference`, :func:`eval.significance.paired_bootstrap`
   over the seed-averaged scores: these seeds) and the seed-level interval (:func:`seed_difference`,
   :func:`eval.significance.hierarchical_bootstrap`: seeds, then questions, resampled: the recipe);
+* **servers**: :func:`servers`, the retriever over the bundled index and one generation server for the whole study;
 * **report**: :func:`write_report` writes the JSON (and the plot beside it), :func:`figure`/:func:`save_figure` the
   plot's set-up, :func:`now` the date.
 
@@ -25,11 +26,13 @@ them there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import subprocess
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +141,31 @@ def same_protocol(earlier: dict[str, Any], report: dict[str, Any], keys: Sequenc
     differ = [k for k in keys if earlier.get(k) != report.get(k)]
     if differ:
         raise SystemExit(f"{what}: the earlier report ran another protocol (differs in {', '.join(differ)})")
+
+
+# ---------------------------------------------------------------------------------------------------- servers
+@dataclass(frozen=True)
+class Served:
+    """The URLs of a study's retriever and its shared generation server."""
+
+    retriever_url: str
+    engine_url: str
+
+
+@contextlib.contextmanager
+def servers(policy: str, *, engine: str, index_limit: int | None, max_model_len: int, folder: Path) -> Iterator[Served]:
+    """The bundled index (its first ``index_limit`` passages; None: all) behind a retriever, and one ``emapg engine serve``
+    of ``policy`` shared by every run and evaluation of a study (the trainer pushes its weights to it); logs in
+    ``folder``; both stopped on exit."""
+    from agent.engines.launch import EngineServer
+    from provision.indexes import ensure_bundled_index
+    from provision.retrievers import open_retriever
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open_retriever(index_dir=ensure_bundled_index(index_limit), log_path=folder / "retriever.log") as retriever, \
+            EngineServer(policy, engine=engine, max_model_len=max_model_len, omp_num_threads=os.cpu_count() or 1,
+                         startup_timeout=900, log_path=folder / "engine.log") as served:  # fmt: skip
+        yield Served(retriever.urls[0], served.url)
 
 
 # ------------------------------------------------------------------------------------------------- statistics

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -379,11 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
     harness.environment()
 
-    from agent.engines.launch import EngineServer
     from emapg.config import load_config
     from eval.learning import miss_breakdown
-    from provision.indexes import ensure_bundled_index
-    from provision.retrievers import open_retriever
     from tasks.datasets import load_dataset
     from trainer.config import TrainConfig
 
@@ -416,16 +412,15 @@ def main(argv: list[str] | None = None) -> int:
         taken = import_recorded(report, json.loads(Path(args.resume_from).read_text()), work, algos, seeds)
         print(f"[learning_search] taken from {args.resume_from}: {', '.join(taken) or 'nothing new'}", flush=True)
     train_s_total, trajectories_total = 0.0, 0.0
-    with open_retriever(index_dir=ensure_bundled_index(settings["index_limit"]), log_path=work / "retriever.log") as retriever, \
-            EngineServer(settings["policy"], engine=settings["engine"], max_model_len=r.max_prompt_tokens + r.max_response_tokens,
-                         omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=work / "engine.log") as engine:  # fmt: skip
-        url = retriever.urls[0]
+    with harness.servers(settings["policy"], engine=settings["engine"], index_limit=settings["index_limit"],
+                         max_model_len=r.max_prompt_tokens + r.max_response_tokens, folder=work) as served:
+        url = served.retriever_url
         starter_file = work / "starter.json"
         if not starter_file.is_file():  # the starter's three scorings, recorded per question
-            start_greedy = evaluate(settings["policy"], work / "start_greedy", url, engine.url, settings, per_dataset=per_dataset)
-            start_a = evaluate(settings["policy"], work / "start_reader_a", url, engine.url, settings, reader_seed=SEED_A,
+            start_greedy = evaluate(settings["policy"], work / "start_greedy", url, served.engine_url, settings, per_dataset=per_dataset)
+            start_a = evaluate(settings["policy"], work / "start_reader_a", url, served.engine_url, settings, reader_seed=SEED_A,
                                temperature=r.temperature)
-            start_b = evaluate(settings["policy"], work / "start_reader_b", url, engine.url, settings, reader_seed=SEED_B,
+            start_b = evaluate(settings["policy"], work / "start_reader_b", url, served.engine_url, settings, reader_seed=SEED_B,
                                temperature=r.temperature)
             starter_file.write_text(json.dumps({
                 "heldout": recorded_scores(start_greedy, "heldout"), "reader_a": recorded_scores(start_a, "reader"),
@@ -450,12 +445,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run is trained again from the start
             t_run = time.perf_counter()
-            metrics, t_train = train_run(alg, seed, run_dir, url, engine.url, settings, args, steps)
+            metrics, t_train = train_run(alg, seed, run_dir, url, served.engine_url, settings, args, steps)
             from trainer.checkpoint import step_dir_name
 
             ckpt = run_dir / step_dir_name(steps)
-            g = evaluate(str(ckpt / "policy"), run_dir / "end_greedy", url, engine.url, settings, per_dataset=per_dataset)
-            a = evaluate(str(ckpt / "policy"), run_dir / "end_reader_a", url, engine.url, settings, reader_seed=SEED_A,
+            g = evaluate(str(ckpt / "policy"), run_dir / "end_greedy", url, served.engine_url, settings, per_dataset=per_dataset)
+            a = evaluate(str(ckpt / "policy"), run_dir / "end_reader_a", url, served.engine_url, settings, reader_seed=SEED_A,
                          temperature=r.temperature)
             if args.keep_final:
                 keep_policy_only(ckpt)

@@ -766,20 +766,13 @@ def smollm2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         url = engine_url = ""
         base: list[str] = []
         if not args.report_only:
-            from agent.engines.launch import EngineServer
             from emapg.config import load_config
-            from provision.indexes import ensure_bundled_index
-            from provision.retrievers import open_retriever
             from trainer.config import TrainConfig
 
-            folder.mkdir(parents=True, exist_ok=True)
             r = load_config(TrainConfig, s["config"], []).rollout
-            retriever = stack.enter_context(open_retriever(index_dir=ensure_bundled_index(s["index_limit"]),
-                                                           log_path=folder / "retriever.log"))
-            engine = stack.enter_context(EngineServer(
-                s["policy"], engine=s["engine"], max_model_len=r.max_prompt_tokens + r.max_response_tokens,
-                omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=folder / "engine.log"))
-            url, engine_url = retriever.urls[0], engine.url
+            served = stack.enter_context(harness.servers(s["policy"], engine=s["engine"], index_limit=s["index_limit"],
+                                                         max_model_len=r.max_prompt_tokens + r.max_response_tokens, folder=folder))
+            url, engine_url = served.retriever_url, served.engine_url
             # groups of equal rewards are trained (topup), not dropped: every signal and the reward are over all
             # sampled trajectories
             base = [f"model.policy={s['policy']}", "data.train=qa_pool", "data.split=train", f"retriever.urls=[{url}]",
