@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -68,16 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
     harness.environment()
 
-    from agent.engines.launch import EngineServer
     from emapg.config import load_config
     from emapg.models import STARTER
     from emapg.paths import CONFIG_DIR
     from eval.learning import answer_changes, compare_learning
     from eval.protocols import get_protocol
     from eval.runner import EvalConfig, run_eval
-    from provision.indexes import ensure_bundled_index
     from tasks.datasets import QA_DATASETS
-    from provision.retrievers import open_retriever
     from trainer.config import TrainConfig
 
     t0 = time.perf_counter()
@@ -91,29 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         per_dataset = args.per_dataset or 50
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="greedy-vs-sampled-"))
     work.mkdir(parents=True, exist_ok=True)
-    index_dir = ensure_bundled_index(index_limit)
     # the engine as learning_search.py starts it: the context of the training config the checkpoint came from
     rollout = load_config(TrainConfig, CONFIG_DIR / ("search_tiny_cpu.yaml" if args.quick else "demo_search_smollm2.yaml"), []).rollout
     max_model_len = rollout.max_prompt_tokens + rollout.max_response_tokens
 
     datasets = list(QA_DATASETS)
     dirs: dict[tuple[str, str], Path] = {}
-    with open_retriever(index_dir=index_dir, log_path=work / "retriever.log") as retriever, \
-            EngineServer(start, engine=engine_kind, max_model_len=max_model_len, omp_num_threads=os.cpu_count() or 1,
-                         startup_timeout=900, log_path=work / "engine.log") as engine:  # fmt: skip
+    with harness.servers(start, engine=engine_kind, index_limit=index_limit, max_model_len=max_model_len, folder=work) as served:
         for label, model in (("start", start), ("trained", trained)):
             for decoding in DECODINGS:
                 out = work / label / f"heldout_{decoding}"
                 protocol = get_protocol("qa_quick", **base_protocol, **protocol_overrides(decoding, args.temperature, args.n, args.seed))
                 run_eval(EvalConfig(model=model, out=str(out), protocol=protocol, datasets=datasets, limit=per_dataset,
-                                    data_seed=0, engine="remote", engine_urls=[engine.url], retriever_url=retriever.urls[0],
+                                    data_seed=0, engine="remote", engine_urls=[served.engine_url], retriever_url=served.retriever_url,
                                     progress=False, name=f"{label} heldout {decoding}", batch_across_datasets=True,
                                     batch_size=64))  # fmt: skip
                 dirs[(label, decoding)] = out
                 print(f"[greedy_vs_sampled] {label} {decoding}: done ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
 
-    report: dict[str, Any] = {"provenance": provenance,
-        "benchmark": "greedy_vs_sampled", "mode": "quick" if args.quick else "default", "start": start, "trained": trained,
+    report: dict[str, Any] = {
+        "benchmark": "greedy_vs_sampled", "provenance": provenance, "mode": "quick" if args.quick else "default", "start": start, "trained": trained,
         "sampled": {"temperature": args.temperature, "n": args.n, "seed": args.seed, "score": "mean over samples (pass@1)"},
         "greedy": "qa_quick (temperature 0)",
         "heldout": {"datasets": datasets, "per_dataset": per_dataset, "data_seed": 0, "split": "subset of data/qa/heldout.json"},
@@ -131,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     # which greedy answers changed, by kind of question (yes/no, an option the question names, open)
     report["results"]["greedy"]["answer_changes"] = asdict(answer_changes(dirs[("start", "greedy")], dirs[("trained", "greedy")], datasets))
     report["wall_s"] = round(time.perf_counter() - t0, 1)
-    report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    report["machine"] = harness.machine()
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
