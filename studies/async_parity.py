@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from studies import harness  # noqa: E402
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = harness.RESULTS
 
 # Student-t 0.975 quantiles by degrees of freedom (two-sided 95 %), to avoid a SciPy dependency.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,

@@ -108,7 +108,7 @@ class StopUpdate(Exception):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 on a 2k-passage index")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bf16_gradient.json")
+    ap.add_argument("--out", type=Path, default=harness.RESULTS / "bf16_gradient.json")
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
     provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)

@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from studies import harness  # noqa: E402
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = harness.RESULTS
 LATE = {"lr": 6e-4, "beta": 0.001, "steps": 64}  # amendment 6's stress (stability_late.json)
 COLLAPSED_SEED, HEALTHY_SEED = 2, 0
 ANCHOR_STEPS = 12  # anchors: correct trajectories logged in the first steps

@@ -36,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from studies import harness  # noqa: E402
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = harness.RESULTS
 PARTS = ("search", "answer", "other")
 STATS = ("reverse_kl", "student_entropy", "teacher_entropy", "student_tail_mass", "teacher_tail_mass", "argmax_agree")
 

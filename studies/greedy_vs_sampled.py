@@ -24,7 +24,6 @@ Output: ``benchmarks/results/greedy_vs_sampled.json`` -- per set and decoding: t
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from studies import harness  # noqa: E402
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = harness.RESULTS
 DECODINGS = ("greedy", "sampled")
 
 
@@ -125,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     report["results"]["greedy"]["answer_changes"] = asdict(answer_changes(dirs[("start", "greedy")], dirs[("trained", "greedy")], datasets))
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"] = harness.machine()
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    out_path = harness.write_report(report, Path(args.out))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 
