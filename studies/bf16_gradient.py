@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=harness.RESULTS / "bf16_gradient.json")
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
-    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty, also=["benchmarks/update_speed.py"])
     import torch
 
     from benchmarks.update_speed import base_overrides, sample_rows

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="default benchmarks/results/collapse_anatomy.json (--quick: in --work)")
     harness.add_arguments(p)
     args = p.parse_args(argv)
-    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty, also=["studies/stability.py"])
     harness.environment(OMP_NUM_THREADS="1")
     import torch
 

@@ -56,31 +56,33 @@ def _git(args: list[str], root: Path) -> str:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
 
 
-def protocol_files(study: str | Path, root: Path = ROOT) -> list[str]:
-    """The files a study's numbers depend on, relative to ``root``: its own file and :data:`PROTOCOL_FILES`."""
-    return [str(Path(study).resolve().relative_to(root.resolve())), *PROTOCOL_FILES]
+def protocol_files(study: str | Path, root: Path = ROOT, also: Sequence[str] = ()) -> list[str]:
+    """The files a study's numbers depend on, relative to ``root``: its own file, :data:`PROTOCOL_FILES` and ``also``
+    (the other studies or suites whose code it runs)."""
+    return [str(Path(study).resolve().relative_to(root.resolve())), *PROTOCOL_FILES, *also]
 
 
-def uncommitted(study: str | Path, root: Path = ROOT) -> list[str]:
+def uncommitted(study: str | Path, root: Path = ROOT, also: Sequence[str] = ()) -> list[str]:
     """The :func:`protocol_files` of ``study`` that ``git status --porcelain`` lists: changed, staged or untracked."""
-    status = _git(["status", "--porcelain", "--untracked-files=all", "--", *protocol_files(study, root)], root)
+    status = _git(["status", "--porcelain", "--untracked-files=all", "--", *protocol_files(study, root, also)], root)
     return [line[3:] for line in status.splitlines()]
 
 
-def provenance(study: str | Path, root: Path = ROOT) -> dict[str, Any]:
+def provenance(study: str | Path, root: Path = ROOT, also: Sequence[str] = ()) -> dict[str, Any]:
     """The commit a run starts from and whether its protocol files differ from it."""
     try:
-        changed = uncommitted(study, root)
+        changed = uncommitted(study, root, also)
         commit = _git(["rev-parse", "HEAD"], root).strip()
     except (OSError, subprocess.CalledProcessError) as e:
         return {"commit": None, "dirty": None, "error": f"not a git checkout with a commit ({e.__class__.__name__})"}
-    return {"commit": commit, "dirty": bool(changed), "uncommitted": changed, "protocol_files": protocol_files(study, root)}
+    return {"commit": commit, "dirty": bool(changed), "uncommitted": changed, "protocol_files": protocol_files(study, root, also)}
 
 
-def start(study: str | Path, *, quick: bool, allow_dirty: bool, root: Path = ROOT) -> dict[str, Any]:
+def start(study: str | Path, *, quick: bool, allow_dirty: bool, root: Path = ROOT, also: Sequence[str] = ()) -> dict[str, Any]:
     """Before a study's runs: its :func:`provenance`, refusing (``SystemExit``) when the protocol is not committed, unless
-    ``quick`` or ``allow_dirty``. The caller keeps the returned record in its report."""
-    record = provenance(study, root)
+    ``quick`` or ``allow_dirty``. ``also``: other files (relative to ``root``) whose code the study runs. The caller keeps
+    the returned record in its report."""
+    record = provenance(study, root, also)
     if not (quick or allow_dirty):
         if record["commit"] is None:
             raise SystemExit(f"{Path(study).name}: cannot tell whether the protocol is committed ({record['error']}); "
@@ -243,7 +245,8 @@ def seed_difference(a: Sequence[dict[str, float]], b: Sequence[dict[str, float]]
     d = hierarchical_bootstrap([[r[k] for k in keys] for r in a], [[r[k] for k in keys] for r in b])
     return {"mean": 100 * d.mean, "low": 100 * d.low, "high": 100 * d.high, "n": d.n, "seeds_a": d.seeds_a,
             "seeds_b": d.seeds_b, "per_seed": [100 * x for x in d.seed_means], "confidence": d.confidence,
-            "method": "hierarchical bootstrap: seeds, then questions (the same draw for every seed), resampled; percentile interval"}
+            "method": "hierarchical bootstrap: seeds, then questions (the same draw for every seed), resampled; "
+                      "percentile interval"}
 
 
 def intervals(a: Sequence[dict[str, float]], b: Sequence[dict[str, float]]) -> dict[str, dict[str, Any]]:

@@ -260,6 +260,7 @@ GRIDS = {"protocol": (SWEEP_LR, SWEEP_BETA), "slow": (SLOW_SWEEP_LR, SLOW_SWEEP_
 #: --grid -> the earliest collapse step its sweep's rule counts
 MIN_COLLAPSE_STEP = {"late": LATE_MIN_COLLAPSE_STEP}
 SWEEP_SEEDS = (100, 101)
+ALSO = ["studies/distill.py"]  # the SmolLM2 arms score with distill.evaluate
 Z95 = 1.959963984540054
 
 
@@ -633,8 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (work / default_out if args.quick else RESULTS / default_out)
     # the toy arms run several processes side by side on one thread each; the SmolLM2 arms one at a time
     harness.environment(OMP_NUM_THREADS=str(os.cpu_count() or 1) if args.smollm2_only else "1")
-    provenance = (harness.provenance(__file__) if args.report_only else
-                  harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty))
+    provenance = (harness.provenance(__file__, also=ALSO) if args.report_only else
+                  harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty, also=ALSO))
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -770,8 +771,9 @@ def smollm2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             from trainer.config import TrainConfig
 
             r = load_config(TrainConfig, s["config"], []).rollout
-            served = stack.enter_context(harness.servers(s["policy"], engine=s["engine"], index_limit=s["index_limit"],
-                                                         max_model_len=r.max_prompt_tokens + r.max_response_tokens, folder=folder))
+            served = stack.enter_context(harness.servers(
+                s["policy"], engine=s["engine"], index_limit=s["index_limit"],
+                max_model_len=r.max_prompt_tokens + r.max_response_tokens, folder=folder))
             url, engine_url = served.retriever_url, served.engine_url
             # groups of equal rewards are trained (topup), not dropped: every signal and the reward are over all
             # sampled trajectories

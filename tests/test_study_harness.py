@@ -53,7 +53,12 @@ def test_an_untracked_study_and_a_staged_change_refuse(checkout):
     _git(checkout, "add", "studies/my_study.py")
     with pytest.raises(SystemExit, match="my_study.py"):
         harness.start(checkout / "studies/my_study.py", quick=False, allow_dirty=False, root=checkout)
-    # other files of the tree do not block a study
+    # a file the study names as its dependency blocks it too; other files of the tree do not
+    (checkout / "studies/other_study.py").write_text("# the code my_study runs\n")
+    _git(checkout, "reset", "-q")
+    _git(checkout, "checkout", "studies/my_study.py")
+    assert harness.uncommitted(checkout / "studies/my_study.py", checkout) == []
+    assert harness.uncommitted(checkout / "studies/my_study.py", checkout, also=["studies/other_study.py"]) == ["studies/other_study.py"]
     (checkout / "notes.txt").write_text("unrelated\n")
     assert harness.uncommitted(checkout / "studies/new_study.py", checkout) == ["studies/new_study.py"]
 
