@@ -66,7 +66,7 @@ bench-smollm2: $(BENCH_STAMP)
 # GRPO vs EMA-PG from the starter on real questions, 2 seeds, held-out EM of all seven QA sets
 # (about 90 minutes on 2 cores; LEARNING_ARGS=--quick is a smoke run). Writes benchmarks/results/learning_search.{json,png}.
 bench-learning: $(STAMP)
-	$(PY) benchmarks/learning_search.py $(LEARNING_ARGS)
+	$(PY) studies/learning_search.py $(LEARNING_ARGS)
 
 # One prepared check of every GPU code path on one CUDA GPU (<= 8 minutes): writes
 # benchmarks/results/gpu_check.json and .md. Uses .venv (`make install-gpu`) when present, else

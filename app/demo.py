@@ -91,7 +91,7 @@ PRESETS: dict[str, DemoPreset] = {
         # greedy, 2 searches, 64 tokens per turn (as in training); all 105 questions in one vLLM batch
         eval_overrides=("--protocol", "qa_quick", "--batch-across-datasets", "--batch-size", "105"),
         # mean@2: a sampled pass over 105 questions costs ~2.8 min per policy on 2 cores (vLLM samples ~1.3
-        # trajectories/s: 105 x 4 would add ~5.5 min to the 15-min demo); benchmarks/learning_search.py scores mean@4
+        # trajectories/s: 105 x 4 would add ~5.5 min to the 15-min demo); studies/learning_search.py scores mean@4
         sampled_n=2,
         sampled_overrides=("--batch-size", "53"),  # 53 questions x 2 samples per vLLM batch
     ),

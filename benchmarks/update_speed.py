@@ -91,7 +91,6 @@ def measure(arm: str, config: Path, overrides: list[str], sampled: Any, repeats:
     from trainer.batch import trajectory_batch
     from trainer.config import TrainConfig
     from trainer.loop import Trainer
-    from trainer.policy import use_bf16
 
     cfg = load_config(TrainConfig, config, [*overrides, *ARMS[arm]])
     torch.manual_seed(0)
@@ -130,7 +129,7 @@ def measure(arm: str, config: Path, overrides: list[str], sampled: Any, repeats:
                 export_s.append(t2 - t1)
         rows = len(sampled.trajectories)
         return {
-            "compute_bf16": use_bf16(cfg, torch.device("cpu")), "rows": rows,
+            "compute_bf16": policy.bf16, "rows": rows,
             "tokens": int(sum(len(t.response_ids) + len(t.prompt_ids) for t in sampled.trajectories)),
             "update_s": update_s, "export_s": export_s,
             "trained_params": int(sum(p.numel() for p in policy.forward.parameters() if p.requires_grad)),

@@ -1,4 +1,4 @@
-"""``benchmarks/async_parity.py``'s verdict: the paired-by-seed difference and its 95 % Student-t interval."""
+"""``studies/async_parity.py``'s verdict: the paired-by-seed difference and its 95 % Student-t interval."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _parity():
     if "async_parity" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("async_parity", ROOT / "benchmarks" / "async_parity.py")
+        spec = importlib.util.spec_from_file_location("async_parity", ROOT / "studies" / "async_parity.py")
         sys.modules["async_parity"] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return sys.modules["async_parity"]

@@ -467,11 +467,11 @@ def test_multinode_step_alternates_and_rejects_bad_arguments(capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def _quick_bf16_benchmark(name: str, tmp_path: Path) -> dict:
-    """``benchmarks/<name>.py --quick`` in a subprocess without conftest's avx2 cap (it would turn bf16 off); its JSON."""
+def _quick_bf16_benchmark(name: str, tmp_path: Path, folder: str = "benchmarks") -> dict:
+    """``<folder>/<name>.py --quick`` in a subprocess without conftest's avx2 cap (it would turn bf16 off); its JSON."""
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / folder / f"{name}.py"), "--quick", "--out", str(out)],
                           env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -494,11 +494,11 @@ def test_update_speed_benchmark_quick(tmp_path):
 
 
 def test_bf16_gradient_benchmark_quick(tmp_path):
-    """``benchmarks/bf16_gradient.py --quick``: the first gradient in fp32 and bf16 with signed and absolute advantages,
+    """``studies/bf16_gradient.py --quick``: the first gradient in fp32 and bf16 with signed and absolute advantages,
     their agreement, and the error the cancellation hypothesis predicts."""
     from emapg.cpu import cpu_has_bf16
 
-    report = _quick_bf16_benchmark("bf16_gradient", tmp_path)
+    report = _quick_bf16_benchmark("bf16_gradient", tmp_path, "studies")
     assert set(report["advantages"]) == {"signed", "absolute", "absolute_uncertain"} and report["rows"] > 0
     assert 0.0 <= report["confident_token_fraction"] <= 1.0
     with pytest.MonkeyPatch.context() as mp:
@@ -513,7 +513,7 @@ def test_bf16_gradient_benchmark_quick(tmp_path):
 
 def test_bf16_gradient_takes_only_confident_generated_tokens_out_of_the_loss():
     from agent.rollout import Trajectory
-    from benchmarks.bf16_gradient import without_confident_tokens
+    from studies.bf16_gradient import without_confident_tokens
 
     t = Trajectory(uid="u", group_id="g", prompt_index=0, sample_index=0, question="q", example_id=None, prompt_ids=[1],
                    response_ids=[5, 6, 7, 8, 9], loss_mask=[1, 1, 0, 1, 1],
@@ -523,13 +523,14 @@ def test_bf16_gradient_takes_only_confident_generated_tokens_out_of_the_loss():
     assert t.loss_mask == [1, 1, 0, 1, 1] and out.response_ids == t.response_ids  # the input is not changed
 
 
-def test_no_benchmark_script_shadows_an_importable_module():
-    """Run as a script, a benchmark's folder comes first on sys.path, so a script named like a package (it was
-    benchmarks/mcp.py) is what ``import mcp`` finds: the MCP client then failed to import on the tool loop and the
+@pytest.mark.parametrize("folder", ["benchmarks", "studies"])
+def test_no_benchmark_script_shadows_an_importable_module(folder):
+    """Run as a script, a benchmark's (or study's) folder comes first on sys.path, so a script named like a package (it
+    was benchmarks/mcp.py) is what ``import mcp`` finds: the MCP client then failed to import on the tool loop and the
     connect waited out its deadline."""
     import importlib.util
 
-    here = (ROOT / "benchmarks").resolve()
+    here = (ROOT / folder).resolve()
     saved = list(sys.path)
     try:  # the path a script's imports see, less its own folder
         sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != here]
@@ -540,7 +541,7 @@ def test_no_benchmark_script_shadows_an_importable_module():
                 shadowing.append(f.name)
     finally:
         sys.path[:] = saved
-    assert shadowing == [], f"benchmark scripts named like importable modules: {shadowing}"
+    assert shadowing == [], f"{folder} scripts named like importable modules: {shadowing}"
 
 
 # --------------------------------------------------------------------------- benchmarks/answer_joins.py

@@ -39,7 +39,7 @@ def test_config_errors_exit_2_without_traceback(tmp_path):
 
 def test_required_layout():
     for path in ("agent", "retriever", "trainer", "eval", "tasks", "provision", "docker", "docker-compose.yml", "configs", "data",
-                 "benchmarks", "tests", "README.md", "pyproject.toml", "Makefile", ".ci/run"):
+                 "benchmarks", "studies", "tests", "README.md", "pyproject.toml", "Makefile", ".ci/run"):
         assert (REPO / path).exists(), path
     assert "make test" in (REPO / ".ci/run").read_text()
 

@@ -1,4 +1,4 @@
-"""benchmarks/distill.py --quick end to end: tiny teacher, perturbed tiny student, real retriever and engine servers,
+"""studies/distill.py --quick end to end: tiny teacher, perturbed tiny student, real retriever and engine servers,
 the reader slice scored greedy and sampled, the cost phase (distill vs RL step on the same rows, teacher throughput in
 process vs remote) and 2 distillation steps with the teacher in process and remote; the report carries the contract
 keys of benchmarks/results/distill.json."""
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.distill import CONTRACT, main
+from studies.distill import CONTRACT, main
 
 
 @pytest.mark.slow
@@ -16,6 +16,7 @@ def test_distill_benchmark_quick_writes_the_contract_keys(tmp_path):
     assert main(["--quick", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     report = json.loads(out.read_text())
     assert set(CONTRACT) <= set(report) and report["complete"] and report["mode"] == "quick" and report["steps"] == 2
+    assert report["provenance"]["allowed_by"] == "quick"
     for key in ("teacher_sampled_em", "student_sampled_em_start", "student_sampled_em_end", "teacher_greedy_em",
                 "student_greedy_em_start", "student_greedy_em_end"):
         assert 0.0 <= report[key] <= 100.0
@@ -35,7 +36,7 @@ def test_distill_benchmark_quick_writes_the_contract_keys(tmp_path):
 
 
 def _seed_report(seed: int, end: dict[str, float], **changes) -> dict:
-    from benchmarks.distill import POOL_KEYS
+    from studies.distill import POOL_KEYS
 
     report = {k: f"same-{k}" for k in POOL_KEYS}
     teacher = {"nq/1": 1.0, "nq/2": 0.5, "popqa/3": 0.0, "popqa/4": 1.0}
@@ -47,7 +48,7 @@ def _seed_report(seed: int, end: dict[str, float], **changes) -> dict:
 
 
 def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings(tmp_path):
-    from benchmarks.distill import pool_line, pool_seeds
+    from studies.distill import pool_line, pool_seeds
 
     ends = [{"nq/1": 1.0, "nq/2": 0.5, "popqa/3": 0.0, "popqa/4": 0.0}, {"nq/1": 0.0, "nq/2": 0.5, "popqa/3": 0.5, "popqa/4": 1.0}]
     files = []
@@ -61,6 +62,8 @@ def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings
     assert pooled["student_sampled_em_end_per_seed"] == {"0": pytest.approx(37.5), "1": pytest.approx(50.0)}
     assert pooled["student_end_over_teacher"] == pytest.approx(0.7)
     assert pooled["student_end_minus_start_ci"]["mean"] == pytest.approx(43.75)
+    seed_level = pooled["student_end_minus_start_seed_level"]  # the seeds' own differences: 37.5 and 50 pp
+    assert seed_level["per_seed"] == pytest.approx([37.5, 50.0]) and seed_level["mean"] == pytest.approx(43.75)
     assert pooled["student_end_minus_teacher_ci"]["mean"] == pytest.approx(-18.75)
     assert pooled["student_greedy_em_end"] == pytest.approx(43.75)
     assert pooled["targets"]["student_sampled_em_end_at_least_80pct_of_teacher"] is False
@@ -73,7 +76,7 @@ def test_pool_seeds_averages_each_question_over_seeds_and_refuses_mixed_settings
 
 
 def test_pool_against_pairs_two_settings_by_question_over_the_same_seeds(tmp_path):
-    from benchmarks.distill import main, pool_against, pool_seeds
+    from studies.distill import main, pool_against, pool_seeds
 
     def write(name, seed, end, **changes):
         f = tmp_path / name

@@ -1,4 +1,4 @@
-"""benchmarks/distill_gap.py: the response split into generated text and observations, the part labels, the
+"""studies/distill_gap.py: the response split into generated text and observations, the part labels, the
 per-token statistics against a brute-force sum over the vocabulary, and an end-to-end run on tiny models (a student
 equal to its teacher diverges by 0, a perturbed one does not)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agent.actions import INVALID_ACTION_MESSAGE, information_text
-from benchmarks.distill_gap import encode, main, part_labels, split_response, token_stats
+from studies.distill_gap import encode, main, part_labels, split_response, token_stats
 
 
 def test_the_response_splits_into_generated_text_and_observations():
@@ -64,7 +64,7 @@ def test_a_student_equal_to_its_teacher_diverges_by_zero_and_a_perturbed_one_doe
     tok.save_pretrained(noisy)
     out = tmp_path / "gap.json"
     assert main(["--samples", str(tmp_path / "eval"), "--teacher", str(tiny_model_dir), "--student", f"same={tiny_model_dir}",
-                 "--student", f"noisy={noisy}", "--topk", "4", "--out", str(out)]) == 0
+                 "--student", f"noisy={noisy}", "--topk", "4", "--out", str(out), "--allow-dirty"]) == 0
     report = json.loads(out.read_text())
     assert report["samples"] == 2 and report["retokenized_count_matches_recorded"] == 1.0
     same, other = report["students"]["same"]["per_part"]["all"], report["students"]["noisy"]["per_part"]["all"]

@@ -67,3 +67,39 @@ def test_a_page_that_disagrees_with_the_json_is_found(tmp_path):
     assert gen.stale((page,), results) == [str(page)]
     page.write_text(gen.render(page.read_text(), results))
     assert "**9.99×**" in page.read_text() and gen.stale((page,), results) == []
+
+
+def _index():
+    spec = importlib.util.spec_from_file_location("gen_benchmarks_index", REPO / "scripts" / "gen_benchmarks_index.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_index_is_current():
+    """benchmarks/INDEX.md is what scripts/gen_benchmarks_index.py writes: every performance suite and study, its results
+    and latest figure, and the trainer internals each still imports."""
+    gen = _index()
+    text = (REPO / "benchmarks" / "INDEX.md").read_text()
+    assert text == gen.render(), "run python scripts/gen_benchmarks_index.py"
+    for folder in ("benchmarks", "studies"):
+        for script in gen.scripts(folder):
+            assert f"[`{script.name}`](../{folder}/{script.name})" in text
+    assert "harness.py" not in text.split("## Pre-registered studies")[1].split("## Trainer")[0]
+    assert "`emapg.reader_sampled_end_minus_start.mean` 5.52" in text  # learning_search.json's headline
+
+
+def test_the_index_follows_the_json_and_names_internals(tmp_path):
+    gen = _index()
+    results = tmp_path / "results"
+    shutil.copytree(REPO / "benchmarks" / "results", results, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    data = json.loads((results / "kl_memory.json").read_text())
+    data["full_over_topk_peak_memory_ratio"] = 77.7  # a rerun, the index not regenerated
+    (results / "kl_memory.json").write_text(json.dumps(data))
+    assert "`full_over_topk_peak_memory_ratio` 77.7" in gen.render(results)
+    script = tmp_path / "probe.py"
+    script.write_text("def f():\n    from trainer.batch import trajectory_batch\n    from trainer.config import TrainConfig\n"
+                      "    from trainer import distributed as D\n")
+    assert gen.trainer_imports(script) == [("trainer.batch", "trajectory_batch"), ("trainer.config", "TrainConfig"),
+                                           ("trainer.distributed", "distributed")]
+    assert [m for m, _ in gen.trainer_imports(script) if not gen.is_public(m)] == ["trainer.batch", "trainer.distributed"]

@@ -1,10 +1,10 @@
-"""benchmarks/learning_search.py's pieces (the benchmark itself runs minutes: see its --quick mode)."""
+"""studies/learning_search.py's pieces (the benchmark itself runs minutes: see its --quick mode)."""
 
 import json
 
 import pytest
 
-from benchmarks.learning_search import ALGOS, per_question_em, plot
+from studies.learning_search import ALGOS, per_question_em, plot
 from tasks.datasets import QA_DATASETS
 
 
@@ -36,7 +36,7 @@ def test_arms_are_the_papers_baseline_emapg_and_a_shuffled_reward_control():
 
 
 def test_the_default_arms_are_the_protocols_and_the_contract_file_refuses_others(capsys):
-    from benchmarks.learning_search import PROTOCOL_ARMS, main
+    from studies.learning_search import PROTOCOL_ARMS, main
 
     assert PROTOCOL_ARMS == ("grpo", "emapg", "control")
     with pytest.raises(SystemExit):
@@ -45,7 +45,7 @@ def test_the_default_arms_are_the_protocols_and_the_contract_file_refuses_others
 
 
 def test_the_protocol_is_written_in_the_docstring():
-    import benchmarks.learning_search as ls
+    import studies.learning_search as ls
 
     doc = ls.__doc__
     assert "PRE-REGISTERED PROTOCOL" in doc and "mean@4" in doc and "Seeds 0, 1, 2" in doc and "reader slice" in doc.lower()
@@ -73,7 +73,7 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
 
     pytest.importorskip("matplotlib")
     out = tmp_path / "ls.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "learning_search.py"), "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "studies" / "learning_search.py"), "--quick", "--out", str(out),
                            "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -83,16 +83,18 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
     for alg in ("grpo", "emapg", "control"):
         r = report[alg]
         assert r["seeds"] == [0, 1] and len(r["reader_sampled_end_minus_start_ci"]) == 2
+        assert len(r["reader_sampled_end_minus_start_seed_ci"]) == 2 and len(r["heldout_end_minus_start_seed_ci"]) == 2
         assert {"reader_sampled_em_start", "reader_sampled_em_end", "heldout_em_start", "heldout_em_end"} <= set(r)
         assert len(r["reader_sampled_end_minus_start_per_seed"]) == 2
         assert len(report["misses"][f"{alg}_end"]) == 2
     assert "emapg_minus_grpo_reader_sampled" in report and "starter_seed_b_minus_seed_a" in report
+    assert report["provenance"]["allowed_by"] == "quick" and len(report["provenance"]["commit"]) == 40
     start = report["misses"]["start"]
     assert start["right"] + start["wrong_shown"] + start["wrong_not_shown"] == start["questions"] == 14
 
 
 def test_partial_runs_may_not_overwrite_the_contract_file():
-    from benchmarks.learning_search import main
+    from studies.learning_search import main
 
     for argv in (["--algorithms", "emapg", "--seeds", "0", "1"], ["--reduced", "--seeds", "0"], ["--override", "optim.lr=1e-4"]):
         with pytest.raises(SystemExit):
@@ -100,7 +102,7 @@ def test_partial_runs_may_not_overwrite_the_contract_file():
 
 
 def _recorded(reader_em, heldout_em):
-    """An evaluation's recorded scores (benchmarks.learning_search.recorded_scores) from per-question EMs."""
+    """An evaluation's recorded scores (studies.learning_search.recorded_scores) from per-question EMs."""
     reader = {f"nq/q{i}": x for i, x in enumerate(reader_em)}
     return {"reader": {"em": reader, "f1": dict(reader), "pass": dict(reader)},
             "heldout": {"em": {f"nq/h{i}": x for i, x in enumerate(heldout_em)}}}
@@ -120,7 +122,7 @@ def _run(reader_em, heldout_em):
 def test_summarise_pools_recorded_scores_and_compares_arms_on_common_seeds():
     """The estimates come from the recorded per-question scores alone (no work folder): the pooled end averages each
     question over seeds; between-arm differences use only the seeds both arms finished."""
-    from benchmarks.learning_search import summarise
+    from studies.learning_search import summarise
 
     start = _recorded([0, 0, 1, 1], [0, 1])
     report = {"starter": {"reader_a": start["reader"], "reader_b": start["reader"], "heldout": start["heldout"], "misses": _misses(2)},
@@ -134,10 +136,14 @@ def test_summarise_pools_recorded_scores_and_compares_arms_on_common_seeds():
     assert d["seeds"] == [0] and d["mean"] == pytest.approx(-25.0)
     assert "grpo_minus_control_reader_sampled" not in out and "control" not in out  # the control finished no run
     assert out["trajectories_per_min"] == pytest.approx(30.0) and len(out["misses"]["grpo_end"]) == 2
+    seed_level = out["grpo"]["reader_sampled_end_minus_start_seed_level"]  # seeds +25 and +50 pp: the seed-level interval
+    assert seed_level["per_seed"] == pytest.approx([25.0, 50.0]) and seed_level["mean"] == pytest.approx(37.5)
+    assert out["grpo"]["reader_sampled_end_minus_start_seed_ci"] == [seed_level["low"], seed_level["high"]]
+    assert out["emapg"]["heldout_end_minus_start_seed_ci"] == [0.0, 0.0]  # one seed that changed nothing
 
 
 def test_resume_from_takes_recorded_runs_of_the_same_protocol_only(tmp_path):
-    from benchmarks.learning_search import PROTOCOL_KEYS, import_recorded
+    from studies.learning_search import PROTOCOL_KEYS, import_recorded
 
     proto = {k: f"value of {k}" for k in PROTOCOL_KEYS}
     earlier = {**proto, "starter": {"reader_a": {}}, "runs": {"grpo": {"0": _run([1], [1]), "1": {"no": "per_question"}}}}
@@ -151,3 +157,21 @@ def test_resume_from_takes_recorded_runs_of_the_same_protocol_only(tmp_path):
         import_recorded({**proto, "algorithms": {"grpo": "new"}}, {**earlier, "algorithms": {"grpo": "old"}}, tmp_path / "o", ["grpo"], [0])
     with pytest.raises(SystemExit, match="no per-question scores"):
         import_recorded(dict(proto), {**proto, "runs": {}}, tmp_path / "other", ["grpo"], [0])
+
+
+def test_summarise_only_recomputes_a_report_from_its_recorded_scores(tmp_path):
+    """``--summarise-only``: no run, the estimates (with the seed-level interval) from the report's own records; its
+    measured trajectories per minute kept."""
+    from studies.learning_search import main
+
+    start = _recorded([0, 0, 1, 1], [0, 1])
+    report = {"starter": {"reader_a": start["reader"], "reader_b": start["reader"], "heldout": start["heldout"], "misses": _misses(2)},
+              "runs": {"grpo": {"0": _run([1, 0, 1, 1], [1, 1]), "1": _run([1, 1, 1, 1], [0, 1])}}, "trajectories_per_min": 12.5}
+    (tmp_path / "old.json").write_text(json.dumps(report))
+    assert main(["--summarise-only", str(tmp_path / "old.json"), "--out", str(tmp_path / "new.json")]) == 0
+    new = json.loads((tmp_path / "new.json").read_text())
+    assert new["grpo"]["reader_sampled_end_minus_start_seed_level"]["per_seed"] == pytest.approx([25.0, 50.0])
+    assert new["trajectories_per_min"] == 12.5 and new["grpo"]["reader_sampled_em_end"] == pytest.approx(87.5)
+    (tmp_path / "older.json").write_text(json.dumps({"runs": {}}))
+    with pytest.raises(SystemExit, match="no per-question scores"):
+        main(["--summarise-only", str(tmp_path / "older.json"), "--out", str(tmp_path / "x.json")])

@@ -1,4 +1,4 @@
-"""benchmarks/stability.py's pieces (intervals, the summary of synthetic runs, the plot) and its --quick mode end to end."""
+"""studies/stability.py's pieces (intervals, the summary of synthetic runs, the plot) and its --quick mode end to end."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.stability import ARMS, CONTRACT_ARMS, GUARDED, newcombe, plot, run_record, summarise, wilson
+from studies.stability import ARMS, CONTRACT_ARMS, GUARDED, newcombe, plot, run_record, summarise, wilson
 from tests.trainer.test_guard import HEALTHY, degenerating
 
 
@@ -29,7 +29,7 @@ def test_the_arms_are_the_two_algorithms_and_their_halves():
 
 
 def test_the_protocol_is_written_in_the_docstring():
-    import benchmarks.stability as st
+    import studies.stability as st
 
     doc = st.__doc__
     assert "PRE-REGISTERED PROTOCOL" in doc and "Collapse" in doc and "Wilson" in doc and "sweep" in doc
@@ -76,7 +76,7 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
     from emapg.paths import REPO_ROOT
 
     out = tmp_path / "stability.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "stability.py"), "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "studies" / "stability.py"), "--quick", "--out", str(out),
                            "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -93,6 +93,7 @@ def test_quick_mode_runs_to_the_end_and_writes_the_contract_keys(tmp_path):
     run = report["toy"]["runs"]["emapg"]["0"]
     assert len(run["reward"]) == 3 and all(x is not None for x in run["kl_to_start"])
     assert out.with_suffix(".png").is_file()
+    assert report["provenance"]["allowed_by"] == "quick"  # the harness: a smoke run may start from a dirty tree
 
 
 def write_run(folder, name: str, history: list[dict[str, float]]) -> None:
@@ -104,7 +105,7 @@ def write_run(folder, name: str, history: list[dict[str, float]]) -> None:
 def test_replayed_false_trips_of_a_run_folder(tmp_path, capsys):
     """--false-trips-from: every detector replayed over <arm>-seed<N>/metrics.jsonl; rates over the runs that did not
     collapse, the control arm apart, runs still in progress left out, missing series named."""
-    from benchmarks.stability import main, replay_false_trips
+    from studies.stability import main, replay_false_trips
 
     base = {k: v for k, v in HEALTHY.items() if k != "kl/to_start"}  # like runs/learning_search: no kl/to_start
     healthy = [dict(base) for _ in range(8)]
@@ -147,7 +148,7 @@ def test_replayed_false_trips_of_a_run_folder(tmp_path, capsys):
 def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missing(tmp_path):
     """--report-only trains nothing: the stress point from the finished sweep runs (the first grid point with a
     collapsed sweep seed), the arms' finished runs summarised with the contract keys, the rest listed as not run."""
-    from benchmarks.stability import main, sweep_name
+    from studies.stability import main, sweep_name
 
     collapsing, healthy = run_record(degenerating()), run_record(healthy_run())
 
@@ -193,7 +194,7 @@ def test_report_only_applies_the_sweep_rule_to_finished_runs_and_lists_the_missi
 
 def put_sweep_run(work, lr: float, seed: int, record: dict) -> None:
     """A finished sweep run at beta 0.001 in ``work``, as the benchmark leaves it."""
-    from benchmarks.stability import sweep_name
+    from studies.stability import sweep_name
 
     (work / sweep_name(lr, 0.001, seed)).mkdir(parents=True)
     (work / sweep_name(lr, 0.001, seed) / "history.json").write_text(json.dumps(record))
@@ -202,7 +203,7 @@ def put_sweep_run(work, lr: float, seed: int, record: dict) -> None:
 def test_the_slow_grid_sweeps_lower_rates_and_its_runs_are_checked_against_it(tmp_path):
     """Amendment 4's grid: lr 1e-4, 2e-4, 4e-4 at beta 0.001, lr ascending; the first with a collapsed sweep seed is the
     stress point. --sweep-runs accepts only runs of the grid it names."""
-    from benchmarks.stability import main, parse_sweep_runs
+    from studies.stability import main, parse_sweep_runs
 
     for lr, record in ((1e-4, run_record(healthy_run())), (2e-4, run_record(degenerating()))):
         for seed in (100, 101):
@@ -223,7 +224,7 @@ def test_the_slow_grid_sweeps_lower_rates_and_its_runs_are_checked_against_it(tm
 def test_the_late_grid_counts_only_a_collapse_after_a_learning_phase(tmp_path):
     """Amendment 6's grid: lr 4e-4, 6e-4 at beta 0.001; a sweep seed that collapses before step 12 does not make a
     stress point, one that collapses at step >= 12 does."""
-    from benchmarks.stability import LATE_MIN_COLLAPSE_STEP, main
+    from studies.stability import LATE_MIN_COLLAPSE_STEP, main
 
     early, late = run_record(degenerating(20, start=6)), run_record(degenerating(20, start=14))
     assert early["collapse_step"] == 8 < LATE_MIN_COLLAPSE_STEP <= late["collapse_step"] == 16
@@ -240,7 +241,7 @@ def test_the_late_grid_counts_only_a_collapse_after_a_learning_phase(tmp_path):
 
 
 def test_heldout_change_pools_seeds_per_question_and_compares_with_grpo():
-    from benchmarks.stability import heldout_change
+    from studies.stability import heldout_change
 
     starter = {"greedy_em": {"nq/1": 0.0, "nq/2": 1.0}, "sampled_em": {"nq/1": 0.5, "nq/2": 0.5}}
 
@@ -273,7 +274,7 @@ def test_smollm2_arms_quick_score_every_end_checkpoint_against_the_starter(tmp_p
     from emapg.paths import REPO_ROOT
 
     work, out, again = tmp_path / "work", tmp_path / "smol.json", tmp_path / "again.json"
-    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "stability.py"), "--smollm2-only", "--quick", "--work", str(work)]
+    cmd = [sys.executable, str(REPO_ROOT / "studies" / "stability.py"), "--smollm2-only", "--quick", "--work", str(work)]
     proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -297,7 +298,7 @@ def test_smollm2_arms_quick_score_every_end_checkpoint_against_the_starter(tmp_p
 
 @pytest.mark.slow
 def test_collapse_anatomy_quick_dissects_a_run_and_its_guarded_twin(tmp_path):
-    """benchmarks/collapse_anatomy.py --quick (8 steps; the last step stands in for the collapse): the runs keep every
+    """studies/collapse_anatomy.py --quick (8 steps; the last step stands in for the collapse): the runs keep every
     checkpoint, the anchors are the run's own correct trajectories, and the token series, the breaking update and
     the guarded run are reported."""
     import os

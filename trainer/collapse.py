@@ -1,6 +1,6 @@
 """What counts as a collapsed run: a pure function of its per-step reward (and gibberish) series.
 
-The stability benchmark (``benchmarks/stability.py``) pre-registers this definition; a run has
+The stability benchmark (``studies/stability.py``) pre-registers this definition; a run has
 collapsed at step s when either
 
 * its mean reward stays below ``reward_fraction`` times its starting level for ``consecutive`` steps

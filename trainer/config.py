@@ -263,7 +263,7 @@ class KLConfig:
     tail_grad: Literal["paper", "exact"] = option(
         "paper", help="Top-k gradient: 'paper' reproduces the release (bias +-grad pi(q)); 'exact' is unbiased. At a large "
         "coef the bias matters: at beta 1 the paper gradient sent token entropy to 1-4.5 nats after one update and 3 of 5 "
-        "toy runs collapsed, exact 1 of 5 (benchmarks/stability.py, amendment 3): use exact there"
+        "toy runs collapsed, exact 1 of 5 (studies/stability.py, amendment 3): use exact there"
     )
 
     def validate(self) -> None:

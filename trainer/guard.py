@@ -103,7 +103,7 @@ class DetectorConfig:
 @dataclass
 class EntropyCollapseConfig(DetectorConfig):
     ratio: float | None = option(0.25, ge=0, help=_RATIO_HELP)
-    # Measured 2026-12-05 (issue #42): on healthy SmolLM2 search runs (benchmarks/learning_search.py, 12 steps, groups
+    # Measured 2026-12-05 (issue #42): on healthy SmolLM2 search runs (studies/learning_search.py, 12 steps, groups
     # of equal rewards dropped) the step's mean token entropy swings 0.045-0.5 nats from step to step (a step trains
     # 4-8 rows of different questions), so the ratio test alone tripped on 4 of 6 healthy runs; a collapsed policy
     # is near 0 nats per token.

@@ -158,10 +158,10 @@ def test_resume_skips_a_damaged_latest_checkpoint_and_reproduces_the_run(two_ste
 
 
 def test_a_run_continued_to_more_steps_is_the_longer_run(two_step_run, tmp_path):
-    """benchmarks/distill.py --extend-from: a 1-step run's checkpoint, copied into a new folder and resumed with
+    """studies/distill.py --extend-from: a 1-step run's checkpoint, copied into a new folder and resumed with
     run.total_steps=2, trains the uninterrupted 2-step run bit for bit (constant rate); a run of another seed is not
     continued, one of other settings or with as many steps done is refused naming why."""
-    from benchmarks.distill import continuable, extend_arm
+    from studies.distill import continuable, extend_arm
     from emapg.config import load_config
     from trainer.config import TrainConfig
     from trainer.loop import train

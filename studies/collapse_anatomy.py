@@ -1,7 +1,7 @@
 """Anatomy of a late collapse (issue #42): what the one update that broke a learning GRPO run changed, whether the
 weights showed it coming, and what the guard's rollback does with it.
 
-PROTOCOL (written 2026-12-06 09:55 UTC, after amendment 6 of ``benchmarks/stability.py``; descriptive, not a test of
+PROTOCOL (written 2026-12-06 09:55 UTC, after amendment 6 of ``studies/stability.py``; descriptive, not a test of
 a hypothesis: it dissects the one collapse after a learning phase that the stability benchmark has measured)
 ====================================================================================================================
 
@@ -26,15 +26,14 @@ forced through every step's checkpoint: the log-probability of each model token.
 
 Cost: three 64-step toy runs and ~130 teacher-forced passes, about 6 min on 2 free cores.
 
-    python benchmarks/collapse_anatomy.py            # writes benchmarks/results/collapse_anatomy.json and .png
-    python benchmarks/collapse_anatomy.py --quick --work /tmp/anatomy   # 8 steps, any run (a smoke run of the code)
+    python studies/collapse_anatomy.py            # writes benchmarks/results/collapse_anatomy.json and .png
+    python studies/collapse_anatomy.py --quick --work /tmp/anatomy   # 8 steps, any run (a smoke run of the code)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -42,7 +41,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from studies import harness  # noqa: E402
+RESULTS = harness.RESULTS
 LATE = {"lr": 6e-4, "beta": 0.001, "steps": 64}  # amendment 6's stress (stability_late.json)
 COLLAPSED_SEED, HEALTHY_SEED = 2, 0
 ANCHOR_STEPS = 12  # anchors: correct trajectories logged in the first steps
@@ -148,12 +148,7 @@ def breaking_update(run: Path, seqs: list[tuple[list[int], list[int]]], where: l
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = harness.figure(1, 3, figsize=(15, 4))
     for key, style in (("collapsed", "-"), ("healthy", "--")):
         run = report[key]
         xs = [r["step"] for r in run["token"]]
@@ -171,16 +166,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _now() -> str:
-    import datetime
-
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return harness.save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                    "reward minimum, not a collapse), written to --work")
     p.add_argument("--work", type=Path, default=None, help="run folders (kept; finished runs are reused)")
     p.add_argument("--out", type=Path, default=None, help="default benchmarks/results/collapse_anatomy.json (--quick: in --work)")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
-    for k, v in {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
-        os.environ.setdefault(k, v)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty, also=["studies/stability.py"])
+    harness.environment(OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)
-    from benchmarks.stability import Runner, toy_base
+    from studies.stability import Runner, toy_base
     from emapg.paths import CONFIG_DIR
     from retriever.launch import RetrieverServer
     from tests.fixtures.trainer import build_toy_task
@@ -236,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     healthy_seqs = anchors(runs[HEALTHY_SEED], tokenizer)
     healthy_where = positions(healthy_seqs, pair)
     report: dict[str, Any] = {
-        "date": _now(), "protocol": "benchmarks/collapse_anatomy.py docstring", "quick": args.quick, "settings": {**LATE, "steps": steps, "arm": "grpo"},
+        "date": harness.now(), "provenance": provenance, "protocol": "studies/collapse_anatomy.py docstring", "quick": args.quick, "settings": {**LATE, "steps": steps, "arm": "grpo"},
         "reproduced_stability_late": reproduced, "collapse_step": collapse, "anchors": len(seqs),
         "flipped_token": {"previous": tokenizer.decode([pair[0]]), "text": tokenizer.decode([pair[1]]),
                           "anchor_positions": sum(len(w) for w in where)},

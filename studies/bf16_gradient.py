@@ -13,8 +13,8 @@ signed gradient's error ``sqrt(2 (1 - cos))`` is predicted by the |A| error time
 The arms update a fresh trainer each (fp32 and bf16 x signed and absolute advantages) on one batch sampled the demo's
 way by the starter (as ``update_speed.py``); the gradient is read just before the first optimizer step.
 
-    python benchmarks/bf16_gradient.py           # the demo's rows, SmolLM2-135M starter (~8 min)
-    python benchmarks/bf16_gradient.py --quick   # tiny-qwen2, toy rows (< 1 min; bf16 needs a CPU with native bf16)
+    python studies/bf16_gradient.py           # the demo's rows, SmolLM2-135M starter (~8 min)
+    python studies/bf16_gradient.py --quick   # tiny-qwen2, toy rows (< 1 min; bf16 needs a CPU with native bf16)
 
 Writes ``benchmarks/results/bf16_gradient.json``.
 """
@@ -33,8 +33,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from studies import harness  # noqa: E402
+harness.environment()
 
 PRECISIONS = {"fp32": "run.precision=fp32", "bf16": "run.precision=bf16"}
 ADVANTAGES = ("signed", "absolute", "absolute_uncertain")
@@ -67,7 +67,6 @@ def first_gradient(config: Path, overrides: list[str], sampled: Any, advantages:
     from trainer.batch import trajectory_batch
     from trainer.config import TrainConfig
     from trainer.loop import Trainer
-    from trainer.policy import use_bf16
 
     cfg = load_config(TrainConfig, config, overrides)
     torch.manual_seed(0)
@@ -97,7 +96,7 @@ def first_gradient(config: Path, overrides: list[str], sampled: Any, advantages:
             trainer.update(batch)
         except StopUpdate:
             pass
-        return torch.cat([grads[n] for n in sorted(grads)]), use_bf16(cfg, torch.device("cpu"))
+        return torch.cat([grads[n] for n in sorted(grads)]), policy.bf16
     finally:
         trainer.close()
 
@@ -109,8 +108,10 @@ class StopUpdate(Exception):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2 on a 2k-passage index")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bf16_gradient.json")
+    ap.add_argument("--out", type=Path, default=harness.RESULTS / "bf16_gradient.json")
+    harness.add_arguments(ap)
     args = ap.parse_args(argv)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty, also=["benchmarks/update_speed.py"])
     import torch
 
     from benchmarks.update_speed import base_overrides, sample_rows
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bf16_gradient] {prec} {adv}: |g| {float(grads[prec, adv].norm()):.4g} "
                       f"({time.perf_counter() - t0:.0f} s; bf16 ran: {bf16})", flush=True)
     report: dict[str, Any] = {"benchmark": "bf16_gradient", "mode": "quick" if args.quick else "default", "policy": policy,
-                              "config": config.name, "rows": len(rewards), "reward_mean": sum(rewards) / len(rewards),
+                              "provenance": provenance, "config": config.name, "rows": len(rewards), "reward_mean": sum(rewards) / len(rewards),
                               "cpu_native_bf16": cpu_has_bf16(), "bf16_ran": ran_bf16, "advantages": {}}
     for adv in ADVANTAGES:
         a, b = grads["bf16", adv], grads["fp32", adv]

@@ -17,15 +17,13 @@ dynamic-sampling filter).
 Output: ``benchmarks/results/greedy_vs_sampled.json`` -- per set and decoding: the start and trained accuracy
 (pooled percent), trained − start with a paired-bootstrap 95% interval, per dataset, and the questions compared.
 
-    python benchmarks/greedy_vs_sampled.py --trained RUN/step_12/policy     # ~25 min on 2 cores
-    python benchmarks/greedy_vs_sampled.py --quick                           # smoke run: tiny-qwen2 against itself
+    python studies/greedy_vs_sampled.py --trained RUN/step_12/policy     # ~25 min on 2 cores
+    python studies/greedy_vs_sampled.py --quick                           # smoke run: tiny-qwen2 against itself
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import sys
 import tempfile
@@ -36,7 +34,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from studies import harness  # noqa: E402
+RESULTS = harness.RESULTS
 DECODINGS = ("greedy", "sampled")
 
 
@@ -58,24 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for both models: paired samples)")
     p.add_argument("--out", default=str(RESULTS / "greedy_vs_sampled.json"))
     p.add_argument("--work", default=None, help="folder for the evaluations (default: a temp folder, removed)")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     if not args.quick and not args.trained:
         p.error("give --trained (an RL checkpoint's policy folder), or --quick")
     if args.n < 1 or args.temperature <= 0:
         p.error("--n must be >= 1 and --temperature > 0")
-    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
-        os.environ.setdefault(k, v)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    harness.environment()
 
-    from agent.engines.launch import EngineServer
     from emapg.config import load_config
     from emapg.models import STARTER
     from emapg.paths import CONFIG_DIR
     from eval.learning import answer_changes, compare_learning
     from eval.protocols import get_protocol
     from eval.runner import EvalConfig, run_eval
-    from provision.indexes import ensure_bundled_index
     from tasks.datasets import QA_DATASETS
-    from provision.retrievers import open_retriever
     from trainer.config import TrainConfig
 
     t0 = time.perf_counter()
@@ -89,29 +86,26 @@ def main(argv: list[str] | None = None) -> int:
         per_dataset = args.per_dataset or 50
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="greedy-vs-sampled-"))
     work.mkdir(parents=True, exist_ok=True)
-    index_dir = ensure_bundled_index(index_limit)
     # the engine as learning_search.py starts it: the context of the training config the checkpoint came from
     rollout = load_config(TrainConfig, CONFIG_DIR / ("search_tiny_cpu.yaml" if args.quick else "demo_search_smollm2.yaml"), []).rollout
     max_model_len = rollout.max_prompt_tokens + rollout.max_response_tokens
 
     datasets = list(QA_DATASETS)
     dirs: dict[tuple[str, str], Path] = {}
-    with open_retriever(index_dir=index_dir, log_path=work / "retriever.log") as retriever, \
-            EngineServer(start, engine=engine_kind, max_model_len=max_model_len, omp_num_threads=os.cpu_count() or 1,
-                         startup_timeout=900, log_path=work / "engine.log") as engine:  # fmt: skip
+    with harness.servers(start, engine=engine_kind, index_limit=index_limit, max_model_len=max_model_len, folder=work) as served:
         for label, model in (("start", start), ("trained", trained)):
             for decoding in DECODINGS:
                 out = work / label / f"heldout_{decoding}"
                 protocol = get_protocol("qa_quick", **base_protocol, **protocol_overrides(decoding, args.temperature, args.n, args.seed))
                 run_eval(EvalConfig(model=model, out=str(out), protocol=protocol, datasets=datasets, limit=per_dataset,
-                                    data_seed=0, engine="remote", engine_urls=[engine.url], retriever_url=retriever.urls[0],
+                                    data_seed=0, engine="remote", engine_urls=[served.engine_url], retriever_url=served.retriever_url,
                                     progress=False, name=f"{label} heldout {decoding}", batch_across_datasets=True,
                                     batch_size=64))  # fmt: skip
                 dirs[(label, decoding)] = out
                 print(f"[greedy_vs_sampled] {label} {decoding}: done ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
 
     report: dict[str, Any] = {
-        "benchmark": "greedy_vs_sampled", "mode": "quick" if args.quick else "default", "start": start, "trained": trained,
+        "benchmark": "greedy_vs_sampled", "provenance": provenance, "mode": "quick" if args.quick else "default", "start": start, "trained": trained,
         "sampled": {"temperature": args.temperature, "n": args.n, "seed": args.seed, "score": "mean over samples (pass@1)"},
         "greedy": "qa_quick (temperature 0)",
         "heldout": {"datasets": datasets, "per_dataset": per_dataset, "data_seed": 0, "split": "subset of data/qa/heldout.json"},
@@ -129,10 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     # which greedy answers changed, by kind of question (yes/no, an option the question names, open)
     report["results"]["greedy"]["answer_changes"] = asdict(answer_changes(dirs[("start", "greedy")], dirs[("trained", "greedy")], datasets))
     report["wall_s"] = round(time.perf_counter() - t0, 1)
-    report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    report["machine"] = harness.machine()
+    out_path = harness.write_report(report, Path(args.out))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -173,18 +173,18 @@ RESULT (2026-12-06, ``distill_forward_seed{0,1}.json``, pooled ``distill_forward
 sampled [+4.6, +10.8], +11.6 greedy [+6.6, +16.6]. Neither seed drifted to direct answers (about one search per
 trajectory over the last 10 steps in both). Seed 1's teacher and start evaluations reproduced the recorded ones.
 
-    python benchmarks/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
-    python benchmarks/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
+    python studies/distill.py --work runs/distill   # the protocol above (~55 min alone on 2 cores, resumable)
+    python studies/distill.py --work runs/distill40_s0 --extend-from runs/distill --steps 40 --arms in_process \
         --no-cost --out benchmarks/results/distill_40steps_seed0.json                    # the follow-on, seed 0
-    python benchmarks/distill.py --pool benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_40steps.json
-    python benchmarks/distill.py --work runs/distill_added_s0 --mode added --steps 40 --arms in_process --no-cost \
+    python studies/distill.py --pool benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_40steps.json
+    python studies/distill.py --work runs/distill_added_s0 --mode added --steps 40 --arms in_process --no-cost \
         --out benchmarks/results/distill_added_seed0.json                                 # follow-on 3, seed 0
-    python benchmarks/distill.py --pool benchmarks/results/distill_added_seed*.json \
+    python studies/distill.py --pool benchmarks/results/distill_added_seed*.json \
         --against benchmarks/results/distill_40steps_seed*.json --out benchmarks/results/distill_added.json  # + added - alone
-    python benchmarks/distill.py --work runs/recover_fwd --student runs/distill_added_s1/arm_in_process/step_40/policy \
+    python studies/distill.py --work runs/recover_fwd --student runs/distill_added_s1/arm_in_process/step_40/policy \
         --estimator topk_forward_kl --mode added --steps 8 --seed 1 --arms in_process --no-cost --no-eval \
         --out benchmarks/results/distill_recover_forward.json                              # follow-on 4 A (and reverse)
-    python benchmarks/distill.py --quick               # smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2 steps
+    python studies/distill.py --quick               # smoke run: tiny-qwen2 teacher, a perturbed copy as student, 2 steps
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from studies import harness  # noqa: E402
+from studies.harness import RESULTS, difference, pct, per_question, seed_difference, seed_mean  # noqa: E402
 CONTRACT = ("teacher_sampled_em", "student_sampled_em_start", "student_sampled_em_end", "student_end_minus_start_ci", "steps")
 TRAIN_SET = "qa_pool"
 SAMPLING_SEED = 1  # the reader slice's sampling seed (learning_search's seed A)
@@ -264,7 +265,6 @@ def evaluate(model: str, out: Path, url: str, engine_url: str, s: dict[str, Any]
     """``model`` on the reader slice through the shared engine server (its weights loaded first): greedy, or
     ``s["samples"]`` samples per question at ``temperature`` (sampling seed :data:`SAMPLING_SEED`). Kept when a
     finished evaluation is already in ``out`` (a resumed run)."""
-    from benchmarks.learning_search import check_heldout
     from eval.protocols import get_protocol
     from eval.runner import EvalConfig, run_eval
     from tasks.datasets import QA_DATASETS
@@ -284,7 +284,7 @@ def evaluate(model: str, out: Path, url: str, engine_url: str, s: dict[str, Any]
     if errors:  # e.g. the engine server died mid-evaluation: not a score; a resumed run evaluates again
         (out / "results.json").rename(out / "results.failed.json")
         raise RuntimeError(f"{out}: {errors} rollout(s) failed; the evaluation is not kept (see results.failed.json)")
-    check_heldout(out)
+    harness.check_heldout(out)
     return out
 
 
@@ -528,7 +528,6 @@ def summarise(report: dict[str, Any], dirs: dict[str, Path]) -> None:
     from eval.learning import compare_learning, compare_sampled
     from tasks.datasets import QA_DATASETS
 
-    from benchmarks.learning_search import per_question
 
     ds = list(QA_DATASETS)
     # Question -> score of every finished evaluation (sampled: mean@n EM), so that seeds can be pooled from the reports.
@@ -600,8 +599,6 @@ def pool_seeds(paths: list[Path]) -> dict[str, Any]:
     """The docstring's pooled estimates from per-seed reports of the same settings (:data:`POOL_KEYS`): the student's
     end sampled / greedy EM per seed and averaged over seeds, and end − start and end − teacher with a paired bootstrap
     over questions of each question's score averaged over seeds."""
-    from benchmarks.learning_search import difference, pct, seed_mean
-
     reports = read_seed_reports(paths, "--pool", POOL_KEYS)
     seeds = [r["seed"] for r in reports]
     if len(set(seeds)) != len(seeds):
@@ -610,11 +607,13 @@ def pool_seeds(paths: list[Path]) -> dict[str, Any]:
     teacher, start = first["teacher_sampled"], first["start_sampled"]
     end = seed_mean([r["per_question_em"]["in_process_sampled"] for r in reports])
     out: dict[str, Any] = {
-        "benchmark": "distill", "protocol": "benchmarks/distill.py docstring, FOLLOW-ON (pooled over seeds)",
+        "benchmark": "distill", "protocol": "studies/distill.py docstring, FOLLOW-ON (pooled over seeds)",
         "reports": [str(f) for f in paths], "seeds": seeds, **{k: reports[0][k] for k in POOL_KEYS if k in reports[0]},
         "teacher_sampled_em": pct(teacher), "student_sampled_em_start": pct(start), "student_sampled_em_end": pct(end),
         "student_sampled_em_end_per_seed": {str(r["seed"]): r["student_sampled_em_end"] for r in reports},
         "student_end_minus_start_ci": difference(start, end), "student_end_minus_teacher_ci": difference(teacher, end),
+        # the seed-level interval (seeds, then questions, resampled) beside the per-question one (added 2026-12-06)
+        "student_end_minus_start_seed_level": seed_difference([start], [r["per_question_em"]["in_process_sampled"] for r in reports]),
         "student_end_over_teacher": pct(end) / pct(teacher) if pct(teacher) else None,
         "reader_questions": len(end),
     }
@@ -639,8 +638,6 @@ def pool_against(pooled: dict[str, Any], paths: list[Path], baseline_paths: list
     """Another setting's per-seed reports (``--against``) beside a pooled report: its pooled sampled / greedy EM and
     this setting − that one, paired by question, each question's score averaged over the same seeds on both sides.
     Both sets must share every field of :data:`AGAINST_KEYS`, the seeds and the teacher's scores."""
-    from benchmarks.learning_search import difference, pct, seed_mean
-
     mine = [json.loads(f.read_text()) for f in paths]
     theirs = read_seed_reports(baseline_paths, "--against", AGAINST_KEYS, mine[0], paths[0])
     for f, r in zip(baseline_paths, theirs):
@@ -658,6 +655,8 @@ def pool_against(pooled: dict[str, Any], paths: list[Path], baseline_paths: list
         block[f"{kind}_em_end"] = pct(a)
         block[f"{kind}_em_end_per_seed"] = {str(r["seed"]): pct(r["per_question_em"][f"in_process_{kind}"]) for r in theirs}
         block[f"{kind}_end_minus_against_ci"] = difference(a, b)
+        block[f"{kind}_end_minus_against_seed_level"] = seed_difference(
+            [r["per_question_em"][f"in_process_{kind}"] for r in theirs], [r["per_question_em"][f"in_process_{kind}"] for r in mine])
     return block
 
 
@@ -705,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "distill.json"))
     p.add_argument("--work", default=None, help="folder for runs and evaluations (default: a temp folder, removed). A rerun with "
                    "the same --work resumes (finished evaluations, the cost phase and finished arms are kept)")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     if args.against and not args.pool:
         p.error("--against goes with --pool")
@@ -723,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--samples and --steps must be >= 1")
     if args.cost_rounds is not None and args.cost_rounds < 1:
         p.error("--cost-rounds must be >= 1")
-    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "2"}.items():
-        os.environ.setdefault(k, v)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    harness.environment(VLLM_CPU_KVCACHE_SPACE="2")
 
     import torch
 
@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout": {"set": "reader slice (data/qa/reader_slice.json)", "per_dataset_limit": s["reader_limit"],
                     "sampled": f"mean@{s['samples']} EM at T = {r.temperature}, top_p 1.0, sampling seed {SAMPLING_SEED}",
                     "greedy": "qa_quick greedy EM"},
-        "engine": f"one `emapg engine serve --engine {s['engine']}` for every rollout and evaluation",
+        "engine": f"one `emapg engine serve --engine {s['engine']}` for every rollout and evaluation", "provenance": provenance,
         **({"extended_from": str(earlier)} if earlier is not None else {}),
         **({"guard": "on: every detector's action rollback, a checkpoint every step"} if args.guard else {}),
         "arms": {}, "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -7,7 +7,7 @@ distribution flatter than the teacher's where it generates -- more entropy, more
 and in which parts of a response (search queries, answers, the rest)?
 
 Method. For each evaluation folder given (``emapg eval`` items with ``samples``: the reader-slice evaluations of
-``benchmarks/distill.py``), every sampled response is split into the model's text and the environment's
+``studies/distill.py``), every sampled response is split into the model's text and the environment's
 observations (``<information>`` blocks and the invalid-action message, :mod:`agent.actions`); the prompt and the
 observations are tokenized as the agent tokenized them, the model's text segment by segment (a re-tokenization of
 generated text: the report gives how often the count equals the recorded ``model_tokens``). On every model-generated
@@ -17,7 +17,7 @@ whether the two models' argmax agree. Averaged per token, by part of the respons
 ``<search>...</search>``, ``answer`` -- inside ``<answer>...</answer>``, ``other``), for each student checkpoint
 given, on the same samples.
 
-    python benchmarks/distill_gap.py --samples runs/distill40_s0/arm_in_process/end_sampled \\
+    python studies/distill_gap.py --samples runs/distill40_s0/arm_in_process/end_sampled \\
         --student step20=runs/distill/arm_in_process/step_20/policy --student step40=runs/distill40_s0/arm_in_process/step_40/policy \\
         --limit 120 --out benchmarks/results/distill_gap.json
 """
@@ -35,7 +35,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from studies import harness  # noqa: E402
+RESULTS = harness.RESULTS
 PARTS = ("search", "answer", "other")
 STATS = ("reverse_kl", "student_entropy", "teacher_entropy", "student_tail_mass", "teacher_tail_mass", "argmax_agree")
 
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=16, help="the teacher's head for the tail masses (distill.json: 16)")
     p.add_argument("--limit", type=int, default=None, help="score the first N samples")
     p.add_argument("--out", type=Path, default=RESULTS / "distill_gap.json")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     students = {}
     for item in args.student:
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not name or not path:
             p.error(f"--student {item!r}: expected NAME=PATH")
         students[name] = path
+    provenance = harness.start(__file__, quick=False, allow_dirty=args.allow_dirty)
     import torch
 
     from emapg.models import STARTER
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     samples = load_samples(args.samples, args.limit)
     if not samples:
         p.error(f"no sampled responses in {[str(s) for s in args.samples]}")
-    report = {"benchmark": "distill_gap", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    report = {"benchmark": "distill_gap", "date": harness.now(), "provenance": provenance,
               "teacher": args.teacher or STARTER, "students": students, "samples_from": [str(s) for s in args.samples],
               "topk": args.topk, "limit": args.limit, "precision": "fp32, full vocabulary, teacher-forced"}
     report.update(measure(report["teacher"], students, samples, args.topk))

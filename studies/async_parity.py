@@ -1,6 +1,6 @@
 """Learning parity of asynchronous training: ``rollout.max_staleness`` s = 1 (and 2) vs s = 0 on the toy search task.
 
-The toy search task of ``benchmarks/learning_toy.py`` (``tests/fixtures/trainer.py``: 8 synthetic
+The toy search task of ``studies/learning_toy.py`` (``tests/fixtures/trainer.py``: 8 synthetic
 facts stating 4 digits, so a constant answer scores 0.25, in a real MiniLM + FAISS index behind a real
 ``emapg serve``; tiny-qwen2 warm-started to search and copy the observed digit about half the time).
 Every run starts from the same warm-started weights and generates on the same ``emapg engine serve``
@@ -20,7 +20,7 @@ Writes ``benchmarks/results/async_parity.json`` and ``benchmarks/results/async_p
 (reward curves, one line per run). Takes several minutes on 2 cores; run it alone
 (``flock /tmp/emapg-heavy.lock``).
 
-    python benchmarks/async_parity.py [--steps 20] [--seeds 0 1 2] [--staleness 0 1 2] [--quick]
+    python studies/async_parity.py [--steps 20] [--seeds 0 1 2] [--staleness 0 1 2] [--quick]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from studies import harness  # noqa: E402
+RESULTS = harness.RESULTS
 
 # Student-t 0.975 quantiles by degrees of freedom (two-sided 95 %), to avoid a SciPy dependency.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -100,13 +101,10 @@ def run_one(task, *, start: Path, retriever_url: str, engine_url: str, s: int, s
 def plot_parity(report: dict, png: Path) -> Path:
     """Reward curves coloured by s (thin: each seed; thick: the mean over seeds) and, per s >= 1, the paired
     differences of the last-k mean reward with their 95 % interval."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    fig, (curves, diffs) = harness.figure(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
     import matplotlib.pyplot as plt
 
     levels, seeds, colors = report["staleness"], report["seeds"], plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, (curves, diffs) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
     for i, s in enumerate(levels):
         per_seed = [report["runs"][f"s{s}_seed{seed}"]["reward"] for seed in seeds]
         for rewards in per_seed:
@@ -128,11 +126,7 @@ def plot_parity(report: dict, png: Path) -> Path:
     diffs.grid(alpha=0.3)
     fig.suptitle(f"toy search task: rollout.max_staleness s >= 1 vs s = 0 (tiny-qwen2, EMA-PG + {report['behavior_correction']}, "
                  f"{report['steps']} steps)", fontsize=10)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return harness.save_figure(fig, png, dpi=110)
 
 
 def write_report(args, runs: dict[str, dict], levels: list[int], task, t_all: float, load_before) -> dict:
@@ -149,11 +143,9 @@ def write_report(args, runs: dict[str, dict], levels: list[int], task, t_all: fl
         "paired_vs_s0": {f"s{s}": paired_difference(last[s], last[0]) for s in levels if s},
         "train_wall_s_over_seeds": {f"s{s}": sum(runs[f"s{s}_seed{seed}"]["wall_s"] for seed in args.seeds) for s in levels},
         "runs": {n: runs[n] for n in names}, "wall_s": time.perf_counter() - t_all,
-        "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+        "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]], "provenance": args.provenance,
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    plot_parity(report, Path(args.out).with_suffix(".png"))
+    harness.write_report(report, Path(args.out), plot_parity)
     return report
 
 
@@ -168,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 seeds x s = 0, 1, 4 steps (a smoke run; its verdict means nothing)")
     p.add_argument("--out", default=str(RESULTS / "async_parity.json"))
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a report this script wrote (next to it)")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     if args.replot:
         print(f"wrote {plot_parity(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix('.png'))}")
@@ -178,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--staleness must start with 0 (the synchronous reference), then one or more other values, none repeated")
     if len(args.seeds) < 2:
         p.error("--seeds needs at least 2 seeds (the interval is over seeds)")
-    for key, value in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
-        os.environ.setdefault(key, value)
+    args.provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    harness.environment(OMP_NUM_THREADS="1", TRANSFORMERS_OFFLINE="1")
     import logging
 
     import torch

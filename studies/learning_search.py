@@ -68,15 +68,14 @@ Outputs: ``benchmarks/results/learning_search.json`` (contract keys: per arm ``r
 ``reader_sampled_em_end``, ``reader_sampled_end_minus_start_ci``, ``heldout_em_start``, ``heldout_em_end``,
 ``seeds``; ``reader_questions``, ``heldout_questions``, ``trajectories_per_min``) and ``learning_search.png``.
 
-    python benchmarks/learning_search.py --work runs/learning_search   # the protocol above (~3 h on 2 cores, resumable)
-    python benchmarks/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 seeds, few questions
+    python studies/learning_search.py --work runs/learning_search   # the protocol above (~3 h on 2 cores, resumable)
+    python studies/learning_search.py --quick    # smoke run: tiny-qwen2, 2k-passage index, 2 steps, 2 seeds, few questions
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -88,7 +87,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from studies import harness  # noqa: E402
+from studies.harness import RESULTS, difference, pct, per_question, qa_sets, seed_difference, seed_mean  # noqa: E402,F401
 TRAIN_SET = "qa_pool"  # the answerable training pool (data/qa/pool/)
 SEED_A, SEED_B = 1, 2  # sampling seeds of the reader-slice scoring: A for every checkpoint, B for the starter's second
 SAMPLES = 4  # mean@4
@@ -110,12 +110,6 @@ LABELS = {"grpo": "GRPO (K3, frozen reference)", "emapg": "EMA-PG (Top-k reverse
           "emapg_lora": "EMA-PG, LoRA r 16 at 10x lr",
           "control": "control (EMA-PG on shuffled rewards)"}
 COLORS = {"grpo": "tab:blue", "emapg": "tab:red", "control": "tab:gray", "emapg_lora": "tab:orange"}
-
-
-def qa_sets() -> tuple[str, ...]:
-    from tasks.datasets import QA_DATASETS
-
-    return QA_DATASETS
 
 
 def mode_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,34 +143,8 @@ def evaluate(model: str, out: Path, url: str, engine_url: str, settings: dict[st
     run_eval(EvalConfig(model=model, out=str(out), protocol=protocol, datasets=list(qa_sets()), engine="remote",
                         engine_urls=[engine_url], retriever_url=url, progress=False, name=out.name,
                         batch_across_datasets=True, **extra))
-    check_heldout(out)
+    harness.check_heldout(out)
     return out
-
-
-def check_heldout(eval_dir: Path) -> None:
-    """Every question an evaluation scored is in the recorded held-out split (data/qa/heldout.json)."""
-    from eval.items import read_items
-    from tasks.datasets import heldout_ids
-
-    for ds in qa_sets():
-        outside = {r["id"] for r in read_items(eval_dir, ds)} - set(heldout_ids(ds))
-        if outside:
-            raise RuntimeError(f"{eval_dir}: {len(outside)} evaluated {ds} questions are not held out, e.g. {sorted(outside)[:3]}")
-
-
-def per_question(eval_dirs: list[Path], metric: str = "em") -> dict[str, float]:
-    """Question (``dataset/id``) -> its ``metric`` (:func:`eval.learning.question_score`) averaged over the given runs
-    (seeds). Datasets a run scored no question of are skipped."""
-    from eval.items import read_items
-    from eval.learning import question_score
-
-    sums: dict[str, float] = {}
-    for d in eval_dirs:
-        for ds in qa_sets():
-            for r in read_items(Path(d), ds):
-                key = f"{ds}/{r['id']}"
-                sums[key] = sums.get(key, 0.0) + question_score(r, metric) / len(eval_dirs)
-    return sums
 
 
 def per_question_em(eval_dirs: list[Path]) -> dict[str, float]:
@@ -195,55 +163,23 @@ def recorded_scores(eval_dir: Path, kind: str) -> dict[str, dict[str, float]]:
     return {metric: per_question([eval_dir], metric) for metric in SCORED[kind]}
 
 
-def seed_mean(records: list[dict[str, float]]) -> dict[str, float]:
-    """Question -> its score averaged over runs (seeds); every run must have scored the same questions."""
-    keys = set(records[0])
-    if any(set(r) != keys for r in records):
-        raise ValueError("the runs scored different questions")
-    return {k: sum(r[k] for r in records) / len(records) for k in keys}
-
-
 def import_recorded(report: dict[str, Any], earlier: dict[str, Any], work: Path, algos: list[str], seeds: list[int]) -> list[str]:
     """``--resume-from``: copy an earlier report's recorded starter scores and finished runs (those with
     ``per_question``) into ``work`` where it has none, after checking that both reports describe the same protocol
     (:data:`PROTOCOL_KEYS`). Returns what was taken."""
-    differ = [k for k in PROTOCOL_KEYS if earlier.get(k) != report.get(k)]
-    if differ:
-        raise SystemExit(f"--resume-from: the earlier report ran another protocol (differs in {', '.join(differ)})")
+    harness.same_protocol(earlier, report, PROTOCOL_KEYS)
     if "starter" not in earlier:
         raise SystemExit("--resume-from: the earlier report records no per-question scores (written before they were kept)")
     changed = [alg for alg in algos if alg in earlier.get("algorithms", {}) and earlier["algorithms"][alg] != report["algorithms"][alg]]
     if changed:
         raise SystemExit(f"--resume-from: the earlier report ran other settings for {', '.join(changed)}")
-    taken = []
-    if not (work / "starter.json").is_file():
-        (work / "starter.json").write_text(json.dumps(earlier["starter"]) + "\n")
-        taken.append("starter")
-    for alg in algos:
-        for seed in seeds:
-            run = earlier.get("runs", {}).get(alg, {}).get(str(seed))
-            done = work / f"{alg}-seed{seed}" / "run.json"
-            if run and "per_question" in run and not done.is_file():
-                done.parent.mkdir(parents=True, exist_ok=True)
-                done.write_text(json.dumps(run) + "\n")
-                taken.append(f"{alg} seed {seed}")
-    return taken
-
-
-def difference(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
-    """mean(b) − mean(a) in percentage points over the questions both score, with its paired bootstrap interval."""
-    from eval.significance import paired_bootstrap
-
-    keys = sorted(a)
-    if set(keys) != set(b):
-        raise ValueError(f"the two sides scored different questions ({len(set(a) ^ set(b))} not in both)")
-    d = paired_bootstrap([a[k] for k in keys], [b[k] for k in keys])
-    return {"mean": 100 * d.mean, "low": 100 * d.low, "high": 100 * d.high, "n": d.n, "confidence": d.confidence,
-            "method": "paired bootstrap over questions (per question: the score averaged over seeds), percentile interval"}
-
-
-def pct(scores: dict[str, float]) -> float:
-    return 100 * sum(scores.values()) / len(scores)
+    records = {work / "starter.json": earlier["starter"]}
+    for alg, seed in harness.seeds_first(algos, seeds):
+        run = earlier.get("runs", {}).get(alg, {}).get(str(seed))
+        if run and "per_question" in run:
+            records[work / f"{alg}-seed{seed}" / "run.json"] = run
+    return [("starter" if p.name == "starter.json" else p.parent.name.replace("-seed", " seed "))
+            for p in harness.take_finished(records)]
 
 
 def informative_fraction(row: dict[str, float]) -> float:
@@ -263,12 +199,7 @@ def keep_policy_only(ckpt: Path) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_s, ax_r, ax_i) = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, (ax_s, ax_r, ax_i) = harness.figure(1, 3, figsize=(16, 4.2))
     arms = list(report["runs"])
     start = report.get("reader_sampled_em_start_seed_a")
     for j, alg in enumerate(arms):
@@ -298,10 +229,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.suptitle(f"{' vs '.join(LABELS.get(a, a) for a in arms)} from {report['policy']}, trained on "
                  f"{report.get('train_set', TRAIN_SET)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path)
 
 
 def train_run(alg: str, seed: int, run_dir: Path, url: str, engine_url: str, settings: dict[str, Any], args: argparse.Namespace,
@@ -359,6 +287,11 @@ def summarise(report: dict[str, Any], algos: list[str], trajectories_total: floa
         }
         block["reader_sampled_end_minus_start_ci"] = [block["reader_sampled_end_minus_start"]["low"],
                                                       block["reader_sampled_end_minus_start"]["high"]]
+        # the seed-level interval (seeds, then questions, resampled) beside the per-question one (added 2026-12-06, issue #53)
+        for kind, start_scores in (("reader_sampled", sa), ("heldout", sg)):
+            per_seed = [run["per_question"]["reader" if kind == "reader_sampled" else "heldout"]["em"] for run in runs]
+            seed_level = block[f"{kind}_end_minus_start_seed_level"] = seed_difference([start_scores], per_seed)
+            block[f"{kind}_end_minus_start_seed_ci"] = [seed_level["low"], seed_level["high"]]
         for name, metric in (("f1", "f1"), ("pass", "pass")):
             s0, s1 = st["reader_a"][metric], end(alg, "reader", metric)
             block[f"reader_sampled_{name}_start"], block[f"reader_sampled_{name}_end"] = pct(s0), pct(s1)
@@ -374,15 +307,29 @@ def summarise(report: dict[str, Any], algos: list[str], trajectories_total: floa
     report["demo_2026_12_04_trajectories_per_min"] = 16.0  # 16 trajectories per 60-s step (issue #41)
     report["misses"] = {"start": st["misses"], **{f"{alg}_end": [run["misses_end"] for run in report["runs"][alg].values()]
                                                   for alg in algos}}
-    report["machine"] = {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    report["machine"] = harness.machine()
     return report
 
 
 def write_report(report: dict[str, Any], out: Path, *, plot_too: bool = True) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if plot_too:
-        report["plot"] = str(plot(report, out.with_suffix(".png")))
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_report(report, out, plot if plot_too else None)
+
+
+def summarise_only(path: Path, out: Path) -> int:
+    """``--summarise-only``: the report at ``path`` with its estimates recomputed from its recorded scores."""
+    report = json.loads(path.read_text())
+    if "starter" not in report:
+        raise SystemExit(f"--summarise-only: {path} records no per-question scores (written before they were kept)")
+    algos = [alg for alg in report["runs"] if report["runs"][alg]]
+    runs = [run for alg in algos for run in report["runs"][alg].values()]
+    measured = report.get("trajectories_per_min")  # from unrounded training times (runs record them rounded)
+    summarise(report, list(report["runs"]), sum(r["trajectories_sampled"] for r in runs), sum(r["train_s"] for r in runs),
+              complete=report.get("complete", True))
+    if measured is not None:
+        report["trajectories_per_min"] = measured
+    harness.write_report(report, out)
+    print(f"[learning_search] recomputed {path} into {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -407,7 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume-from", default=None, help="an earlier report (e.g. the committed learning_search.partial.json) of the "
                    "same protocol: its recorded starter scores and finished runs are taken into --work instead of being run again "
                    "(reports keep every evaluation's per-question scores for this)")
+    p.add_argument("--summarise-only", default=None, metavar="REPORT",
+                   help="train nothing: recompute a report's estimates from its recorded per-question scores (e.g. once the "
+                        "statistics gained the seed-level interval) and write it to --out (its plot kept)")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
+    if args.summarise_only:
+        return summarise_only(Path(args.summarise_only), Path(args.out))
     steps = args.steps or (2 if args.quick else 12)
     seeds = args.seeds or ([0, 1] if args.quick else [0, 1, 2])
     per_dataset = args.per_dataset or (2 if args.quick else 50)
@@ -422,14 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--resume-from: no report at {args.resume_from}")
     if not 1 <= per_dataset <= 100:
         p.error("--per-dataset must be in [1, 100]: the held-out split holds 100 questions per QA set")
-    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3"}.items():
-        os.environ.setdefault(k, v)
+    provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
+    harness.environment()
 
-    from agent.engines.launch import EngineServer
     from emapg.config import load_config
     from eval.learning import miss_breakdown
-    from provision.indexes import ensure_bundled_index
-    from provision.retrievers import open_retriever
     from tasks.datasets import load_dataset
     from trainer.config import TrainConfig
 
@@ -456,22 +406,21 @@ def main(argv: list[str] | None = None) -> int:
                     "data_seed": 0, "split": "subset of data/qa/heldout.json", "protocol": "qa_quick (greedy)"},
         "heldout_questions": per_dataset * len(qa_sets()),
         "algorithms": {alg: " ".join(o for o in ALGOS[alg] if not o.startswith("algorithm.name")) for alg in algos},
-        "runs": {alg: {} for alg in algos},
+        "runs": {alg: {} for alg in algos}, "provenance": provenance,
     }
     if args.resume_from:
         taken = import_recorded(report, json.loads(Path(args.resume_from).read_text()), work, algos, seeds)
         print(f"[learning_search] taken from {args.resume_from}: {', '.join(taken) or 'nothing new'}", flush=True)
     train_s_total, trajectories_total = 0.0, 0.0
-    with open_retriever(index_dir=ensure_bundled_index(settings["index_limit"]), log_path=work / "retriever.log") as retriever, \
-            EngineServer(settings["policy"], engine=settings["engine"], max_model_len=r.max_prompt_tokens + r.max_response_tokens,
-                         omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=work / "engine.log") as engine:  # fmt: skip
-        url = retriever.urls[0]
+    with harness.servers(settings["policy"], engine=settings["engine"], index_limit=settings["index_limit"],
+                         max_model_len=r.max_prompt_tokens + r.max_response_tokens, folder=work) as served:
+        url = served.retriever_url
         starter_file = work / "starter.json"
         if not starter_file.is_file():  # the starter's three scorings, recorded per question
-            start_greedy = evaluate(settings["policy"], work / "start_greedy", url, engine.url, settings, per_dataset=per_dataset)
-            start_a = evaluate(settings["policy"], work / "start_reader_a", url, engine.url, settings, reader_seed=SEED_A,
+            start_greedy = evaluate(settings["policy"], work / "start_greedy", url, served.engine_url, settings, per_dataset=per_dataset)
+            start_a = evaluate(settings["policy"], work / "start_reader_a", url, served.engine_url, settings, reader_seed=SEED_A,
                                temperature=r.temperature)
-            start_b = evaluate(settings["policy"], work / "start_reader_b", url, engine.url, settings, reader_seed=SEED_B,
+            start_b = evaluate(settings["policy"], work / "start_reader_b", url, served.engine_url, settings, reader_seed=SEED_B,
                                temperature=r.temperature)
             starter_file.write_text(json.dumps({
                 "heldout": recorded_scores(start_greedy, "heldout"), "reader_a": recorded_scores(start_a, "reader"),
@@ -481,61 +430,60 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[learning_search] starter: held-out greedy EM {pct(starter['heldout']['em']):.1f}, reader slice mean@{SAMPLES} "
               f"EM {pct(start_reader):.1f} (seed A) / {pct(starter['reader_b']['em']):.1f} (seed B) "
               f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
-        for seed in seeds:  # seed-major: an interrupted benchmark has every arm at the same number of seeds
-            for alg in algos:
-                run_dir = work / f"{alg}-seed{seed}"
-                done = run_dir / "run.json"
-                if done.is_file():  # finished in an earlier invocation with this --work
-                    run = json.loads(done.read_text())
-                    if "per_question" not in run:
-                        raise SystemExit(f"{done} was written before runs recorded their per-question scores: train it again "
-                                         "(remove the file)")
-                    report["runs"][alg][str(seed)] = run
-                    train_s_total += run["train_s"]
-                    trajectories_total += run["trajectories_sampled"]
-                    print(f"[learning_search] {alg} seed {seed}: kept from {done}", flush=True)
-                    continue
-                shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run is trained again from the start
-                t_run = time.perf_counter()
-                metrics, t_train = train_run(alg, seed, run_dir, url, engine.url, settings, args, steps)
-                from trainer.checkpoint import step_dir_name
-
-                ckpt = run_dir / step_dir_name(steps)
-                g = evaluate(str(ckpt / "policy"), run_dir / "end_greedy", url, engine.url, settings, per_dataset=per_dataset)
-                a = evaluate(str(ckpt / "policy"), run_dir / "end_reader_a", url, engine.url, settings, reader_seed=SEED_A,
-                             temperature=r.temperature)
-                if args.keep_final:
-                    keep_policy_only(ckpt)
-                else:
-                    shutil.rmtree(ckpt, ignore_errors=True)
-                sampled = sum(float(m.get("filter/sampled_trajectories", r.n_samples * base_cfg.data.prompts_per_step)) for m in metrics)
-                train_s_total += t_train
-                trajectories_total += sampled
-                run = {
-                    "steps": steps, "train_steps": [int(m["step"]) for m in metrics],
-                    "train_reward": [float(m.get("filter/sampled_reward_mean", m["reward/mean"])) for m in metrics],
-                    "informative_frac": [informative_fraction(m) for m in metrics],
-                    "informative_groups_trained": sum(float(m.get("filter/informative_groups", 0.0)) for m in metrics),
-                    "step_s": [float(m.get("time/step", float("nan"))) for m in metrics],
-                    "trajectories_sampled": sampled, "train_s": round(t_train, 1), "run_s": round(time.perf_counter() - t_run, 1),
-                    "trajectories_per_min": 60 * sampled / t_train,
-                    "heldout_em_end": pct(per_question([g])), "reader_sampled_em_end": pct(per_question([a])),
-                    "reader_sampled_f1_end": pct(per_question([a], "f1")),
-                    "reader_sampled_end_minus_start": difference(start_reader, per_question([a])),
-                    "heldout_end_minus_start": difference(starter["heldout"]["em"], per_question([g])),
-                    "misses_end": asdict(miss_breakdown(g, list(qa_sets()))),
-                    "per_question": {"reader": recorded_scores(a, "reader"), "heldout": recorded_scores(g, "heldout")},
-                }
+        for alg, seed in harness.seeds_first(algos, seeds):  # an interrupted study has every arm at the same seeds
+            run_dir = work / f"{alg}-seed{seed}"
+            done = run_dir / "run.json"
+            run = harness.finished(done)
+            if run is not None:  # finished in an earlier invocation with this --work
+                if "per_question" not in run:
+                    raise SystemExit(f"{done} was written before runs recorded their per-question scores: train it again "
+                                     "(remove the file)")
                 report["runs"][alg][str(seed)] = run
-                done.write_text(json.dumps(run, indent=1) + "\n")
-                partial = Path(args.out).with_suffix(".partial.json")
-                write_report(summarise(dict(report), algos, trajectories_total, train_s_total, complete=False), partial,
-                             plot_too=False)
-                d = run["reader_sampled_end_minus_start"]
-                print(f"[learning_search] {alg} seed {seed}: reader mean@{SAMPLES} EM {pct(start_reader):.1f} -> "
-                      f"{run['reader_sampled_em_end']:.1f} ({d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]), held-out greedy "
-                      f"{run['heldout_em_end']:.1f}; {run['trajectories_per_min']:.1f} trajectories/min "
-                      f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
+                train_s_total += run["train_s"]
+                trajectories_total += run["trajectories_sampled"]
+                print(f"[learning_search] {alg} seed {seed}: kept from {done}", flush=True)
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run is trained again from the start
+            t_run = time.perf_counter()
+            metrics, t_train = train_run(alg, seed, run_dir, url, served.engine_url, settings, args, steps)
+            from trainer.checkpoint import step_dir_name
+
+            ckpt = run_dir / step_dir_name(steps)
+            g = evaluate(str(ckpt / "policy"), run_dir / "end_greedy", url, served.engine_url, settings, per_dataset=per_dataset)
+            a = evaluate(str(ckpt / "policy"), run_dir / "end_reader_a", url, served.engine_url, settings, reader_seed=SEED_A,
+                         temperature=r.temperature)
+            if args.keep_final:
+                keep_policy_only(ckpt)
+            else:
+                shutil.rmtree(ckpt, ignore_errors=True)
+            sampled = sum(float(m.get("filter/sampled_trajectories", r.n_samples * base_cfg.data.prompts_per_step)) for m in metrics)
+            train_s_total += t_train
+            trajectories_total += sampled
+            run = {
+                "steps": steps, "train_steps": [int(m["step"]) for m in metrics],
+                "train_reward": [float(m.get("filter/sampled_reward_mean", m["reward/mean"])) for m in metrics],
+                "informative_frac": [informative_fraction(m) for m in metrics],
+                "informative_groups_trained": sum(float(m.get("filter/informative_groups", 0.0)) for m in metrics),
+                "step_s": [float(m.get("time/step", float("nan"))) for m in metrics],
+                "trajectories_sampled": sampled, "train_s": round(t_train, 1), "run_s": round(time.perf_counter() - t_run, 1),
+                "trajectories_per_min": 60 * sampled / t_train,
+                "heldout_em_end": pct(per_question([g])), "reader_sampled_em_end": pct(per_question([a])),
+                "reader_sampled_f1_end": pct(per_question([a], "f1")),
+                "reader_sampled_end_minus_start": difference(start_reader, per_question([a])),
+                "heldout_end_minus_start": difference(starter["heldout"]["em"], per_question([g])),
+                "misses_end": asdict(miss_breakdown(g, list(qa_sets()))),
+                "per_question": {"reader": recorded_scores(a, "reader"), "heldout": recorded_scores(g, "heldout")},
+            }
+            report["runs"][alg][str(seed)] = run
+            harness.record(done, run, indent=1)
+            partial = Path(args.out).with_suffix(".partial.json")
+            write_report(summarise(dict(report), algos, trajectories_total, train_s_total, complete=False), partial,
+                         plot_too=False)
+            d = run["reader_sampled_end_minus_start"]
+            print(f"[learning_search] {alg} seed {seed}: reader mean@{SAMPLES} EM {pct(start_reader):.1f} -> "
+                  f"{run['reader_sampled_em_end']:.1f} ({d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]), held-out greedy "
+                  f"{run['heldout_em_end']:.1f}; {run['trajectories_per_min']:.1f} trajectories/min "
+                  f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
 
     report = summarise(report, algos, trajectories_total, train_s_total, complete=True)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -552,8 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     for alg in algos:
         b, d, h = report[alg], report[alg]["reader_sampled_end_minus_start"], report[alg]["heldout_end_minus_start"]
         seeds_txt = ", ".join(f"{x['mean']:+.1f}" for x in b["reader_sampled_end_minus_start_per_seed"])
-        print(f"{alg:<8} reader {b['reader_sampled_em_end']:.1f} ({d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]; seeds "
-              f"{seeds_txt}); held-out {b['heldout_em_end']:.1f} ({h['mean']:+.1f} [{h['low']:+.1f}, {h['high']:+.1f}])")
+        sl = b["reader_sampled_end_minus_start_seed_ci"]
+        print(f"{alg:<8} reader {b['reader_sampled_em_end']:.1f} ({d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}] over "
+              f"questions, [{sl[0]:+.1f}, {sl[1]:+.1f}] over seeds and questions; seeds {seeds_txt}); held-out "
+              f"{b['heldout_em_end']:.1f} ({h['mean']:+.1f} [{h['low']:+.1f}, {h['high']:+.1f}])")
     if "emapg_minus_grpo_reader_sampled" in report:
         d = report["emapg_minus_grpo_reader_sampled"]
         print(f"EMA-PG - GRPO (reader): {d['mean']:+.1f} pp [{d['low']:+.1f}, {d['high']:+.1f}]")

@@ -98,7 +98,7 @@ last). Then the four contract arms at seeds 0-4 at that point, 24 steps, in thei
 (``--smollm2-seeds 0``). If no sweep point collapses, the arms still run at the last point and the report says how
 many runs collapsed, possibly none.
 
-    python benchmarks/stability.py --grid slow --steps 24 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
+    python studies/stability.py --grid slow --steps 24 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
         --work runs/stability_slow --out benchmarks/results/stability_slow.json
 
 AMENDMENT 5 (2026-12-06 01:24 UTC, after amendment 4's sweep, before these runs). Amendment 4's sweep: no run
@@ -122,7 +122,7 @@ arms at seeds 0-4 at that point, 64 steps, in their own work folder and report (
 times and false trips are the question here: a late collapse leaves room for a 2-step lead), no SmolLM2 arms. If the
 arms do not fit the session they run in the next one from the same sweep result.
 
-    python benchmarks/stability.py --grid late --steps 64 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
+    python studies/stability.py --grid late --steps 64 --smollm2-seeds 0 --arms grpo,emapg,ema_k3,frozen_topk \
         --work runs/stability_late --out benchmarks/results/stability_late.json
 
 RESULT (2026-12-06, ``stability_late.json``, ``stability_late.png``). Sweep: no late collapse at either lr; GRPO
@@ -156,7 +156,7 @@ halves, which half carries it; and does any run collapse.
   4 prompts x 4 samples per step, ``rollout.uniform_groups=topup``, ``logging.kl_to_start``, 8 probe questions
   every 2 steps.
 * Held-out scoring (the reader slice, ``data/qa/reader_slice.json``, 181 held-out questions no training, warm start
-  or selection touched; ``benchmarks/distill.py``'s scoring): **greedy EM** and **sampled mean@2 EM** at T = 1.0,
+  or selection touched; ``studies/distill.py``'s scoring): **greedy EM** and **sampled mean@2 EM** at T = 1.0,
   top_p 1.0, sampling seed 1; the starter scored once, each run's end checkpoint once.
 * Estimates: per arm, end - start on each scoring, paired by question, with a 95% paired-bootstrap interval (pooled:
   the per-question score averaged over seeds; and per seed); each arm - GRPO at the end, the same way; the collapse
@@ -169,7 +169,7 @@ halves, which half carries it; and does any run collapse.
   then ``stability.json`` is rebuilt from its own records with the SmolLM2 section added
   (``--resume-from benchmarks/results/stability.json --report-only --steps 8 --work runs/stability_smollm2``).
 
-    python benchmarks/stability.py --smollm2-only --work runs/stability_smollm2
+    python studies/stability.py --smollm2-only --work runs/stability_smollm2
 
 RESULT (2026-12-06, ``stability_smollm2.json``, ``.png``; the SmolLM2 section of ``stability.json``). Starter on the
 reader slice (181 questions): greedy 34.3, sampled mean@2 20.2. End - start, pooled over seeds 0 and 1 [95% paired
@@ -199,8 +199,8 @@ Outputs: ``benchmarks/results/stability.json`` (contract: ``collapse_definition`
 ``emapg``, ``ema_k3``, ``frozen_topk``: ``seeds``, ``collapse_rate``, ``collapse_rate_ci``; ``signals``: a list of
 {``name``, ``median_lead_steps``, ``false_trip_rate``}) and ``stability.png``.
 
-    python benchmarks/stability.py                 # the protocol (long)
-    python benchmarks/stability.py --quick --out /tmp/stability.json   # 2 seeds x 3 steps, tiny-qwen2, no sweep
+    python studies/stability.py                 # the protocol (long)
+    python studies/stability.py --quick --out /tmp/stability.json   # 2 seeds x 3 steps, tiny-qwen2, no sweep
 """
 
 from __future__ import annotations
@@ -219,7 +219,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from studies import harness  # noqa: E402
+from studies.harness import RESULTS, difference, pct, per_question, seed_difference, seed_mean  # noqa: E402
 
 TOPK = ["algorithm.kl.type=topk_reverse", "algorithm.kl.topk=32", "algorithm.kl.importance_weight=true"]
 K3 = ["algorithm.kl.type=k3", "algorithm.kl.importance_weight=false"]
@@ -242,7 +243,7 @@ CONTRACT_ARMS = ("grpo", "emapg", "ema_k3", "frozen_topk")
 SMOLLM2_ARMS = CONTRACT_ARMS
 # amendment 7: the SmolLM2 arms' setting (the issue's one-seed lead, learning_search_lever_beta1.json) and scoring
 SMOLLM2_LR, SMOLLM2_BETA, SMOLLM2_STEPS = 1e-4, 1.0, 12
-SMOLLM2_SAMPLES = 2  # sampled mean@2 on the reader slice (benchmarks/distill.py's scoring)
+SMOLLM2_SAMPLES = 2  # sampled mean@2 on the reader slice (studies/distill.py's scoring)
 SWEEP_LR = (1e-3, 3e-3, 1e-2)
 SWEEP_BETA = (0.1, 0.001)
 # amendment 4: the slow stress (collapse after a learning phase)
@@ -259,6 +260,7 @@ GRIDS = {"protocol": (SWEEP_LR, SWEEP_BETA), "slow": (SLOW_SWEEP_LR, SLOW_SWEEP_
 #: --grid -> the earliest collapse step its sweep's rule counts
 MIN_COLLAPSE_STEP = {"late": LATE_MIN_COLLAPSE_STEP}
 SWEEP_SEEDS = (100, 101)
+ALSO = ["studies/distill.py"]  # the SmolLM2 arms score with distill.evaluate
 Z95 = 1.959963984540054
 
 
@@ -401,17 +403,11 @@ def replay_false_trips(folder: Path, control_arms: tuple[str, ...] = ("control",
     control = [n for n in runs if runs[n]["arm"] in control_arms]
     watched = dict.fromkeys([*(m for metrics, _ in DETECTORS.values() for m in metrics), *LEADING_SIGNALS])
     missing = [m for m in watched if any(not any(m in h for h in found[n]) for n in runs)]
-    return {"date": _now(), "folder": str(folder), "steps": steps, "in_progress": in_progress,
+    return {"date": harness.now(), "folder": str(folder), "steps": steps, "in_progress": in_progress,
             "collapse": "trainer.collapse.collapse_step on reward/mean (and response/non_text_share)",
             "detectors": "trainer.guard.first_trips, every detector alone at its default thresholds",
             "missing_series": missing, "training_arms": rates(training), "control_arms": rates(control),
             "per_run": runs}
-
-
-def _now() -> str:
-    import datetime
-
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _trip_value(metrics: dict[str, float], names: tuple[str, ...]) -> float | None:
@@ -436,15 +432,10 @@ def print_false_trips(replay: dict[str, Any]) -> None:
 def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> Path:
     """Per arm (columns): the reward and the leading signals (rows) of every seed; collapsed runs dashed, their
     collapse step marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [("reward", "mean reward"), ("repeated_ngram_share", "repeated 4-grams"), ("non_text_share", "non-text words"),
             ("length_drift", "length drift"), ("kl_to_start", "KL to start")]
     arms = list(runs)
-    fig, axes = plt.subplots(len(rows), len(arms), figsize=(3.4 * len(arms), 2.2 * len(rows)), squeeze=False)
+    fig, axes = harness.figure(len(rows), len(arms), figsize=(3.4 * len(arms), 2.2 * len(rows)), squeeze=False)
     for j, arm in enumerate(arms):
         for seed, r in sorted(runs[arm].items()):
             c = r["collapse_step"]
@@ -462,11 +453,7 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> 
                 ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path, dpi=100)
 
 
 def toy_base(task: Any, url: str, work: Path) -> list[str]:
@@ -500,8 +487,8 @@ class Runner:
 
         out = self.work / name
         done = out / "history.json"
-        if done.is_file():
-            return json.loads(done.read_text())
+        if (finished := harness.finished(done)) is not None:
+            return finished
         if not self.train_missing:
             self.missing.append(name)
             return None
@@ -525,8 +512,7 @@ class Runner:
                 raise
             history, stopped = read_metrics(out / "run" / "metrics.jsonl"), str(e)
         record = {**run_record(history), "stopped_by_guard": stopped}
-        out.mkdir(parents=True, exist_ok=True)
-        done.write_text(json.dumps(record))
+        harness.record(done, record)
         print(f"{name}: reward {record['reward'][0]:.3f} -> {record['reward'][-1]:.3f}, collapse step {record['collapse_step']}",
               flush=True)
         return record
@@ -539,15 +525,9 @@ def import_runs(earlier: dict[str, Any], work: Path, *, lr: float, beta: float, 
     if (stress.get("lr"), stress.get("beta"), earlier.get("steps")) != (lr, beta, steps):
         raise SystemExit(f"--resume-from: the earlier report ran lr {stress.get('lr')}, beta {stress.get('beta')}, "
                          f"{earlier.get('steps')} steps, not lr {lr}, beta {beta}, {steps} steps")
-    taken = []
-    for arm, seeds in earlier.get("toy", {}).get("runs", {}).items():
-        for seed, record in seeds.items():
-            done = work / f"toy/{arm}_seed{seed}" / "history.json"
-            if not done.is_file():
-                done.parent.mkdir(parents=True, exist_ok=True)
-                done.write_text(json.dumps(record))
-                taken.append(f"toy/{arm}_seed{seed}")
-    return taken
+    records = {work / f"toy/{arm}_seed{seed}" / "history.json": record
+               for arm, seeds in earlier.get("toy", {}).get("runs", {}).items() for seed, record in seeds.items()}
+    return [str(path.parent.relative_to(work)) for path in harness.take_finished(records)]
 
 
 def sweep_name(lr: float, beta: float, seed: int) -> str:
@@ -625,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-runs", default=None,
                    help="LR:BETA:SEED,...: only run these runs of the sweep grid into --work and exit (several processes "
                         "can split the grid; a later run without it applies the sweep's rule to the finished runs)")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     if unknown := set(args.arms) - {*ARMS, GUARDED}:
         p.error(f"unknown arms {sorted(unknown)}")
@@ -651,10 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="stability-"))
     default_out = "stability_smollm2.json" if args.smollm2_only else "stability.json"
     out = args.out or (work / default_out if args.quick else RESULTS / default_out)
-    for k, v in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "3",
-                 # the toy arms run several processes side by side on one thread each; the SmolLM2 arms one at a time
-                 "OMP_NUM_THREADS": str(os.cpu_count() or 1) if args.smollm2_only else "1"}.items():
-        os.environ.setdefault(k, v)
+    # the toy arms run several processes side by side on one thread each; the SmolLM2 arms one at a time
+    harness.environment(OMP_NUM_THREADS=str(os.cpu_count() or 1) if args.smollm2_only else "1")
+    provenance = (harness.provenance(__file__, also=ALSO) if args.report_only else
+                  harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty, also=ALSO))
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -662,8 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.smollm2_seeds:
             p.error("--smollm2-only needs --smollm2-seeds > 0")
         work.mkdir(parents=True, exist_ok=True)
-        report = {"date": _now(), "protocol": "benchmarks/stability.py docstring, amendment 7", "quick": args.quick,
-                  "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+        report = {"date": harness.now(), "protocol": "studies/stability.py docstring, amendment 7", "quick": args.quick,
+                  "machine": harness.machine(), "provenance": provenance,
                   "smollm2": smollm2(args, work)}
         write_smollm2(report, out)
         return 0
@@ -678,8 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         taken = import_runs(earlier, work, lr=args.lr, beta=args.beta, steps=args.steps)
         print(f"taken from {args.resume_from}: {len(taken)} finished runs", flush=True)
     task = build_toy_task(work / "task")
-    report: dict[str, Any] = {"date": _now(), "protocol": "benchmarks/stability.py docstring", "quick": args.quick, "steps": args.steps,
-                              "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}
+    report: dict[str, Any] = {"date": harness.now(), "protocol": "studies/stability.py docstring", "quick": args.quick, "steps": args.steps,
+                              "machine": harness.machine(), "provenance": provenance}
     runner = Runner(work, steps=args.steps, prompts=4 if args.quick else 8, samples=4, probe=4 if args.quick else 8,
                     train_missing=not args.report_only)
     toy_config = CONFIG_DIR / "search_tiny_cpu.yaml"
@@ -768,8 +749,7 @@ def smollm2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     one shared engine server for training and scoring; each run's end checkpoint scored on the reader slice (greedy
     and sampled mean@2 EM) against the starter's scoring of the same questions. ``--report-only``: the finished runs
     in ``work`` only."""
-    from benchmarks.distill import evaluate
-    from benchmarks.learning_search import per_question
+    from studies.distill import evaluate
 
     s = smollm2_settings(args.quick)
     folder = work / "smollm2"
@@ -787,20 +767,14 @@ def smollm2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         url = engine_url = ""
         base: list[str] = []
         if not args.report_only:
-            from agent.engines.launch import EngineServer
             from emapg.config import load_config
-            from provision.indexes import ensure_bundled_index
-            from provision.retrievers import open_retriever
             from trainer.config import TrainConfig
 
-            folder.mkdir(parents=True, exist_ok=True)
             r = load_config(TrainConfig, s["config"], []).rollout
-            retriever = stack.enter_context(open_retriever(index_dir=ensure_bundled_index(s["index_limit"]),
-                                                           log_path=folder / "retriever.log"))
-            engine = stack.enter_context(EngineServer(
-                s["policy"], engine=s["engine"], max_model_len=r.max_prompt_tokens + r.max_response_tokens,
-                omp_num_threads=os.cpu_count() or 1, startup_timeout=900, log_path=folder / "engine.log"))
-            url, engine_url = retriever.urls[0], engine.url
+            served = stack.enter_context(harness.servers(
+                s["policy"], engine=s["engine"], index_limit=s["index_limit"],
+                max_model_len=r.max_prompt_tokens + r.max_response_tokens, folder=folder))
+            url, engine_url = served.retriever_url, served.engine_url
             # groups of equal rewards are trained (topup), not dropped: every signal and the reward are over all
             # sampled trajectories
             base = [f"model.policy={s['policy']}", "data.train=qa_pool", "data.split=train", f"retriever.urls=[{url}]",
@@ -812,25 +786,24 @@ def smollm2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if not starter_file.is_file():
             return {"not_run": "the starter was not scored in this work folder"}
         starter = json.loads(starter_file.read_text())
-        for seed in range(args.smollm2_seeds):  # seed-major: an interrupted run has every arm at the same seeds
-            for arm in s["arms"]:
-                name = f"smollm2/{arm}_seed{seed}"
-                record = smol.run(name, s["config"], base, arm, seed, s["lr"], s["beta"])
-                if record is not None and "heldout" not in record:
-                    if args.report_only:
-                        record = None
-                    else:  # scored, then the checkpoint goes (a crash in between scores it again)
-                        from trainer.checkpoint import step_dir_name
+        for arm, seed in harness.seeds_first(s["arms"], range(args.smollm2_seeds)):  # interrupted: every arm at the same seeds
+            name = f"smollm2/{arm}_seed{seed}"
+            record = smol.run(name, s["config"], base, arm, seed, s["lr"], s["beta"])
+            if record is not None and "heldout" not in record:
+                if args.report_only:
+                    record = None
+                else:  # scored, then the checkpoint goes (a crash in between scores it again)
+                    from trainer.checkpoint import step_dir_name
 
-                        ckpt = work / name / "run" / step_dir_name(s["steps"])
-                        record["heldout"] = scored(str(ckpt / "policy"), work / name / "end")
-                        (work / name / "history.json").write_text(json.dumps(record))
-                        shutil.rmtree(ckpt, ignore_errors=True)
-                        print(f"{name}: {summary_line(record['heldout'])}", flush=True)
-                if record is None:
-                    missing.append(name)
-                else:
-                    runs[arm][seed] = record
+                    ckpt = work / name / "run" / step_dir_name(s["steps"])
+                    record["heldout"] = scored(str(ckpt / "policy"), work / name / "end")
+                    harness.record(work / name / "history.json", record)
+                    shutil.rmtree(ckpt, ignore_errors=True)
+                    print(f"{name}: {summary_line(record['heldout'])}", flush=True)
+            if record is None:
+                missing.append(name)
+            else:
+                runs[arm][seed] = record
     out = {"stress": {"lr": s["lr"], "beta": s["beta"], "steps": s["steps"], "chosen_by": "amendment 7 (the issue's one-seed lead)"},
            "policy": s["policy"], "heldout_set": "reader slice (data/qa/reader_slice.json)",
            "scoring": f"greedy EM and sampled mean@{s['samples']} EM at T = 1.0, top_p 1.0, sampling seed 1",
@@ -878,8 +851,6 @@ def heldout_change(starter: dict[str, dict[str, float]], runs: dict[str, dict[in
     """Per arm and scoring (``greedy_em``, ``sampled_em``): the end score (per question averaged over seeds), end -
     start with a paired bootstrap interval over questions (pooled and per seed), and arm - GRPO at the end on the
     seeds both finished."""
-    from benchmarks.learning_search import difference, pct, seed_mean
-
     out: dict[str, Any] = {"questions": len(starter["greedy_em"]), "start": {k: pct(v) for k, v in starter.items()}}
     for arm, by_seed in runs.items():
         if not by_seed:
@@ -889,6 +860,8 @@ def heldout_change(starter: dict[str, dict[str, float]], runs: dict[str, dict[in
             end = seed_mean([r["heldout"][kind] for r in by_seed.values()])
             a[f"{kind}_end"] = pct(end)
             a[f"{kind}_end_minus_start"] = difference(starter[kind], end)
+            seed_level = seed_difference([starter[kind]], [r["heldout"][kind] for r in by_seed.values()])
+            a[f"{kind}_end_minus_start_seed_ci"] = [seed_level["low"], seed_level["high"]]
             a[f"{kind}_end_minus_start_per_seed"] = {seed: difference(starter[kind], r["heldout"][kind])
                                                      for seed, r in sorted(by_seed.items())}
             common = sorted(set(by_seed) & set(runs.get("grpo", {})))
