@@ -43,6 +43,7 @@ __all__ = [
     "cover_exact_match",
     "token_f1",
     "retrieval_recall",
+    "gold_shown",
     "qa_reward",
     "qa_scores",
 ]
@@ -147,6 +148,22 @@ def retrieval_recall(passages: Iterable[str], golds: str | Iterable[str]) -> flo
         if any(f" {g} " in padded for g in golds):
             return 1.0
     return 0.0
+
+
+def gold_shown(passages: Iterable[str], golds: str | Iterable[str], question: str | None = None) -> str | None:
+    """The first gold answer that occurs in the passages as evidence, or None.
+
+    The match is :func:`retrieval_recall`'s (SQuAD-normalised, token-bounded). A gold that occurs in the
+    ``question`` itself (token-bounded, normalised: the options of "A or B?", a name the question repeats)
+    is left out: finding it in a passage shows nothing. The one matcher of "was the gold shown" for the
+    coverage audit, the search slice, the training pool and the multi-search demonstrations.
+    """
+    asked = f" {normalize_answer(question)} " if question is not None else None
+    golds = [g for g in _as_list(golds) if normalize_answer(g) and (asked is None or f" {normalize_answer(g)} " not in asked)]
+    if not golds:
+        return None
+    padded = [f" {normalize_answer(p)} " for p in passages]
+    return next((g for g in golds if any(f" {normalize_answer(g)} " in text for text in padded)), None)
 
 
 def qa_reward(model_text: str, golds: str | Sequence[str]) -> float:
