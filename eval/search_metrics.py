@@ -15,6 +15,7 @@ greedy run side by side (sampled mean@k EM/F1, greedy EM).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -22,17 +23,18 @@ from typing import Any
 SLICES = ("search", "reader", "rest", "all")
 
 
-def slice_ids() -> dict[str, set[str]]:
-    """The recorded slices' question ids (a slice not recorded is empty)."""
+@functools.lru_cache(maxsize=1)
+def slice_ids() -> dict[str, frozenset[str]]:
+    """The recorded slices' question ids (a slice not recorded is empty); read once per process."""
     from eval.reader_slice import READER_SLICE_FILE, load_reader_slice
     from tasks.multihop import search_slice_ids
 
     reader = load_reader_slice().ids if READER_SLICE_FILE.is_file() else {}
-    return {"search": {i for ids in search_slice_ids().values() for i in ids},
-            "reader": {i for ids in reader.values() for i in ids}}
+    return {"search": frozenset(i for ids in search_slice_ids().values() for i in ids),
+            "reader": frozenset(i for ids in reader.values() for i in ids)}
 
 
-def slice_of(item_id: str, ids: Mapping[str, set[str]]) -> str:
+def slice_of(item_id: str, ids: Mapping[str, frozenset[str] | set[str]]) -> str:
     if item_id in ids.get("search", ()):
         return "search"
     if item_id in ids.get("reader", ()):
@@ -60,7 +62,7 @@ def search_metrics(samples: Sequence[Mapping[str, Any]], questions: int) -> dict
     }
 
 
-def by_slice(records: Iterable[Mapping[str, Any]], ids: Mapping[str, set[str]] | None = None) -> dict[str, dict[str, Any]]:
+def by_slice(records: Iterable[Mapping[str, Any]], ids: Mapping[str, frozenset[str] | set[str]] | None = None) -> dict[str, dict[str, Any]]:
     """:func:`search_metrics` of every slice (``ids``: default the recorded slices) over item records."""
     ids = slice_ids() if ids is None else ids
     groups: dict[str, list[Mapping[str, Any]]] = {s: [] for s in SLICES}
@@ -71,7 +73,7 @@ def by_slice(records: Iterable[Mapping[str, Any]], ids: Mapping[str, set[str]] |
 
 
 def slice_report(sampled: Iterable[Mapping[str, Any]] | None, greedy: Iterable[Mapping[str, Any]] | None,
-                 ids: Mapping[str, set[str]] | None = None) -> dict[str, dict[str, Any]]:
+                 ids: Mapping[str, frozenset[str] | set[str]] | None = None) -> dict[str, dict[str, Any]]:
     """Per slice: the sampled run's search metrics and mean@k EM/F1 (``sampled_em``, ``sampled_f1``) and the greedy
     run's EM (``greedy_em``) and searches per question (``greedy_searches_per_question``); either run may be None."""
     ids = slice_ids() if ids is None else ids

@@ -5,7 +5,7 @@ the training pool v2 and the multi-search demonstrations (issue 53).
 
 Writes (deterministic for a given index):
 
-* ``data/qa/multihop/questions.jsonl.gz`` -- the multi-hop questions with known supporting paragraphs
+* ``data/qa/multihop/questions.jsonl`` -- the multi-hop questions with known supporting paragraphs
   (:mod:`tasks.multihop`; from ``--shared``; without it the bundled file is reused);
 * ``data/qa/multihop/coverage.json`` -- each question's class on the bundled index (:mod:`tasks.coverage`);
 * ``data/qa/search_slice.json`` -- the search slice (:data:`SLICE_RULE`), recorded before any RL run;
@@ -98,7 +98,8 @@ def multihop_rows(shared: Path) -> list[dict]:
         titles = [paras[d["paragraph_support_idx"]]["title"] for d in r["question_decomposition"]
                   if d.get("paragraph_support_idx") is not None]
         rows.append(MultiHopQuestion(f"musique-train-{r['id']}", r["question"].strip(),
-                                     [r["answer"], *r.get("answer_aliases", [])], "musique_train",
+                                     list(dict.fromkeys(a.strip() for a in [r["answer"], *r.get("answer_aliases", [])]
+                                                        if a.strip())), "musique_train",
                                      r["id"].split("__")[0], titles, decomp))
     wiki = {ex.id: ex for ex in load_dataset("2wikimultihopqa")}
     for line in (shared / "wiki_mini_corpus" / "2wiki_dev_corpus_aligned.jsonl").read_text().splitlines():
@@ -231,7 +232,7 @@ def build_demos(questions, coverage, heldout: dict[str, str], retriever) -> tupl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shared", default=None, help="the shared data folder (rebuilds data/qa/multihop/questions.jsonl.gz)")
+    p.add_argument("--shared", default=None, help="the shared data folder (rebuilds data/qa/multihop/questions.jsonl)")
     p.add_argument("--only", choices=["multihop", "coverage", "slice", "pool", "demos"], action="append",
                    help="build only these parts (repeatable; default all; later parts read the earlier parts' files)")
     args = p.parse_args(argv)
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.shared:
             raise SystemExit("--shared is needed to build the multi-hop file")
         rows = multihop_rows(Path(args.shared))
-        write_gzip_jsonl(MULTIHOP_FILE, rows)
+        MULTIHOP_FILE.parent.mkdir(parents=True, exist_ok=True)
+        MULTIHOP_FILE.write_text("".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows))
         print(f"{len(rows)} multi-hop questions -> {MULTIHOP_FILE}", flush=True)
     questions = load_multihop()
     index = ensure_bundled_index()

@@ -1,6 +1,6 @@
 """Multi-hop questions whose supporting paragraphs are known: what a second search can look for.
 
-``data/qa/multihop/questions.jsonl.gz`` (written by ``scripts/build_search_data.py`` from ``../shared/data``) holds
+``data/qa/multihop/questions.jsonl`` (written by ``scripts/build_search_data.py`` from ``../shared/data``) holds
 the multi-hop questions whose supporting paragraphs are in the bundled corpus:
 
 * HotpotQA dev questions of RPT's three files (bridge and comparison), with their two supporting titles
@@ -25,7 +25,7 @@ from pathlib import Path
 from emapg.paths import DATA_DIR
 from tasks.datasets import DatasetError
 
-MULTIHOP_FILE = DATA_DIR / "qa" / "multihop" / "questions.jsonl.gz"
+MULTIHOP_FILE = DATA_DIR / "qa" / "multihop" / "questions.jsonl"
 
 
 @dataclass(frozen=True)
