@@ -83,12 +83,11 @@ def load_questions(name: str, cfg: AuditConfig) -> list:
 
 
 def audit(cfg: AuditConfig) -> dict:
-    from emapg.jsonl import read_jsonl
     from tqdm import tqdm
 
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
-    from tasks.coverage import RULE, CorpusMatcher, classify, table
+    from tasks.coverage import RULE, CorpusMatcher, classify, corpus_passages, table
     from tasks.datasets import BUNDLED_CORPUS
 
     questions = {name: load_questions(name, cfg) for name in cfg.datasets}
@@ -101,7 +100,7 @@ def audit(cfg: AuditConfig) -> dict:
     else:
         if not Path(corpus_path).is_file():
             raise ConfigError(f"corpus: no such file: {corpus_path}")
-        corpus = CorpusMatcher(r["contents"] for r in read_jsonl(Path(corpus_path)))
+        corpus = CorpusMatcher(corpus_passages(corpus_path))
     out: dict = {"rule": RULE.format(topk=cfg.topk), "topk": cfg.topk, "index": str(index) if index else cfg.retriever_url,
                  "corpus": corpus_path if corpus is not None else None, "datasets": {}}
     with open_retriever(urls=[cfg.retriever_url] if cfg.retriever_url else (), index_dir=index, topk=cfg.topk) as retriever:

@@ -38,9 +38,9 @@ TOPK = 3
 SLICE_SIZE = 160
 SLICE_SEED = 0
 DEMO_SEED = 0
-DEMOS_TWO = 72  # two-search demonstrations
-DEMOS_ONE_MULTIHOP = 32  # one-search demonstrations from multi-hop questions the first search answers
-DEMOS_ONE_POOL = 40  # one-search demonstrations from the single-hop training pool (qa_pool)
+DEMOS_TWO = 64  # two-search demonstrations
+DEMOS_ONE_MULTIHOP = 28  # one-search demonstrations from multi-hop questions the first search answers
+DEMOS_ONE_POOL = 36  # one-search demonstrations from the single-hop training pool (qa_pool)
 POOL_ONE_PER_TWO = 1.0  # pool v2: one-search questions per two-search question
 
 SLICE_RULE = ("HotpotQA dev questions of the bundled multi-hop file (RPT dev and test files; not the RPT 'train' rows, "
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
-    from tasks.coverage import RULE, CorpusMatcher, Coverage, classify, table
+    from tasks.coverage import RULE, CorpusMatcher, Coverage, classify, corpus_passages, table
     from tasks.datasets import BUNDLED_CORPUS
     from tasks.heldout import heldout_questions
     from tasks.multihop import MULTIHOP_FILE, load_multihop
@@ -258,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     cov_file = MULTIHOP_DIR / "coverage.json"
     with open_retriever(index_dir=index, topk=TOPK) as retriever:
         if "coverage" in parts:
-            from emapg.jsonl import read_jsonl
-
-            corpus = CorpusMatcher(r["contents"] for r in read_jsonl(BUNDLED_CORPUS))
+            corpus = CorpusMatcher(corpus_passages(BUNDLED_CORPUS))
             coverage = classify(questions, retriever, topk=TOPK, corpus=corpus,
                                 progress=lambda n: print(f"classified {n}/{len(questions)}", flush=True))
             write_json(cov_file, {"rule": RULE.format(topk=TOPK), "topk": TOPK,

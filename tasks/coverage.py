@@ -94,6 +94,20 @@ def second_queries(q: MultiHopQuestion, first_hits: Sequence[dict]) -> tuple[lis
     return list(dict.fromkeys([" ".join([entity, *relation]).strip(), entity, plain_title])), ""
 
 
+def corpus_passages(path) -> Iterable[str]:
+    """The ``contents`` of every row of a corpus jsonl (``.gz`` too), streamed."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                yield str(row.get("contents") or f'"{row.get("title", "")}"\n{row.get("text", "")}')
+
+
 class CorpusMatcher:
     """Whether any corpus passage holds a gold (the normalised, token-bounded match), by an inverted index of tokens."""
 

@@ -47,11 +47,10 @@ def test_second_queries_come_from_what_was_shown():
 
 
 def test_classify_puts_every_handmade_question_in_its_class(coverage_corpus):
-    from emapg.jsonl import read_jsonl
     from retriever.client import RetrieverClient
-    from tasks.coverage import CLASSES, CorpusMatcher, classify, table
+    from tasks.coverage import CLASSES, CorpusMatcher, classify, corpus_passages, table
 
-    corpus = CorpusMatcher(r["contents"] for r in read_jsonl(coverage_corpus.corpus_path))
+    corpus = CorpusMatcher(corpus_passages(coverage_corpus.corpus_path))
     with RetrieverClient(coverage_corpus.url, timeout=20, retries=1) as client:
         records = classify(coverage_corpus.questions, client, topk=1, corpus=corpus, batch_size=3)
     got = {r.id: r.klass for r in records}

@@ -66,7 +66,8 @@ def verdict(tokenizer, t: Trajectory, demo: Demo) -> str:
     if t.num_searches != demo.searches:
         return "searches differ"
     shown = shown_texts(tokenizer, t)
-    if gold_shown(shown[-1:], demo.answers, demo.question) is None:
+    written = demo.turns[-1].removeprefix("<answer>").removesuffix("</answer>").strip()
+    if gold_shown(shown[-1:], [written], demo.question) is None:  # the answer written is the gold the passages show
         return "gold not in the passages shown (after truncation)"
     if demo.searches == 2 and gold_shown(shown[:1], demo.answers, demo.question) is not None:
         return "first passages shown already hold the gold"
