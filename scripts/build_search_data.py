@@ -50,9 +50,10 @@ SLICE_RULE = ("HotpotQA dev questions of the bundled multi-hop file (RPT dev and
               "question the first starter trained on nor a qa_pool question; the held-out split's questions first, then a "
               f"seeded sample (seed {SLICE_SEED}) up to {SLICE_SIZE}")
 POOL_RULE = ("two-search-answerable (class second_search) and one-search-answerable (class first_search) multi-hop "
-             "questions (tasks.coverage.RULE on the bundled index, top-3), plus a seeded sample of qa_pool (one search "
-             "answers by its own rule) up to one one-search question per two-search question; no question of a held-out "
-             "split (tasks.heldout.heldout_questions: the recorded held-out split, the search slice)")
+             "questions (tasks.coverage.RULE on the bundled index, top-3); where the one-search questions are fewer than "
+             "the two-search ones, a seeded sample of qa_pool (one search answers by its own rule) fills up to one per "
+             "two-search question; no question of a held-out split (tasks.heldout.heldout_questions: the recorded held-out "
+             "split, the search slice)")
 DEMO_RULE = ("trajectories replayed through agent.rollout.run_rollouts against the live retriever (rollout section of "
              "configs/sft_smollm2_starter_v2.yaml): two searches (the question text, then the recorded second query) "
              "when the first passages shown lack the gold and the second show it, one search when the first show it; "
