@@ -1,6 +1,7 @@
 """The second starter against the first, greedy, on the search slice and the reader slice (issue 53, item 6's first part).
 
-    /work/heavy python benchmarks/starter_comparison.py            # ~10-15 min on 2 cores (vLLM CPU)
+    /work/heavy python benchmarks/starter_comparison.py            # 20 questions per slice and dataset, ~6 min (vLLM CPU)
+    /work/heavy python benchmarks/starter_comparison.py --limit 0  # every slice question, ~15 min
     python benchmarks/starter_comparison.py --quick                # smoke: 3 questions per slice, hf engine
 
 Both starters (``smollm2-135m-search-starter``, ``smollm2-135m-search-starter-v2``) are evaluated by ``emapg eval``
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="3 questions per slice and dataset, hf engine, a temp result file")
     p.add_argument("--work", default="/tmp/emapg-starter-comparison", help="folder for the evaluation runs")
     p.add_argument("--engine", default=None, help="generation engine (default: vllm; hf with --quick)")
+    p.add_argument("--limit", type=int, default=20, help="questions per slice and dataset (a seeded sample, eval's "
+                   "--limit --data-seed 0); 0: every slice question (~15 min on 2 cores)")
     args = p.parse_args(argv)
     from eval.search_metrics import by_slice
     from eval.items import read_items
@@ -55,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     from provision.retrievers import open_retriever
 
     engine = args.engine or ("hf" if args.quick else "vllm")
-    limit = 3 if args.quick else None
+    limit = 3 if args.quick else (args.limit or None)
     work = Path(args.work)
     t0 = time.perf_counter()
     result: dict = {"benchmark": "starter_comparison", "protocol": "qa_quick, max_turns 3, greedy, top-3, bundled MiniLM index",
-                    "engine": engine, "quick": args.quick}
+                    "engine": engine, "quick": args.quick, "limit_per_slice_and_dataset": limit}
     with open_retriever(index_dir=ensure_bundled_index(), topk=3) as retriever:
         for key, model in STARTERS.items():
             side = {"model": model}
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "reader_searches_per_question_le_1.3": (v2["reader_searches_per_question"] or 0) <= 1.3,
     }
     result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     result["machine"] = {"platform": platform.platform(), "cpus": __import__("os").cpu_count()}
     out = work / "starter_comparison.json" if args.quick else OUT
     out.parent.mkdir(parents=True, exist_ok=True)

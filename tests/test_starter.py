@@ -76,7 +76,6 @@ def test_second_starter_ships_beside_the_first_with_its_searches_by_type():
     assert sum(t["trajectories"] for t in by_type.values()) == record["trajectories"]["train"] + record["trajectories"]["heldout"]
     assert any(t["mean_searches"] > 1.5 for t in by_type.values()) and any(t["mean_searches"] == 1.0 for t in by_type.values())
     assert 1.2 <= record["mean_searches"] <= 1.8
-    assert record["build_seconds"]["data_and_sft"] <= 30 * 60
     demos = {json.loads(line)["id"]: json.loads(line) for line in (REPO / "data/qa/multihop/demonstrations.jsonl").read_text().splitlines()}
     assert set(record["question_ids"]) <= set(demos)
     assert not {question_key(demos[i]["question"]) for i in record["question_ids"]} & set(heldout_questions())
