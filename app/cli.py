@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plot": ("trainer.plot", "main", "plot training curves of one or several runs to PNG"),
     "demo": ("app.demo", "main", "the whole pipeline on bundled data: index, serve, train, eval, report"),
     "view": ("app.viewer.server", "main", "a local web page of runs: curves, trajectories, eval items, two checkpoints compared"),
+    "data": ("app.data_cli", "main", "audit which questions an index can answer: gold in the corpus, in the first search, after a second search"),
     "models": ("app.model_cli", "main", "prepare the offline default models (convert SmolLM2, locate MiniLM)"),
     "config": ("app.config_cli", "main", "show a config with overrides applied, or the reference of all options"),
 }

@@ -44,6 +44,7 @@ COMMAND_PARSERS: dict[str, tuple[str, str]] = {
     "demo": ("app.demo", "parser"),
     "view": ("app.viewer.server", "parser"),
     "models": ("app.model_cli", "parser"),
+    "data audit": ("app.data_cli", "audit_parser"),
     "config": ("app.config_cli", "parser"),
     "serve": ("retriever.cli", "serve_parser"),
     "index": ("retriever.cli", "index_parser"),

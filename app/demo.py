@@ -50,6 +50,7 @@ from emapg.models import STARTER
 from emapg.paths import CONFIG_DIR, REPO_ROOT
 from emapg.process_group import stop_process_group
 from emapg.servers import emapg_command
+from eval.search_metrics import demo_lines as search_demo_lines
 from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
 
 SAMPLING_SEED = 1  # the sampled evaluation's seed: the same for the starter and the trained policy (paired samples)
@@ -274,6 +275,16 @@ def _sampled_learning(out: Path) -> dict[str, Any]:
     except ValueError:  # no question of the demo's sample is in the slice
         reader = None
     return {"samples": samples_per_question(base, datasets), "all": compare_sampled(base, trained, datasets), "reader": reader}
+
+
+def _add_search(results: dict[str, Any], out: Path) -> None:
+    """Searches per question (greedy, all held-out questions) of both policies, and the per-slice search metrics
+    (:mod:`eval.search_metrics`) under ``search``. Contract: ``base.searches_per_question``, ``trained.searches_per_question``."""
+    from eval.search_metrics import demo_section
+
+    results["search"] = demo_section(out, list(QA_DATASETS))
+    for label in ("base", "trained"):
+        results[label]["searches_per_question"] = results["search"][label]["all"].get("greedy_searches_per_question")
 
 
 def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, learning: dict[str, Any],
@@ -617,8 +628,10 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
         learning = compare_learning(out / "eval_base", out / "eval_trained", list(QA_DATASETS))
         sampled = _sampled_learning(out)
         results = _results(preset_name, preset, out, train_dir, learning, pool, stages, sampled)
+        _add_search(results, out)
         (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         md = _report_md(results, learning, compare_md, _example_trajectories(out / "eval_trained"), curves.name)
+        md = md.rstrip("\n") + "\n\n" + "\n".join(search_demo_lines(results["search"])) + "\n"
         (report / "report.md").write_text(md)
         shutil.copy2(preset.train_config, report / "train_config.yaml")
         d = learning["pooled"]["difference"]

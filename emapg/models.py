@@ -41,7 +41,11 @@ TINY_QWEN2 = "tiny-qwen2"
 STARTER = "smollm2-135m-search-starter"
 #: The shipped starter adapter (peft format) and its build record (``scripts/build_starter.py``).
 STARTER_ADAPTER = DATA_DIR / "starter" / STARTER
-ALIASES = (SMOLLM2, MINILM, TINY_QWEN2, STARTER)
+#: The second starter, which searches again when the first passages lack the answer (issue 53;
+#: ``scripts/build_starter.py --config configs/sft_smollm2_starter_v2.yaml``).
+STARTER_V2 = "smollm2-135m-search-starter-v2"
+STARTER_ADAPTERS = {STARTER: STARTER_ADAPTER, STARTER_V2: DATA_DIR / "starter" / STARTER_V2}
+ALIASES = (SMOLLM2, MINILM, TINY_QWEN2, STARTER, STARTER_V2)
 # What the hub accepts as a repo id: "name" or "namespace/name" (letters, digits, - _ .).
 _REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 
@@ -69,11 +73,12 @@ def resolve_model(name_or_path: str, *, option: str | None = None) -> str:
         return str(smollm2_folder())
     if key in (MINILM, "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"):
         return minilm_folder()
-    if key == STARTER:
-        if not (STARTER_ADAPTER / "adapter_config.json").is_file():
-            raise UnknownModelError(f"{where}the starter adapter is missing at {STARTER_ADAPTER}; "
-                                    "rebuild it with `python scripts/build_starter.py`")
-        return str(merged_adapter_folder(STARTER_ADAPTER, option=option))
+    if key in STARTER_ADAPTERS:
+        adapter = STARTER_ADAPTERS[key]
+        if not (adapter / "adapter_config.json").is_file():
+            raise UnknownModelError(f"{where}the starter adapter is missing at {adapter}; "
+                                    "rebuild it with `python scripts/build_starter.py` (see data/README.md)")
+        return str(merged_adapter_folder(adapter, option=option))
     if key == TINY_QWEN2:
         return str(tiny_qwen2_folder(cache_dir() / "models" / TINY_QWEN2))
     problem = _hub_problem(name_or_path)

@@ -109,7 +109,7 @@ def in_slice(passages_per_search: Sequence[Sequence[str]], question: str, golds:
     if rule == "gold_in_passages":
         return retrieval_recall(shown, list(golds)) > 0
     if rule == "gold_not_in_question":
-        return gold_shown(shown, question, list(golds)) > 0
+        return gold_shown(shown, list(golds), question) is not None
     raise ValueError(f"unknown reader-slice rule {rule!r}; known: {', '.join(RULES)}")
 
 

@@ -269,6 +269,13 @@ def write_run_report(results: dict[str, Any], out_dir: str | Path, notes: str | 
         lines += ["", "## Questions the model was trained on (scored apart)", "",
                   "Not unseen questions: these scores say how well it reproduces its training data, not how it "
                   "generalises, and are in no average above.", "", results_table(results, part="trained_on")]
+    if results.get("search"):
+        from eval.search_metrics import markdown_table
+
+        lines += ["", "## Searching, per slice", "", "Search slice: `data/qa/search_slice.json`; reader slice: "
+                  "`data/qa/reader_slice.json`; rest: the other questions. EM/F1: the mean over samples (this run's "
+                  "sampling: mean@k when sampled, the greedy score when greedy).", "",
+                  markdown_table(results["search"], scores=(("em", "EM"), ("f1", "F1")))]
     if notes:
         lines += ["", notes]
     path = out_dir / "report.md"

@@ -63,10 +63,12 @@ class EvalConfig:
     data_paths: dict[str, str] = option(default_factory=dict, help="NAME=FILE: use FILE (jsonl/json/parquet; FlashRAG or Search-R1 layout) for dataset NAME; repeatable")
     limit: int | None = option(None, help="questions per dataset (a deterministic, seeded sample); None: all")
     data_seed: int = option(0, help="seed of the --limit sample")
-    slice: Literal["none", "reader"] = option(
-        "none", help="qa: evaluate only a recorded slice of the held-out split: reader = the held-out questions whose gold "
+    slice: Literal["none", "reader", "search"] = option(
+        "none", help="qa: evaluate only a recorded slice of held-out questions: reader = the held-out questions whose gold "
         "answer the shipped starter was shown in its greedy evaluation (data/qa/reader_slice.json, eval.reader_slice; "
-        "where small-compute RL shows first); with --limit, a seeded sample (--data-seed) of at most that many slice questions per dataset")
+        "where small-compute RL shows first); search = held-out multi-hop questions whose first search (the question text) "
+        "does not show the gold and a second search can (data/qa/search_slice.json, tasks.multihop; HotpotQA, the default "
+        "datasets then); with --limit, a seeded sample (--data-seed) of at most that many slice questions per dataset")
     name: str | None = option(None, help="run label in reports (default: the output folder's name)")
     engine: EngineKind = option(
         "vllm", help="generation engine: vllm (falls back to hf, transformers, when vLLM is missing), hf, or remote "
@@ -251,20 +253,39 @@ class _Questions:
 # --------------------------------------------------------------------------- the run
 
 
-def reader_slice_examples(examples: dict[str, list[Any]], *, limit: int | None = None, seed: int = 0) -> dict[str, list[Any]]:
-    """``slice=reader``: each dataset's examples cut to the recorded reader slice (:mod:`eval.reader_slice`); with
-    ``limit``, at most that many of them, a seeded choice (sha256 of seed and id), in file order."""
+def _search_slices(records: list[dict[str, Any]]) -> dict[str, Any]:
+    from eval.search_metrics import by_slice
+
+    return by_slice(records)
+
+
+def slice_ids(name: str) -> dict[str, list[str]]:
+    """The recorded ``reader`` or ``search`` slice's question ids per dataset."""
+    if name == "search":
+        from tasks.multihop import SEARCH_SLICE_FILE, search_slice_ids
+
+        ids = search_slice_ids()
+        if not ids:
+            raise UserError(f"slice=search: no search slice recorded at {SEARCH_SLICE_FILE} (scripts/build_search_data.py)")
+        return ids
     from eval.reader_slice import load_reader_slice
 
-    recorded = load_reader_slice()
+    return load_reader_slice().ids
+
+
+def reader_slice_examples(examples: dict[str, list[Any]], *, limit: int | None = None, seed: int = 0,
+                          name: str = "reader") -> dict[str, list[Any]]:
+    """``slice=reader`` (or ``search``): each dataset's examples cut to the recorded slice (:mod:`eval.reader_slice`,
+    :mod:`tasks.multihop`); with ``limit``, at most that many of them, a seeded choice (sha256 of seed and id), in file order."""
+    recorded = slice_ids(name)
     out = {}
     for ds, exs in examples.items():
-        if ds not in recorded.ids:
-            raise UserError(f"slice=reader: the reader slice has no dataset {ds!r} (it has {', '.join(recorded.ids)})")
-        wanted = set(recorded.ids[ds])
+        if ds not in recorded:
+            raise UserError(f"slice={name}: the {name} slice has no dataset {ds!r} (it has {', '.join(recorded)})")
+        wanted = set(recorded[ds])
         out[ds] = [ex for ex in exs if ex.id in wanted]
         if len(out[ds]) != len(wanted):
-            raise UserError(f"slice=reader: {ds}: {len(wanted) - len(out[ds])} slice questions are not in the dataset file")
+            raise UserError(f"slice={name}: {ds}: {len(wanted) - len(out[ds])} slice questions are not in the dataset file")
         if limit is not None and len(out[ds]) > limit:
             chosen = set(sorted(wanted, key=lambda i: hashlib.sha256(f"{seed}\x00{i}".encode()).digest())[:limit])
             out[ds] = [ex for ex in out[ds] if ex.id in chosen]
@@ -283,7 +304,7 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     cfg.protocol.validate()
     p = cfg.protocol
     task = get_task(p.suite)
-    datasets = list(cfg.datasets) or list(task.datasets)
+    datasets = list(cfg.datasets) or (list(slice_ids("search")) if cfg.slice == "search" else list(task.datasets))
     for ds in datasets:
         owner = task_of(ds)
         if owner is not None and owner != task.name:
@@ -293,8 +314,9 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
     if cfg.replay is not None and not task.searches:
         raise UserError(f"--replay answers searches; the {task.name} suite makes none")
     # Load every dataset before the (slow) engine, so a bad name fails fast.
-    if cfg.slice == "reader":
-        examples = reader_slice_examples({ds: load_dataset(ds) for ds in datasets}, limit=cfg.limit, seed=cfg.data_seed)
+    if cfg.slice in ("reader", "search"):
+        examples = reader_slice_examples({ds: load_dataset(ds) for ds in datasets}, limit=cfg.limit, seed=cfg.data_seed,
+                                         name=cfg.slice)
     else:
         examples = {ds: load_dataset(ds, path=cfg.data_paths.get(ds), limit=cfg.limit, seed=cfg.data_seed) for ds in datasets}
     for ds, exs in examples.items():
@@ -387,6 +409,8 @@ def run_eval(cfg: EvalConfig, *, on_batch: Callable[[str, int], None] | None = N
         # questions the model was trained on (eval.contamination): none scored here, or scored apart below
         "contamination": contamination.summary(),
         **({"trained_on": trained_on} if trained_on else {}),
+        # how the agent searched, per slice (eval.search_metrics: search slice, reader slice, rest), unseen questions
+        **({"search": _search_slices([r for unseen, _ in parts.values() for r in unseen])} if task.searches else {}),
         # this invocation only (a resumed run times the questions it ran)
         "timing": {
             "setup_s": t_ready - t_start,

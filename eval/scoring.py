@@ -39,18 +39,26 @@ def sample_record(traj: Trajectory, tokenizer: Any) -> dict[str, Any]:
     }
 
 
+def search_gold(shown: Sequence[str], example: Example) -> list[int]:
+    """Per search, 1 when the passages shown hold a gold answer (:func:`tasks.qa.gold_shown`: golds the question itself
+    names left out), read by :mod:`eval.search_metrics`; [] for a task without searches."""
+    from tasks.qa import gold_shown
+
+    return [int(gold_shown([text], example.answers, example.question) is not None) for text in shown]
+
+
 def score_items(task: Task, examples: Sequence[Example], trajs_per_item: Sequence[Sequence[Trajectory]], tokenizer: Any,
                 grading: Grading, pool: Any = None) -> list[dict[str, Any]]:
     """Per-item records of ``examples`` from their trajectories (one per sample); every sample of the batch is
     graded in one call (math: one grader-pool call)."""
     flat = [(ex, t) for ex, trajs in zip(examples, trajs_per_item, strict=True) for t in trajs]
-    scored = task.sample_scores([t.scored_text for _, t in flat], [ex.answers for ex, _ in flat],
-                                [observation_texts(t, tokenizer) for _, t in flat], grading, pool=pool)
+    shown = [observation_texts(t, tokenizer) for _, t in flat]
+    scored = task.sample_scores([t.scored_text for _, t in flat], [ex.answers for ex, _ in flat], shown, grading, pool=pool)
     out, i = [], 0
     for ex, trajs in zip(examples, trajs_per_item):
         samples = []
         for t in trajs:
-            samples.append({**sample_record(t, tokenizer), **scored[i]})
+            samples.append({**sample_record(t, tokenizer), **scored[i], "search_gold": search_gold(shown[i], ex)})
             i += 1
         out.append(_item_record(ex, trajs, tokenizer, samples, task.item_scores(samples)))
     return out

@@ -1,6 +1,8 @@
 """Build the starter search policy ``smollm2-135m-search-starter`` and ship it under ``data/starter/``.
 
     flock /tmp/emapg-heavy.lock python scripts/build_starter.py            # ~10-20 min on 2 cores
+    flock /tmp/emapg-heavy.lock python scripts/build_starter.py --config configs/sft_smollm2_starter_v2.yaml \
+        --out data/starter/smollm2-135m-search-starter-v2                   # the second starter (multi-search)
     python scripts/build_starter.py --check-questions 21                    # more questions in the format check
 
 Steps: the bundled corpus's MiniLM index (``provision.indexes.ensure_bundled_index``) is served on a
@@ -54,6 +56,21 @@ def format_check(policy_dir: str, retriever, rollout, n_per_dataset: int) -> dic
         "examples": [{"question": t.question, "model_text": t.model_text, "golden_answers": ex.answers}
                      for t, ex in list(zip(trajs, examples))[:3]],
     }
+
+
+def searches_per_type(used: list[dict], cfg) -> dict:
+    """Searches per trajectory trained on (and held out for the loss), by question type: a trajectories file's
+    ``type`` field (the multi-search demonstrations), else the dataset it came from."""
+    from trainer.sft.multisearch import searches_by_type
+
+    types: dict[str, str] = {}
+    if cfg.data.source == "file":
+        for line in Path(cfg.data.path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                types[str(row.get("id"))] = row.get("type") or "file"
+    return searches_by_type([{"type": types.get(str(r["id"]), r.get("data_source") or "unknown"),
+                              "searches": len(r["queries"])} for r in used])
 
 
 def main() -> int:
@@ -125,8 +142,10 @@ def main() -> int:
         "adapter_bytes": (tmp / "adapter_model.safetensors").stat().st_size,
     }
     # what it used: the ids of the trained (and held-out-loss) trajectories' questions, all from the training pool
-    record["question_ids"] = sorted(json.loads(line)["id"] for line in (work / "trajectories.jsonl").read_text().splitlines()
-                                    if line.strip())
+    used = [json.loads(line) for line in (work / "trajectories.jsonl").read_text().splitlines() if line.strip()]
+    record["question_ids"] = sorted(r["id"] for r in used)
+    record["searches_per_question_by_type"] = searches_per_type(used, cfg)
+    record["mean_searches"] = round(sum(len(r["queries"]) for r in used) / len(used), 4)
     (tmp / "record.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

@@ -109,6 +109,10 @@ REGISTRY: dict[str, DatasetInfo] = {
                                                   "the pool questions the starter solved in some but not all of its samples "
                                                   "(offline difficulty curation: data/qa/pool/informative_record.json, "
                                                   "scripts/curate_pool.py)")),
+        _info("qa_pool_v2", "qa", train=("qa/pool_v2/train.jsonl.gz",
+                                         "training pool v2: multi-hop questions one search answers and questions a second "
+                                         "search answers, plus qa_pool questions, none held out (data/qa/pool_v2/record.json, "
+                                         "scripts/build_search_data.py)")),
         _info("aime2024", "math", test=("math/aime2024.jsonl.gz", "AIME 2024 I+II")),
         _info("amc", "math", test=("math/amc.jsonl.gz",
                                    "AMC 2022-23 (DeepScaleR); not the paper's LiveMathBench AMC")),

@@ -45,9 +45,19 @@ def evaluation_questions(datasets: Iterable[str] | None = None) -> dict[str, str
 
 
 def heldout_questions(datasets: Iterable[str] = QA_DATASETS) -> dict[str, str]:
-    """Question key -> the QA set whose recorded held-out split contains it."""
+    """Question key -> the QA set whose recorded held-out split, or recorded search slice
+    (``data/qa/search_slice.json``, :mod:`tasks.multihop`), contains it."""
+    from tasks.multihop import search_slice_ids
+
+    datasets = list(datasets)
     found: dict[str, str] = {}
     for name in datasets:
         for ex in load_dataset(name, split="heldout"):
             found.setdefault(question_key(ex.question), name)
+    for name, ids in search_slice_ids().items():
+        if name in datasets:
+            wanted = set(ids)
+            for ex in load_dataset(name):
+                if ex.id in wanted:
+                    found.setdefault(question_key(ex.question), f"{name} (search slice)")
     return found

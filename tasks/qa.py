@@ -198,11 +198,18 @@ def golds_outside_question(question: str, golds: str | Iterable[str]) -> list[st
     return [g for g in _as_list(golds) if (n := normalize_answer(g)) and f" {n} " not in padded]
 
 
-def gold_shown(passages: Iterable[str], question: str, golds: str | Iterable[str]) -> float:
-    """1.0 if a passage contains a gold answer that the question does not (:func:`golds_outside_question`,
-    :func:`retrieval_recall`'s token-bounded match), else 0.0: the evidence reached the model."""
-    outside = golds_outside_question(question, golds)
-    return retrieval_recall(passages, outside) if outside else 0.0
+def gold_shown(passages: Iterable[str], golds: str | Iterable[str], question: str | None = None) -> str | None:
+    """The first gold answer that occurs in the passages as evidence, or None.
+
+    The match is :func:`retrieval_recall`'s (SQuAD-normalised, token-bounded). With the ``question``, a gold that
+    it contains itself (:func:`golds_outside_question`: the options of "A or B?", a name the question repeats) is
+    left out: finding it in a passage shows nothing. The one matcher of "was the gold shown" for the reader slice's
+    rule, the coverage audit, the search slice, the training pool and the multi-search demonstrations.
+    """
+    golds = golds_outside_question(question, golds) if question is not None else \
+        [g for g in _as_list(golds) if normalize_answer(g)]
+    padded = [_padded(p) for p in passages]
+    return next((g for g in golds if any(f" {normalize_answer(g)} " in text for text in padded)), None)
 
 
 def qa_reward(model_text: str, golds: str | Sequence[str]) -> float:

@@ -26,6 +26,7 @@ pytest_plugins = [
     "tests.fixtures.trainer",
     "tests.fixtures.toolcalls",
     "tests.fixtures.viewer",
+    "tests.fixtures.coverage",
 ]
 
 

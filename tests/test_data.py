@@ -52,6 +52,7 @@ BUNDLED_ROWS = {
     **{(name, "heldout"): 100 for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")},
     ("qa_pool", "train"): 7216,
     ("qa_pool_informative", "train"): 37,
+    ("qa_pool_v2", "train"): 798,  # data/qa/pool_v2/ (scripts/build_search_data.py)
 }
 CORPUS_SOURCES = {"vital": 10033, "hotpot": 11732, "r1traj": 9808, "2wiki": 6117, "nqgold": 2588,
                   "musique": 1881, "wiki18s": 1000}

@@ -76,6 +76,17 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     assert "## Where the misses are" in md and "wrong although a gold answer was in the passages shown" in md
     assert md.index("## Held-out accuracy, sampled and greedy") < md.index("## Starter vs trained per dataset")
     assert "sampled mean@2 EM" in md and "qa_pool" in md
+    # issue 53: searches per question of both policies (greedy, all held-out questions) and the per-slice search metrics
+    for label in ("base", "trained"):
+        spq = results[label]["searches_per_question"]
+        greedy = [json.loads(line) for name in QA_DATASETS
+                  for line in (out / f"eval_{label}" / "items" / f"{name}.jsonl").read_text().splitlines()]
+        assert spq == pytest.approx(sum(r["samples"][0]["searches"] for r in greedy) / len(greedy), abs=1e-4)
+        rows = results["search"][label]
+        assert set(rows) == {"search", "reader", "rest", "all"} and rows["all"]["questions"] == 2 * len(QA_DATASETS)
+        assert sum(rows[s]["questions"] for s in ("search", "reader", "rest")) == rows["all"]["questions"]
+        assert {"searched_again_rate", "second_holds_gold_rate", "sampled_em", "sampled_f1", "greedy_em"} <= set(rows["all"])
+    assert "## Searching, per slice" in md
     # with its output not a terminal, the training stage printed one plain line per step
     assert proc.stdout.count("  train step ") == 2 and "ETA" in proc.stdout
     assert (report / "training_curves.png").is_file()

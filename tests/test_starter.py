@@ -57,3 +57,26 @@ def test_starter_answers_in_the_answer_format(retriever_client, retriever_index)
     answered = [t for t in trajs if extract_answer(t.model_text) is not None]
     assert len(answered) >= 3, [t.model_text for t in trajs]
     assert all(t.num_searches >= 1 for t in answered)  # it searched before answering
+
+
+def test_second_starter_ships_beside_the_first_with_its_searches_by_type():
+    """The multi-search starter (issue 53): its record says how many searches its demonstrations made, by question type,
+    and none of its questions is held out (the held-out split, the search slice)."""
+    from emapg.models import STARTER_ADAPTERS, STARTER_V2
+    from tasks.contamination import read_trained_questions
+    from tasks.heldout import heldout_questions, question_key
+
+    folder = STARTER_ADAPTERS[STARTER_V2]
+    assert (STARTER_ADAPTER / "adapter_model.safetensors").is_file()  # the first one is kept for comparisons
+    assert (folder / "adapter_model.safetensors").stat().st_size <= 20 * 2**20
+    record = json.loads((folder / "record.json").read_text())
+    assert record["config"]["data"]["source"] == "file" and record["config"]["rollout"]["max_turns"] == 3
+    assert record["heldout_loss_after"] < record["heldout_loss_before"]
+    by_type = record["searches_per_question_by_type"]
+    assert sum(t["trajectories"] for t in by_type.values()) == record["trajectories"]["train"] + record["trajectories"]["heldout"]
+    assert any(t["mean_searches"] > 1.5 for t in by_type.values()) and any(t["mean_searches"] == 1.0 for t in by_type.values())
+    assert 1.2 <= record["mean_searches"] <= 1.8
+    demos = {json.loads(line)["id"]: json.loads(line) for line in (REPO / "data/qa/multihop/demonstrations.jsonl").read_text().splitlines()}
+    assert set(record["question_ids"]) <= set(demos)
+    assert not {question_key(demos[i]["question"]) for i in record["question_ids"]} & set(heldout_questions())
+    assert read_trained_questions(folder).count == len(record["question_ids"])

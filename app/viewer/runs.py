@@ -124,11 +124,18 @@ class Run:
         else:
             items = self.items()
             out.update(datasets=self.datasets(), questions=len(items), right=sum(i["right"] for i in items),
-                       model=str(self.results().get("model", "")))
+                       model=str(self.results().get("model", "")), search=self.search())
         problems = self.files.problems()
         out.update(problems=problems, skipped_records=sum(p["skipped"] for p in problems.values()),
                    unreadable_files=sum(p["unreadable"] is not None for p in problems.values()))
         return out
+
+    def search(self) -> dict[str, Any]:
+        """How the agent searched, per slice (search slice, reader slice, rest; :mod:`eval.search_metrics`), from the
+        items, so older runs show it too."""
+        from eval.search_metrics import by_slice
+
+        return by_slice([r for ds in self.datasets() for r in self.records(ds)])
 
 
 def _mtime(path: Path) -> float:

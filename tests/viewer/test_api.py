@@ -39,6 +39,10 @@ def test_a_folder_of_runs_opens_as_each_run(client, viewer_runs):
                                                        f"{root}/train_tags": "train", f"{root}/train_tools": "train"}
     assert runs[f"{root}/train_tags"]["steps"] == 3 and runs[f"{root}/train_tags"]["sample_steps"] == 3
     assert runs[f"{root}/eval_a"]["questions"] == 4 and runs[f"{root}/eval_a"]["datasets"] == ["bamboogle", "nq"]
+    # how it searched, per slice (eval.search_metrics): every question in exactly one of search / reader / rest
+    search = runs[f"{root}/eval_a"]["search"]
+    assert search["all"]["questions"] == 4 == sum(search[s]["questions"] for s in ("search", "reader", "rest"))
+    assert {"searches_per_question", "searched_again_rate", "second_holds_gold_rate", "em", "f1"} <= set(search["all"])
 
 
 def test_metrics_since_a_step(client):
