@@ -104,3 +104,16 @@ def slice_from_eval(eval_dir: str | Path, datasets: Sequence[str], *, protocol: 
     return {"rule": RULE, "starter": starter, "starter_digest": starter_digest(), "protocol": protocol,
             "size": sum(len(v) for v in ids.values()), "heldout_questions": sum(len(v) for v in questions.values()),
             "ids": ids, "questions": questions}
+
+
+def evaluated_in_slice(run_dir: str | Path, datasets: Sequence[str], reader: ReaderSlice) -> dict[str, list[Any]]:
+    """Per dataset, the ids of the questions ``run_dir`` evaluated (its ``items/*.jsonl``) that are in the slice:
+    what a comparison of a run on a sample of the held-out split can restrict itself to (every dataset is a key;
+    an empty list where none of its questions is in the slice)."""
+    from eval.items import read_items
+
+    out: dict[str, list[str]] = {}
+    for ds in datasets:
+        wanted = {str(i) for i in reader.ids.get(ds, ())}
+        out[ds] = sorted((r["id"] for r in read_items(Path(run_dir), ds) if str(r["id"]) in wanted), key=str)
+    return out

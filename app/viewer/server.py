@@ -17,15 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from app.viewer.runs import OUTCOMES, Run, compare, filter_items, finite, open_runs
+from app.viewer.summary import NotComparable, pair_summary
 from emapg.config import ConfigError, add_config_arguments, config_from_args, option
 
 STATIC = Path(__file__).resolve().parent / "static"
-PAGES = ("/", "/curves", "/samples", "/eval", "/compare")
+PAGES = ("/", "/curves", "/samples", "/eval", "/compare", "/summary")
 ASSETS = {"view.js": "text/javascript", "view.css": "text/css"}
+#: Assets are served under their content's digest (``/static/<digest>/<name>``), so a browser keeps them for good
+#: and fetches them again only when they change; everything else is ``no-store``.
+IMMUTABLE = "public, max-age=31536000, immutable"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
        "connect-src 'self'; font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-                    "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+                    "X-Frame-Options": "DENY"}
 #: How many eval items one page of the table lists.
 MAX_ITEMS = 500
 
@@ -54,6 +58,44 @@ def plotly_js() -> Path:
     return path
 
 
+def asset_files() -> dict[str, tuple[Path, str]]:
+    """Every asset the page loads: name -> (file, media type)."""
+    return {"plotly.min.js": (plotly_js(), "text/javascript"), **{name: (STATIC / name, kind) for name, kind in ASSETS.items()}}
+
+
+def digest_of(path: Path) -> str:
+    """The first 16 hex digits of the file's sha256: its URL's version."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def hashed_page(assets: dict[str, tuple[Path, str]]) -> tuple[bytes, dict[str, str]]:
+    """index.html with each ``/static/<name>`` turned into ``/static/<digest>/<name>``, and the digests."""
+    digests = {name: digest_of(path) for name, (path, _) in assets.items()}
+    page = (STATIC / "index.html").read_text()
+    for name, digest in digests.items():
+        page = page.replace(f'"/static/{name}"', f'"/static/{digest}/{name}"')
+    return page.encode(), digests
+
+
+def metric_titles(keys: list[str]) -> dict[str, str]:
+    """The curves' titles, the report's own (:data:`trainer.plot.TITLES`: the two reward curves above all)."""
+    from trainer.plot import TITLES
+
+    return {k: TITLES[k] for k in keys if k in TITLES}
+
+
+def constant_keys(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
+    """Keys whose value is the same at every one of at least 2 logged steps (a flat panel), with that value."""
+    out = {}
+    for k in keys:
+        values = [r[k] for r in rows if r.get(k) is not None]
+        if len(values) >= 2 and all(v == values[0] for v in values):
+            out[k] = values[0]
+    return out
+
+
 def _number(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -68,13 +110,14 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
     app = FastAPI(title="emapg view", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or ["127.0.0.1", "localhost", "[::1]", "::1"])
     by_id = {r.id: r for r in runs}
-    page = (STATIC / "index.html").read_bytes()
-    bundle = plotly_js()
+    assets = asset_files()
+    page, digests = hashed_page(assets)
 
     @app.middleware("http")
     async def headers(request: Request, call_next):
         response = await call_next(request)
         response.headers.update(SECURITY_HEADERS)
+        response.headers.setdefault("Cache-Control", "no-store")
         return response
 
     def run_of(run_id: str, kind: str | None = None) -> Run:
@@ -86,15 +129,19 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
     for path in PAGES:
         app.add_api_route(path, lambda: Response(page, media_type="text/html; charset=utf-8"), methods=["GET"])
 
-    @app.get("/static/plotly.min.js")
-    def plotly_bundle():
-        return FileResponse(bundle, media_type="text/javascript")
+    @app.get("/static/{digest}/{name}")
+    def hashed_asset(digest: str, name: str):
+        if name not in assets or digests[name] != digest:
+            raise HTTPException(404, "no such asset (or another version of it)")
+        path, media_type = assets[name]
+        return FileResponse(path, media_type=media_type, headers={"Cache-Control": IMMUTABLE})
 
     @app.get("/static/{name}")
     def asset(name: str):
-        if name not in ASSETS:
+        if name not in assets:
             raise HTTPException(404, "no such asset")
-        return FileResponse(STATIC / name, media_type=ASSETS[name])
+        path, media_type = assets[name]
+        return FileResponse(path, media_type=media_type)
 
     @app.get("/api/runs")
     def list_runs():
@@ -109,7 +156,9 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
                 for r in records if int(r.get("step", 0)) > since]
         guard = [{"step": e.get("step"), "action": str(e.get("action", "")), "reason": str(e.get("reason", ""))}
                  for e in run.guard_events()]
-        return JSONResponse({"keys": keys, "records": rows, "guard": guard})
+        every = [{k: _number(v) for k, v in r.items()} for r in records]
+        return JSONResponse({"keys": keys, "records": rows, "guard": guard, "titles": metric_titles(keys),
+                             "constant": constant_keys(every, keys)})
 
     @app.get("/api/runs/{run_id}/samples")
     def samples(run_id: str, step: int | None = None):
@@ -130,15 +179,28 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
                 "searches": sorted({i["searches"] for i in every})}
 
     @app.get("/api/runs/{run_id}/items/{dataset}/{item_id}")
-    def item(run_id: str, dataset: str, item_id: str):
-        found = run_of(run_id, "eval").item(dataset, item_id)
+    def item(run_id: str, dataset: str, item_id: str, sample: int = 0):
+        found = run_of(run_id, "eval").item(dataset, item_id, sample)
         if found is None:
-            raise HTTPException(404, "no such question")
+            raise HTTPException(404, "no such question or sample")
         return found
 
     @app.get("/api/compare")
     def compare_runs(a: str, b: str):
-        return compare(run_of(a, "eval"), run_of(b, "eval"))
+        try:
+            return compare(run_of(a, "eval"), run_of(b, "eval"))
+        except NotComparable as e:
+            raise HTTPException(409, str(e)) from None
+
+    @app.get("/api/summary")
+    def summary(a: str, b: str):
+        """EM of A and B, B - A and its paired interval, by the report's code (:mod:`app.viewer.summary`)."""
+        run_a, run_b = run_of(a, "eval"), run_of(b, "eval")
+        try:
+            found = pair_summary(run_a.label, run_a.path, run_b.label, run_b.path)
+        except NotComparable as e:
+            raise HTTPException(409, str(e)) from None
+        return {"a": a, "b": b, "label_a": run_a.label, "label_b": run_b.label, **found}
 
     return app
 
