@@ -67,3 +67,21 @@ def test_a_page_that_disagrees_with_the_json_is_found(tmp_path):
     assert gen.stale((page,), results) == [str(page)]
     page.write_text(gen.render(page.read_text(), results))
     assert "**9.99×**" in page.read_text() and gen.stale((page,), results) == []
+
+
+def test_the_learning_result_is_the_json_on_every_page_that_quotes_it():
+    """README, learning.md and performance.md show one table generated from learning_search.json (issue #54: no page
+    may report another run's numbers as the current result)."""
+    gen = _gen()
+    table = gen.learning_table()
+    data = json.loads((REPO / "benchmarks" / "results" / "learning_search.json").read_text())
+    assert f"{data['emapg']['reader_sampled_em_end']:.1f}" in table and f"{data['control']['reader_sampled_em_start']:.1f}" in table
+    for page in ("README.md", "docs/learning.md", "docs/performance.md"):
+        assert table in (REPO / page).read_text(), page
+    assert "(current protocol)" not in (REPO / "docs" / "performance.md").read_text()
+
+
+def test_no_page_tells_mkdocs_serve_to_take_the_retrievers_port():
+    for page in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for line in page.read_text().splitlines():
+            assert not ("mkdocs serve" in line and "8000" in line and "not 8000" not in line and "not port 8000" not in line), (page, line)
