@@ -127,22 +127,19 @@ def _unique_labels(runs: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def comparison_table(runs: Sequence[dict[str, Any]], metric: str, reference: dict[str, dict[str, float]] | None = None) -> str:
-    """Datasets × runs for one metric (percent), the unweighted average row, and optional
-    reference columns (already in percent, e.g. the paper's)."""
+def comparison_table(runs: Sequence[dict[str, Any]], metric: str) -> str:
+    """Datasets × runs for one metric (percent) and the unweighted average row (the paper's numbers are never a
+    column here: :func:`paper_table`)."""
     datasets: list[str] = []
     for run in runs:
         datasets += [d for d in run["datasets"] if d not in datasets]
-    reference = reference or {}
-    cols = _unique_labels(runs) + list(reference)
+    cols = _unique_labels(runs)
     rows = ["| dataset | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for ds in datasets:
         cells = [_fmt(metric, r["datasets"].get(ds, {}).get(metric)) for r in runs]
-        cells += [f"{ref[ds]:.1f}" if ds in ref else "–" for ref in reference.values()]
         rows.append(f"| {ds} | " + " | ".join(cells) + " |")
     cells = [f"**{_fmt(metric, r['average'].get(metric))}**" if set(r["datasets"]) == set(datasets)
              else "–" for r in runs]  # an average over different datasets would not compare
-    cells += ["–"] * len(reference)
     rows.append("| **average** | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
