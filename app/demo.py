@@ -51,6 +51,7 @@ from emapg.paths import CONFIG_DIR, REPO_ROOT
 from emapg.process_group import stop_process_group
 from emapg.servers import emapg_command
 from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
+from trainer.plot import FLAT_BY_CONSTRUCTION
 
 SAMPLING_SEED = 1  # the sampled evaluation's seed: the same for the starter and the trained policy (paired samples)
 ENGINE_STARTUP_S = 900  # the generation engine's start-up limit (vLLM on 2 cores: ~40 s; a first run compiles more)
@@ -119,8 +120,8 @@ FILTERED_CURVES = ("filter/sampled_reward_mean", "reward/mean", "filter/first_ro
 #: Why the curves that often stay flat are drawn anyway (the report says it under the figure).
 FLAT_PANELS_NOTE = ("The format rate and the searches per question are often flat (the starter ends every answer in "
                     "`<answer>` and searches once); they stay because a collapse of the format shows there first. "
-                    "The share of *trained* groups whose rewards differ is left out: it is 1 by construction when "
-                    "uniform groups are dropped.")
+                    "Not drawn: the share of *trained* groups whose rewards differ, "
+                    + FLAT_BY_CONSTRUCTION["filter/informative_frac"] + ".")
 
 
 def _bar(total: int, desc: str, unit: str):
@@ -488,6 +489,8 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         f"Pooled over all {d['n']} questions: {results['base']['pooled_em']:.1f} -> {results['trained']['pooled_em']:.1f} "
         f"({d['mean']:+.1f} pp, {round(100 * d['confidence'])}% CI [{d['low']:+.1f}, {d['high']:+.1f}], "
         f"{d['method']}, {d['resamples']} resamples): {verdict(d)}.", "",
+        "`emapg view` on this folder opens the demo's runs; its Summary page shows these numbers (the same code computes "
+        "them) for greedy vs greedy and sampled vs sampled, and Compare goes question by question.", "",
         "## Where the misses are", "",
         "Each question's answer: right; wrong although a gold answer was in the passages the model was shown (what "
         "better reading, the skill RL can teach here, could fix); or wrong without it (another query, or a second "

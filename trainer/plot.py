@@ -44,6 +44,13 @@ TITLES = {
     "kl/to_start": "exact KL(policy || starting policy)",
     "probe/flip_rate": "probe answers flipped since the last probe",
 }
+#: Curves flat by construction under a setting, and why: a run where one is flat over every step shows nothing there
+#: (``emapg view`` leaves it out of its default panels and says why; the demo's report does not draw it).
+FLAT_BY_CONSTRUCTION = {
+    "filter/informative_frac": "1 when uniform groups are dropped or filtered (rollout.uniform_groups=drop, "
+                               "rollout.filter_groups): every trained group has differing rewards",
+    "reward/zero_variance_groups": "0 when uniform groups are dropped or filtered: it counts the trained groups",
+}
 #: ``kl/mean`` titles by ``algorithm.kl.type``: which estimate the curve is.
 KL_TITLES = {
     "topk_reverse": "Top-k reverse KL estimate (policy || anchor; can be < 0)",

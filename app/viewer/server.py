@@ -96,6 +96,14 @@ def constant_keys(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]
     return out
 
 
+def flat_by_construction(constant: dict[str, Any]) -> dict[str, str]:
+    """Of the flat keys, those flat by construction (:data:`trainer.plot.FLAT_BY_CONSTRUCTION`), with the reason:
+    the page leaves them out of its default panels; a key merely flat so far stays."""
+    from trainer.plot import FLAT_BY_CONSTRUCTION
+
+    return {k: FLAT_BY_CONSTRUCTION[k] for k in constant if k in FLAT_BY_CONSTRUCTION}
+
+
 def _number(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -156,9 +164,9 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
                 for r in records if int(r.get("step", 0)) > since]
         guard = [{"step": e.get("step"), "action": str(e.get("action", "")), "reason": str(e.get("reason", ""))}
                  for e in run.guard_events()]
-        every = [{k: _number(v) for k, v in r.items()} for r in records]
+        constant = constant_keys([{k: _number(v) for k, v in r.items()} for r in records], keys)
         return JSONResponse({"keys": keys, "records": rows, "guard": guard, "titles": metric_titles(keys),
-                             "constant": constant_keys(every, keys)})
+                             "constant": constant, "by_construction": flat_by_construction(constant)})
 
     @app.get("/api/runs/{run_id}/samples")
     def samples(run_id: str, step: int | None = None):

@@ -136,12 +136,14 @@ async function pageCurves() {
     return [...set].sort();
   }
 
-  // A key flat over every step of every chosen run (1 by construction, say) is no default panel; the note names it.
+  // A key flat by construction (filter/informative_frac is 1 when uniform groups are dropped, say) in every chosen
+  // run is no default panel; the note says why. A key merely flat so far is drawn.
   function flatKeys() {
     const flat = {};
     for (const k of allKeys()) {
-      const values = chosen.filter(id => data[id] && data[id].keys.includes(k)).map(id => (data[id].constant || {})[k]);
-      if (values.length && values.every(v => v !== undefined && v === values[0])) flat[k] = values[0];
+      const runsWith = chosen.filter(id => data[id] && data[id].keys.includes(k));
+      const why = runsWith.map(id => (data[id].by_construction || {})[k]);
+      if (runsWith.length && why.every(w => w)) flat[k] = `${k} = ${fmt(data[runsWith[0]].constant[k])} (${why[0]})`;
     }
     return flat;
   }
@@ -156,8 +158,8 @@ async function pageCurves() {
     const flat = flatKeys();
     if (!keys.length) keys = DEFAULT_KEYS.filter(k => every.includes(k) && !(k in flat)).concat(every.filter(k => k.startsWith("guard/")));
     const hidden = Object.keys(flat).filter(k => DEFAULT_KEYS.includes(k) && !keys.includes(k));
-    flatNote.textContent = hidden.length ? "Flat over every step, so not drawn by default (tick one below to draw it): " +
-      hidden.map(k => `${k} = ${fmt(flat[k])}`).join(", ") : "";
+    flatNote.textContent = hidden.length ? "Flat by construction in this run, so not drawn by default (tick one below to draw it): " +
+      hidden.map(k => flat[k]).join("; ") : "";
     const groups = {};
     for (const k of every) (groups[k.split("/")[0]] = groups[k.split("/")[0]] || []).push(k);
     keyBox.replaceChildren(...Object.entries(groups).map(([g, ks]) => el("details", {open: ks.some(k => keys.includes(k))},
@@ -197,7 +199,8 @@ async function pageCurves() {
       const since = have.length ? have[have.length - 1].step : -1;
       const got = await api(`/api/runs/${encodeURIComponent(id)}/metrics?since=${since}`);
       if (!data[id] || got.records.length || got.guard.length !== data[id].guard.length) {
-        data[id] = {records: have.concat(got.records), guard: got.guard, keys: got.keys, titles: got.titles, constant: got.constant};
+        data[id] = {records: have.concat(got.records), guard: got.guard, keys: got.keys, titles: got.titles, constant: got.constant,
+                    by_construction: got.by_construction};
         changed = true;
       }
     }
