@@ -158,6 +158,8 @@ def plot_runs(
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
+        if m.endswith(("_frac", "_share", "_rate")):  # a share: its whole range, so a flat 1.0 reads as 1.0, not as noise
+            ax.set_ylim(-0.03, 1.03)
         if ax.lines and len(run_dirs) > 1:
             ax.legend(fontsize=7)
     if title:

@@ -74,3 +74,18 @@ def test_plots_skip_when_nothing_to_draw(tmp_path):
     qa = _results("a", {"nq": 0.1})
     assert plot_passk([qa], tmp_path / "k.png") is None  # no pass@k beyond k=1 in a QA run
     assert plot_bars([qa], "em", tmp_path / "b.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_learning_figure_is_800_px_with_both_protocols(tmp_path):
+    """em.png of the demo: starter vs trained per dataset and pooled, greedy beside sampled, with n and intervals."""
+    from matplotlib.image import imread
+
+    from eval.report import plot_learning
+
+    def block(n, base, trained):
+        return {"n": n, "base": base, "trained": trained,
+                "difference": {"mean": trained - base, "low": trained - base - 3, "high": trained - base + 3, "confidence": 0.95}}
+
+    comp = {"datasets": {"nq": block(2, 50.0, 100.0), "bamboogle": block(2, 0.0, 0.0)}, "pooled": block(4, 25.0, 50.0)}
+    img = imread(plot_learning({"greedy EM": comp, "sampled mean@2 EM": comp}, tmp_path / "em.png"))
+    assert img.shape[1] == 800
