@@ -20,12 +20,13 @@ class NotComparable(UserError):
 
 
 def protocol_of(path: Path) -> str:
-    """The run's sampling protocol in words (:func:`eval.learning.sampling_protocol`); ``unknown`` when nothing says."""
+    """The run's sampling protocol in words (:func:`eval.learning.sampling_protocol`); ``unknown`` when no file says
+    (a run that has not written its settings yet, or a damaged one): such a run is compared with none."""
     from eval.learning import sampling_protocol
 
     try:
         return sampling_protocol(path)
-    except (ValueError, FileNotFoundError):
+    except (OSError, ValueError, KeyError, TypeError):
         return "unknown"
 
 
