@@ -120,8 +120,8 @@ FILTERED_CURVES = ("filter/sampled_reward_mean", "reward/mean", "filter/first_ro
 #: Why the curves that often stay flat are drawn anyway (the report says it under the figure).
 FLAT_PANELS_NOTE = ("The format rate and the searches per question are often flat (the starter ends every answer in "
                     "`<answer>` and searches once); they stay because a collapse of the format shows there first. "
-                    "Not drawn: the share of *trained* groups whose rewards differ, "
-                    + FLAT_BY_CONSTRUCTION["filter/informative_frac"] + ".")
+                    "Not drawn: the share of *trained* groups whose rewards differ, 1 at every step "
+                    + FLAT_BY_CONSTRUCTION["filter/informative_frac"][1] + ".")
 
 
 def _bar(total: int, desc: str, unit: str):
@@ -500,7 +500,8 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         "## Training curves (every step)", "",
         f"![training curves]({curves})", "",
         "The KL panel is the per-token mean of the KL *estimate* the loss used (Top-k reverse KL: exact head "
-        "over the k tokens plus a sampled tail term), not the exact KL; it can be negative. " + FLAT_PANELS_NOTE, "",
+        "over the k tokens plus a sampled tail term), not the exact KL; it can be negative."
+        + (" " + FLAT_PANELS_NOTE if "filter/sampled_reward_mean" in (t["metrics"] or [{}])[0] else ""), "",
         "## Stage logs and times", "",
         *[f"- {name}: `{path}`" + (f" ({results['stage_seconds'][name]:.0f} s)" if name in results["stage_seconds"] else "")
           for name, path in results["logs"].items()],

@@ -44,12 +44,14 @@ TITLES = {
     "kl/to_start": "exact KL(policy || starting policy)",
     "probe/flip_rate": "probe answers flipped since the last probe",
 }
-#: Curves flat by construction under a setting, and why: a run where one is flat over every step shows nothing there
-#: (``emapg view`` leaves it out of its default panels and says why; the demo's report does not draw it).
-FLAT_BY_CONSTRUCTION = {
-    "filter/informative_frac": "1 when uniform groups are dropped or filtered (rollout.uniform_groups=drop, "
-                               "rollout.filter_groups): every trained group has differing rewards",
-    "reward/zero_variance_groups": "0 when uniform groups are dropped or filtered: it counts the trained groups",
+#: Curves flat by construction under a setting: key -> (the value they keep, why). A run where one stays at that value
+#: over every step shows nothing there (``emapg view`` leaves it out of its default panels and says why; the demo's
+#: report does not draw it).
+FLAT_BY_CONSTRUCTION: dict[str, tuple[float, str]] = {
+    "filter/informative_frac": (1.0, "as it is by construction when uniform groups are dropped or filtered "
+                                     "(rollout.uniform_groups=drop, rollout.filter_groups): every trained group's rewards differ"),
+    "reward/zero_variance_groups": (0.0, "as it is by construction when uniform groups are dropped or filtered: it counts "
+                                         "the trained groups"),
 }
 #: ``kl/mean`` titles by ``algorithm.kl.type``: which estimate the curve is.
 KL_TITLES = {

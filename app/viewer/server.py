@@ -97,11 +97,12 @@ def constant_keys(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]
 
 
 def flat_by_construction(constant: dict[str, Any]) -> dict[str, str]:
-    """Of the flat keys, those flat by construction (:data:`trainer.plot.FLAT_BY_CONSTRUCTION`), with the reason:
-    the page leaves them out of its default panels; a key merely flat so far stays."""
+    """Of the flat keys, those flat at the value they keep by construction (:data:`trainer.plot.FLAT_BY_CONSTRUCTION`),
+    with the reason: the page leaves them out of its default panels; a key merely flat so far stays."""
     from trainer.plot import FLAT_BY_CONSTRUCTION
 
-    return {k: FLAT_BY_CONSTRUCTION[k] for k in constant if k in FLAT_BY_CONSTRUCTION}
+    return {k: FLAT_BY_CONSTRUCTION[k][1] for k, v in constant.items()
+            if k in FLAT_BY_CONSTRUCTION and v == FLAT_BY_CONSTRUCTION[k][0]}
 
 
 def _number(value: Any) -> Any:

@@ -206,3 +206,15 @@ def test_a_demo_report_folder_opens_its_runs(viewer_runs, tmp_path):
     (demo / "report").mkdir()
     (demo / "report" / "report.md").write_text("# report\n")
     assert sorted(r.label for r in open_runs([demo / "report"])) == ["demo/eval_a", "demo/eval_b"]
+
+
+def test_only_curves_flat_by_construction_leave_the_default_panels(client):
+    """filter/informative_frac at 1 (uniform groups dropped) is flat by construction; a reward flat so far is not, nor
+    reward/zero_variance_groups flat at 1 (every group uniform: a fact about the run, not its construction)."""
+    from app.viewer.server import flat_by_construction
+
+    got = flat_by_construction({"filter/informative_frac": 1.0, "reward/zero_variance_groups": 1.0, "reward/mean": 0.5})
+    assert list(got) == ["filter/informative_frac"] and "uniform groups are dropped" in got["filter/informative_frac"]
+    metrics = client.get(f"/api/runs/{ids(client)['train_tags']}/metrics").json()
+    assert set(metrics["by_construction"]) <= set(metrics["constant"])
+    assert metrics["titles"]["reward/mean"] == "reward of the groups kept for the update"
