@@ -85,15 +85,17 @@ def open_page(driver, url: str, shots: Path, name: str):
     return driver
 
 
-#: Where the screenshots also go when set: the documentation's figures (docs/img/viewer/, scripts/gen_docs_figures.py).
+#: When set, the screenshots the documentation shows are also written there: ``EMAPG_VIEWER_SCREENSHOTS=docs/img/viewer
+#: pytest tests/viewer/test_browser.py`` regenerates docs/img/viewer/ (docs/evaluation.md).
 SCREENSHOTS_ENV = "EMAPG_VIEWER_SCREENSHOTS"
+DOC_SCREENSHOTS = ("runs", "curves", "summary", "eval_sampled", "compare")
 
 
 def finish(driver, shots: Path, name: str) -> None:
     """Screenshot the page, then fail on any console error (a CSP violation included) and any injection that ran."""
     shots.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(shots / f"{name}.png"))
-    if os.environ.get(SCREENSHOTS_ENV):
+    if os.environ.get(SCREENSHOTS_ENV) and name in DOC_SCREENSHOTS:
         Path(os.environ[SCREENSHOTS_ENV]).mkdir(parents=True, exist_ok=True)
         shutil.copy2(shots / f"{name}.png", Path(os.environ[SCREENSHOTS_ENV]) / f"{name}.png")
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
