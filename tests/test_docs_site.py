@@ -31,7 +31,10 @@ def test_the_site_builds_strictly(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for page in ("tour", "retriever", "agent-formats", "training", "evaluation", "configuration", "performance", "learning",
                  "troubleshooting"):
-        assert (tmp_path / "site" / page / "index.html").is_file(), page
+        assert (tmp_path / "site" / f"{page}.html").is_file(), page
+    # opened from disk, a link lands on a page, not on a folder listing: every internal link names an .html file
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert 'href="tour.html"' in index and 'href="own-data.html"' in index and 'href="tour/"' not in index
 
 
 def test_a_broken_link_fails_the_build(tmp_path):
