@@ -78,9 +78,11 @@ def learning_table(results: Path = RESULTS) -> str:
         rows.append(f"| {name} | {len(a['seeds'])} | {a['reader_sampled_em_start']:.1f} → {a['reader_sampled_em_end']:.1f} | "
                     f"**{_interval(a['reader_sampled_em_end'] - a['reader_sampled_em_start'], *ci)}** | "
                     f"{_interval(h['mean'], h['low'], h['high'])} |")
-    c = d["emapg_minus_control_reader_sampled"]
-    rows += ["", f"EMA-PG − control on the reader slice: {_interval(c['mean'], c['low'], c['high'])} pp "
-                 f"(`learning_search.json`, {d['steps']} steps per run)."]
+    pair = {key: _interval(d[key]["mean"], d[key]["low"], d[key]["high"]) for key in
+            ("emapg_minus_control_reader_sampled", "emapg_minus_control_heldout", "emapg_minus_grpo_reader_sampled")}
+    rows += ["", f"Paired by question over the seeds: EMA-PG − control **{pair['emapg_minus_control_reader_sampled']}** pp on "
+                 f"the reader slice and **{pair['emapg_minus_control_heldout']}** in held-out greedy EM; EMA-PG − GRPO "
+                 f"{pair['emapg_minus_grpo_reader_sampled']} on the slice (`learning_search.json`, {d['steps']} steps per run)."]
     return "\n".join(rows)
 
 
