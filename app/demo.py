@@ -52,6 +52,7 @@ from emapg.process_group import stop_process_group
 from emapg.servers import emapg_command
 from eval.search_metrics import demo_lines as search_demo_lines
 from tasks.datasets import HELDOUT_PER_DATASET, QA_DATASETS
+from trainer.plot import FLAT_BY_CONSTRUCTION
 
 SAMPLING_SEED = 1  # the sampled evaluation's seed: the same for the starter and the trained policy (paired samples)
 ENGINE_STARTUP_S = 900  # the generation engine's start-up limit (vLLM on 2 cores: ~40 s; a first run compiles more)
@@ -111,10 +112,17 @@ PRESETS: dict[str, DemoPreset] = {
     ),
 }
 
-#: What the report's curves show, one panel each, from every training step. With dynamic sampling
-#: (``rollout.filter_groups``) the reward panel is over every sampled group, not only the ones trained on.
+#: What the report's curves show, one panel each, from every training step. Where groups are left out of the update
+#: (``rollout.uniform_groups=drop``, ``rollout.filter_groups``) both rewards are drawn: every sampled group's (the
+#: policy's) and the kept groups'; ``filter/informative_frac`` is not: it is 1 by construction there.
 CURVES = ("reward/mean", "response/answered_frac", "search/per_traj", "kl/mean")
-FILTERED_CURVES = ("filter/sampled_reward_mean", "filter/informative_frac", "response/answered_frac", "search/per_traj", "kl/mean")
+FILTERED_CURVES = ("filter/sampled_reward_mean", "reward/mean", "filter/first_round_informative_frac",
+                   "response/answered_frac", "search/per_traj", "kl/mean")
+#: Why the curves that often stay flat are drawn anyway (the report says it under the figure).
+FLAT_PANELS_NOTE = ("The format rate and the searches per question are often flat (the starter ends every answer in "
+                    "`<answer>` and searches once); they stay because a collapse of the format shows there first. "
+                    "Not drawn: the share of *trained* groups whose rewards differ, 1 at every step "
+                    + FLAT_BY_CONSTRUCTION["filter/informative_frac"][1] + ".")
 
 
 def _bar(total: int, desc: str, unit: str):
@@ -262,19 +270,29 @@ def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
 
 def _sampled_learning(out: Path) -> dict[str, Any]:
     """The sampled evaluations compared (:func:`eval.learning.compare_sampled`): over all the demo's held-out
-    questions, and over those of them in the reader slice (:mod:`eval.reader_slice`; none with the tiny preset's
-    questions is possible, then ``reader`` is None)."""
-    from eval.learning import compare_sampled, samples_per_question
-    from eval.reader_slice import load_reader_slice
+    questions, and over those of them in the reader slice (:mod:`eval.reader_slice`): ``reader_questions`` counts
+    them (:func:`eval.reader_slice.evaluated_in_slice`); ``reader`` is their comparison, None when the count is 0."""
+    from eval.learning import compare_sampled, evaluated_datasets, samples_per_question
+    from eval.reader_slice import evaluated_in_slice, load_reader_slice
 
     base, trained = out / "eval_base_sampled", out / "eval_trained_sampled"
-    datasets = list(QA_DATASETS)
-    reader: dict[str, Any] | None
-    try:
-        reader = compare_sampled(base, trained, datasets, only=load_reader_slice().ids)
-    except ValueError:  # no question of the demo's sample is in the slice
-        reader = None
-    return {"samples": samples_per_question(base, datasets), "all": compare_sampled(base, trained, datasets), "reader": reader}
+    datasets = evaluated_datasets(base)  # as emapg view's summary pools them
+    in_slice = evaluated_in_slice(base, datasets, load_reader_slice())
+    questions = sum(len(ids) for ids in in_slice.values())
+    reader = compare_sampled(base, trained, datasets, only=in_slice) if questions else None
+    return {"samples": samples_per_question(base, datasets), "all": compare_sampled(base, trained, datasets),
+            "reader": reader, "reader_questions": questions}
+
+
+def _reader_slice_results(sampled: dict[str, Any]) -> dict[str, Any]:
+    """results.json's ``reader_slice``. Contract: ``questions`` (the demo's held-out questions in the recorded slice);
+    when > 0, ``sampled_em_start`` and ``sampled_em_end`` (sampled mean@k EM, percent, over those questions)."""
+    out: dict[str, Any] = {"file": "data/qa/reader_slice.json", "questions": sampled["reader_questions"]}
+    if sampled["reader"] is not None:
+        pooled = sampled["reader"]["mean_em"]["pooled"]
+        out.update(compared=pooled["n"], sampled_em_start=pooled["base"], sampled_em_end=pooled["trained"],
+                   difference=pooled["difference"])
+    return out
 
 
 def _add_search(results: dict[str, Any], out: Path) -> None:
@@ -318,7 +336,8 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
                        "datasets": {ds: b["difference"] for ds, b in learning["datasets"].items()}},
         "sampled": {"samples": sampled["samples"], "temperature": _train_config(preset).rollout.temperature, "seed": SAMPLING_SEED,
                     "all": s_all, "reader": s_reader,
-                    "reader_questions": s_reader["mean_em"]["pooled"]["n"] if s_reader else 0},
+                    "reader_questions": sampled["reader_questions"]},
+        "reader_slice": _reader_slice_results(sampled),
         "heldout": {"datasets": list(QA_DATASETS), "per_dataset": preset.eval_limit, "data_seed": 0, "questions": pooled["n"],
                     "protocol": runs["base"]["protocol"]},
         "learning": learning,
@@ -423,13 +442,13 @@ def _movement_lines(t: dict[str, Any]) -> list[str]:
 def _sampled_lines(results: dict[str, Any]) -> list[str]:
     """The report's lead: held-out sampled accuracy (mean@k at the training temperature) next to greedy, and the
     reader slice, each with its paired interval."""
-    from eval.learning import verdict
+    from eval.learning import difference_text, percent_text, verdict
 
     smp, diff = results["sampled"], results["difference"]
     k = smp["samples"]
 
     def row(name: str, n: int, base: float, trained: float, d: dict[str, Any]) -> str:
-        return f"| {name} | {n} | {base:.1f} | {trained:.1f} | {d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}] |"
+        return f"| {name} | {n} | {percent_text(base)} | {percent_text(trained)} | {difference_text(d)} |"
 
     a = smp["all"]
     rows = ["| held-out questions, metric | n | starter (%) | trained (%) | difference (pp, 95% CI) |", "|---|---:|---:|---:|---:|",
@@ -448,12 +467,10 @@ def _sampled_lines(results: dict[str, Any]) -> list[str]:
              "answers the policy already samples before it flips a greedy answer. Greedy exact match is the paper's metric "
              "and is reported beside it.", "", *rows, "",
              f"Sampled mean@{k} EM over all {a['mean_em']['pooled']['n']} questions: {verdict(diff['sampled_em'])}."]
-    if smp["reader"]:
-        lines.append(f"The reader slice ({smp['reader_questions']} of these questions; `data/qa/reader_slice.json`) holds the "
-                     "held-out questions whose gold answer the starter was shown when it answered greedily: better reading, "
-                     "the skill RL can teach here, shows there first.")
-    else:
-        lines.append("None of these questions is in the reader slice (`data/qa/reader_slice.json`).")
+    lines.append(f"The reader slice (`data/qa/reader_slice.json`) holds the held-out questions whose gold answer the "
+                 "starter was shown when it answered greedily: better reading, the skill RL can teach here, shows there "
+                 f"first. {smp['reader_questions']} of these {a['mean_em']['pooled']['n']} questions are in it"
+                 + (" (counted from the questions evaluated)." if smp["reader"] else ", so it has no row here."))
     return lines
 
 
@@ -477,11 +494,14 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         f"`{results['heldout']['protocol']['name']}`, greedy and sampled", "",
         "## Held-out accuracy, sampled and greedy", "",
         *_sampled_lines(results), "",
+        "![held-out EM, greedy and sampled, with paired 95% intervals](em.png)", "",
         "## Starter vs trained per dataset (greedy exact match)", "",
         learning_table(learning), "",
         f"Pooled over all {d['n']} questions: {results['base']['pooled_em']:.1f} -> {results['trained']['pooled_em']:.1f} "
         f"({d['mean']:+.1f} pp, {round(100 * d['confidence'])}% CI [{d['low']:+.1f}, {d['high']:+.1f}], "
         f"{d['method']}, {d['resamples']} resamples): {verdict(d)}.", "",
+        "`emapg view` on this folder opens the demo's runs; its Summary page shows these numbers (the same code computes "
+        "them) for greedy vs greedy and sampled vs sampled, and Compare goes question by question.", "",
         "## Where the misses are", "",
         "Each question's answer: right; wrong although a gold answer was in the passages the model was shown (what "
         "better reading, the skill RL can teach here, could fix); or wrong without it (another query, or a second "
@@ -491,7 +511,8 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         "## Training curves (every step)", "",
         f"![training curves]({curves})", "",
         "The KL panel is the per-token mean of the KL *estimate* the loss used (Top-k reverse KL: exact head "
-        "over the k tokens plus a sampled tail term), not the exact KL; it can be negative.", "",
+        "over the k tokens plus a sampled tail term), not the exact KL; it can be negative."
+        + (" " + FLAT_PANELS_NOTE if "filter/sampled_reward_mean" in (t["metrics"] or [{}])[0] else ""), "",
         "## Stage logs and times", "",
         *[f"- {name}: `{path}`" + (f" ({results['stage_seconds'][name]:.0f} s)" if name in results["stage_seconds"] else "")
           for name, path in results["logs"].items()],
@@ -503,8 +524,8 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
 
 
 def run_demo(preset_name: str, out: Path | None) -> Path:
-    from eval.learning import compare_learning, learning_table, verdict
-    from eval.report import compare_runs
+    from eval.learning import compare_learning, evaluated_datasets, learning_table, verdict
+    from eval.report import compare_runs, plot_learning
     from provision.indexes import bundled_index, ensure_bundled_index
     from provision.retrievers import open_retriever
     from trainer.checkpoint import latest_checkpoint
@@ -619,14 +640,15 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
 
         stages.banner(7, total, "writing the report")
         report = out / "report"
-        compare_runs([out / "eval_base", out / "eval_trained"], report)
+        compare_runs([out / "eval_base", out / "eval_trained"], report, plots=False)
         compare_md = (report / "report.md").read_text()
         first_step = json.loads(metrics.read_text().splitlines()[0])
         panels = FILTERED_CURVES if "filter/sampled_reward_mean" in first_step else CURVES
         curves = plot_runs([train_dir], report / "training_curves.png", metrics=list(panels), labels=["EMA-PG"],
                            title=f"EMA-PG training on {preset.train_set} ({preset.policy})")
-        learning = compare_learning(out / "eval_base", out / "eval_trained", list(QA_DATASETS))
+        learning = compare_learning(out / "eval_base", out / "eval_trained", evaluated_datasets(out / "eval_base"))
         sampled = _sampled_learning(out)
+        plot_learning({"greedy EM": learning, f"sampled mean@{sampled['samples']} EM": sampled["all"]["mean_em"]}, report / "em.png")
         results = _results(preset_name, preset, out, train_dir, learning, pool, stages, sampled)
         _add_search(results, out)
         (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")

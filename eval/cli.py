@@ -53,7 +53,8 @@ class CompareConfig:
 
     runs: list[str] = option(help="run folders written by `emapg eval`")
     out: str = option(help="folder for report.md, comparison.json and plots")
-    paper: bool = option(True, help="add the paper's published numbers as labelled reference columns")
+    paper: bool = option(True, help="add the paper's published numbers, as a table of their own headed as another model at "
+                                    "another scale (never columns or bars beside the runs')")
     allow_mismatch: bool = option(False, help="compare runs whose index fingerprint or protocol differ (listed as warnings in "
                                   "the report) instead of refusing")
 
@@ -66,7 +67,7 @@ def eval_parser() -> argparse.ArgumentParser:
         "Library output (vLLM, transformers and torch logs and warnings, the engine's subprocesses) goes to "
         "DIR/eval.log, appended to on each run; the console gets progress and the results table. "
         f"The retriever's API key, if it needs one, is read from ${API_KEY_ENV}. "
-        "`emapg eval compare RUN_DIR... --out DIR` puts runs side by side with the paper's numbers.",
+        "`emapg eval compare RUN_DIR... --out DIR` puts runs side by side (the paper's numbers in a table of their own).",
     )
     add_config_arguments(p, ProtocolPreset, flags=EVAL_FLAGS)
     add_config_arguments(p, EvalConfig, exclude=EVAL_EXCLUDE, flags=EVAL_FLAGS, hide_defaults=("protocol.",))
@@ -77,7 +78,7 @@ def eval_parser() -> argparse.ArgumentParser:
 def compare_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emapg eval compare",
                                 description="Side-by-side report of evaluation runs (markdown, JSON, PNG), with the "
-                                "paper's published numbers as labelled reference columns.")
+                                "paper's published numbers in a table of their own (another model, another scale).")
     add_config_arguments(p, CompareConfig, positional=("runs",))
     return p
 

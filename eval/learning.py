@@ -95,6 +95,36 @@ def paired_items(base_dir: str | Path, trained_dir: str | Path, datasets: list[s
     return out
 
 
+def evaluated_datasets(run_dir: str | Path) -> list[str]:
+    """The datasets an evaluation scored, in its ``results.json`` order (the suite's); what every comparison of two
+    runs pools in, so that the same two runs always give the same pooled interval (the bootstrap resamples the
+    pooled questions in this order)."""
+    from eval.items import ITEMS_DIR
+
+    path = Path(run_dir) / "results.json"
+    if path.is_file():
+        names = list((json.loads(path.read_text()).get("datasets") or {}))
+        if names:
+            return names
+    return sorted(p.stem for p in (Path(run_dir) / ITEMS_DIR).glob("*.jsonl"))
+
+
+def sampling_protocol(run_dir: str | Path) -> str:
+    """How an evaluation answered each question, in words: ``greedy``, or ``sampled mean@n (T=..., top_p=...)``
+    (its ``results.json`` protocol, or ``run.json``'s while it runs); two evaluations compare like for like only under
+    the same one."""
+    results, run = Path(run_dir) / "results.json", Path(run_dir) / "run.json"
+    if results.is_file():
+        p = json.loads(results.read_text())["protocol"]
+    elif run.is_file():
+        p = json.loads(run.read_text())["fingerprint"]["protocol"]
+    else:
+        raise ValueError(f"{run_dir}: neither results.json nor run.json says how it sampled")
+    if float(p["temperature"]) == 0 and int(p["n"]) == 1:
+        return "greedy"
+    return f"sampled mean@{int(p['n'])} (T={float(p['temperature']):g}, top_p={float(p['top_p']):g})"
+
+
 def _percent_difference(a: list[float], b: list[float], seed: int, resamples: int) -> dict[str, float | int]:
     d = paired_bootstrap(a, b, seed=seed, resamples=resamples)
     return {"mean": 100 * d.mean, "low": 100 * d.low, "high": 100 * d.high, "n": d.n, "confidence": d.confidence,
@@ -147,6 +177,16 @@ def samples_per_question(run_dir: str | Path, datasets: list[str]) -> int:
     return counts.pop()
 
 
+def percent_text(value: float) -> str:
+    """A score in percent as every report prints it (one decimal)."""
+    return f"{value:.1f}"
+
+
+def difference_text(d: dict[str, float]) -> str:
+    """A difference with its interval as every report prints it: ``+1.9 [-3.7, +7.4]`` (pp)."""
+    return f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]"
+
+
 def learning_table(comparison: dict[str, Any], labels: tuple[str, str] = ("starter", "trained")) -> str:
     """Markdown: datasets × (n, base, trained, difference with its interval, format rates), pooled last."""
     m = comparison["metric"]
@@ -157,8 +197,8 @@ def learning_table(comparison: dict[str, Any], labels: tuple[str, str] = ("start
 
     def row(name: str, b: dict[str, Any], bold: bool = False) -> str:
         d, f = b["difference"], b["format_rate"]
-        cells = [str(b["n"]), f"{b['base']:.1f}", f"{b['trained']:.1f}",
-                 f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]", f"{f['base']:.0f} / {f['trained']:.0f}"]
+        cells = [str(b["n"]), percent_text(b["base"]), percent_text(b["trained"]), difference_text(d),
+                 f"{f['base']:.0f} / {f['trained']:.0f}"]
         if bold:
             name, cells = f"**{name}**", [f"**{c}**" for c in cells]
         return f"| {name} | " + " | ".join(cells) + " |"

@@ -171,3 +171,16 @@ def recompute(recorded: ReaderSlice, tokenizer: Any, *, rule: str, corpus: str |
         out[ds] = {q["id"]: in_slice([[passages[pid] for pid in ids] for ids in q["retrieved_ids"]], examples[q["id"]].question,
                                      examples[q["id"]].answers, tokenizer, budget, rule=rule) for q in rows}
     return out
+
+
+def evaluated_in_slice(run_dir: str | Path, datasets: Sequence[str], reader: ReaderSlice) -> dict[str, list[Any]]:
+    """Per dataset, the ids of the questions ``run_dir`` evaluated (its ``items/*.jsonl``) that are in the slice:
+    what a comparison of a run on a sample of the held-out split can restrict itself to (every dataset is a key;
+    an empty list where none of its questions is in the slice)."""
+    from eval.items import read_items
+
+    out: dict[str, list[str]] = {}
+    for ds in datasets:
+        wanted = {str(i) for i in reader.ids.get(ds, ())}
+        out[ds] = sorted((r["id"] for r in read_items(Path(run_dir), ds) if str(r["id"]) in wanted), key=str)
+    return out

@@ -12,9 +12,9 @@ Metric values are fractions in [0, 1] in JSON (``searches``, ``turns`` and
 ``search_failures`` are totals); tables show rates as percentages with one decimal.
 
 ``emapg eval compare RUN_DIR... --out DIR`` puts several runs side by side, plus the
-paper's published numbers as clearly labelled reference columns: those are the paper's
-models (Qwen2.5-3B base for search, DeepSeek-R1-Distill-Qwen-1.5B for math) on the full
-test sets and wiki-18, not ours.
+paper's published numbers in a table of their own, labelled as another model at another scale
+(Qwen2.5-3B base for search, DeepSeek-R1-Distill-Qwen-1.5B for math, on the full test sets and
+wiki-18): never a column or a bar beside ours, which a reader would compare with them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ __all__ = [
     "results_table",
     "contamination_line",
     "comparison_table",
+    "paper_table",
     "plot_bars",
+    "plot_learning",
     "plot_passk",
     "write_run_report",
     "compare_runs",
@@ -125,22 +127,19 @@ def _unique_labels(runs: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def comparison_table(runs: Sequence[dict[str, Any]], metric: str, reference: dict[str, dict[str, float]] | None = None) -> str:
-    """Datasets × runs for one metric (percent), the unweighted average row, and optional
-    reference columns (already in percent, e.g. the paper's)."""
+def comparison_table(runs: Sequence[dict[str, Any]], metric: str) -> str:
+    """Datasets × runs for one metric (percent) and the unweighted average row (the paper's numbers are never a
+    column here: :func:`paper_table`)."""
     datasets: list[str] = []
     for run in runs:
         datasets += [d for d in run["datasets"] if d not in datasets]
-    reference = reference or {}
-    cols = _unique_labels(runs) + list(reference)
+    cols = _unique_labels(runs)
     rows = ["| dataset | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for ds in datasets:
         cells = [_fmt(metric, r["datasets"].get(ds, {}).get(metric)) for r in runs]
-        cells += [f"{ref[ds]:.1f}" if ds in ref else "–" for ref in reference.values()]
         rows.append(f"| {ds} | " + " | ".join(cells) + " |")
     cells = [f"**{_fmt(metric, r['average'].get(metric))}**" if set(r["datasets"]) == set(datasets)
              else "–" for r in runs]  # an average over different datasets would not compare
-    cells += ["–"] * len(reference)
     rows.append("| **average** | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -154,30 +153,90 @@ def _pyplot():
     return plt
 
 
-def plot_bars(runs: Sequence[dict[str, Any]], metric: str, path: str | Path,
-              reference: dict[str, dict[str, float]] | None = None) -> Path:
-    """Grouped bar chart: one group per dataset, one bar per run (and per reference column)."""
+def plot_bars(runs: Sequence[dict[str, Any]], metric: str, path: str | Path) -> Path:
+    """Grouped bar chart: one group per dataset, one bar per run (800 px wide); each group's label carries its
+    number of questions (of the first run)."""
     plt = _pyplot()
     datasets: list[str] = []
     for run in runs:
         datasets += [d for d in run["datasets"] if d not in datasets]
     labels = _unique_labels(runs)
     series = [(lab, [100 * r["datasets"].get(d, {}).get(metric, float("nan")) for d in datasets]) for lab, r in zip(labels, runs)]
-    for label, ref in (reference or {}).items():
-        series.append((label, [ref.get(d, float("nan")) for d in datasets]))
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(datasets) + 2), 4))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     for i, (label, values) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(datasets))]
-        ax.bar(xs, values, width, label=label, hatch="//" if label in (reference or {}) else None)
+        ax.bar(xs, values, width, label=label)
+    n = [runs[0]["datasets"].get(d, {}).get("n_items") for d in datasets]
     ax.set_xticks(range(len(datasets)))
-    ax.set_xticklabels(datasets, rotation=20, ha="right")
+    ax.set_xticklabels([f"{d}\nn={k}" if k is not None else d for d, k in zip(datasets, n)], fontsize=8)
     ax.set_ylabel(_label(metric))
     ax.set_title(f"{metric} per dataset")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def paper_table(reference: dict[str, Any]) -> list[str]:
+    """Markdown lines: the paper's published numbers (:data:`PAPER_REFERENCE` ``[suite]``) as a table of their own,
+    headed as another model at another scale, so that no reader sets them beside this run's columns."""
+    columns = reference["columns"]
+    datasets = [d for col in columns.values() for d in col]
+    datasets = list(dict.fromkeys(datasets))
+    rows = ["| dataset | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    rows += [f"| {ds} | " + " | ".join(f"{col[ds]:.1f}" if ds in col else "–" for col in columns.values()) + " |"
+             for ds in datasets]
+    return ["### Published numbers of the EMA-PG paper: another model, another scale", "",
+            f"{reference['metric']} (%) of {reference['model']} (arXiv 2602.04417) -- **not produced by this code or "
+            f"these runs**, and not comparable with the columns above. {reference['note']}", "", *rows]
+
+
+def plot_learning(comparisons: dict[str, dict[str, Any]], path: str | Path, labels: tuple[str, str] = ("starter", "trained")) -> Path:
+    """Starter vs trained on the same questions, 800 px wide, for each protocol side by side (``comparisons``: a
+    name such as "greedy EM" -> its :func:`eval.learning.compare_learning` block): above, each dataset's and the
+    pooled score of both policies; below, the difference with its paired bootstrap interval. Every group's label
+    carries its number of questions."""
+    plt = _pyplot()
+    first = next(iter(comparisons.values()))
+    groups = [*first["datasets"], "pooled"]
+    n = [b["n"] for b in first["datasets"].values()] + [first["pooled"]["n"]]
+    ticks = [f"{g}\nn={k}" for g, k in zip(groups, n)]
+    block = lambda c, g: c["pooled"] if g == "pooled" else c["datasets"].get(g)  # noqa: E731
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True)
+    bars = 2 * len(comparisons)
+    width = 0.8 / bars
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, comp) in enumerate(comparisons.items()):
+        for j, side in enumerate(("base", "trained")):
+            k = 2 * i + j
+            xs = [x + (k - (bars - 1) / 2) * width for x in range(len(groups))]
+            values = [block(comp, g)[side] if block(comp, g) else float("nan") for g in groups]
+            top.bar(xs, values, width, color=colors[j], alpha=1.0 if i == 0 else 0.55, hatch=None if i == 0 else "//",
+                    label=f"{labels[j]}, {name}")
+        xs = [x + (i - (len(comparisons) - 1) / 2) * 0.3 for x in range(len(groups))]
+        diffs = [block(comp, g)["difference"] if block(comp, g) else None for g in groups]
+        mean = [d["mean"] if d else float("nan") for d in diffs]
+        err = [[d["mean"] - d["low"] if d else 0 for d in diffs], [d["high"] - d["mean"] if d else 0 for d in diffs]]
+        level = round(100 * first["pooled"]["difference"]["confidence"])
+        bottom.errorbar(xs, mean, yerr=err, fmt="o", capsize=3, color=colors[2 + i], label=f"{name}, {level}% interval")
+    top.set_ylabel("%", fontsize=9)
+    top.set_title(f"{labels[0]} vs {labels[1]} on the same questions", fontsize=10)
+    top.legend(fontsize=7, ncol=2)
+    bottom.axhline(0, color="grey", linewidth=1)
+    bottom.set_ylabel(f"{labels[1]} - {labels[0]} (pp)", fontsize=9)
+    bottom.set_title("difference, paired bootstrap over questions", fontsize=10)
+    bottom.legend(fontsize=7)
+    bottom.set_xticks(range(len(groups)))
+    bottom.set_xticklabels(ticks, fontsize=8)
+    for ax in (top, bottom):
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
@@ -197,7 +256,7 @@ def plot_passk(runs: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
     plt = _pyplot()
     cols = min(3, len(datasets))
     nrows = math.ceil(len(datasets) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(8 / 3 * cols, 2.6 * nrows), squeeze=False)
     for ax, ds in zip(axes.flat, datasets):
         for label, run in zip(_unique_labels(runs), runs):
             pts = curve(run["datasets"].get(ds, {}))
@@ -215,7 +274,7 @@ def plot_passk(runs: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
         ax.axis("off")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
@@ -297,9 +356,9 @@ def _provenance_section(reference: str, diffs: dict[str, Any]) -> list[str]:
 
 
 def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper: bool = True,
-                 allow_mismatch: bool = False) -> dict[str, Any]:
+                 allow_mismatch: bool = False, plots: bool = True) -> dict[str, Any]:
     """Side-by-side report of several runs of one suite; writes ``report.md``,
-    ``comparison.json`` and plots to ``out_dir``; returns the comparison data.
+    ``comparison.json`` and (``plots``) its figures to ``out_dir``; returns the comparison data.
 
     Every difference between the first run and each other one (:func:`eval.provenance.run_differences`)
     is listed; runs searched against another index or under another protocol are refused, unless
@@ -325,8 +384,8 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
     reference = ref["columns"] if with_paper and ref["metric"] == metric else None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bars = plot_bars(runs, metric, out_dir / f"{metric.replace('@', '_at_')}.png", reference)
-    passk = plot_passk(runs, out_dir / "pass_at_k.png")
+    bars = plot_bars(runs, metric, out_dir / f"{metric.replace('@', '_at_')}.png") if plots else None
+    passk = plot_passk(runs, out_dir / "pass_at_k.png") if plots else None
     lines = [f"# Comparison ({suite}, {metric})", ""]
     for label, r in zip(_unique_labels(runs), runs):
         p = r["protocol"]
@@ -334,11 +393,11 @@ def compare_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, with_paper
                      f"{'grader `' + r['grader'] + '`, ' if get_task(suite).grader_setting else ''}{r['timestamp']}"
                      + (f"; {sum(r['contamination']['excluded'].values())} question(s) it was trained on left out"
                         if (r.get("contamination") or {}).get("excluded") else ""))
-    lines += ["", comparison_table(runs, metric, reference), ""]
+    lines += ["", comparison_table(runs, metric), ""]
+    if bars is not None:
+        lines.append(f"![{metric}]({bars.name})")
     if reference:
-        lines += [f"Columns marked *paper* are the published numbers of the EMA-PG paper (arXiv 2602.04417) for "
-                  f"{ref['model']} -- **not produced by this code or these runs**. {ref['note']}", ""]
-    lines.append(f"![{metric}]({bars.name})")
+        lines += ["", *paper_table(ref), ""]
     if passk is not None:
         lines += ["", f"![pass@k]({passk.name})"]
     lines += ["", *_provenance_section(labels[0], diffs)]

@@ -90,6 +90,45 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     # with its output not a terminal, the training stage printed one plain line per step
     assert proc.stdout.count("  train step ") == 2 and "ETA" in proc.stdout
     assert (report / "training_curves.png").is_file()
+    _reader_slice_row_counts_the_questions_evaluated(out, results, md)
+    _viewer_summary_equals_the_report(report, results)
+
+
+def _reader_slice_row_counts_the_questions_evaluated(out: Path, results: dict, md: str) -> None:
+    """Contract: ``reader_slice.questions`` is the overlap of the demo's held-out questions with the recorded slice,
+    recomputed here from data/qa/reader_slice.json itself; with some, the sampled EM over them at start and end."""
+    recorded = json.loads((REPO / "data" / "qa" / "reader_slice.json").read_text())["ids"]
+    evaluated = {ds: {json.loads(line)["id"] for line in (out / "eval_base_sampled" / "items" / f"{ds}.jsonl").read_text().splitlines()}
+                 for ds in QA_DATASETS}
+    overlap = sum(len(evaluated[ds] & set(recorded.get(ds, []))) for ds in QA_DATASETS)
+    rs = results["reader_slice"]
+    assert rs["questions"] == overlap == results["sampled"]["reader_questions"]
+    assert f"{overlap} of these {2 * len(QA_DATASETS)} questions are in it" in md
+    if overlap:
+        assert 0.0 <= rs["sampled_em_start"] <= 100.0 and 0.0 <= rs["sampled_em_end"] <= 100.0
+        assert rs["difference"]["mean"] == pytest.approx(rs["sampled_em_end"] - rs["sampled_em_start"])
+        assert "| reader slice, sampled mean@2 EM |" in md
+    else:
+        assert "sampled_em_start" not in rs and "reader slice, sampled" not in md
+
+
+def _viewer_summary_equals_the_report(report: Path, results: dict) -> None:
+    """``emapg view <report folder>`` opens the demo's runs, and its summary of each like-for-like pair is the report's."""
+    from fastapi.testclient import TestClient
+
+    from app.viewer.runs import open_runs
+    from app.viewer.server import create_app
+
+    runs = open_runs([report])
+    client = TestClient(create_app(runs, allowed_hosts=["testserver"]))
+    by_name = {r.label.split("/")[-1]: r.id for r in runs}
+    for a, b, key in (("eval_base", "eval_trained", "pooled_em"), ("eval_base_sampled", "eval_trained_sampled", "sampled_em")):
+        got = client.get(f"/api/summary?a={by_name[a]}&b={by_name[b]}").json()
+        d = results["difference"][key]
+        assert (got["em_a"], got["em_b"]) == (results["base"][key], results["trained"][key])
+        assert (got["difference"], got["interval"]) == (d["mean"], [d["low"], d["high"]])
+    crossed = client.get(f"/api/summary?a={by_name['eval_base']}&b={by_name['eval_trained_sampled']}")
+    assert crossed.status_code == 409 and "greedy" in crossed.json()["detail"] and "sampled mean@2" in crossed.json()["detail"]
 
 
 def test_ctrl_c_stops_every_process_and_keeps_the_cache(tmp_path, demo_env):

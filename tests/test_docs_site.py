@@ -31,7 +31,10 @@ def test_the_site_builds_strictly(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for page in ("tour", "retriever", "agent-formats", "training", "evaluation", "configuration", "performance", "learning",
                  "troubleshooting"):
-        assert (tmp_path / "site" / page / "index.html").is_file(), page
+        assert (tmp_path / "site" / f"{page}.html").is_file(), page
+    # opened from disk, a link lands on a page, not on a folder listing: every internal link names an .html file
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert 'href="tour.html"' in index and 'href="own-data.html"' in index and 'href="tour/"' not in index
 
 
 def test_a_broken_link_fails_the_build(tmp_path):
@@ -103,3 +106,21 @@ def test_the_index_follows_the_json_and_names_internals(tmp_path):
     assert gen.trainer_imports(script) == [("trainer.batch", "trajectory_batch"), ("trainer.config", "TrainConfig"),
                                            ("trainer.distributed", "distributed")]
     assert [m for m, _ in gen.trainer_imports(script) if not gen.is_public(m)] == ["trainer.batch", "trainer.distributed"]
+
+
+def test_the_learning_result_is_the_json_on_every_page_that_quotes_it():
+    """README, learning.md and performance.md show one table generated from learning_search.json (issue #54: no page
+    may report another run's numbers as the current result)."""
+    gen = _gen()
+    table = gen.learning_table()
+    data = json.loads((REPO / "benchmarks" / "results" / "learning_search.json").read_text())
+    assert f"{data['emapg']['reader_sampled_em_end']:.1f}" in table and f"{data['control']['reader_sampled_em_start']:.1f}" in table
+    for page in ("README.md", "docs/learning.md", "docs/performance.md"):
+        assert table in (REPO / page).read_text(), page
+    assert "(current protocol)" not in (REPO / "docs" / "performance.md").read_text()
+
+
+def test_no_page_tells_mkdocs_serve_to_take_the_retrievers_port():
+    for page in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for line in page.read_text().splitlines():
+            assert not ("mkdocs serve" in line and "8000" in line and "not 8000" not in line and "not port 8000" not in line), (page, line)

@@ -14,6 +14,7 @@ acted (lower_lr, rollback, reset_to_anchor, stop). The command's options come fr
 from __future__ import annotations
 
 import argparse
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,17 @@ from emapg.config import ConfigError, add_config_arguments, config_from_args, op
 from emapg.errors import UserError
 
 DEFAULT_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
+#: Every figure is :data:`WIDTH_IN` x :data:`DPI` = 800 px wide, readable at Markdown width with no zoom.
+WIDTH_IN, DPI, PANEL_HEIGHT_IN = 8.0, 100, 2.7
+#: The two reward curves, named the same in every report and in ``emapg view``: with groups left out of the
+#: update (``rollout.uniform_groups=drop``, ``rollout.filter_groups``) the kept groups' reward is not the policy's.
+REWARD_SAMPLED = "reward of every sampled group (the policy's)"
+REWARD_KEPT = "reward of the groups kept for the update"
 TITLES = {
-    "reward/mean": "mean reward",
-    "filter/sampled_reward_mean": "mean reward (every sampled group)",
+    "reward/mean": REWARD_KEPT,
+    "filter/sampled_reward_mean": REWARD_SAMPLED,
     "filter/informative_frac": "trained groups whose rewards differ",
+    "filter/first_round_informative_frac": "sampled groups whose rewards differ (first round)",
     "kl/mean": "KL(policy || anchor) estimate (can be < 0)",
     "response/length_mean": "response length (tokens)",
     "response/answered_frac": "format rate (ended with an answer)",
@@ -35,6 +43,15 @@ TITLES = {
     "response/length_drift": "response length vs the run's start (-1 .. )",
     "kl/to_start": "exact KL(policy || starting policy)",
     "probe/flip_rate": "probe answers flipped since the last probe",
+}
+#: Curves flat by construction under a setting: key -> (the value they keep, why). A run where one stays at that value
+#: over every step shows nothing there (``emapg view`` leaves it out of its default panels and says why; the demo's
+#: report does not draw it).
+FLAT_BY_CONSTRUCTION: dict[str, tuple[float, str]] = {
+    "filter/informative_frac": (1.0, "as it is by construction when uniform groups are dropped or filtered "
+                                     "(rollout.uniform_groups=drop, rollout.filter_groups): every trained group's rewards differ"),
+    "reward/zero_variance_groups": (0.0, "as it is by construction when uniform groups are dropped or filtered: it counts "
+                                         "the trained groups"),
 }
 #: ``kl/mean`` titles by ``algorithm.kl.type``: which estimate the curve is.
 KL_TITLES = {
@@ -118,13 +135,17 @@ def plot_runs(
 
     labels = labels or [p.name for p in run_dirs]
     kinds = {kl_type(r) for r in run_dirs}
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.6), squeeze=False)
+    rows, cols = grid_shape(len(metrics))
+    fig, grid = plt.subplots(rows, cols, figsize=(WIDTH_IN, PANEL_HEIGHT_IN * rows), squeeze=False)
+    panels = list(grid.flat)[: len(metrics)]
+    for ax in list(grid.flat)[len(metrics):]:
+        ax.axis("off")
     for run_dir, label, color in zip(run_dirs, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
         curves = load_curves(run_dir, metrics)
-        for ax in axes[0]:
+        for ax in panels:
             for step, acted in guard_marks(run_dir):
                 ax.axvline(step, color=color, alpha=0.6, linewidth=1, linestyle="--" if acted else ":")
-        for ax, m in zip(axes[0], metrics):
+        for ax, m in zip(panels, metrics):
             steps, values = curves[m]
             if not steps:
                 continue
@@ -134,19 +155,30 @@ def plot_runs(
                 ax.plot(steps, moving_average(values, smooth), color=color, label=label, linewidth=2)
             else:
                 ax.plot(steps, values, color=color, label=label, linewidth=2, marker=marker, markersize=3)
-    for ax, m in zip(axes[0], metrics):
-        ax.set_title(metric_title(m, kinds), fontsize=10)
-        ax.set_xlabel("step")
+    for ax, m in zip(panels, metrics):
+        ax.set_title(textwrap.fill(metric_title(m, kinds), 44 if cols < 3 else 34), fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
+        if m.endswith(("_frac", "_share", "_rate")):  # a share: its whole range, so a flat 1.0 reads as 1.0, not as noise
+            ax.set_ylim(-0.03, 1.03)
+        if ax.lines and len(run_dirs) > 1:
+            ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
+
+
+
+def grid_shape(panels: int) -> tuple[int, int]:
+    """(rows, columns) of a figure with ``panels`` panels: at most 3 across (2 from 4 panels on), so each stays
+    at least ~260 px wide in an 800-px figure."""
+    cols = panels if panels <= 3 else 2 if panels == 4 else 3
+    return -(-panels // cols), cols
 
 
 @dataclass

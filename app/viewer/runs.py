@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -101,15 +102,20 @@ class Run:
         """One summary per question of every dataset (what the filters and the comparison read)."""
         return [item_summary(ds, r) for ds in self.datasets() for r in self.records(ds)]
 
-    def item(self, dataset: str, item_id: str) -> dict[str, Any] | None:
-        """The question ``item_id`` (as the API shows ids: :func:`app.viewer.trajectory.shown`) of ``dataset``."""
+    def item(self, dataset: str, item_id: str, sample: int = 0) -> dict[str, Any] | None:
+        """One question (``item_id`` as the API shows ids: :func:`app.viewer.trajectory.shown`): its ``sample``-th
+        sample's trajectory, and every sample's answer and score (each one click away on the page). None: no such
+        question or sample."""
         for r in self.records(dataset):
             if shown(str(r.get("id"))) == item_id:
-                sample = (r.get("samples") or [{}])[0]
-                if not isinstance(sample, dict):
-                    sample = {}
-                return {**render({**r, **sample, "golds": r.get("golds"), "question": r.get("question"), "prompt": r.get("prompt"),
-                                  "prompt_tokens": None}), **item_summary(dataset, r)}
+                samples = [s if isinstance(s, dict) else {} for s in (r.get("samples") or [{}])]
+                if not 0 <= sample < len(samples):
+                    return None
+                chosen = samples[sample]
+                return {**item_summary(dataset, r), **render({**r, **chosen, "golds": r.get("golds"), "question": r.get("question"),
+                                                              "prompt": r.get("prompt"), "prompt_tokens": None}), "sample": sample,
+                        "sample_scores": [{"prediction": s.get("prediction"), "right": _score(s.get("scores") or {}) >= 1.0}
+                                          for s in samples]}
         return None
 
     # ------------------------------------------------------------------
@@ -122,8 +128,12 @@ class Run:
                        sample_steps=len(self.sample_steps()))
             self.guard_events()
         else:
+            from app.viewer.summary import protocol_of
+
             items = self.items()
             out.update(datasets=self.datasets(), questions=len(items), right=sum(i["right"] for i in items),
+                       em=100 * sum(i["score"] for i in items) / len(items) if items else None,
+                       samples=max((i["samples"] for i in items), default=1), protocol=protocol_of(self.path),
                        model=str(self.results().get("model", "")), search=self.search())
         problems = self.files.problems()
         out.update(problems=problems, skipped_records=sum(p["skipped"] for p in problems.values()),
@@ -164,15 +174,30 @@ def _score(scores: dict[str, Any]) -> float:
     return 0.0
 
 
+def question_em(record: dict[str, Any]) -> float:
+    """The question's EM as the reports read it (:func:`eval.learning.question_score`: with n samples, the mean over
+    them -- mean@n); a record without one scores its first sample."""
+    from eval.learning import question_score
+
+    if isinstance((record.get("scores") or {}).get("em"), (int, float)):
+        return question_score(record, "em")
+    return _score(_greedy(record)[1])
+
+
 def item_summary(dataset: str, record: dict[str, Any]) -> dict[str, Any]:
+    """One question as the tables list it: ``score`` (mean@n EM in [0, 1]) over its ``samples``; ``right``: every
+    sample right (a greedy run's one answer); the answer, searches and gold shown are its first sample's."""
     sample, scores = _greedy(record)
-    right = _score(scores) >= 1.0
+    samples = record.get("samples") or [record]
+    score = question_em(record)
+    right = score >= 1.0
     shown = float(scores.get("retrieval_recall", 0.0) or 0.0) > 0
     searches = int(sample.get("searches", record.get("searches", 0)) or 0)
     prediction = sample.get("prediction", record.get("prediction"))
     return {"dataset": dataset, "id": str(record.get("id")), "question": str(record.get("question", "")),
             "golds": [str(g) for g in record.get("golds") or []], "prediction": None if prediction is None else str(prediction),
-            "right": right, "shown": shown, "searches": searches,
+            "right": right, "score": score, "samples": len(samples),
+            "right_samples": sum(_score(s.get("scores") or {}) >= 1.0 for s in samples), "shown": shown, "searches": searches,
             "outcome": "right" if right else ("shown_wrong" if shown else "not_shown_wrong")}
 
 
@@ -193,23 +218,30 @@ def filter_items(items: list[dict[str, Any]], *, dataset: str | None = None, out
 
 
 def compare(a: Run, b: Run) -> dict[str, Any]:
-    """Question by question, the greedy answers of two eval runs over the same questions: which flipped."""
+    """Question by question, two eval runs of the same questions under the same protocol (greedy with greedy, sampled
+    with sampled; :func:`app.viewer.summary.check_like_for_like` refuses others): which questions' score (mean@n
+    EM) went up (``gained``) or down (``lost``), which answers changed without it."""
+    from app.viewer.summary import check_like_for_like
     from tasks.qa import normalize_answer
 
+    protocol = check_like_for_like(a.label, a.path, b.label, b.path)
     left = {(i["dataset"], i["id"]): i for i in a.items()}
     rows = []
     for i in b.items():
         j = left.get((i["dataset"], i["id"]))
         if j is None:
             continue
-        change = ("gained" if i["right"] and not j["right"] else "lost" if j["right"] and not i["right"] else
+        change = ("gained" if i["score"] > j["score"] else "lost" if i["score"] < j["score"] else
                   "changed" if normalize_answer(j["prediction"] or "") != normalize_answer(i["prediction"] or "") else "same")
         rows.append({"dataset": i["dataset"], "id": i["id"], "question": i["question"], "golds": i["golds"],
-                     "a": {k: j[k] for k in ("prediction", "right", "shown", "searches")},
-                     "b": {k: i[k] for k in ("prediction", "right", "shown", "searches")}, "change": change})
+                     "a": {k: j[k] for k in ITEM_FIELDS}, "b": {k: i[k] for k in ITEM_FIELDS}, "change": change})
     counts = {c: sum(r["change"] == c for r in rows) for c in ("gained", "lost", "changed", "same")}
-    return {"a": a.summary(), "b": b.summary(), "rows": rows, "counts": counts,
+    return {"a": a.summary(), "b": b.summary(), "protocol": protocol, "rows": rows, "counts": counts,
             "only_in_one": len(left) + len(b.items()) - 2 * len(rows)}
+
+
+#: What the comparison shows of each side's answer to a question.
+ITEM_FIELDS = ("prediction", "right", "score", "samples", "right_samples", "shown", "searches")
 
 
 def finite(value: Any) -> Any:
@@ -217,6 +249,12 @@ def finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def _runs_inside(path: Path) -> list[tuple[Path, Kind]]:
+    """The runs one level down in ``path``."""
+    children = [(c, run_kind(c)) for c in sorted(path.iterdir()) if c.is_dir()]
+    return [(c, k) for c, k in children if k is not None]
 
 
 def open_runs(paths: list[str | os.PathLike]) -> list[Run]:
@@ -231,8 +269,10 @@ def open_runs(paths: list[str | os.PathLike]) -> list[Run]:
         if kind is not None:
             found.append((path, kind, path.name))
             continue
-        children = [(c, run_kind(c)) for c in sorted(path.iterdir()) if c.is_dir()]
-        children = [(c, k) for c, k in children if k is not None]
+        children = _runs_inside(path)
+        if not children and (path / "report.md").is_file() and _runs_inside(path.parent):  # a demo's report/ (its last line)
+            print(f"emapg view: {raw} holds no run; opening the runs of its folder {path.parent}", file=sys.stderr)
+            path, children = path.parent, _runs_inside(path.parent)
         if not children:
             raise UserError(f"{raw} is not a run: no {METRICS_FILE} or {SAMPLES_FILE} (emapg train), no {ITEMS_DIR}/ or "
                             f"{EVAL_RUN_FILE} (emapg eval), and no such folder inside it (emapg demo)")

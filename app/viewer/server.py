@@ -31,16 +31,20 @@ from typing import Any
 
 from app.viewer.run_files import int_field
 from app.viewer.runs import OUTCOMES, Run, compare, filter_items, finite, open_runs
+from app.viewer.summary import NotComparable, pair_summary
 from app.viewer.trajectory import shown
 from emapg.config import ConfigError, add_config_arguments, config_from_args, option
 
 STATIC = Path(__file__).resolve().parent / "static"
-PAGES = ("/", "/curves", "/samples", "/eval", "/compare")
+PAGES = ("/", "/curves", "/samples", "/eval", "/compare", "/summary")
 ASSETS = {"view.js": "text/javascript", "view.css": "text/css"}
+#: Assets are served under their content's digest (``/static/<digest>/<name>``), so a browser keeps them for good
+#: and fetches them again only when they change; everything else is ``no-store``.
+IMMUTABLE = "public, max-age=31536000, immutable"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
        "connect-src 'self'; font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-                    "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+                    "X-Frame-Options": "DENY"}
 #: How many eval items one page of the table lists.
 MAX_ITEMS = 500
 #: Threads that build the API's answers, answers that may wait for one (503 beyond), and how long one may take (503).
@@ -71,6 +75,53 @@ def plotly_js() -> Path:
     if path is None or not path.is_file():
         raise ConfigError("emapg view needs the plotly package (its plotly.js bundle): pip install plotly")
     return path
+
+
+def asset_files() -> dict[str, tuple[Path, str]]:
+    """Every asset the page loads: name -> (file, media type)."""
+    return {"plotly.min.js": (plotly_js(), "text/javascript"), **{name: (STATIC / name, kind) for name, kind in ASSETS.items()}}
+
+
+def digest_of(path: Path) -> str:
+    """The first 16 hex digits of the file's sha256: its URL's version."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def hashed_page(assets: dict[str, tuple[Path, str]]) -> tuple[bytes, dict[str, str]]:
+    """index.html with each ``/static/<name>`` turned into ``/static/<digest>/<name>``, and the digests."""
+    digests = {name: digest_of(path) for name, (path, _) in assets.items()}
+    page = (STATIC / "index.html").read_text()
+    for name, digest in digests.items():
+        page = page.replace(f'"/static/{name}"', f'"/static/{digest}/{name}"')
+    return page.encode(), digests
+
+
+def metric_titles(keys: list[str]) -> dict[str, str]:
+    """The curves' titles, the report's own (:data:`trainer.plot.TITLES`: the two reward curves above all)."""
+    from trainer.plot import TITLES
+
+    return {k: TITLES[k] for k in keys if k in TITLES}
+
+
+def constant_keys(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
+    """Keys whose value is the same at every one of at least 2 logged steps (a flat panel), with that value."""
+    out = {}
+    for k in keys:
+        values = [r[k] for r in rows if r.get(k) is not None]
+        if len(values) >= 2 and all(v == values[0] for v in values):
+            out[k] = values[0]
+    return out
+
+
+def flat_by_construction(constant: dict[str, Any]) -> dict[str, str]:
+    """Of the flat keys, those flat at the value they keep by construction (:data:`trainer.plot.FLAT_BY_CONSTRUCTION`),
+    with the reason: the page leaves them out of its default panels; a key merely flat so far stays."""
+    from trainer.plot import FLAT_BY_CONSTRUCTION
+
+    return {k: FLAT_BY_CONSTRUCTION[k][1] for k, v in constant.items()
+            if k in FLAT_BY_CONSTRUCTION and v == FLAT_BY_CONSTRUCTION[k][0]}
 
 
 def _number(value: Any) -> Any:
@@ -123,9 +174,9 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
 
     app = FastAPI(title="emapg view", docs_url=None, redoc_url=None, openapi_url=None)
     by_id = {r.id: r for r in runs}
-    page = (STATIC / "index.html").read_bytes()
-    bundle = plotly_js()
     workers = RequestWorkers(WORKERS, MAX_WAITING, name="view")
+    assets = asset_files()
+    page, digests = hashed_page(assets)
 
     @app.middleware("http")
     async def headers(request: Request, call_next):
@@ -135,6 +186,7 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
         else:
             response = await call_next(request)
         response.headers.update(SECURITY_HEADERS)
+        response.headers.setdefault("Cache-Control", "no-store")
         return response
 
     async def answer(build, *args) -> Response:
@@ -158,15 +210,19 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
     for path in PAGES:
         app.add_api_route(path, lambda: Response(page, media_type="text/html; charset=utf-8"), methods=["GET"])
 
-    @app.get("/static/plotly.min.js")
-    def plotly_bundle():
-        return FileResponse(bundle, media_type="text/javascript")
+    @app.get("/static/{digest}/{name}")
+    def hashed_asset(digest: str, name: str):
+        if name not in assets or digests[name] != digest:
+            raise HTTPException(404, "no such asset (or another version of it)")
+        path, media_type = assets[name]
+        return FileResponse(path, media_type=media_type, headers={"Cache-Control": IMMUTABLE})
 
     @app.get("/static/{name}")
     def asset(name: str):
-        if name not in ASSETS:
+        if name not in assets:
             raise HTTPException(404, "no such asset")
-        return FileResponse(STATIC / name, media_type=ASSETS[name])
+        path, media_type = assets[name]
+        return FileResponse(path, media_type=media_type)
 
     @app.get("/api/health")
     async def health():
@@ -184,7 +240,9 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
                 for r in records if int_field(r.get("step")) > since]
         guard = [{"step": int_field(e.get("step"), None), "action": str(e.get("action", "")), "reason": str(e.get("reason", ""))}
                  for e in run.guard_events()]
-        return {"keys": keys, "records": rows, "guard": guard}
+        constant = constant_keys([{k: _number(v) for k, v in r.items()} for r in records], keys)
+        return {"keys": keys, "records": rows, "guard": guard, "titles": metric_titles(keys),
+                "constant": constant, "by_construction": flat_by_construction(constant)}
 
     @app.get("/api/runs/{run_id}/metrics")
     async def metrics(run_id: str, since: int = -1):
@@ -214,23 +272,42 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
             raise HTTPException(422, f"outcome must be one of {', '.join(OUTCOMES)}")
         return await answer(items_of, run, dataset, outcome, searches)
 
-    def item_of(run: Run, dataset: str, item_id: str) -> dict[str, Any]:
+    def item_of(run: Run, dataset: str, item_id: str, sample: int) -> dict[str, Any]:
         try:
-            found = run.item(dataset, item_id)
+            found = run.item(dataset, item_id, sample)
         except (TypeError, ValueError, AttributeError, KeyError, IndexError):  # a field of the wrong type
             raise HTTPException(422, "this question's record has fields of the wrong type; it cannot be shown") from None
         if found is None:
-            raise HTTPException(404, "no such question")
+            raise HTTPException(404, "no such question or sample")
         return found
 
     # ``:path``: an id may hold "/" (the page sends it %2F-encoded, which the server decodes before routing)
     @app.get("/api/runs/{run_id}/items/{dataset}/{item_id:path}")
-    async def item(run_id: str, dataset: str, item_id: str):
-        return await answer(item_of, run_of(run_id, "eval"), dataset, item_id)
+    async def item(run_id: str, dataset: str, item_id: str, sample: int = 0):
+        return await answer(item_of, run_of(run_id, "eval"), dataset, item_id, sample)
 
     @app.get("/api/compare")
     async def compare_runs(a: str, b: str):
-        return await answer(compare, run_of(a, "eval"), run_of(b, "eval"))
+        run_a, run_b = run_of(a, "eval"), run_of(b, "eval")
+        return await answer(compare_or_409, run_a, run_b)
+
+    def compare_or_409(run_a: Run, run_b: Run) -> dict[str, Any]:
+        try:
+            return compare(run_a, run_b)
+        except NotComparable as e:
+            raise HTTPException(409, str(e)) from None
+
+    def summary_of(a: str, b: str, run_a: Run, run_b: Run) -> dict[str, Any]:
+        try:
+            found = pair_summary(run_a.label, run_a.path, run_b.label, run_b.path)
+        except NotComparable as e:
+            raise HTTPException(409, str(e)) from None
+        return {"a": a, "b": b, "label_a": run_a.label, "label_b": run_b.label, **found}
+
+    @app.get("/api/summary")
+    async def summary(a: str, b: str):
+        """EM of A and B, B - A and its paired interval, by the report's code (:mod:`app.viewer.summary`)."""
+        return await answer(summary_of, a, b, run_of(a, "eval"), run_of(b, "eval"))
 
     app.state.workers = workers
 

@@ -277,3 +277,20 @@ def test_plot_titles_say_which_kl_estimate():
     assert "estimate" in metric_title("kl/mean", {"topk_reverse", "k3"})  # mixed runs: a generic estimate title
     assert "estimate" in metric_title("kl/mean", {None})
     assert metric_title("response/answered_frac", {None}).startswith("format rate")
+
+
+def test_curves_are_a_grid_800_px_wide_with_both_rewards_named(tmp_path):
+    """Issue #54: readable at Markdown width (800 px, at most 3 panels across), the two rewards told apart."""
+    from matplotlib.image import imread
+
+    from trainer.plot import REWARD_KEPT, REWARD_SAMPLED, grid_shape, metric_title, plot_runs
+
+    keys = ["filter/sampled_reward_mean", "reward/mean", "filter/first_round_informative_frac", "response/answered_frac",
+            "search/per_traj", "kl/mean"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{k: 0.1 * s for k in keys}}) + "\n"
+                                                            for s in range(1, 5)))
+    img = imread(plot_runs([tmp_path / "run"], tmp_path / "c.png", metrics=keys))
+    assert img.shape[1] == 800 and img.shape[0] < img.shape[1]
+    assert [grid_shape(n) for n in (1, 3, 4, 5, 6, 7)] == [(1, 1), (1, 3), (2, 2), (2, 3), (2, 3), (3, 3)]
+    assert metric_title("filter/sampled_reward_mean", {None}) == REWARD_SAMPLED != REWARD_KEPT == metric_title("reward/mean", {None})

@@ -3,8 +3,11 @@ of a folder that is not a run, the read-only, local-only, self-contained serving
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +39,10 @@ def test_a_folder_of_runs_opens_as_each_run(client, viewer_runs):
     runs = {r["label"]: r for r in client.get("/api/runs").json()}
     root = viewer_runs.root.name
     assert {k: r["kind"] for k, r in runs.items()} == {f"{root}/eval_a": "eval", f"{root}/eval_b": "eval", f"{root}/eval_injected": "eval",
+                                                       f"{root}/eval_a_sampled": "eval", f"{root}/eval_b_sampled": "eval",
                                                        f"{root}/train_tags": "train", f"{root}/train_tools": "train"}
+    assert runs[f"{root}/eval_a"]["protocol"] == "greedy" and runs[f"{root}/eval_a"]["samples"] == 1
+    assert runs[f"{root}/eval_a_sampled"]["protocol"] == "sampled mean@2 (T=1, top_p=1)" and runs[f"{root}/eval_a_sampled"]["samples"] == 2
     assert runs[f"{root}/train_tags"]["steps"] == 3 and runs[f"{root}/train_tags"]["sample_steps"] == 3
     assert runs[f"{root}/eval_a"]["questions"] == 4 and runs[f"{root}/eval_a"]["datasets"] == ["bamboogle", "nq"]
     # how it searched, per slice (eval.search_metrics): every question in exactly one of search / reader / rest
@@ -106,6 +112,15 @@ def test_serving_is_read_only_local_and_self_contained(client, viewer_runs):
     assert "http" not in page.text.replace('charset="utf-8"', "")  # no asset from another origin
     bundle = client.get("/static/plotly.min.js")
     assert bundle.status_code == 200 and len(bundle.content) > 1_000_000 and b"plotly" in bundle.content[:2000].lower()
+    # the page loads every asset under its content's digest, kept by the browser for good; the page itself never
+    hashed = re.findall(r'"(/static/([0-9a-f]{16})/([a-z.]+))"', page.text)
+    assert {name for _, _, name in hashed} == {"plotly.min.js", "view.js", "view.css"} and page.headers["cache-control"] == "no-store"
+    for url, digest, name in hashed:
+        got = client.get(url)
+        assert got.status_code == 200 and "immutable" in got.headers["cache-control"] and "max-age=31536000" in got.headers["cache-control"]
+        assert hashlib.sha256(got.content).hexdigest()[:16] == digest
+        assert client.get(url.replace(digest, "0" * 16)).status_code == 404  # another version: not served as this one
+    assert client.get("/api/runs").headers["cache-control"] == "no-store"
     assert client.get("/static/view.js").status_code == 200 and client.get("/static/../runs.py").status_code == 404
     assert client.post("/api/runs").status_code == 405
     assert TestClient(create_app(open_runs([viewer_runs.root]))).get("/").status_code == 400  # Host: testserver is not local
@@ -144,3 +159,66 @@ def test_the_command_serves_the_page_and_the_runs(viewer_runs):
         proc.terminate()
         proc.wait(timeout=30)
     assert f"http://127.0.0.1:{port}/" in proc.stderr.read()
+
+
+def test_sampled_items_show_mean_at_k_and_every_sample(client, viewer_runs):
+    from eval.learning import question_score
+
+    run = ids(client)["eval_a_sampled"]
+    items = client.get(f"/api/runs/{run}/items").json()["items"]
+    records = {r["id"]: r for ds in ("bamboogle", "nq") for r in
+               (json.loads(line) for line in (viewer_runs.eval_a_sampled / "items" / f"{ds}.jsonl").read_text().splitlines())}
+    for item in items:
+        assert item["samples"] == 2 and item["score"] == question_score(records[item["id"]], "em")  # the reports' mean@2
+        assert item["right_samples"] == sum(s["scores"]["em"] >= 1.0 for s in records[item["id"]]["samples"])
+    first = items[0]
+    answers = [client.get(f"/api/runs/{run}/items/{first['dataset']}/{first['id']}?sample={i}").json() for i in (0, 1)]
+    samples = records[first["id"]]["samples"]
+    assert [a["sample"] for a in answers] == [0, 1] and all(a["segments"] for a in answers)
+    assert [s["prediction"] for s in answers[0]["sample_scores"]] == [s.get("prediction") for s in samples]
+    assert [a["searches"] for a in answers] == [s.get("searches", 0) for s in samples]  # each sample's own trajectory
+    assert client.get(f"/api/runs/{run}/items/{first['dataset']}/{first['id']}?sample=2").status_code == 404
+
+
+def test_summary_is_the_reports_numbers_like_for_like(client, viewer_runs):
+    """GET /api/summary: EM of A and B, B - A and its interval, exactly eval.learning.compare_learning's (the demo
+    report's code); two evaluations under different protocols: a 409 naming both."""
+    from eval.learning import compare_learning, evaluated_datasets
+
+    runs = ids(client)
+    for a, b in (("eval_b", "eval_injected"), ("eval_a_sampled", "eval_b_sampled")):
+        got = client.get(f"/api/summary?a={runs[a]}&b={runs[b]}").json()
+        report = compare_learning(getattr(viewer_runs, a), getattr(viewer_runs, b), evaluated_datasets(getattr(viewer_runs, a)))
+        pooled = report["pooled"]
+        assert (got["a"], got["b"]) == (runs[a], runs[b]) and got["n"] == pooled["n"] == 4
+        assert (got["em_a"], got["em_b"], got["difference"]) == (pooled["base"], pooled["trained"], pooled["difference"]["mean"])
+        assert got["interval"] == [pooled["difference"]["low"], pooled["difference"]["high"]]
+        assert set(got["datasets"]) == {"bamboogle", "nq"}
+    assert got["protocol"].startswith("sampled mean@2")
+    crossed = client.get(f"/api/summary?a={runs['eval_b']}&b={runs['eval_b_sampled']}")
+    assert crossed.status_code == 409
+    assert "greedy" in crossed.json()["detail"] and "sampled mean@2 (T=1, top_p=1)" in crossed.json()["detail"]
+    assert client.get(f"/api/compare?a={runs['eval_b']}&b={runs['eval_b_sampled']}").status_code == 409
+    assert client.get(f"/api/summary?a={runs['eval_b']}&b={runs['train_tags']}").status_code == 404
+
+
+def test_a_demo_report_folder_opens_its_runs(viewer_runs, tmp_path):
+    """The folder the demo prints last (``<demo>/report``) opens the demo folder's runs."""
+    demo = tmp_path / "demo"
+    for name in ("eval_a", "eval_b"):
+        shutil.copytree(getattr(viewer_runs, name), demo / name)
+    (demo / "report").mkdir()
+    (demo / "report" / "report.md").write_text("# report\n")
+    assert sorted(r.label for r in open_runs([demo / "report"])) == ["demo/eval_a", "demo/eval_b"]
+
+
+def test_only_curves_flat_by_construction_leave_the_default_panels(client):
+    """filter/informative_frac at 1 (uniform groups dropped) is flat by construction; a reward flat so far is not, nor
+    reward/zero_variance_groups flat at 1 (every group uniform: a fact about the run, not its construction)."""
+    from app.viewer.server import flat_by_construction
+
+    got = flat_by_construction({"filter/informative_frac": 1.0, "reward/zero_variance_groups": 1.0, "reward/mean": 0.5})
+    assert list(got) == ["filter/informative_frac"] and "uniform groups are dropped" in got["filter/informative_frac"]
+    metrics = client.get(f"/api/runs/{ids(client)['train_tags']}/metrics").json()
+    assert set(metrics["by_construction"]) <= set(metrics["constant"])
+    assert metrics["titles"]["reward/mean"] == "reward of the groups kept for the update"

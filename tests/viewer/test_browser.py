@@ -39,7 +39,7 @@ WAIT_S = 60
 def served(viewer_runs, tmp_path_factory):
     """``emapg view`` over a copy of the runs (the live test appends to it), on a free port."""
     root = tmp_path_factory.mktemp("viewed")
-    for run in ("train_tags", "train_tools", "eval_b", "eval_injected"):
+    for run in ("train_tags", "train_tools", "eval_b", "eval_injected", "eval_a_sampled", "eval_b_sampled"):
         shutil.copytree(getattr(viewer_runs, run), root / run)
     with (root / "train_tags" / "samples.jsonl").open("a") as f:  # a crafted step whose every text is an injection
         f.write(json.dumps(injected_sample(99)) + "\n")
@@ -85,10 +85,19 @@ def open_page(driver, url: str, shots: Path, name: str):
     return driver
 
 
+#: When set, the screenshots the documentation shows are also written there: ``EMAPG_VIEWER_SCREENSHOTS=docs/img/viewer
+#: pytest tests/viewer/test_browser.py`` regenerates docs/img/viewer/ (docs/evaluation.md).
+SCREENSHOTS_ENV = "EMAPG_VIEWER_SCREENSHOTS"
+DOC_SCREENSHOTS = ("runs", "curves", "summary", "eval_sampled", "compare")
+
+
 def finish(driver, shots: Path, name: str) -> None:
     """Screenshot the page, then fail on any console error (a CSP violation included) and any injection that ran."""
     shots.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(shots / f"{name}.png"))
+    if os.environ.get(SCREENSHOTS_ENV) and name in DOC_SCREENSHOTS:
+        Path(os.environ[SCREENSHOTS_ENV]).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(shots / f"{name}.png", Path(os.environ[SCREENSHOTS_ENV]) / f"{name}.png")
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == [], errors
     assert driver.execute_script("return window.__pwned === undefined")
@@ -115,7 +124,7 @@ def test_runs_page(served, browser, tmp_path):
     url, _, runs = served
     open_page(browser, url + "/", tmp_path, "runs")
     rows = browser.find_elements(By.CSS_SELECTOR, "#runs tr[data-run]")
-    assert len(rows) == len(runs) == 4
+    assert len(rows) == len(runs) == 6
     assert {r.find_elements(By.TAG_NAME, "td")[1].text for r in rows} == {"train", "eval"}
     finish(browser, tmp_path, "runs")
 
@@ -220,6 +229,66 @@ def test_eval_items_filters(served, browser, tmp_path):
     act(browser, pick_second, "choose a number of searches")
     wait_for(browser, lambda d: "searches=" in d.current_url and rows(d) and all(r["searches"] == n for r in rows(d)), "searches filter")
     finish(browser, tmp_path, "eval")
+
+
+def protocols_of(driver) -> tuple[str, str]:
+    """The protocols of the compare page's chosen A and B (each option reads "label (protocol)")."""
+    def protocol(select_id):
+        text = Select(driver.find_element(By.ID, select_id)).first_selected_option.text
+        return text[text.index(" (") + 2: -1]
+    return protocol("compare-a"), protocol("compare-b")
+
+
+def test_default_comparison_is_like_for_like(served, browser, tmp_path):
+    """The landing page's pairs and the compare page's default pair greedy with greedy, sampled with sampled; a
+    crossed pair is refused with both protocols named."""
+    url, _, runs = served
+    open_page(browser, url + "/", tmp_path, "runs_pairs")
+    pairs = browser.execute_script("return [...document.querySelectorAll('#pairs li')].map(li => [li.dataset.a, li.dataset.b, li.textContent])")
+    labels = {v: k for k, v in runs.items()}
+    assert sorted((labels[a], labels[b]) for a, b, _ in pairs) == [("eval_a_sampled", "eval_b_sampled"), ("eval_b", "eval_injected")]
+    assert all("both greedy" in t or "both sampled mean@2" in t for _, _, t in pairs)
+    open_page(browser, url + "/compare", tmp_path, "compare_default")
+    a, b = protocols_of(browser)
+    assert a == b and browser.find_elements(By.CSS_SELECTOR, "#compare tr.pair")
+    assert browser.find_element(By.ID, "compare-counts").text.startswith(a + ":")
+    browser.get(f"{url}/compare?a={runs['eval_b']}&b={runs['eval_b_sampled']}")
+    wait_for(browser, lambda d: d.find_elements(By.ID, "error"), "a crossed pair was not refused")
+    error = browser.find_element(By.ID, "error").text
+    assert "greedy" in error and "sampled mean@2 (T=1, top_p=1)" in error and "409" in error
+    assert not browser.find_elements(By.CSS_SELECTOR, "#compare tr.pair")
+
+
+def _report_pooled_row(a: Path, b: Path) -> list[str]:
+    """The pooled row of the report's table (eval.learning.learning_table, as the demo's report.md prints it)."""
+    from eval.learning import compare_learning, evaluated_datasets, learning_table
+
+    row = learning_table(compare_learning(a, b, evaluated_datasets(a))).splitlines()[-1]
+    return [c.strip().strip("*") for c in row.strip("|").split("|")]
+
+
+@pytest.mark.parametrize("a, b", [("eval_b", "eval_injected"), ("eval_a_sampled", "eval_b_sampled")])
+def test_summary_page_shows_the_reports_numbers(served, browser, tmp_path, a, b):
+    url, root, runs = served
+    open_page(browser, f"{url}/summary?a={runs[a]}&b={runs[b]}", tmp_path, f"summary_{a}")
+    cells = browser.execute_script("return [...document.querySelector('#summary-table tr.pooled').cells].map(c => c.textContent)")
+    name, n, em_a, em_b, difference = _report_pooled_row(root / a, root / b)[:5]
+    assert cells == ["pooled", n, em_a, em_b, difference]
+    assert "interval" in browser.find_element(By.ID, "summary-verdict").text
+    finish(browser, tmp_path, "summary" if a == "eval_b" else "summary_sampled")
+
+
+def test_sampled_run_shows_mean_at_k_and_every_sample(served, browser, tmp_path):
+    url, _, runs = served
+    open_page(browser, f"{url}/eval?run={runs['eval_a_sampled']}", tmp_path, "eval_sampled")
+    assert "mean@2" in browser.find_element(By.ID, "eval-caption").text
+    badges = browser.execute_script("return [...document.querySelectorAll('#items tr.item')].map(r => r.cells[4].textContent)")
+    assert badges and all(t.endswith("/2 right") for t in badges)
+    act(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#items tr.item").click(), "open the item")
+    wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#items tr.detail button.sample")) == 2, "no sample buttons")
+    act(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#items tr.detail button.sample")[1].click(), "the second sample")
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#items tr.detail[data-sample='1'] .trajectory"), "no second sample")
+    finish(browser, tmp_path, "eval_sampled")
 
 
 def test_two_evaluations_compared(served, browser, tmp_path):

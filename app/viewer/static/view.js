@@ -3,7 +3,7 @@
 "use strict";
 
 const POLL_MS = 2000;
-const DEFAULT_KEYS = ["reward/mean", "filter/informative_frac", "reward/zero_variance_groups", "kl/mean", "actor/entropy",
+const DEFAULT_KEYS = ["filter/sampled_reward_mean", "reward/mean", "filter/first_round_informative_frac", "filter/informative_frac", "reward/zero_variance_groups", "kl/mean", "actor/entropy",
   "actor/grad_norm", "response/length_mean", "response/answered_frac", "search/per_traj", "search/failure_rate",
   "response/repeated_ngram_share", "response/non_text_share", "response/length_drift", "kl/to_start", "probe/flip_rate",
   "time/step", "time/generation", "time/training"];
@@ -35,8 +35,23 @@ function link(page, params, text) {
 
 async function api(path) {
   const response = await fetch(path, {headers: {Accept: "application/json"}});
-  if (!response.ok) throw new Error(path + ": HTTP " + response.status);
+  if (!response.ok) {
+    let detail = "";
+    try { detail = (await response.json()).detail || ""; } catch (e) { /* not JSON */ }
+    throw new Error(detail ? `${detail} (HTTP ${response.status})` : path + ": HTTP " + response.status);
+  }
   return response.json();
+}
+
+// Two evaluations compare like for like: the same protocol (greedy with greedy, sampled with sampled).
+function likePairs(evals) {
+  const groups = {};
+  for (const r of evals) (groups[r.protocol] = groups[r.protocol] || []).push(r);
+  return Object.values(groups).filter(g => g.length >= 2).map(g => [g[0], g[g.length - 1]]);
+}
+
+function emText(r) {
+  return r.em === null || r.em === undefined ? "–" : `${r.samples > 1 ? "mean@" + r.samples + " " : ""}EM ${r.em.toFixed(1)}%`;
 }
 
 const params = new URLSearchParams(location.search);
@@ -79,18 +94,20 @@ async function pageRuns() {
     const rows = runs.map(r => el("tr", {dataset: {run: r.id}},
       el("td", {}, r.label), el("td", {}, r.kind),
       el("td", {}, r.kind === "train" ? `${r.steps} steps (last ${r.last_step}), samples at ${r.sample_steps} steps`
-        : `${r.questions} questions, ${r.right} right; ${r.datasets.join(", ")}`),
+        : `${r.questions} questions, ${emText(r)} (${r.protocol}); ${r.datasets.join(", ")}`),
       el("td", {class: "muted"}, ago(r.updated)),
       el("td", {}, r.kind === "train"
         ? [link("/curves", {runs: r.id}, "curves"), " · ", link("/samples", {run: r.id}, "trajectories")]
         : [link("/eval", {run: r.id}, "items")]),
       el("td", {class: "muted"}, r.path)));
     const evals = runs.filter(r => r.kind === "eval");
+    const pairs = likePairs(evals);
     root.replaceChildren(
       el("h2", {}, "Runs"),
       el("table", {id: "runs"}, el("tr", {}, ["run", "kind", "what", "written", "pages", "folder"].map(h => el("th", {}, h))), rows),
-      evals.length >= 2 ? el("p", {}, link("/compare", {a: evals[0].id, b: evals[evals.length - 1].id},
-        `compare ${evals[0].label} with ${evals[evals.length - 1].label} question by question`)) : null,
+      pairs.length ? el("ul", {id: "pairs"}, pairs.map(([a, b]) => el("li", {dataset: {a: a.id, b: b.id}},
+        `${a.label} vs ${b.label} (both ${a.protocol}): `, link("/summary", {a: a.id, b: b.id}, "EM, difference and interval"),
+        " · ", link("/compare", {a: a.id, b: b.id}, "question by question")))) : null,
       runs.some(r => r.kind === "train") ? el("p", {}, link("/curves", {runs: runs.filter(r => r.kind === "train").map(r => r.id).join(",")},
         "all training runs' curves, overlaid")) : null);
     setLive("updated " + new Date().toLocaleTimeString());
@@ -106,7 +123,8 @@ async function pageCurves() {
   if (!runs.length) { root.replaceChildren(el("p", {class: "muted"}, "No training run was opened.")); return; }
   let chosen = (params.get("runs") || "").split(",").filter(id => runs.some(r => r.id === id));
   if (!chosen.length) chosen = runs.map(r => r.id);
-  const data = {};  // run id -> {records, guard, keys}
+  const data = {};  // run id -> {records, guard, keys, titles, constant}
+  const flatNote = el("div", {class: "muted", id: "flat-note"});
   let keys = (params.get("keys") || "").split(",").filter(Boolean);
   const charts = el("div", {class: "charts", id: "charts"});
   const keyBox = el("div", {class: "keys", id: "keys"});
@@ -118,9 +136,30 @@ async function pageCurves() {
     return [...set].sort();
   }
 
+  // A key flat by construction (filter/informative_frac is 1 when uniform groups are dropped, say) in every chosen
+  // run is no default panel; the note says why. A key merely flat so far is drawn.
+  function flatKeys() {
+    const flat = {};
+    for (const k of allKeys()) {
+      const runsWith = chosen.filter(id => data[id] && data[id].keys.includes(k));
+      const why = runsWith.map(id => (data[id].by_construction || {})[k]);
+      if (runsWith.length && why.every(w => w)) flat[k] = `${k} = ${fmt(data[runsWith[0]].constant[k])} (${why[0]})`;
+    }
+    return flat;
+  }
+
+  function title(k) {
+    for (const id of chosen) if (data[id] && data[id].titles && data[id].titles[k]) return `${data[id].titles[k]} (${k})`;
+    return k;
+  }
+
   function drawKeyBox() {
     const every = allKeys();
-    if (!keys.length) keys = DEFAULT_KEYS.filter(k => every.includes(k)).concat(every.filter(k => k.startsWith("guard/")));
+    const flat = flatKeys();
+    if (!keys.length) keys = DEFAULT_KEYS.filter(k => every.includes(k) && !(k in flat)).concat(every.filter(k => k.startsWith("guard/")));
+    const hidden = Object.keys(flat).filter(k => DEFAULT_KEYS.includes(k) && !keys.includes(k));
+    flatNote.textContent = hidden.length ? "Flat by construction in this run, so not drawn by default (tick one below to draw it): " +
+      hidden.map(k => flat[k]).join("; ") : "";
     const groups = {};
     for (const k of every) (groups[k.split("/")[0]] = groups[k.split("/")[0]] || []).push(k);
     keyBox.replaceChildren(...Object.entries(groups).map(([g, ks]) => el("details", {open: ks.some(k => keys.includes(k))},
@@ -147,7 +186,7 @@ async function pageCurves() {
       for (const id of chosen) for (const g of (data[id] || {guard: []}).guard) {
         shapes.push({type: "line", x0: g.step, x1: g.step, yref: "paper", y0: 0, y1: 1, line: {color: "#d93025", dash: "dot", width: 1}});
       }
-      Plotly.react(div, traces, {title: {text: key, font: {size: 13}}, margin: {l: 50, r: 10, t: 32, b: 36}, shapes,
+      Plotly.react(div, traces, {title: {text: title(key), font: {size: 13}}, margin: {l: 50, r: 10, t: 32, b: 36}, shapes,
         xaxis: {title: {text: "step"}}, yaxis: {exponentformat: "e"}, showlegend: chosen.length > 1, legend: {orientation: "h", y: -0.25}},
         {displaylogo: false, displayModeBar: false, responsive: true});
     }
@@ -160,7 +199,8 @@ async function pageCurves() {
       const since = have.length ? have[have.length - 1].step : -1;
       const got = await api(`/api/runs/${encodeURIComponent(id)}/metrics?since=${since}`);
       if (!data[id] || got.records.length || got.guard.length !== data[id].guard.length) {
-        data[id] = {records: have.concat(got.records), guard: got.guard, keys: got.keys};
+        data[id] = {records: have.concat(got.records), guard: got.guard, keys: got.keys, titles: got.titles, constant: got.constant,
+                    by_construction: got.by_construction};
         changed = true;
       }
     }
@@ -177,7 +217,9 @@ async function pageCurves() {
       poll(true).catch(showError);
     }}), " ", r.label)));
   root.replaceChildren(el("h2", {}, "Curves per step"), runBox,
-    el("div", {class: "muted"}, "metrics (each run's metrics.jsonl; dotted red lines: stability-guard events)"), keyBox, charts);
+    el("div", {class: "muted"}, "metrics (each run's metrics.jsonl; dotted red lines: stability-guard events). " +
+      "Two rewards where groups are left out of the update: every sampled group's (the policy's, as the report draws it) " +
+      "and the kept groups' (reward/mean)."), flatNote, keyBox, charts);
   await poll(true);
   setInterval(() => poll(false).catch(showError), POLL_MS);
 }
@@ -272,11 +314,18 @@ async function pageSamples() {
 }
 
 // ------------------------------------------------------------------------------------------------ eval items
-async function itemDetail(run, item, row) {
+// A question's trajectory; a sampled run's every sample is one click away (the sample buttons above it).
+async function itemDetail(run, item, row, sample = 0) {
   const next = row.nextSibling;
-  if (next && next.classList && next.classList.contains("detail")) { next.remove(); return; }
-  const t = await api(`/api/runs/${encodeURIComponent(run)}/items/${encodeURIComponent(item.dataset)}/${encodeURIComponent(item.id)}`);
-  row.after(el("tr", {class: "detail"}, el("td", {colspan: 7}, trajectoryNode(t))));
+  const open = next && next.classList && next.classList.contains("detail");
+  if (open && next.dataset.sample === String(sample)) { next.remove(); return; }
+  const t = await api(`/api/runs/${encodeURIComponent(run)}/items/${encodeURIComponent(item.dataset)}/${encodeURIComponent(item.id)}?sample=${sample}`);
+  const tabs = t.sample_scores.length > 1 ? el("div", {class: "controls samples"}, "samples: ", t.sample_scores.map((s, i) =>
+    el("button", {class: "sample" + (i === sample ? " active" : ""), dataset: {sample: String(i)},
+      onclick: e => { e.stopPropagation(); itemDetail(run, item, row, i).catch(showError); }},
+      `${i + 1}: ${s.prediction === null || s.prediction === undefined ? "no answer" : s.prediction} (${s.right ? "right" : "wrong"})`))) : null;
+  if (open) next.remove();
+  row.after(el("tr", {class: "detail", dataset: {sample: String(sample)}}, el("td", {colspan: 7}, tabs, trajectoryNode(t))));
 }
 
 async function pageEval() {
@@ -289,7 +338,16 @@ async function pageEval() {
   const counts = el("div", {class: "counts", id: "counts"});
   const table = el("table", {id: "items"});
 
+  const caption = el("p", {class: "muted", id: "eval-caption"});
+  const describe = () => {
+    const r = runs.find(x => x.id === run);
+    caption.textContent = r.samples > 1
+      ? `${r.protocol}: each question's first sample's answer and how many of its ${r.samples} samples are right (its mean@${r.samples} EM); ` +
+        `"right" filters questions whose every sample is right. Click a row for its trajectories, one button per sample.`
+      : "Greedy: each question's one answer; click a row for its trajectory.";
+  };
   async function load() {
+    describe();
     const q = new URLSearchParams(Object.entries(filters).filter(([, v]) => v !== "")).toString();
     const got = await api(`/api/runs/${encodeURIComponent(run)}/items` + (q ? "?" + q : ""));
     const select = (name, options) => el("select", {id: "filter-" + name, onchange: e => {
@@ -307,23 +365,47 @@ async function pageEval() {
         const row = el("tr", {class: "clickable item", dataset: {outcome: item.outcome, dataset: item.dataset}},
           el("td", {}, item.dataset), el("td", {}, item.question), el("td", {}, item.golds.join(" | ")),
           el("td", {}, item.prediction === null ? el("span", {class: "muted"}, "none") : item.prediction),
-          el("td", {}, rightBadge(item.right)), el("td", {}, item.shown ? "yes" : "no"), el("td", {}, String(item.searches)));
+          el("td", {}, item.samples > 1 ? el("span", {class: "badge " + (item.right_samples ? "right" : "wrong")},
+            `${item.right_samples}/${item.samples} right`) : rightBadge(item.right)),
+          el("td", {}, item.shown ? "yes" : "no"), el("td", {}, String(item.searches)));
         row.addEventListener("click", () => itemDetail(run, item, row).catch(showError));
         return row;
       }));
   }
-  root.replaceChildren(el("h2", {}, "Evaluation items"), controls, counts,
-    el("p", {class: "muted"}, "Each question's greedy (first) sample; click a row for its trajectory."), table);
+  root.replaceChildren(el("h2", {}, "Evaluation items"), controls, counts, caption, table);
   await load();
 }
 
 // ------------------------------------------------------------------------------------------------ compare
+// The pair a page opens on: the URL's, else the first like-for-like pair (same protocol), else nothing.
+function chosenPair(runs) {
+  const has = id => runs.some(r => r.id === id);
+  const pairs = likePairs(runs);
+  let a = has(params.get("a")) ? params.get("a") : (pairs.length ? pairs[0][0].id : runs[0].id);
+  const protocol = runs.find(r => r.id === a).protocol;
+  const same = runs.filter(r => r.protocol === protocol && r.id !== a);
+  let b = has(params.get("b")) ? params.get("b") : (same.length ? same[same.length - 1].id : null);
+  return [a, b];
+}
+
+function pairPickers(runs, a, b, onPick) {
+  const pick = (name, value) => el("select", {id: "compare-" + name, onchange: e => onPick(name, e.target.value)},
+    el("option", {value: "", selected: !value}, "–"),
+    runs.map(r => el("option", {value: r.id, selected: r.id === value}, `${r.label} (${r.protocol})`)));
+  return [el("label", {}, "A ", pick("a", a)), el("label", {}, "B ", pick("b", b))];
+}
+
+function scoreCell(s) {
+  if (s.samples > 1) return el("td", {}, s.prediction === null ? el("span", {class: "muted"}, "none") : s.prediction, " ",
+    el("span", {class: "badge " + (s.right_samples ? "right" : "wrong")}, `${s.right_samples}/${s.samples} right`));
+  return el("td", {}, s.prediction === null ? el("span", {class: "muted"}, "none") : s.prediction, " ", rightBadge(s.right));
+}
+
 async function pageCompare() {
   const root = main();
   const runs = (await api("/api/runs")).filter(r => r.kind === "eval");
   if (runs.length < 2) { root.replaceChildren(el("p", {class: "muted"}, "Open two evaluation runs of the same questions to compare them.")); return; }
-  let a = runs.some(r => r.id === params.get("a")) ? params.get("a") : runs[0].id;
-  let b = runs.some(r => r.id === params.get("b")) ? params.get("b") : runs[runs.length - 1].id;
+  let [a, b] = chosenPair(runs);
   let change = params.get("change") || "";
   const controls = el("div", {class: "controls"});
   const summary = el("div", {class: "counts", id: "compare-counts"});
@@ -331,27 +413,63 @@ async function pageCompare() {
   const label = id => runs.find(r => r.id === id).label;
 
   async function load() {
+    controls.replaceChildren(...pairPickers(runs, a, b, (name, v) => {
+      if (name === "a") a = v; else b = v; setParams({[name]: v}); load().catch(showError);
+    }), el("label", {}, "show ", el("select", {id: "compare-change", onchange: e => { change = e.target.value; setParams({change}); load().catch(showError); }},
+      [["", "every question"], ["flipped", "score went up or down"], ["gained", "score went up (wrong → right)"],
+       ["lost", "score went down (right → wrong)"], ["changed", "answer changed, same score"]].map(([v, t]) => el("option", {value: v, selected: v === change}, t)))));
+    if (!a || !b) { summary.textContent = "Choose two evaluations under the same protocol."; table.replaceChildren(); return; }
     const got = await api(`/api/compare?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`);
-    const pick = (name, value, set) => el("select", {id: "compare-" + name, onchange: e => { set(e.target.value); load().catch(showError); }},
-      runs.map(r => el("option", {value: r.id, selected: r.id === value}, r.label)));
-    controls.replaceChildren(
-      el("label", {}, "A ", pick("a", a, v => { a = v; setParams({a}); })),
-      el("label", {}, "B ", pick("b", b, v => { b = v; setParams({b}); })),
-      el("label", {}, "show ", el("select", {id: "compare-change", onchange: e => { change = e.target.value; setParams({change}); load().catch(showError); }},
-        [["", "every question"], ["flipped", "flipped (right ↔ wrong)"], ["gained", "wrong → right"], ["lost", "right → wrong"],
-         ["changed", "answer changed, still wrong or right"]].map(([v, t]) => el("option", {value: v, selected: v === change}, t)))));
     const c = got.counts;
-    summary.textContent = `${got.rows.length} questions in both: ${c.gained} wrong → right, ${c.lost} right → wrong, ` +
-      `${c.changed} answers changed without flipping, ${c.same} the same` + (got.only_in_one ? `; ${got.only_in_one} in only one run` : "");
+    const sampled = got.a.samples > 1;
+    summary.replaceChildren(`${got.protocol}: ${got.rows.length} questions in both: ` + (sampled
+      ? `mean@${got.a.samples} EM up on ${c.gained}, down on ${c.lost}, ` : `${c.gained} wrong → right, ${c.lost} right → wrong, `) +
+      `${c.changed} answers changed without it, ${c.same} the same` + (got.only_in_one ? `; ${got.only_in_one} in only one run` : "") + " · ",
+      link("/summary", {a, b}, "EM, difference and interval"));
     const rows = got.rows.filter(r => change === "" || r.change === change || (change === "flipped" && (r.change === "gained" || r.change === "lost")));
-    const answer = s => el("td", {}, s.prediction === null ? el("span", {class: "muted"}, "none") : s.prediction, " ", rightBadge(s.right));
+    const names = sampled ? {gained: "mean@k up", lost: "mean@k down", changed: "changed", same: "same"}
+      : {gained: "wrong → right", lost: "right → wrong", changed: "changed", same: "same"};
     table.replaceChildren(el("tr", {}, el("th", {}, "dataset"), el("th", {}, "question"), el("th", {}, "gold"),
-      el("th", {}, "A: " + label(a)), el("th", {}, "B: " + label(b)), el("th", {}, "change")),
+      el("th", {}, "A: " + label(a) + (sampled ? " (first sample; right samples)" : "")), el("th", {}, "B: " + label(b)), el("th", {}, "change")),
       ...rows.map(r => el("tr", {class: "pair", dataset: {change: r.change}}, el("td", {}, r.dataset), el("td", {}, r.question),
-        el("td", {}, r.golds.join(" | ")), answer(r.a), answer(r.b),
-        el("td", {class: "change-" + r.change}, {gained: "wrong → right", lost: "right → wrong", changed: "changed", same: "same"}[r.change]))));
+        el("td", {}, r.golds.join(" | ")), scoreCell(r.a), scoreCell(r.b), el("td", {class: "change-" + r.change}, names[r.change]))));
   }
   root.replaceChildren(el("h2", {}, "Two evaluations, question by question"), controls, summary, table);
+  await load();
+}
+
+// ------------------------------------------------------------------------------------------------ summary
+async function pageSummary() {
+  const root = main();
+  const runs = (await api("/api/runs")).filter(r => r.kind === "eval");
+  if (runs.length < 2) { root.replaceChildren(el("p", {class: "muted"}, "Open two evaluation runs of the same questions to summarise them.")); return; }
+  let [a, b] = chosenPair(runs);
+  const controls = el("div", {class: "controls"});
+  const body = el("div", {id: "summary"});
+
+  async function load() {
+    controls.replaceChildren(...pairPickers(runs, a, b, (name, v) => {
+      if (name === "a") a = v; else b = v; setParams({[name]: v}); load().catch(showError);
+    }));
+    if (!a || !b) { body.replaceChildren(el("p", {class: "muted"}, "Choose two evaluations under the same protocol.")); return; }
+    const got = await api(`/api/summary?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`);
+    const level = Math.round(100 * got.confidence);
+    const row = (name, x, cls) => el("tr", {class: cls, dataset: {dataset: name}}, el("td", {}, name), el("td", {}, String(x.n)),
+      el("td", {}, x.text.em_a), el("td", {}, x.text.em_b), el("td", {}, x.text.difference));  // the report's own text
+    const verdict = got.interval[0] > 0 ? "the interval lies above zero: B is better beyond noise"
+      : got.interval[1] < 0 ? "the interval lies below zero: B is worse beyond noise"
+      : "the interval contains zero: the difference cannot be told from noise at this sample size";
+    const metric = got.protocol === "greedy" ? "EM" : "mean@k EM";
+    body.replaceChildren(
+      el("p", {}, `A: ${got.label_a} · B: ${got.label_b} · protocol: ${got.protocol}`),
+      el("table", {id: "summary-table"}, el("tr", {}, ["dataset", "n", `A ${metric} (%)`, `B ${metric} (%)`,
+        `B − A (pp, ${level}% CI)`].map(h => el("th", {}, h))),
+        Object.entries(got.datasets).map(([ds, x]) => row(ds, x, "dataset")), row("pooled", got, "pooled")),
+      el("p", {id: "summary-verdict"}, `Pooled over ${got.n} questions: ${verdict}.`),
+      el("p", {class: "muted"}, `${got.method}, ${got.resamples} resamples; computed by eval.learning.compare_learning, ` +
+        "the code of the demo's report, so these are the report's numbers. ", link("/compare", {a, b}, "question by question")));
+  }
+  root.replaceChildren(el("h2", {}, "Did it help? Two evaluations of the same questions"), controls, body);
   await load();
 }
 
@@ -361,7 +479,8 @@ function showError(e) {
   box.textContent = "error: " + (e && e.message ? e.message : String(e));
 }
 
-const PAGES = {"/": pageRuns, "/curves": pageCurves, "/samples": pageSamples, "/eval": pageEval, "/compare": pageCompare};
+const PAGES = {"/": pageRuns, "/curves": pageCurves, "/samples": pageSamples, "/eval": pageEval, "/compare": pageCompare,
+  "/summary": pageSummary};
 
 document.addEventListener("DOMContentLoaded", () => {
   for (const a of document.querySelectorAll("nav a")) if (a.dataset.page === location.pathname) a.classList.add("active");
