@@ -39,6 +39,10 @@ $(GPU_STAMP): requirements/gpu.txt pyproject.toml
 	$(PIP) install --no-deps -e .
 	@touch $(GPU_STAMP)
 
+# Two workers, each test file whole on one of them (--dist loadfile): the suite's wall time on 2 cores is its total CPU
+# time over two, and loadfile keeps it lowest -- a file's module fixtures (servers, indexes, trained run folders) are
+# built once, where loadgroup/load would let both workers build them. The browser and server tests need no serial
+# group: each binds its own free port. .ci/run prints the wall time; --durations lists the 30 slowest.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 

@@ -42,31 +42,31 @@ def _agree(a, b, atol=1e-3):
 
 
 def test_vllm_serves_adapter_versions_like_transformers_merged(untied_tiny_dir, tmp_path):
-    """``emapg engine serve --engine vllm --max-lora-rank 8``: one adapter version synced over http, the next over
-    the collective transport (each vLLM worker receives the broadcast; the first writes the version's folder),
-    each hot-loaded and equal to transformers on the merged model."""
-    with EngineServer(untied_tiny_dir, engine="vllm", max_model_len=512, extra_args=["--max-lora-rank", "8"]) as server:
+    """``emapg engine serve --engine vllm --max-lora-rank 8`` started on a LoRA run's adapter folder serves the base it
+    names with these adapters; then one adapter version synced over http, the next over the collective transport (each
+    vLLM worker receives the broadcast; the first writes the version's folder), each hot-loaded and equal to
+    transformers on the merged model. (One vLLM start for the three: the folder start is the same ``VLLMEngine`` the
+    server wraps.)"""
+    first = _adapters(untied_tiny_dir, 0)
+    folder = L.save_adapter(tmp_path / "policy", first)
+    with EngineServer(folder, engine="vllm", max_model_len=512, extra_args=["--max-lora-rank", "8"]) as server:
         remote = RemoteEngine(server.url, model_path=str(untied_tiny_dir))
         try:
             assert remote.info.serves_lora and remote.info.max_lora_rank == 8
-            base = remote.generate(PROMPTS, GREEDY)
-            for seed, transport in ((0, "http"), (1, "collective")):  # two versions, hot-loaded one after the other
+            start = remote.generate(PROMPTS, GREEDY)
+            _agree(start, _reference(untied_tiny_dir, first).generate(PROMPTS, GREEDY))  # the folder's adapters, on its base
+            base = make_engine("hf", untied_tiny_dir, max_model_len=512).generate(PROMPTS, GREEDY)
+            assert [o.token_ids for o in start] != [o.token_ids for o in base]  # ... not the base alone
+            for seed, transport in ((1, "http"), (2, "collective")):  # two versions, hot-loaded one after the other
                 model = _adapters(untied_tiny_dir, seed)
                 remote.weight_sync = transport
                 remote.load_lora(L.adapter_state_dict(model), L.engine_lora_config(model), tag=transport)
                 _agree(remote.generate(PROMPTS, GREEDY), _reference(untied_tiny_dir, model).generate(PROMPTS, GREEDY))
             assert remote.health()[0]["weights_version"] == 2
-            assert [o.token_ids for o in remote.generate(PROMPTS, GREEDY)] != [o.token_ids for o in base]
+            assert [o.token_ids for o in remote.generate(PROMPTS, GREEDY)] != [o.token_ids for o in start]
             with pytest.raises(ValueError, match="up to 8"):
                 remote.load_lora({k: torch.zeros(16, v.shape[1]) if ".lora_A." in k else torch.zeros(v.shape[0], 16)
                                   for k, v in L.adapter_state_dict(model).items()}, {**L.engine_lora_config(model), "r": 16})
             _agree(remote.generate(PROMPTS, GREEDY), _reference(untied_tiny_dir, model).generate(PROMPTS, GREEDY))
         finally:
             remote.close()
-    # A LoRA run's policy folder: vLLM serves the base it names, with these adapters.
-    folder = L.save_adapter(tmp_path / "policy", model)
-    engine = make_engine("vllm", folder, max_model_len=512)
-    try:
-        _agree(engine.generate(PROMPTS, GREEDY), _reference(untied_tiny_dir, model).generate(PROMPTS, GREEDY))
-    finally:
-        engine.close()

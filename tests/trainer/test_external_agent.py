@@ -52,26 +52,13 @@ def test_external_rollouts_are_token_exact_sessions(tool_searcher_dir, retriever
 
 
 def _one_step_config(tmp_path, tool_searcher_dir, retriever_server, agent: str) -> TrainConfig:
-    """One training step of 2 prompts on the tiny search config, rolled out by the external ``agent``."""
+    """One training step of 1 prompt (a group of 4 sessions) on the tiny search config, rolled out by the external
+    ``agent``."""
     return load_config(TrainConfig, CONFIG_DIR / "search_tiny_cpu.yaml", [
         f"run.output_dir={tmp_path}", f"model.policy={tool_searcher_dir}", f"retriever.urls=[{retriever_server.url}]",
-        f"rollout.agent={agent}", "logging.progress=false", "data.prompts_per_step=2", "algorithm.mini_batch_size=4",
+        f"rollout.agent={agent}", "logging.progress=false", "data.prompts_per_step=1", "algorithm.mini_batch_size=4",
         "algorithm.micro_batch_size=2", "rollout.max_tokens_per_turn=24", "rollout.max_response_tokens=2048",
         "run.save_every=0", "run.total_steps=1"])
-
-
-def test_one_training_step_with_the_example_agent(tmp_path, tool_searcher_dir, retriever_server):
-    cfg = _one_step_config(tmp_path, tool_searcher_dir, retriever_server, AGENT)
-    trainer = Trainer(cfg).setup()
-    try:
-        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        m = trainer.train_step()
-        assert m["reward/rollout_errors"] == 0 and m["actor/updates"] == 2 and m["search/per_traj"] == 2
-        after = trainer.model.state_dict()
-        assert any(not torch.equal(before[k], after[k]) for k in before)
-        assert trainer.provenance["protocol_card"]["settings"]["agent"] == AGENT
-    finally:
-        trainer.close()
 
 
 def test_a_user_reward_function_replaces_the_qa_metrics():
@@ -176,20 +163,30 @@ def test_each_segment_row_carries_its_episodes_advantage():
     assert session_counts(trajs) == {"rollout/sessions": 4.0, "rollout/session_splits": 2.0, "rollout/session_segments": 7.0}
 
 
-def test_a_training_step_trains_every_segment_of_split_sessions(tmp_path, tool_searcher_dir, retriever_server):
+def test_a_training_step_with_the_example_agent_trains_every_segment_of_split_sessions(tmp_path, tool_searcher_dir,
+                                                                                      retriever_server):
+    """One training step with an external agent (the example's compacting variant): every session splits, every
+    segment's sampled tokens are trained, the weights move and the run's protocol card names the agent. (The plain
+    example agent's sessions -- one context each -- are checked token for token above; a step on them trained rows
+    this step also trains, so it is not repeated.)"""
     cfg = _one_step_config(tmp_path, tool_searcher_dir, retriever_server, COMPACTING)
     trainer = Trainer(cfg).setup()
     batches = []
     sample = trainer.sample_batch
     trainer.sample_batch = lambda prompts: batches.append(sample(prompts)) or batches[-1]
     try:
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         m = trainer.train_step()
         (sampled,) = batches
         n = len(sampled.trajectories)
+        assert n == cfg.rollout.n_samples == 4 and m["reward/rollout_errors"] == 0 and m["search/per_traj"] == 2
         assert all(len(t.extra_segments) == 1 for t in sampled.trajectories)
         assert (m["rollout/session_splits"], m["rollout/segments_per_session"], m["rollout/extra_rows"]) == (n, 2.0, n)
         model_tokens = sum(sum(t.loss_mask) + sum(sum(s.loss_mask) for s in t.extra_segments) for t in sampled.trajectories)
         assert m["response/model_tokens_mean"] * n == pytest.approx(model_tokens)  # every segment's sampled tokens trained
-        assert m["actor/updates"] == 4  # 2n rows, 4 per optimizer step
+        assert m["actor/updates"] == 2  # 2n rows, 4 per optimizer step
+        after = trainer.model.state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        assert trainer.provenance["protocol_card"]["settings"]["agent"] == COMPACTING
     finally:
         trainer.close()

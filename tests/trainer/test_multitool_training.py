@@ -19,7 +19,9 @@ from trainer.config import TrainConfig
 from trainer.loop import Trainer
 from trainer.tracking import format_stats
 
-FAST = ["logging.progress=false", "data.prompts_per_step=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=2",
+# 2 steps of 2 groups of 2: every count below is per step, so groups of 2 check what groups of 4 did at half the rows.
+FAST = ["logging.progress=false", "data.prompts_per_step=2", "rollout.n_samples=2", "algorithm.mini_batch_size=2",
+        "algorithm.micro_batch_size=2",
         "rollout.max_tokens_per_turn=40", "rollout.max_obs_tokens=200", "rollout.max_response_tokens=700",
         "rollout.max_prompt_tokens=1300", "run.save_every=0", "run.total_steps=2"]
 
