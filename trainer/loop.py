@@ -55,7 +55,7 @@ from trainer.teacher import distill_gathers_topk, store_teacher_scores
 from trainer.entropy_control import EntropyController, controller_card
 from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
-from trainer.metrics import rollout_sums, step_metrics, update_metrics
+from trainer.metrics import peak_memory, rollout_sums, step_metrics, update_metrics
 from trainer.policy import build_policy, deterministic, use_bf16
 from trainer.sampled_batch import (SampledBatch, TrainingRows, generate, grade, reward_counts, session_counts,
                                     shuffled_outcomes, step_seed, tool_sums, training_rows)
@@ -492,7 +492,7 @@ class Trainer:
         metrics.update(self.probe())
         t_total = time.perf_counter() - t_step
         metrics.update({"time/rollout": t_rollout, "time/step": t_total,
-                        "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9)})
+                        "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9), **peak_memory(self.dist.device)})
         return metrics
 
     def probe(self) -> dict[str, float]:

@@ -60,6 +60,13 @@ def _number(value: Any) -> Any:
     return finite(value)
 
 
+def plan_of(run: Run) -> dict[str, Any]:
+    """``emapg plan``'s prediction beside the run's measured peak memory and step time (``{}`` without a plan)."""
+    from trainer.plan.compare import plan_beside_measured
+
+    return plan_beside_measured(run.path, run.metrics()) or {}
+
+
 def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import FileResponse, JSONResponse, Response
@@ -110,6 +117,10 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
         guard = [{"step": e.get("step"), "action": str(e.get("action", "")), "reason": str(e.get("reason", ""))}
                  for e in run.guard_events()]
         return JSONResponse({"keys": keys, "records": rows, "guard": guard})
+
+    @app.get("/api/runs/{run_id}/plan")
+    def plan(run_id: str):
+        return plan_of(run_of(run_id, "train"))
 
     @app.get("/api/runs/{run_id}/samples")
     def samples(run_id: str, step: int | None = None):
