@@ -95,6 +95,7 @@ def summarize(name: str, overrides: list[str], plan: dict[str, Any], wall: float
         "predicted_components": probe["unprobed"]["memory_bytes"],
         "predicted_phase": plan["memory_phase"],
         "measured_peak_bytes": probe["measured_peak_bytes"],
+        "measured_peak_phase": probe.get("measured_peak_phase"),
         "memory_error": (predicted_peak - probe["measured_peak_bytes"]) / probe["measured_peak_bytes"],
         "rss_growth_bytes": probe["rss_growth_bytes"],
         "measured_step_seconds": measured,

@@ -96,6 +96,12 @@ def layer_activation_values(shape: ModelShape, key_positions: int, cpu: bool) ->
     return 7 * shape.hidden_size + 6 * shape.kv_size + 4 * shape.intermediate_size + (key_positions if cpu else 0)
 
 
+def no_grad_layer_values(shape: ModelShape) -> int:
+    """Values live per token inside one decoder layer of a no-grad forward (freed when the layer ends): its input
+    and normed input, q, k, v, the attention output, and the MLP's gate, up and activation."""
+    return 3 * shape.hidden_size + shape.q_size + 2 * shape.kv_size + 3 * shape.intermediate_size
+
+
 def activation_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device) -> int:
     """Saved activations of one training micro-batch."""
     ckpt = cfg.model.gradient_checkpointing
@@ -185,17 +191,22 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
     acts = activation_bytes(cfg, shape, lay, device)
     logits = logits_bytes(cfg, shape, lay)
     head_grad = 0 if lora.enabled else shape.embedding_params * FP32 // shard  # the lm_head's, first in the backward
+    # a foreach AdamW (on CUDA) holds a temporary of the size of what it steps
+    step_temp = 0 if device.is_cpu else trainable * FP32 // shard
     if lay.micro_batches_per_mini > 1:
         dynamic = {"gradients": gradients, "activations": acts, "logits": logits}
-    elif acts + logits + head_grad >= gradients:
+    elif acts + logits + head_grad >= gradients + step_temp:
         dynamic = {"gradients": head_grad, "activations": acts, "logits": logits}
     else:
-        dynamic = {"gradients": gradients, "activations": 0, "logits": 0}
+        dynamic = {"gradients": gradients + step_temp, "activations": 0, "logits": 0}
     # a no-grad pass keeps one layer's activations and the lm_head chunk at a time
-    no_grad = lay.micro_tokens(cfg.model.share_prompt) * layer_activation_values(shape, lay.seq_tokens, device.is_cpu) \
-        * device.compute_bytes
+    no_grad = lay.micro_tokens(cfg.model.share_prompt) * no_grad_layer_values(shape) * device.compute_bytes
+    # a colocated transformers engine prefills every row at once
+    prefill = 0
+    if cfg.rollout.engine == "hf" or (cfg.rollout.engine == "vllm" and device.is_cpu):
+        prefill = lay.rows * lay.seq_tokens * no_grad_layer_values(shape) * device.compute_bytes
     phases = {
-        "rollout": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=True)},
+        "rollout": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=True), "activations": prefill},
         "stats": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=False),
                   "anchor_transient": anchor_transient, "activations": no_grad, "logits": logits,
                   "fsdp_buffers": fsdp_buffers},

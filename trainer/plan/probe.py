@@ -53,6 +53,7 @@ class Measurement:
     peak_definition: str
     rss_growth_bytes: int
     steps: list[StepTimes]
+    peak_phase: str | None = None  # on a CPU: the probe phase the peak happened in
 
 
 def _vm(field: str) -> int:
@@ -81,17 +82,30 @@ class _TensorPeak:
             self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self.prof.__enter__()
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, str | None]:
+        """(peak bytes, the probe phase it happened in: setup, rollout, update or sync; None on a GPU)."""
         if self.cuda:
             torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
+            return torch.cuda.max_memory_allocated() - self.base, None
         self.prof.__exit__(None, None, None)
+        events = sorted(self.prof.events(), key=lambda e: e.time_range.start)
+        phases = [(e.time_range.start, e.time_range.end, e.name.removeprefix(PHASE)) for e in events if e.name.startswith(PHASE)]
         live = peak = 0
-        for event in sorted(self.prof.events(), key=lambda e: e.time_range.start):
+        at = 0
+        for event in events:
             live += event.self_cpu_memory_usage
-            peak = max(peak, live)
+            if live > peak:
+                peak, at = live, event.time_range.start
         self.prof = None
-        return peak
+        return peak, next((name for start, end, name in phases if start <= at <= end), "setup")
+
+
+PHASE = "emapg_plan::"
+
+
+def _phase(name: str) -> Any:
+    """A profiler range naming the probe phase (where the CPU peak happened)."""
+    return torch.profiler.record_function(PHASE + name)
 
 
 def probe_config(cfg: TrainConfig, workdir: str) -> TrainConfig:
@@ -212,16 +226,19 @@ def measure(cfg: TrainConfig, *, steps: int = PROBE_STEPS) -> Measurement:
                 batch = synthetic_batch(c, rows, trainer.model.config.vocab_size, trainer.pad_id)
                 for step in range(1, steps + 1):
                     if step == steps and not cuda:  # the last step runs unprofiled: the timing measurement
-                        peak_bytes, stopped = peak.stop(), True
-                    rollout = _rollout(trainer, c, rows, cuda) if colocated else None
-                    update = _learn(trainer, c, batch, step, cuda)
-                    sync = _weight_sync(trainer, cuda) if colocated else None
+                        (peak_bytes, peak_phase), stopped = peak.stop(), True
+                    with _phase("rollout"):
+                        rollout = _rollout(trainer, c, rows, cuda) if colocated else None
+                    with _phase("update"):
+                        update = _learn(trainer, c, batch, step, cuda)
+                    with _phase("sync"):
+                        sync = _weight_sync(trainer, cuda) if colocated else None
                     times.append(StepTimes(rollout, update, sync))
         finally:
             if not stopped:
-                peak_bytes = peak.stop()
+                peak_bytes, peak_phase = peak.stop()
         return Measurement(peak_bytes=peak_bytes, peak_definition=PEAK_DEFINITION_CUDA if cuda else PEAK_DEFINITION_CPU,
-                           rss_growth_bytes=max(0, _vm("VmHWM") - rss_before), steps=times)
+                           rss_growth_bytes=max(0, _vm("VmHWM") - rss_before), steps=times, peak_phase=peak_phase)
 
 
 def refit(plan: Plan, measured: StepTimes) -> Rates:
@@ -266,6 +283,7 @@ def probe_plan(cfg: TrainConfig, *, price: float | None = None, available: int |
     plan.probe = {
         "measured_peak_bytes": m.peak_bytes,
         "peak_definition": m.peak_definition,
+        "measured_peak_phase": m.peak_phase,
         "rss_growth_bytes": m.rss_growth_bytes,
         "measured_step_seconds": measured,
         "steps": [vars(s) for s in m.steps],
