@@ -41,6 +41,7 @@ class Device:
     update_fraction: float
     prefill_fraction: float
     decode_fraction: float
+    decode_step_latency: float
     fragmentation: float
     usable_fraction: float
     price_per_hour: float
@@ -68,10 +69,13 @@ def device_names() -> list[str]:
 def _cpu_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """The ``cpu`` entry's machine-dependent numbers, read from this machine."""
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
-    ghz = entry["cpu_ghz"]
+    ghz, per_cycle = entry["cpu_ghz"], entry["flops_per_cycle"]
     try:
-        mhz = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("cpu MHz")]
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        mhz = [float(line.split(":")[1]) for line in lines if line.startswith("cpu MHz")]
         ghz = max(mhz) / 1000 if mhz else ghz
+        if any(line.startswith("flags") and " avx512f" in line for line in lines):
+            per_cycle = entry["flops_per_cycle_avx512"]
     except OSError:
         pass
     memory = None
@@ -81,7 +85,7 @@ def _cpu_entry(entry: dict[str, Any]) -> dict[str, Any]:
                 memory = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return {**entry, "memory_bytes": memory or 8 * 2**30, "bf16_flops": threads * ghz * 1e9 * entry["flops_per_cycle"]}
+    return {**entry, "memory_bytes": memory or 8 * 2**30, "bf16_flops": threads * ghz * 1e9 * per_cycle}
 
 
 def get_device(name: str) -> Device:
@@ -93,7 +97,7 @@ def get_device(name: str) -> Device:
     entry = _cpu_entry(cat[key]) if key == "cpu" else cat[key]
     fields = {f: entry[f] for f in ("name", "memory_bytes", "bf16_flops", "memory_bandwidth", "interconnect_bandwidth",
                                     "internode_bandwidth", "sync_bandwidth", "update_fraction", "prefill_fraction",
-                                    "decode_fraction", "fragmentation", "usable_fraction", "price_per_hour")}
+                                    "decode_fraction", "decode_step_latency", "fragmentation", "usable_fraction", "price_per_hour")}
     return Device(key=key, is_cpu=key == "cpu", sources=list(entry.get("sources", [])),
                   **{k: (int(v) if k == "memory_bytes" else float(v) if k != "name" else v) for k, v in fields.items()})
 

@@ -116,8 +116,9 @@ def render(plan: Plan, cfg: Any) -> str:
         lines.append(f"turn first: {plan.knob or 'no single override fits: more devices (--devices/--nodes) or a smaller model'}")
     if plan.probe:
         p = plan.probe
-        lines.append(f"probe: measured peak {_gib(p['measured_peak_bytes'])} ({p['peak_definition']}), "
-                     f"update {p['measured_step_seconds']['update']:.2f} s, rollout {p['measured_step_seconds']['rollout']:.2f} s")
+        measured = ", ".join(f"{k} {v:.3f} s" for k, v in p["measured_step_seconds"].items() if v is not None)
+        lines.append(f"probe: measured peak {_gib(p['measured_peak_bytes']).strip()} against {_gib(p['unprobed']['memory_bytes']['total']).strip()} "
+                     f"predicted before the probe ({p['memory_error']:+.1%}; {p['peak_definition']}); measured step: {measured}")
     lines.append("assumptions: " + "; ".join(plan.to_json()["assumptions"]))
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ Each figure follows the code path that allocates it (worst case: every prompt an
   7·h + 6·kv + 4·i values, plus one per key position on a CPU (the float mask the math attention keeps), counted
   with ``torch.autograd.graph.saved_tensors_hooks`` on the transformers layer; under gradient checkpointing only
   each layer's input (h) is kept, and one layer's full set is recomputed during the backward.
-* ``logits``: the chunked lm_head's buffers (``model.chunk_size`` rows x V, three live at once).
+* ``logits``: the chunked lm_head backward's buffer (``model.chunk_size`` rows x V, the gradient in its memory).
 * ``stored_stats``: ``batch.stored`` for this device's rollout batch (log-probs, entropy, Top-k indices int64 and
   anchor logits, or the anchor's hidden states for the exact KL; the teacher's top-k), plus the batch's tensors.
 * ``engine``: a colocated engine -- transformers: its own copy of the weights and its KV cache while generating;
@@ -39,8 +39,8 @@ from trainer.plan.catalogue import Device, ModelShape
 
 FP32 = 4
 INT64 = 8
-#: Live (chunk, V) buffers in the chunked lm_head pass: logits, their softmax/exp, and the gradient's.
-LOGIT_BUFFERS = 3
+#: Live (chunk, V) buffers at the update's peak: the lm_head backward's recomputed logits, whose memory the gradient reuses.
+LOGIT_BUFFERS = 1
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,9 @@ def probe_plan(cfg: TrainConfig, *, price: float | None = None, available: int |
     against the last (measured, unprofiled) step.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars: noise beside the plan
     device = probe_device(cfg)
     before = plan_run(cfg, device, price=price, available=available)
     if progress:

@@ -1,9 +1,9 @@
 """Seconds per training step, by phase, from FLOPs, bytes and the device's achievable rates.
 
 * ``rollout``: prefill (2·N FLOPs per prompt and observation token) at ``prefill_fraction`` of peak, then decoding:
-  each decode step reads the weights once for the whole concurrent batch (``decode_fraction`` of the memory
-  bandwidth) or is compute-bound at 2·N·batch FLOPs, whichever is slower; a vLLM KV cache too small for every
-  sequence at once takes several waves.
+  each decode step costs the engine's fixed ``decode_step_latency`` plus reading the weights once for the whole
+  concurrent batch (``decode_fraction`` of the memory bandwidth) or 2·N·batch FLOPs, whichever is slower; a vLLM KV
+  cache too small for every sequence at once takes several waves.
 * ``update``: the training pass at 6·N FLOPs per token (4·N with LoRA: no weight gradients of the frozen base;
   +2·N under gradient checkpointing), attention's 2·L·T·h per token forward (x3 trained), plus each extra no-grad
   forward the config needs at 2·N per token: π_old's pass when the update is not on-policy (several mini-batches
@@ -109,7 +109,7 @@ def rollout_seconds(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: De
         space = r.vllm_gpu_memory_utilization * device.memory_bytes - weight_bytes
         concurrent = max(1, min(lay.rows, int(space // kv_per_seq))) if space > 0 else 1
     waves = math.ceil(lay.rows / concurrent)
-    step = max(weight_bytes / rates.decode_bandwidth, 2 * n * concurrent / rates.prefill_flops)
+    step = device.decode_step_latency + max(weight_bytes / rates.decode_bandwidth, 2 * n * concurrent / rates.prefill_flops)
     return prefill + waves * gen * step
 
 
