@@ -76,6 +76,13 @@ class Layout:
         return math.ceil(self.rows / self.n_samples) * self.prompt_tokens + self.rows * self.response_tokens
 
 
+def generated_tokens(cfg: TrainConfig) -> int:
+    """Tokens a trajectory generates at most (the rest of its response window is tool observations)."""
+    r = cfg.rollout
+    turns = max(1, getattr(r, "max_turns", 1))
+    return min(r.max_response_tokens, turns * r.max_tokens_per_turn)
+
+
 def layout(cfg: TrainConfig, world: int, nodes: int = 1) -> Layout:
     alg, r = cfg.algorithm, cfg.rollout
     fsdp = cfg.distributed.fsdp == "on" or (cfg.distributed.fsdp == "auto" and world > 1)
@@ -201,10 +208,11 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
         dynamic = {"gradients": gradients + step_temp, "activations": 0, "logits": 0}
     # a no-grad pass keeps one layer's activations and the lm_head chunk at a time
     no_grad = lay.micro_tokens(cfg.model.share_prompt) * no_grad_layer_values(shape) * device.compute_bytes
-    # a colocated transformers engine prefills every row at once
+    # a colocated transformers engine prefills every row's prompt (and observations) at once
     prefill = 0
     if cfg.rollout.engine == "hf" or (cfg.rollout.engine == "vllm" and device.is_cpu):
-        prefill = lay.rows * lay.seq_tokens * no_grad_layer_values(shape) * device.compute_bytes
+        prefill_tokens = lay.seq_tokens - generated_tokens(cfg)
+        prefill = lay.rows * prefill_tokens * no_grad_layer_values(shape) * device.compute_bytes
     phases = {
         "rollout": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=True), "activations": prefill},
         "stats": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=False),

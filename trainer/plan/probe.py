@@ -150,7 +150,7 @@ def _sync(cuda: bool) -> None:
 def _rollout(trainer: Any, cfg: TrainConfig, rows: int, cuda: bool) -> float:
     """Generate ``rows`` sequences at the configured prompt length for the generated-token budget."""
     from agent.engines.base import SamplingParams
-    from trainer.plan.timing import generated_tokens
+    from trainer.plan.memory import generated_tokens
 
     vocab = trainer.model.config.vocab_size
     g = torch.Generator().manual_seed(2)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from trainer.config import TrainConfig
 from trainer.plan.catalogue import Device, ModelShape
-from trainer.plan.memory import FP32, Layout
+from trainer.plan.memory import FP32, Layout, generated_tokens
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,6 @@ class Rates:
     def assumed(cls, device: Device) -> "Rates":
         return cls(device.bf16_flops * device.update_fraction, device.bf16_flops * device.prefill_fraction,
                    device.memory_bandwidth * device.decode_fraction)
-
-
-def generated_tokens(cfg: TrainConfig) -> int:
-    """Tokens a trajectory generates at most (the rest of its response window is tool observations)."""
-    r = cfg.rollout
-    turns = max(1, getattr(r, "max_turns", 1))
-    return min(r.max_response_tokens, turns * r.max_tokens_per_turn)
 
 
 def needs_old_pass(cfg: TrainConfig, lay: Layout) -> tuple[bool, bool]:
