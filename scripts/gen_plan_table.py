@@ -121,7 +121,8 @@ def accuracy_section(path: Path = ACCURACY_JSON) -> str:
                     f"{c['memory_error']:+.1%} | {step:.2f} s | {c['step_error_unprobed']:+.1%} | {c['step_error_probed']:+.1%} |")
     rows += ["", f"Worst: memory {r['worst_memory_error']:+.1%}, step time probed {r['worst_step_error_probed']:+.1%}, "
              f"unprobed {r['worst_step_error_unprobed']:+.1%}; `emapg plan` answers in {r['planner_seconds_3b']:.2f} s for the "
-             "Qwen2.5-3B preset (the whole command: interpreter, config loading and validation included)."]
+             f"Qwen2.5-3B preset on 8 GPUs (the whole command: interpreter, torch and config loading included; the plan itself "
+             f"{r['planner_seconds_3b_in_process']:.3f} s)."]
     for name, why in r.get("explanations", {}).items():
         rows.append(f"\n- `{name}`: {why}")
     return "\n".join(rows)
