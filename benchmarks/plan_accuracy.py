@@ -9,6 +9,7 @@ A step's time is its measured phases: rollout and weight sync with a colocated e
 
     python benchmarks/plan_accuracy.py                 # every configuration
     python benchmarks/plan_accuracy.py --only tiny_k3  # some (merged into the existing JSON)
+    python benchmarks/plan_accuracy.py --explain       # rewrite only the explanations of the misses
 
 Writes ``benchmarks/results/plan_accuracy.json``: ``configs`` (each with ``memory_error``, a signed fraction
 (predicted - measured) / measured, ``step_error_probed`` and ``step_error_unprobed``), ``worst_memory_error``,
@@ -137,7 +138,14 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated configuration names (default: all); merged into --out")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument("--out", default=str(OUT), help="result JSON")
+    p.add_argument("--explain", action="store_true", help="only write EXPLANATIONS (the misses' causes) into --out, "
+                   "measuring nothing")
     args = p.parse_args()
+    if args.explain:
+        report = json.loads(Path(args.out).read_text())
+        report["explanations"] = EXPLANATIONS
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
