@@ -2,8 +2,8 @@
 
 What runs is the trainer's own code on this machine, in this process: ``Trainer.setup`` (policy, optimizer, anchor,
 teacher, a colocated engine), then per step a rollout phase (the engine generates ``rows`` sequences of the
-configured prompt length for the response budget, ``ignore_eos``), the weight sync (``export_weights`` into the
-engine's ``load_weights``), and the update phase as ``Trainer.learn`` runs it (stored statistics, teacher scores,
+configured prompt length for the response budget, ``ignore_eos``) after the weight sync of the step before
+(``EngineSession.generating`` pushes the changed weights, as in a run), and the update phase as ``Trainer.learn`` runs it (stored statistics, teacher scores,
 ``Trainer.update``, the EMA blend) on a synthetic batch of full-length rows in groups of ``rollout.n_samples`` -- the
 planner's worst case, so measured and predicted describe the same shapes. The retriever is not needed: a search
 config is probed as the math task (the update's shapes do not depend on it).
@@ -147,8 +147,9 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _rollout(trainer: Any, cfg: TrainConfig, rows: int, cuda: bool) -> float:
-    """Generate ``rows`` sequences at the configured prompt length for the generated-token budget."""
+def _rollout(trainer: Any, cfg: TrainConfig, rows: int, cuda: bool) -> tuple[float, float]:
+    """(sync seconds, rollout seconds): the engine session pushes the changed weights (wakes a sleeping vLLM), then
+    generates ``rows`` sequences at the configured prompt length for the generated-token budget."""
     from agent.engines.base import SamplingParams
     from trainer.plan.memory import generated_tokens
 
@@ -159,9 +160,16 @@ def _rollout(trainer: Any, cfg: TrainConfig, rows: int, cuda: bool) -> float:
     params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=generated_tokens(cfg), seed=0, ignore_eos=True)
     _sync(cuda)
     t0 = time.perf_counter()
-    trainer.engine.generate(prompts, params)
-    _sync(cuda)
-    return time.perf_counter() - t0
+    with contextlib.ExitStack() as session:
+        with _phase("sync"):  # entering pushes the changed weights
+            engine = session.enter_context(trainer.engine_session.generating("probe"))
+            _sync(cuda)
+        t1 = time.perf_counter()
+        with _phase("rollout"):
+            engine.generate(prompts, params)
+            _sync(cuda)
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
 
 
 def _learn(trainer: Any, cfg: TrainConfig, batch: Any, step: int, cuda: bool) -> float:
@@ -183,16 +191,6 @@ def _learn(trainer: Any, cfg: TrainConfig, batch: Any, step: int, cuda: bool) ->
     trainer.update(batch, plan)
     if trainer.anchor is not None:
         trainer.anchor.maybe_update(step)
-    _sync(cuda)
-    return time.perf_counter() - t0
-
-
-def _weight_sync(trainer: Any, cuda: bool) -> float:
-    _sync(cuda)
-    t0 = time.perf_counter()
-    trainer.engine_session.weights_changed()
-    with trainer.engine_session.generating("probe"):
-        pass
     _sync(cuda)
     return time.perf_counter() - t0
 
@@ -227,13 +225,12 @@ def measure(cfg: TrainConfig, *, steps: int = PROBE_STEPS) -> Measurement:
                 for step in range(1, steps + 1):
                     if step == steps and not cuda:  # the last step runs unprofiled: the timing measurement
                         (peak_bytes, peak_phase), stopped = peak.stop(), True
-                    with _phase("rollout"):
-                        rollout = _rollout(trainer, c, rows, cuda) if colocated else None
+                    sync, rollout = _rollout(trainer, c, rows, cuda) if colocated else (None, None)
                     with _phase("update"):
                         update = _learn(trainer, c, batch, step, cuda)
-                    with _phase("sync"):
-                        sync = _weight_sync(trainer, cuda) if colocated else None
-                    times.append(StepTimes(rollout, update, sync))
+                    if colocated:
+                        trainer.engine_session.weights_changed()  # the next rollout pushes them first, as a run does
+                    times.append(StepTimes(rollout, update, None if step == 1 else sync))
         finally:
             if not stopped:
                 peak_bytes, peak_phase = peak.stop()
