@@ -1,10 +1,10 @@
 """How close is ``emapg plan`` to what the trainer really uses? Predicted against measured, config by config, on this CPU.
 
 Each configuration runs ``emapg plan configs/math_tiny_cpu.yaml OVERRIDES --probe --json`` in a fresh process
-(:mod:`trainer.plan.probe`: ``Trainer.setup`` and three real steps at the configured shapes, full-length rows): the
+(:mod:`trainer.plan.probe`: ``Trainer.setup`` and four real steps at the configured shapes, full-length rows): the
 unprobed plan's peak memory against the measured peak (live torch tensor bytes over setup and two steps, from the
 profiler's allocation events: the CPU counterpart of ``torch.cuda.max_memory_allocated``), and the step time of the
-last (unprofiled) step against the unprobed plan and against the plan refitted from the step before it (the probe).
+last step against the unprobed plan and against the plan refitted from the step before it (the probe; both unprofiled).
 A step's time is its measured phases: rollout and weight sync with a colocated engine, the update always.
 
     python benchmarks/plan_accuracy.py                 # every configuration

@@ -125,7 +125,7 @@ def test_probe_on_the_tiny_preset():
     assert proc.returncode == 0, proc.stderr[-3000:]
     j = json.loads(proc.stdout[proc.stdout.index("{"):])
     probe = j["probe"]
-    assert len(probe["steps"]) == 3 and all(s["update"] > 0 and s["rollout"] > 0 for s in probe["steps"])
+    assert len(probe["steps"]) == 4 and all(s["update"] > 0 and s["rollout"] > 0 for s in probe["steps"])
     # the measured peak holds at least what is certainly live: weights, Adam states, anchor, the engine's weights
     static = sum(probe["unprobed"]["memory_bytes"].get(k, 0) for k in ("weights", "optimizer", "anchor"))
     assert probe["measured_peak_bytes"] >= static

@@ -12,8 +12,8 @@ Measured peak memory: on a GPU, ``torch.cuda.max_memory_allocated()`` over setup
 before; on a CPU, the peak of live tensor bytes over setup and the first two steps from the torch profiler's
 allocation events (``profile_memory=True``: every allocation and free of torch's CPU allocator, in order) -- the
 CPU counterpart of the CUDA allocator's figure; the process's RSS growth (VmHWM minus the RSS before setup) is
-reported beside it. Times: three steps; the second (profiled on a CPU) is the probe the rates are refitted from,
-the third (unprofiled) is the measurement ``benchmarks/plan_accuracy.py`` compares against.
+reported beside it. Times: four steps; the first two are profiled on a CPU (memory), the third is the probe the rates
+are refitted from, the fourth is the measurement ``benchmarks/plan_accuracy.py`` compares against.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from trainer.plan.catalogue import Device, get_device, local_device
 from trainer.plan.planner import Plan, plan_run
 from trainer.plan.timing import Rates
 
-#: Steps a probe runs: a warm-up, the probe the rates are refitted from, the measured one.
-PROBE_STEPS = 3
+#: Steps a probe runs: on a CPU the first two under the memory profiler (a warm-up, then a step with the optimizer's
+#: states), then the probe the rates are refitted from and the measured one, both unprofiled (the profiler slows a
+#: step by 10-45%: measured on the tiny configs of benchmarks/plan_accuracy.py).
+PROBE_STEPS = 4
+PROFILED_STEPS = 2
 PEAK_DEFINITION_CPU = "peak live torch tensor bytes over setup and two steps (torch profiler allocation events)"
 PEAK_DEFINITION_CUDA = "torch.cuda.max_memory_allocated over setup and steps, minus the bytes allocated before"
 
@@ -223,7 +226,7 @@ def measure(cfg: TrainConfig, *, steps: int = PROBE_STEPS) -> Measurement:
                 rows = max(1, c.data.prompts_per_step * c.rollout.n_samples // world)
                 batch = synthetic_batch(c, rows, trainer.model.config.vocab_size, trainer.pad_id)
                 for step in range(1, steps + 1):
-                    if step == steps and not cuda:  # the last step runs unprofiled: the timing measurement
+                    if step == PROFILED_STEPS + 1 and not cuda:  # the rest run unprofiled: the timings
                         (peak_bytes, peak_phase), stopped = peak.stop(), True
                     sync, rollout = _rollout(trainer, c, rows, cuda) if colocated else (None, None)
                     with _phase("update"):
