@@ -13,8 +13,10 @@ Each figure follows the code path that allocates it (worst case: every prompt an
 * ``teacher``: a local distillation teacher (fp32, ``LocalTeacher``).
 * ``activations``: what autograd saves per micro-batch. Per token and decoder layer a Qwen2/Llama layer saves
   7·h + 6·kv + 4·i values, plus one per key position on a CPU (the float mask the math attention keeps), counted
-  with ``torch.autograd.graph.saved_tensors_hooks`` on the transformers layer; under gradient checkpointing only
-  each layer's input (h) is kept, and one layer's full set is recomputed during the backward.
+  with ``torch.autograd.graph.saved_tensors_hooks`` on the transformers layer; with LoRA 5·h + 6·kv + 4·i (the
+  frozen RMSNorm weights need no saved input); under gradient checkpointing only each layer's input (h) is kept,
+  and one layer's full set is recomputed during the backward (an upper bound: torch's non-reentrant checkpoint
+  frees recomputed tensors as the backward uses them).
 * ``logits``: the chunked lm_head backward's buffer (``model.chunk_size`` rows x V, the gradient in its memory).
 * ``stored_stats``: ``batch.stored`` for this device's rollout batch (log-probs, entropy, Top-k indices int64 and
   anchor logits, or the anchor's hidden states for the exact KL; the teacher's top-k), plus the batch's tensors.
@@ -98,9 +100,11 @@ def layout(cfg: TrainConfig, world: int, nodes: int = 1) -> Layout:
                   n_samples=r.n_samples)
 
 
-def layer_activation_values(shape: ModelShape, key_positions: int, cpu: bool) -> int:
-    """Values autograd saves per token in one decoder layer (see the module docstring)."""
-    return 7 * shape.hidden_size + 6 * shape.kv_size + 4 * shape.intermediate_size + (key_positions if cpu else 0)
+def layer_activation_values(shape: ModelShape, key_positions: int, cpu: bool, *, frozen_norms: bool = False) -> int:
+    """Values autograd saves per token in one decoder layer (see the module docstring). ``frozen_norms`` (LoRA): the
+    two RMSNorms' weights do not train, so their normalised inputs (2·h) are not saved for a weight gradient."""
+    h = (5 if frozen_norms else 7) * shape.hidden_size
+    return h + 6 * shape.kv_size + 4 * shape.intermediate_size + (key_positions if cpu else 0)
 
 
 def no_grad_layer_values(shape: ModelShape) -> int:
@@ -115,8 +119,10 @@ def activation_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: D
     shared = cfg.model.share_prompt and cfg.model.share_prompt_training and not ckpt
     tokens = lay.micro_tokens(shared)
     b = device.compute_bytes
-    per_layer = layer_activation_values(shape, lay.seq_tokens, device.is_cpu)
-    outside = 2 * shape.hidden_size + (lay.seq_tokens if device.is_cpu else 0)  # embeddings out, final norm
+    lora = cfg.model.lora.enabled
+    per_layer = layer_activation_values(shape, lay.seq_tokens, device.is_cpu, frozen_norms=lora)
+    # embeddings out and the final norm's input (neither kept when they do not train: LoRA)
+    outside = (0 if lora else 2 * shape.hidden_size) + (lay.seq_tokens if device.is_cpu else 0)
     if ckpt:  # each layer's input, plus one layer recomputed in the backward
         values = tokens * (shape.num_hidden_layers * shape.hidden_size + per_layer + outside)
     else:
