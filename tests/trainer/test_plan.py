@@ -48,7 +48,8 @@ def test_memory_components_by_hand():
                    "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4")
     lay = layout(cfg, 1)
     update = memory_phases(cfg, SMALL, lay, cpu, None)["update"]
-    assert update["weights"] == 1480 * 4 and update["optimizer"] == 2 * 1480 * 4 and update["anchor"] == 1480 * 4
+    # the anchor also blends the rotary embedding's float buffers (inv_freq, original_inv_freq: head_dim / 2 each)
+    assert update["weights"] == 1480 * 4 and update["optimizer"] == 2 * 1480 * 4 and update["anchor"] == (1480 + 4) * 4
     # 4 rows x 5 response tokens x (old_logp, entropy, behaviour log-prob, advantage: 4 x 4 B + top-4 int64 + fp32
     # logits: 4 x 12 B + anchor logp, logsumexp: 8 B) + the batch: 4 rows x 11 tokens x (8 + 8 + 4) B
     assert stored_stats_bytes(cfg, SMALL, lay, cpu) == 4 * 5 * (16 + 48 + 8) + 4 * 11 * 20

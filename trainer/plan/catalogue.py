@@ -154,6 +154,12 @@ class ModelShape:
         return attention + 3 * h * i + 2 * h  # + the two RMSNorm weights
 
     @property
+    def float_buffers(self) -> int:
+        """Floating-point buffer values (the rotary embedding's ``inv_freq`` and ``original_inv_freq``, head_dim / 2
+        each), which the EMA anchor blends with the parameters."""
+        return self.head_dim
+
+    @property
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 

@@ -187,7 +187,7 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
     anchor = anchor_transient = 0
     if kl.enabled and not (lora.enabled and ema.decay == 1.0):
         anchor_dtype = FP32 if ema.dtype == "fp32" else 2
-        tracked = trainable * anchor_dtype // shard
+        tracked = (trainable + (0 if lora.enabled else shape.float_buffers)) * anchor_dtype // shard
         on_host = ema.offload and not device.is_cpu
         anchor = 0 if on_host else tracked
         if on_host or ema.dtype != "fp32":  # cast/copied to the policy's dtype and device for each anchor pass
