@@ -27,8 +27,9 @@ Each figure follows the code path that allocates it (worst case: every prompt an
 
 The peak is the largest of three phases: ``rollout`` (engine awake), ``stats`` (no-grad passes) and ``update``
 (training pass). Gradients and activations are live together when a mini-batch has more than one micro-batch
-(accumulation); with one, the peak is the larger of the backward's start (activations, the lm_head's gradient)
-and its end (every gradient).
+(accumulation: ``lm_head_backward``'s fresh (V, h) ``grad_w`` too, before it is added to the accumulated one); with
+one, the peak is the larger of the backward's start (activations, the lm_head's gradient) and its end (every
+gradient).
 """
 
 from __future__ import annotations
@@ -206,8 +207,8 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
     head_grad = 0 if lora.enabled else shape.embedding_params * FP32 // shard  # the lm_head's, first in the backward
     # a foreach AdamW (on CUDA) holds a temporary of the size of what it steps
     step_temp = 0 if device.is_cpu else trainable * FP32 // shard
-    if lay.micro_batches_per_mini > 1:
-        dynamic = {"gradients": gradients, "activations": acts, "logits": logits}
+    if lay.micro_batches_per_mini > 1:  # later micro-batches: every gradient, plus lm_head_backward's fresh grad_w
+        dynamic = {"gradients": gradients + head_grad, "activations": acts, "logits": logits}
     elif acts + logits + head_grad >= gradients + step_temp:
         dynamic = {"gradients": head_grad, "activations": acts, "logits": logits}
     else:
