@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -56,6 +57,15 @@ def _check_counts(devices: int, nodes: int) -> None:
         raise UserError(f"--devices and --nodes must be >= 1, got {devices} and {nodes}")
 
 
+def available_bytes(device_memory_gib: float | None) -> int | None:
+    """``--device-memory GIB`` in bytes (None: the device's own); a readable error for a value that is not > 0."""
+    if device_memory_gib is None:
+        return None
+    if not (math.isfinite(device_memory_gib) and device_memory_gib > 0):
+        raise UserError(f"--device-memory must be a finite number of GiB > 0, got {device_memory_gib}")
+    return int(device_memory_gib * GIB)
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     _check_counts(args.devices, args.nodes)
@@ -65,7 +75,9 @@ def main(argv: list[str]) -> int:
     from trainer.config import TrainConfig
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
-    available = None if args.device_memory is None else int(args.device_memory * GIB)
+    available = available_bytes(args.device_memory)
+    if args.price is not None and not (math.isfinite(args.price) and args.price >= 0):
+        raise UserError(f"--price must be a finite number >= 0, got {args.price}")
     if args.probe:
         from trainer.plan.probe import probe_plan
 
@@ -130,9 +142,9 @@ def check_fits(cfg: Any, *, device_memory_gib: float | None = None) -> Plan | No
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     device = get_device("cpu") if cfg.run.device == "cpu" else local_device()
+    available = available_bytes(device_memory_gib)
     try:
-        plan = plan_run(cfg, device, devices=local, nodes=max(1, world // max(1, local)),
-                        available=None if device_memory_gib is None else int(device_memory_gib * GIB))
+        plan = plan_run(cfg, device, devices=local, nodes=max(1, world // max(1, local)), available=available)
     except (ConfigError, UserError) as e:  # a shape the planner cannot read, or a policy name that no longer resolves
         print(f"emapg train: warning: no memory plan ({e}); starting without the check", file=sys.stderr)
         return None
