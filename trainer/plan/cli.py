@@ -18,9 +18,8 @@ from typing import Any
 from emapg.config import load_config
 from emapg.errors import ConfigError, UserError
 from trainer.plan.catalogue import Device, device_names, get_device, local_device
-from trainer.plan.planner import GIB, Plan, plan_run
-
 from trainer.plan.compare import PLAN_FILE
+from trainer.plan.planner import GIB, Plan, plan_run
 
 
 def parser() -> argparse.ArgumentParser:
