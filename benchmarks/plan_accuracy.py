@@ -69,10 +69,10 @@ EXPLANATIONS: dict[str, str] = {
                  "time (+64%, the one miss of the +-50% target) counts the recompute as 2·N FLOPs per token at the "
                  "assumed rate; why the tiny model recomputes faster than that was not measured (after the probe: "
                  "+17%).",
-    "smollm2_grpo_remote": "probed step time: the four steps of this configuration took 8.9, 12.5, 8.3 and 5.4 s (update "
-                           "only, no engine) on the shared 2-core machine; the probe step (8.3 s) and the measured one "
-                           "(5.4 s) differ by that noise, not by the model (unprobed: +0.5%). Its memory was -12.5% before "
-                           "the lm_head backward's fresh grad_w under gradient accumulation was counted.",
+    "smollm2_grpo_remote": "its memory was -12.5% before the lm_head backward's fresh (V, h) grad_w under gradient "
+                           "accumulation was counted (a run at 21:21; the same code path as tiny_micro2). In that run "
+                           "its four steps took 8.9, 12.5, 8.3 and 5.4 s on the shared 2-core machine, a probed error of "
+                           "+49.5% from that noise alone.",
     "tiny (unprobed step time)": "the tiny model's 6.8 MB of weights stay in the CPU caches, so decoding runs faster than "
                                  "the catalogue's DRAM-bandwidth assumption, and its many small operations are far from "
                                  "the assumed FLOP rate; SmolLM2-135M, whose weights do not fit in cache, is within "
