@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "router": ("retriever.cli", "router_main", "one /retrieve over a sharded index: fan-out, exact merge, deadlines, health gating"),
     "engine": ("agent.engines.cli", "main", "serve a vLLM or transformers generation engine over HTTP for remote rollouts"),
     "train": ("trainer.cli", "main", "train a policy with EMA-PG or GRPO from a YAML config"),
+    "plan": ("trainer.plan.cli", "main", "will a training config fit, how long, what will it cost: memory, step time, run hours"),
     "sft": ("trainer.cli", "sft_main", "warm-start a search agent: fine-tune on trajectories, observations masked out of the loss"),
     "export": ("trainer.cli", "export_main", "write a trained policy (a LoRA run merged into its base) as a plain HF folder"),
     "eval": ("eval.cli", "main", "evaluate a model on the QA or math suites; `eval compare` for side-by-side reports"),

@@ -40,6 +40,7 @@ COMMAND_PARSERS: dict[str, tuple[str, str]] = {
     "eval": ("eval.cli", "eval_parser"),
     "eval compare": ("eval.cli", "compare_parser"),
     "plot": ("trainer.plot", "parser"),
+    "plan": ("trainer.plan.cli", "parser"),
     "export": ("trainer.cli", "export_parser"),
     "demo": ("app.demo", "parser"),
     "view": ("app.viewer.server", "parser"),

@@ -350,7 +350,23 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
                                                                               _train_config(preset).rollout.n_samples)},
         "stage_seconds": stages.seconds,
         "logs": stages.logs,
+        "plan": _plan_beside(train_dir, steps),
     }
+
+
+def _plan_beside(train_dir: Path, steps: list[dict[str, float]]) -> dict[str, Any] | None:
+    """The training run's plan (``emapg plan``) beside its measured peak memory and step time."""
+    from trainer.plan.compare import plan_beside_measured
+
+    return plan_beside_measured(train_dir, steps)
+
+
+def _plan_section(compared: dict[str, Any] | None) -> list[str]:
+    """The report's "Plan against measured" section (none without a plan)."""
+    from trainer.plan.compare import plan_lines
+
+    lines = plan_lines(compared)
+    return ["## Plan against measured", "", *lines, ""] if lines else []
 
 
 def _sampling_lines(steps: list[dict[str, float]]) -> list[str]:
@@ -513,6 +529,7 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         "The KL panel is the per-token mean of the KL *estimate* the loss used (Top-k reverse KL: exact head "
         "over the k tokens plus a sampled tail term), not the exact KL; it can be negative."
         + (" " + FLAT_PANELS_NOTE if "filter/sampled_reward_mean" in (t["metrics"] or [{}])[0] else ""), "",
+        *_plan_section(results.get("plan")),
         "## Stage logs and times", "",
         *[f"- {name}: `{path}`" + (f" ({results['stage_seconds'][name]:.0f} s)" if name in results["stage_seconds"] else "")
           for name, path in results["logs"].items()],

@@ -4,7 +4,8 @@ Sections (``--sections``, in this order; each in its own subprocess with its own
 
 * ``env``    -- what ran where: GPU(s), driver, torch/CUDA/NCCL, vLLM, faiss, transformers versions;
 * ``step``   -- (a) a Qwen2.5-3B-shaped random-weight FSDP2 bf16 update, GRPO vs EMA-PG
-  (``benchmarks/gpu_step.py``): tokens/s and peak memory per mode;
+  (``benchmarks/gpu_step.py``): tokens/s and peak memory per mode, each beside ``emapg plan``'s prediction of it
+  (``plan``: predicted and measured peak bytes and update seconds; ``scripts/gen_plan_table.py`` reports them);
 * ``vllm``   -- (b) colocated vLLM on a random Qwen2 built locally (hidden 1024, 8 layers): start-up,
   greedy tokens against transformers on the same GPU, weight sync through ``VLLMEngine.load_weights``,
   sleep / weight sync while asleep / wake, sampling throughput;
@@ -393,6 +394,7 @@ def run_step(ctx: Context) -> Outcome:
     for mode in ("grpo", "emapg"):
         r = report["results"][mode]
         m[mode] = {k: r[k] for k in ("tokens_per_s", "tokens_per_step", "step_time_s_mean", "peak_memory_gib")}
+        m[mode]["plan"] = r["plan"]  # emapg plan's prediction of this update beside the measurement (docs/planning.md)
         checks[f"{mode}_tokens_per_s_positive"] = r["tokens_per_s"] > 0
     for key in ("emapg_over_grpo_update_time_ratio", "emapg_over_grpo_peak_memory_ratio"):
         m[key] = report[key]

@@ -139,20 +139,44 @@ def run_mode(args: argparse.Namespace, model_dir: Path, mode: str, cuda: bool) -
         tokens = int(batch.attention_mask.sum())
         steady = times[1:] or times
         mean = sum(steady) / len(steady)
+        peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         return {
+            "plan": plan_beside(cfg, peak, mean, cuda),
             "step_times_s": times,
             "phase_times_s": phases,
             "tokens_per_step": tokens,
             "tokens_per_s": tokens / mean,
             "step_time_s_mean": mean,
-            "peak_memory_gib": (torch.cuda.max_memory_allocated() if cuda else
-                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            "peak_memory_gib": peak / 2**30,
         }
     finally:
         trainer.close()
         del trainer
         if cuda:
             torch.cuda.empty_cache()
+
+
+def plan_beside(cfg, measured_peak: int, measured_update_s: float, cuda: bool) -> dict:
+    """``emapg plan``'s prediction for this very update (no engine: none runs here), beside what was measured.
+
+    On a GPU the measured peak is ``torch.cuda.max_memory_allocated`` (what the plan predicts); on a CPU it is the
+    process's peak RSS, which also holds the interpreter and libraries, so only the GPU figures judge the plan.
+    """
+    import copy
+
+    from trainer.plan.catalogue import get_device, local_device
+    from trainer.plan.planner import plan_run
+
+    c = copy.deepcopy(cfg)
+    c.rollout.engine = "remote"  # the update alone: no colocated engine in this benchmark
+    plan = plan_run(c, local_device() if cuda else get_device("cpu"), search=False)
+    phases = {p: v for p, v in plan.phases.items() if p != "rollout"}
+    predicted = max(sum(v.values()) for v in phases.values())
+    return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured_peak,
+            "memory_error": (predicted - measured_peak) / measured_peak,
+            "predicted_update_s": plan.step_seconds["update"], "measured_update_s": measured_update_s,
+            "update_time_error": (plan.step_seconds["update"] - measured_update_s) / measured_update_s,
+            "components": plan.memory_bytes, "measured_with": "cuda allocator" if cuda else "peak RSS (not comparable)"}
 
 
 def main() -> int:

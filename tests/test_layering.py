@@ -32,7 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("emapg", "tasks", "retriever", "agent", "provision", "trainer", "eval", APP_PACKAGE)
 
 #: Schemas that commands read without training: importing them must not import torch.
-CONFIG_MODULES = ("emapg.config", "trainer.config", "trainer.sft.config", "eval.protocols")
+CONFIG_MODULES = ("emapg.config", "trainer.config", "trainer.sft.config", "eval.protocols",
+                  # the run planner answers before anything heavy loads (`emapg plan`, the check of `emapg train`)
+                  "trainer.plan.catalogue", "trainer.plan.memory", "trainer.plan.timing", "trainer.plan.planner",
+                  "trainer.plan.compare")
 HEAVY = ("torch",)
 
 # (who, must not import, why)

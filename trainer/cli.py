@@ -13,9 +13,13 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from emapg.errors import UserError
 from emapg.config import ConfigError, add_config_arguments, config_from_args, load_config, option
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 
 def _yaml_command_parser(prog: str, description: str, config_example: str, overrides_example: str,
@@ -48,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
         "--resume", nargs="?", const="", default=None, metavar="DIR",
         help="continue from the latest checkpoint of the run (or of DIR: a run folder or a step_N folder)",
     )
+    p.add_argument("--no-plan", action="store_true", help="skip the memory plan (`emapg plan`) that refuses, before anything "
+                   "loads, a config whose predicted peak exceeds the device's memory")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                   help="check the plan against this many GiB per device instead of the device's own memory")
     return p
 
 
@@ -65,6 +73,8 @@ def main(argv: list[str]) -> int:
 
         # a model that does not exist, or settings it cannot honour (kl.topk, token budgets): one line, exit 2
         check_model_limits(cfg, resolve_model(cfg.model.policy, option="model.policy"))
+    if not args.no_plan:
+        _plan_or_refuse(cfg, args.device_memory)
     from emapg.console import library_output_to, rank_log_name
     from trainer.errors import TrainingError
 
@@ -86,6 +96,21 @@ def main(argv: list[str]) -> int:
         print(f"finished step {len(history)} of this session; reward/mean={last.get('reward/mean', float('nan')):.4f}; "
               f"run folder: {cfg.output_path}")
     return 0
+
+
+def _plan_or_refuse(cfg: "TrainConfig", device_memory_gib: float | None) -> None:
+    """The run plan (:mod:`trainer.plan`) before anything loads: a one-line refusal (UserError) when it does not
+    fit; else written to ``<run.output_dir>/plan.json`` (rank 0), where ``emapg view`` and the report read it."""
+    import json
+    import os
+
+    from emapg.atomic import write_text_atomic
+    from trainer.plan.cli import PLAN_FILE, check_fits
+
+    plan = check_fits(cfg, device_memory_gib=device_memory_gib)
+    if plan is not None and os.environ.get("RANK", "0") == "0":
+        cfg.output_path.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(cfg.output_path / PLAN_FILE, json.dumps(plan.to_json(), indent=2) + "\n")
 
 
 def sft_parser() -> argparse.ArgumentParser:

@@ -58,7 +58,7 @@ from trainer.teacher import distill_gathers_topk
 from trainer.entropy_control import EntropyController, controller_card
 from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
-from trainer.metrics import learn_sums, step_metrics, update_metrics
+from trainer.metrics import learn_sums, peak_memory, step_metrics, update_metrics
 from trainer.provenance import record_files, refreshed, train_provenance, trained_questions
 from trainer.policy import build_policy, deterministic, use_bf16
 from trainer.sampled_batch import SampledBatch, TrainingRows, batch_sums, produce, rank_training_rows, step_seed
@@ -448,7 +448,7 @@ class Trainer:
             metrics.update(self.probe(self))
         t_total = time.perf_counter() - t_step
         metrics.update({"time/rollout": t_rollout, "time/step": t_total,
-                        "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9)})
+                        "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9), **peak_memory(self.dist.device)})
         return metrics
 
     @property

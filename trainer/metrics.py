@@ -236,3 +236,19 @@ def update_metrics(s: Mapping[str, float], *, world_size: int, grad_norms: list[
         out["kl/mean"] = s["update/kl_token_sum"] / tokens
         out["kl/loss"] = s["update/kl_loss"] / world_size / steps
     return {**out, **behavior_metrics(s), **distill_metrics(s, world_size=world_size, steps=steps)}
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """The process's peak memory so far, beside the plan (:mod:`trainer.plan.compare`): ``perf/peak_memory_bytes``
+    (the CUDA allocator's peak, what ``emapg plan`` predicts) on a GPU; ``perf/peak_rss_bytes`` (peak resident set,
+    ``VmHWM``: it also holds the interpreter and libraries) on a CPU."""
+    if device.type == "cuda":
+        return {"perf/peak_memory_bytes": float(torch.cuda.max_memory_allocated(device))}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return {"perf/peak_rss_bytes": float(int(line.split()[1]) * 1024)}
+    except OSError:
+        pass
+    return {}

@@ -165,6 +165,13 @@ def host_allowed(host_header: str, allowed: list[str] | None) -> bool:
     return bool(host) and is_loopback(host)
 
 
+def plan_of(run: Run) -> dict[str, Any]:
+    """``emapg plan``'s prediction beside the run's measured peak memory and step time (``{}`` without a plan)."""
+    from trainer.plan.compare import plan_beside_measured
+
+    return plan_beside_measured(run.path, run.metrics()) or {}
+
+
 def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import FileResponse, JSONResponse, Response
@@ -247,6 +254,10 @@ def create_app(runs: list[Run], *, allowed_hosts: list[str] | None = None):
     @app.get("/api/runs/{run_id}/metrics")
     async def metrics(run_id: str, since: int = -1):
         return await answer(metrics_of, run_of(run_id, "train"), since)
+
+    @app.get("/api/runs/{run_id}/plan")
+    async def plan(run_id: str):
+        return await answer(plan_of, run_of(run_id, "train"))
 
     def samples_of(run: Run, step: int | None) -> dict[str, Any]:
         steps = run.sample_steps()

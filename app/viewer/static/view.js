@@ -216,12 +216,30 @@ async function pageCurves() {
       setParams({runs: chosen.join(",")});
       poll(true).catch(showError);
     }}), " ", r.label)));
-  root.replaceChildren(el("h2", {}, "Curves per step"), runBox,
+  const planBox = el("div", {class: "plan", id: "plan"});
+  root.replaceChildren(el("h2", {}, "Curves per step"), runBox, planBox,
     el("div", {class: "muted"}, "metrics (each run's metrics.jsonl; dotted red lines: stability-guard events). " +
       "Two rewards where groups are left out of the update: every sampled group's (the policy's, as the report draws it) " +
       "and the kept groups' (reward/mean)."), flatNote, keyBox, charts);
+  drawPlans(planBox, chosen).catch(showError);
   await poll(true);
   setInterval(() => poll(false).catch(showError), POLL_MS);
+}
+
+// The plan (emapg plan, <run>/plan.json) beside each run's measured peak memory and step time: a drift shows.
+async function drawPlans(box, ids) {
+  const fmtRow = (v, unit) => v === null || v === undefined ? "–" : unit === "bytes" ? `${(v / 2 ** 30).toFixed(2)} GiB` : `${fmt(v)} s`;
+  const tables = [];
+  for (const id of ids) {
+    const p = await api(`/api/runs/${encodeURIComponent(id)}/plan`);
+    if (!p.rows) continue;
+    tables.push(el("table", {class: "plan-table"},
+      el("caption", {}, `${id}: plan for ${p.devices} x ${p.device} (rates ${p.rates})`),
+      el("tr", {}, el("th", {}, ""), el("th", {}, "predicted"), el("th", {}, "measured"), el("th", {}, "drift")),
+      ...p.rows.map(r => el("tr", {}, el("td", {}, r.what), el("td", {}, fmtRow(r.predicted, r.unit)),
+        el("td", {}, fmtRow(r.measured, r.unit)), el("td", {}, r.drift === null ? "–" : `${(100 * r.drift).toFixed(0)}%`)))));
+  }
+  box.replaceChildren(...tables);
 }
 
 // ------------------------------------------------------------------------------------------------ trajectories

@@ -1,0 +1,171 @@
+"""The run planner (trainer/plan, `emapg plan`): component arithmetic against hand-computed figures and against the
+tensors the real code allocates, the refusal of `emapg train`, `--probe` on the tiny preset, the docs table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from emapg.config import load_config
+from trainer.config import TrainConfig
+from trainer.plan.catalogue import ModelShape, get_device, model_shape
+from trainer.plan.memory import layout, memory_phases, stored_stats_bytes
+from trainer.plan.planner import GIB, estimate, plan_run
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_CPU = ROOT / "configs" / "math_tiny_cpu.yaml"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+# h = 8, i = 16, 2 layers, 2 heads of 4 (q 8), 1 kv head (kv 4), V = 32, tied, q/k/v biases (Qwen2)
+SMALL = ModelShape(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   vocab_size=32, tie_word_embeddings=True, attention_bias=True)
+
+
+def tiny_cfg(*overrides: str) -> TrainConfig:
+    return load_config(TrainConfig, TINY_CPU, ["run.device=cpu", *overrides])
+
+
+def test_parameter_and_lora_counts_by_hand():
+    # per layer: q 8*8 + k 8*4 + v 8*4 + o 8*8 = 192, biases 8 + 4 + 4 = 16, MLP 3 * 8 * 16 = 384, two norms 16 -> 608
+    assert SMALL.layer_params == 608
+    assert SMALL.params == 32 * 8 + 2 * 608 + 8 == 1480  # embedding (tied head), layers, final norm
+    # LoRA r = 2 on q and v: 2 layers x (2 * (8 + 8) + 2 * (8 + 4)) = 2 * 56
+    assert SMALL.lora_params(2, ["q_proj", "v_proj"]) == 112
+    assert SMALL.lora_params(1, ["all-linear"]) == 2 * (16 + 12 + 12 + 16 + 24 + 24 + 24)
+
+
+def test_memory_components_by_hand():
+    """Adam states, gradients, the EMA anchor (full and over adapters) and Top-k buffers for the small shape."""
+    cpu = get_device("cpu")
+    cfg = tiny_cfg("rollout.engine=remote", "rollout.engine_urls=[http://127.0.0.1:9]", "algorithm.kl.type=topk_reverse",
+                   "algorithm.kl.topk=4", "rollout.max_prompt_tokens=6", "rollout.max_response_tokens=5",
+                   "rollout.max_tokens_per_turn=5", "data.prompts_per_step=2", "rollout.n_samples=2",
+                   "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4")
+    lay = layout(cfg, 1)
+    update = memory_phases(cfg, SMALL, lay, cpu, None)["update"]
+    # the anchor also blends the rotary embedding's float buffers (inv_freq, original_inv_freq: head_dim / 2 each)
+    assert update["weights"] == 1480 * 4 and update["optimizer"] == 2 * 1480 * 4 and update["anchor"] == (1480 + 4) * 4
+    # 4 rows x 5 response tokens x (old_logp, entropy, behaviour log-prob, advantage: 4 x 4 B + top-4 int64 + fp32
+    # logits: 4 x 12 B + anchor logp, logsumexp: 8 B) + the batch: 4 rows x 11 tokens x (8 + 8 + 4) B
+    assert stored_stats_bytes(cfg, SMALL, lay, cpu) == 4 * 5 * (16 + 48 + 8) + 4 * 11 * 20
+    lora = tiny_cfg("model.lora.enabled=true", "model.lora.rank=2", "model.lora.target_modules=[q_proj,v_proj]",
+                    "algorithm.ema.decay=0.9")
+    phases = memory_phases(lora, SMALL, layout(lora, 1), cpu, None)["update"]
+    assert phases["weights"] == (1480 + 112) * 4 and phases["optimizer"] == 2 * 112 * 4 and phases["anchor"] == 112 * 4
+    frozen = tiny_cfg("model.lora.enabled=true", "algorithm.ema.decay=1.0")
+    assert memory_phases(frozen, SMALL, layout(frozen, 1), cpu, None)["update"]["anchor"] == 0  # adapters off: no tensors
+    # FSDP2 over 4 ranks shards weights, gradients, optimizer states and the anchor
+    sharded = memory_phases(cfg, SMALL, layout(cfg, 4), cpu, None)["update"]
+    assert sharded["weights"] == 1480 * 4 // 4 and sharded["optimizer"] == 2 * 1480 * 4 // 4
+
+
+def test_the_components_are_the_tensors_the_trainer_allocates(tiny_model_dir):
+    """The planner's static components against the real policy: parameters, Adam states after a step, the anchor
+    (full, and over LoRA adapters), counted from the tensors themselves."""
+    import torch
+
+    from trainer import distributed as D
+    from trainer.policy import build_policy
+
+    dist = D.init_distributed("cpu", "auto")
+    for extra in ([], ["model.lora.enabled=true", "model.lora.rank=4"]):
+        cfg = tiny_cfg(f"model.policy={tiny_model_dir}", "algorithm.ema.decay=0.9", *extra)
+        policy = build_policy(cfg, dist, str(tiny_model_dir), bf16=False)
+        plan = memory_phases(cfg, model_shape(str(tiny_model_dir)), layout(cfg, 1), get_device("cpu"), None)["update"]
+        params = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+        assert plan["weights"] == params
+        trainable = [p for p in policy.model.parameters() if p.requires_grad]
+        loss = sum((p.float() ** 2).sum() for p in trainable)
+        loss.backward()
+        policy.optimizer.step()
+        adam = sum(t.numel() * t.element_size() for s in policy.optimizer.state.values() for t in s.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
+        assert plan["optimizer"] == adam
+        assert plan["anchor"] == sum(t.numel() * t.element_size() for t in policy.anchor.tensors.values())
+
+
+def test_plan_json_contract_and_refusal_knob():
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "plan", "configs/search_qwen2.5-3b_emapg.yaml", "--device", "h100-80gb",
+                           "--devices", "8", "--json", "--out", "-"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    j = json.loads(proc.stdout)
+    assert j["memory_bytes"]["total"] == sum(v for k, v in j["memory_bytes"].items() if k != "total")
+    assert set(j["step_seconds"]) == {"rollout", "update", "sync", "total"} and j["fits"] is True
+    assert j["device"]["name"] == "NVIDIA H100 80GB SXM" and j["model"]["params"] == 3_085_938_688  # Qwen2.5-3B's count
+    assert j["step_seconds"]["total"] == pytest.approx(sum(v for k, v in j["step_seconds"].items() if k != "total"))
+
+
+def test_train_refuses_what_cannot_fit_naming_the_override(tmp_path):
+    """A config whose activations do not fit a small memory limit, which gradient checkpointing would fit."""
+    overrides = ["rollout.max_response_tokens=1024", "rollout.max_tokens_per_turn=1024", f"run.output_dir={tmp_path}"]
+    cfg = tiny_cfg(*overrides)
+    cpu = get_device("cpu")
+    without = estimate(cfg, cpu).peak_bytes
+    with_ckpt = estimate(tiny_cfg(*overrides, "model.gradient_checkpointing=true"), cpu).peak_bytes
+    assert with_ckpt < without
+    limit = (with_ckpt + without) / 2 / GIB
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "train", "--config", str(TINY_CPU), *overrides, "run.device=cpu",
+                           "--device-memory", f"{limit:.9f}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert "does not fit" in line and "largest component activations" in line
+    assert "try model.gradient_checkpointing=true" in line and f"{without:,}" in line and "--no-plan" in line
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_probe_on_the_tiny_preset():
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "plan", str(TINY_CPU), "data.prompts_per_step=2",
+                           "--probe", "--json", "--out", "-"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    j = json.loads(proc.stdout[proc.stdout.index("{"):])
+    probe = j["probe"]
+    assert len(probe["steps"]) == 4 and all(s["update"] > 0 and s["rollout"] > 0 for s in probe["steps"])
+    # the measured peak holds at least what is certainly live: weights, Adam states, anchor, the engine's weights
+    static = sum(probe["unprobed"]["memory_bytes"].get(k, 0) for k in ("weights", "optimizer", "anchor"))
+    assert probe["measured_peak_bytes"] >= static
+    assert "refitted" in j["rates"]["source"] and j["step_seconds"]["update"] > 0
+    assert probe["memory_error"] == pytest.approx((probe["unprobed"]["memory_bytes"]["total"] - probe["measured_peak_bytes"])
+                                                  / probe["measured_peak_bytes"])
+
+
+def _gen_plan_table():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_plan_table", ROOT / "scripts" / "gen_plan_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docs_table_is_the_planners_json():
+    gen = _gen_plan_table()
+    page = (ROOT / "docs" / "planning.md").read_text()
+    assert gen.render(page) == page, "run python scripts/gen_plan_table.py"
+    j = gen.preset_plan(ROOT / "configs" / "search_qwen2.5-3b_emapg.yaml", "h100-80gb", 8)
+    row = next(line for line in page.splitlines() if line.startswith("| `search_qwen2.5-3b_emapg` | 8x"))
+    assert f"**{j['memory_bytes']['total'] / 2**30:.1f}**" in row and f"${j['run']['cost']:,.0f}" in row
+    assert "predicted, not yet measured on a GPU" in page or "measured by `make gpu-check`" in page
+    presets = {p.stem for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("sft_")}
+    assert all(sum(f"| `{name}` |" in line for line in page.splitlines()) == 3 for name in presets)
+
+
+def test_the_planner_imports_no_torch():
+    code = ("import sys; import trainer.plan.planner, trainer.plan.cli, trainer.plan.compare; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_plan_that_does_not_fit_names_a_knob_and_largest_values():
+    cfg = load_config(TrainConfig, ROOT / "configs" / "search_qwen2.5-3b_emapg.yaml", [])
+    plan = plan_run(cfg, get_device("a100-40gb"))
+    assert not plan.fits and plan.knob and plan.knob in plan.refusal()
+    roomy = plan_run(cfg, get_device("h100-80gb"), devices=8)
+    assert roomy.fits and roomy.largest["micro_batch_size"] >= cfg.algorithm.micro_batch_size

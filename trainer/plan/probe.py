@@ -1,0 +1,298 @@
+"""``emapg plan --probe``: measure real steps at the configured shapes, refit the rates, plan the run with them.
+
+What runs is the trainer's own code on this machine, in this process: ``Trainer.setup`` (policy, optimizer, anchor,
+teacher, a colocated engine), then per step a rollout phase (the engine generates ``rows`` sequences of the
+configured prompt length for the response budget, ``ignore_eos``) after the weight sync of the step before
+(``EngineSession.generating`` pushes the changed weights, as in a run), and the update phase as ``Trainer.learn`` runs it (stored statistics, teacher scores,
+``Trainer.update``, the EMA blend) on a synthetic batch of full-length rows in groups of ``rollout.n_samples`` -- the
+planner's worst case, so measured and predicted describe the same shapes. The retriever is not needed: a search
+config is probed as the math task (the update's shapes do not depend on it).
+
+Measured peak memory: on a GPU, ``torch.cuda.max_memory_allocated()`` over setup and steps minus what was allocated
+before; on a CPU, the peak of live tensor bytes over setup and the first two steps from the torch profiler's
+allocation events (``profile_memory=True``: every allocation and free of torch's CPU allocator, in order) -- the
+CPU counterpart of the CUDA allocator's figure; the process's RSS growth (VmHWM minus the RSS before setup) is
+reported beside it. Times: four steps; the first two are profiled on a CPU (memory), the third is the probe the rates
+are refitted from, the fourth is the measurement ``benchmarks/plan_accuracy.py`` compares against.
+"""
+
+from __future__ import annotations
+
+import copy
+import contextlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.plan.catalogue import Device, get_device, local_device
+from trainer.plan.planner import Plan, plan_run
+from trainer.plan.timing import Rates
+
+#: Steps a probe runs: on a CPU the first two under the memory profiler (a warm-up, then a step with the optimizer's
+#: states), then the probe the rates are refitted from and the measured one, both unprofiled (the profiler slows a
+#: step by 10-45%: measured on the tiny configs of benchmarks/plan_accuracy.py).
+PROBE_STEPS = 4
+PROFILED_STEPS = 2
+PEAK_DEFINITION_CPU = "peak live torch tensor bytes over setup and two steps (torch profiler allocation events)"
+PEAK_DEFINITION_CUDA = "torch.cuda.max_memory_allocated over setup and steps, minus the bytes allocated before"
+
+
+@dataclass
+class StepTimes:
+    rollout: float | None
+    update: float
+    sync: float | None
+
+
+@dataclass
+class Measurement:
+    peak_bytes: int
+    peak_definition: str
+    rss_growth_bytes: int
+    steps: list[StepTimes]
+    peak_phase: str | None = None  # on a CPU: the probe phase the peak happened in
+
+
+def _vm(field: str) -> int:
+    """A ``/proc/self/status`` figure in bytes (0 where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _TensorPeak:
+    """Peak of live tensor bytes: the CUDA allocator's own counter, or the profiler's CPU allocation events."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.prof, self.base = cuda, None, 0
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+
+    def stop(self) -> tuple[int, str | None]:
+        """(peak bytes, the probe phase it happened in: setup, rollout, update or sync; None on a GPU)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base, None
+        self.prof.__exit__(None, None, None)
+        events = sorted(self.prof.events(), key=lambda e: e.time_range.start)
+        phases = [(e.time_range.start, e.time_range.end, e.name.removeprefix(PHASE)) for e in events if e.name.startswith(PHASE)]
+        live = peak = 0
+        at = 0
+        for event in events:
+            live += event.self_cpu_memory_usage
+            if live > peak:
+                peak, at = live, event.time_range.start
+        self.prof = None
+        return peak, next((name for start, end, name in phases if start <= at <= end), "setup")
+
+
+PHASE = "emapg_plan::"
+
+
+def _phase(name: str) -> Any:
+    """A profiler range naming the probe phase (where the CPU peak happened)."""
+    return torch.profiler.record_function(PHASE + name)
+
+
+def probe_config(cfg: TrainConfig, workdir: str) -> TrainConfig:
+    """The config the probe runs: the same shapes, no retriever, no checkpoints, logs or progress."""
+    c = copy.deepcopy(cfg)
+    if c.rollout.task == "search":
+        c.rollout.task = "math"
+    c.run.output_dir = workdir
+    c.run.save_every = 0
+    c.logging.tensorboard = c.logging.wandb = c.logging.progress = False
+    c.logging.log_samples = 0
+    c.guard.enabled = False
+    return c
+
+
+def synthetic_batch(cfg: TrainConfig, rows: int, vocab: int, pad_id: int, seed: int = 0) -> Any:
+    """``rows`` full-length trajectories in groups of ``n_samples`` sharing a prompt (every response token trained)."""
+    from trainer.batch import build_token_batch
+
+    g = torch.Generator().manual_seed(seed)
+    r = cfg.rollout
+    prompts, responses, masks = [], [], []
+    for i in range(rows):
+        if i % r.n_samples == 0:
+            prompt = torch.randint(10, vocab, (r.max_prompt_tokens,), generator=g).tolist()
+        prompts.append(prompt)
+        responses.append(torch.randint(10, vocab, (r.max_response_tokens,), generator=g).tolist())
+        masks.append([1] * r.max_response_tokens)
+    return build_token_batch(prompts, responses, masks, pad_id=pad_id)
+
+
+def _rewards(rows: int, n: int) -> tuple[torch.Tensor, list[str]]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 2, (rows,), generator=g).float(), [str(i // n) for i in range(rows)]
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _rollout(trainer: Any, cfg: TrainConfig, rows: int, cuda: bool) -> tuple[float, float]:
+    """(sync seconds, rollout seconds): the engine session pushes the changed weights (wakes a sleeping vLLM), then
+    generates ``rows`` sequences at the configured prompt length for the generated-token budget."""
+    from agent.engines.base import SamplingParams
+    from trainer.plan.memory import generated_tokens
+
+    vocab = trainer.model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, vocab, (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+                                         - generated_tokens(cfg),), generator=g).tolist() for _ in range(rows)]
+    params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=generated_tokens(cfg), seed=0, ignore_eos=True)
+    _sync(cuda)
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as session:
+        with _phase("sync"):  # entering pushes the changed weights
+            engine = session.enter_context(trainer.engine_session.generating("probe"))
+            _sync(cuda)
+        t1 = time.perf_counter()
+        with _phase("rollout"):
+            engine.generate(prompts, params)
+            _sync(cuda)
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def _learn(trainer: Any, cfg: TrainConfig, batch: Any, step: int, cuda: bool) -> float:
+    """The update phase as ``Trainer.learn`` runs it, timed."""
+    from trainer.algo.grpo import broadcast_advantages, grpo_advantages
+    from trainer.teacher import store_teacher_scores
+
+    batch.stored.clear()
+    rewards, groups = _rewards(batch.size, cfg.rollout.n_samples)
+    _sync(cuda)
+    t0 = time.perf_counter()
+    plan = trainer.stats_plan(batch.size)
+    trainer.compute_stored_stats(batch, plan)
+    if trainer.teacher is not None:
+        store_teacher_scores(batch, trainer.teacher, cfg, rewards=rewards.tolist(), group_ids=groups)
+    if trainer.start_policy is not None:
+        trainer.start_policy.kl_sums(batch, cfg, trainer.dist.device)
+    batch.stored["advantages"] = broadcast_advantages(grpo_advantages(rewards, groups), batch.loss_mask)
+    trainer.update(batch, plan)
+    if trainer.anchor is not None:
+        trainer.anchor.maybe_update(step)
+    _sync(cuda)
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _trainer(cfg: TrainConfig, with_engine: bool) -> Iterator[Any]:
+    from trainer.loop import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        yield trainer.setup(with_engine=with_engine)
+    finally:
+        trainer.close()
+
+
+def measure(cfg: TrainConfig, *, steps: int = PROBE_STEPS) -> Measurement:
+    """Run ``steps`` real steps of ``cfg`` (see the module docstring) and measure them."""
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    colocated = cfg.rollout.engine != "remote"
+    with tempfile.TemporaryDirectory(prefix="emapg-probe-") as tmp:
+        c = probe_config(cfg, tmp)
+        rss_before = _vm("VmRSS")
+        peak = _TensorPeak(cuda)
+        peak.start()
+        stopped = False
+        times: list[StepTimes] = []
+        try:
+            with _trainer(c, colocated) as trainer:
+                world = trainer.dist.world_size
+                rows = max(1, c.data.prompts_per_step * c.rollout.n_samples // world)
+                batch = synthetic_batch(c, rows, trainer.model.config.vocab_size, trainer.pad_id)
+                for step in range(1, steps + 1):
+                    if step == PROFILED_STEPS + 1 and not cuda:  # the rest run unprofiled: the timings
+                        (peak_bytes, peak_phase), stopped = peak.stop(), True
+                    sync, rollout = _rollout(trainer, c, rows, cuda) if colocated else (None, None)
+                    with _phase("update"):
+                        update = _learn(trainer, c, batch, step, cuda)
+                    if colocated:
+                        trainer.engine_session.weights_changed()  # the next rollout pushes them first, as a run does
+                    times.append(StepTimes(rollout, update, None if step == 1 else sync))
+        finally:
+            if not stopped:
+                peak_bytes, peak_phase = peak.stop()
+        return Measurement(peak_bytes=peak_bytes, peak_definition=PEAK_DEFINITION_CUDA if cuda else PEAK_DEFINITION_CPU,
+                           rss_growth_bytes=max(0, _vm("VmHWM") - rss_before), steps=times, peak_phase=peak_phase)
+
+
+def refit(plan: Plan, measured: StepTimes) -> Rates:
+    """Rates under which ``plan``'s phases take the ``measured`` seconds (a phase not measured keeps its rate)."""
+    r, s = plan.rates, plan.step_seconds
+    update = r.update_flops * s["update"] / measured.update if measured.update > 0 else r.update_flops
+    prefill, decode = r.prefill_flops, r.decode_bandwidth
+    if measured.rollout and s["rollout"] > 0:
+        factor = s["rollout"] / measured.rollout
+        prefill, decode = prefill * factor, decode * factor
+    return Rates(update_flops=update, prefill_flops=prefill, decode_bandwidth=decode)
+
+
+def probe_device(cfg: TrainConfig) -> Device:
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        return local_device()
+    return get_device("cpu")
+
+
+def probe_plan(cfg: TrainConfig, *, price: float | None = None, available: int | None = None,
+               progress: bool = True) -> Plan:
+    """Measure (:func:`measure`), refit the rates from the probe step, and plan ``cfg`` on this machine with them.
+
+    The plan's ``probe`` holds the measurement, the unprobed prediction and the errors of both predictions
+    against the last (measured, unprofiled) step.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars: noise beside the plan
+    device = probe_device(cfg)
+    before = plan_run(cfg, device, price=price, available=available)
+    if progress:
+        print(f"probing {PROBE_STEPS} steps of {cfg.model.policy} on {device.name}...", flush=True)
+    m = measure(cfg)
+    probe_step, last = m.steps[-2] if len(m.steps) > 1 else m.steps[0], m.steps[-1]
+    plan = plan_run(cfg, device, rates=refit(before, probe_step), price=price, available=available)
+    plan.rates_source = "refitted from a probe step on this machine (emapg plan --probe)"
+
+    def err(pred: float, meas: float | None) -> float | None:
+        return None if not meas else (pred - meas) / meas
+
+    measured = {"rollout": last.rollout, "update": last.update, "sync": last.sync}
+    plan.probe = {
+        "measured_peak_bytes": m.peak_bytes,
+        "peak_definition": m.peak_definition,
+        "measured_peak_phase": m.peak_phase,
+        "rss_growth_bytes": m.rss_growth_bytes,
+        "measured_step_seconds": measured,
+        "steps": [vars(s) for s in m.steps],
+        "unprobed": {"memory_bytes": before.memory_bytes, "step_seconds": before.step_seconds},
+        "memory_error": err(before.peak_bytes, m.peak_bytes),
+        "step_error_unprobed": {k: err(before.step_seconds[k], v) for k, v in measured.items()},
+        "step_error_probed": {k: err(plan.step_seconds[k], v) for k, v in measured.items()},
+    }
+    return plan

@@ -1,0 +1,116 @@
+"""Seconds per training step, by phase, from FLOPs, bytes and the device's achievable rates.
+
+* ``rollout``: prefill (2·N FLOPs per prompt and observation token) at ``prefill_fraction`` of peak, then decoding:
+  each decode step costs the engine's fixed ``decode_step_latency`` plus reading the weights once for the whole
+  concurrent batch (``decode_fraction`` of the memory bandwidth) or 2·N·batch FLOPs, whichever is slower; a vLLM KV
+  cache too small for every sequence at once takes several waves.
+* ``update``: the training pass at 6·N FLOPs per token (4·N with LoRA: no weight gradients of the frozen base;
+  +2·N under gradient checkpointing), attention's 2·L·T·h per token forward (x3 trained), plus each extra no-grad
+  forward the config needs at 2·N per token: π_old's pass when the update is not on-policy (several mini-batches
+  or epochs) or needs π_old's top-k, the anchor's, a local teacher's, ``logging.kl_to_start``'s two; at
+  ``update_fraction`` of peak. Under FSDP2 each micro-batch's all-gathers and reduce-scatter overlap its compute (the
+  slower of the two counts). The optimizer step and the EMA blend are memory-bound passes over their tensors.
+* ``sync``: the weights the engine gets (bf16 on a GPU, fp32 on a CPU; LoRA adapters only) over ``sync_bandwidth``
+  (a colocated engine) or the network (remote servers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.config import TrainConfig
+from trainer.plan.catalogue import Device, ModelShape
+from trainer.plan.memory import FP32, Layout, generated_tokens
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Achievable rates: FLOP/s of the update and of prefill, bytes/s of decoding (``--probe`` refits them)."""
+
+    update_flops: float
+    prefill_flops: float
+    decode_bandwidth: float
+
+    @classmethod
+    def assumed(cls, device: Device) -> "Rates":
+        return cls(device.bf16_flops * device.update_fraction, device.bf16_flops * device.prefill_fraction,
+                   device.memory_bandwidth * device.decode_fraction)
+
+
+def needs_old_pass(cfg: TrainConfig, lay: Layout) -> tuple[bool, bool]:
+    """(π_old pass runs, the anchor pass runs): :func:`trainer.stored_stats.plan_stored_stats`'s decision."""
+    from trainer.algo.kl_kinds import get_kl_kind
+
+    kl = cfg.algorithm.kl
+    on_policy = cfg.algorithm.ppo_epochs == 1 and lay.rows <= max(1, cfg.algorithm.mini_batch_size // lay.world)
+    needs = get_kl_kind(kl.type).needs(kl) if kl.enabled else None
+    old_topk = bool(needs and needs.topk and needs.topk_of == "old")
+    fused = old_topk and on_policy and lay.shard == 1
+    old_pass = not fused and (not on_policy or old_topk)
+    anchor = needs is not None and bool(needs.anchor_tokens or needs.exact or needs.topk)
+    return old_pass, anchor
+
+
+def update_flops(cfg: TrainConfig, shape: ModelShape, lay: Layout, teacher: ModelShape | None) -> float:
+    n = shape.matmul_params
+    ckpt = cfg.model.gradient_checkpointing
+    trained_tokens = lay.step_tokens(cfg.model.share_prompt and cfg.model.share_prompt_training and not ckpt)
+    free_tokens = lay.step_tokens(cfg.model.share_prompt)
+    attention = 2 * shape.num_hidden_layers * lay.seq_tokens * shape.hidden_size  # per token, forward
+    per_trained = (4 if cfg.model.lora.enabled else 6) * n + (2 * n if ckpt else 0) + 3 * attention
+    flops = cfg.algorithm.ppo_epochs * trained_tokens * per_trained
+    old_pass, anchor = needs_old_pass(cfg, lay)
+    forwards = int(old_pass) + int(anchor) + (2 if cfg.logging.kl_to_start else 0)
+    flops += forwards * free_tokens * (2 * n + attention)
+    kl = cfg.algorithm.kl
+    if kl.enabled and kl.type.startswith("exact"):  # the anchor's full-vocabulary head in the training pass
+        flops += 3 * 2 * shape.embedding_params * lay.rows * lay.response_tokens
+    d = cfg.algorithm.distill
+    if d.enabled and d.teacher:
+        flops += free_tokens * 2 * (teacher or shape).matmul_params
+    return float(flops)
+
+
+def update_seconds(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device, rates: Rates,
+                   teacher: ModelShape | None) -> float:
+    compute = update_flops(cfg, shape, lay, teacher) / rates.update_flops
+    lora = cfg.model.lora
+    trainable = shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params
+    if lay.shard > 1:  # FSDP2: gather (bf16) forward and backward, reduce-scatter fp32 gradients, per micro-batch
+        bandwidth = device.internode_bandwidth if lay.nodes > 1 else device.interconnect_bandwidth
+        per_micro = (2 * shape.params * device.compute_bytes + trainable * FP32) * (lay.shard - 1) / lay.shard / bandwidth
+        micro = cfg.algorithm.ppo_epochs * lay.mini_batches * lay.micro_batches_per_mini
+        compute = max(compute, micro * per_micro)
+    optimizer = cfg.algorithm.ppo_epochs * lay.mini_batches * trainable * FP32 * 8 / lay.shard / device.memory_bandwidth
+    ema = cfg.algorithm.ema
+    blend = 0.0
+    if cfg.algorithm.kl.enabled and ema.decay < 1.0:
+        blend = trainable * FP32 * 3 / lay.shard / device.memory_bandwidth / ema.period
+    return compute + optimizer + blend
+
+
+def rollout_seconds(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device, rates: Rates) -> float:
+    r = cfg.rollout
+    n = shape.matmul_params
+    gen = generated_tokens(cfg)
+    prefill = lay.rows * (lay.prompt_tokens + lay.response_tokens - gen) * 2 * n / rates.prefill_flops
+    weight_bytes = shape.params * device.compute_bytes
+    concurrent = lay.rows
+    if r.engine == "vllm" and not device.is_cpu:
+        kv_per_seq = lay.seq_tokens * shape.num_hidden_layers * 2 * shape.kv_size * 2
+        space = r.vllm_gpu_memory_utilization * device.memory_bytes - weight_bytes
+        concurrent = max(1, min(lay.rows, int(space // kv_per_seq))) if space > 0 else 1
+    waves = math.ceil(lay.rows / concurrent)
+    step = device.decode_step_latency + max(weight_bytes / rates.decode_bandwidth, 2 * n * concurrent / rates.prefill_flops)
+    return prefill + waves * gen * step
+
+
+def sync_seconds(cfg: TrainConfig, shape: ModelShape, device: Device) -> float:
+    lora = cfg.model.lora
+    if lora.enabled and lora.engine_weights == "adapters":
+        size = shape.lora_params(lora.rank, lora.target_modules) * FP32
+    else:
+        size = shape.params * device.compute_bytes
+    bandwidth = device.internode_bandwidth if cfg.rollout.engine == "remote" else device.sync_bandwidth
+    return size / bandwidth
