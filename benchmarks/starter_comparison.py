@@ -19,6 +19,7 @@ slice, v2 no worse than -3 pp, searches per question <= 1.3.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import subprocess
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default=None, help="generation engine (default: vllm; hf with --quick)")
     p.add_argument("--limit", type=int, default=20, help="questions per slice and dataset (a seeded sample, eval's "
                    "--limit --data-seed 0); 0: every slice question (~15 min on 2 cores)")
+    p.add_argument("--summarise-only", action="store_true", help="evaluate nothing: recompute the result from the "
+                   "evaluation runs already in --work (each run's recorded items)")
     args = p.parse_args(argv)
     from eval.search_metrics import by_slice
     from eval.items import read_items
@@ -63,12 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     result: dict = {"benchmark": "starter_comparison", "protocol": "qa_quick, max_turns 3, greedy, top-3, bundled MiniLM index",
                     "engine": engine, "quick": args.quick, "limit_per_slice_and_dataset": limit}
-    with open_retriever(index_dir=ensure_bundled_index(), topk=3) as retriever:
+    with contextlib.nullcontext() if args.summarise_only else open_retriever(index_dir=ensure_bundled_index(), topk=3) as retriever:
         for key, model in STARTERS.items():
             side = {"model": model}
             for slice_name in ("search", "reader"):
                 run = work / f"{key}_{slice_name}"
-                res = evaluate(model, slice_name, run, retriever.urls[0], engine, limit)
+                res = json.loads((run / "results.json").read_text()) if args.summarise_only else \
+                    evaluate(model, slice_name, run, retriever.urls[0], engine, limit)
                 records = [r for ds in res["datasets"] for r in read_items(run, ds)]
                 m = by_slice(records)["all"]
                 side[f"{slice_name}_questions"] = m["questions"]

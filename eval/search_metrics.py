@@ -57,9 +57,14 @@ def search_metrics(samples: Sequence[Mapping[str, Any]], questions: int) -> dict
         "searched_again_rate": round(sum(len(s["search_gold"]) >= 2 for s in missed) / len(missed), 4) if missed else None,
         "second_searches": len(second),
         "second_holds_gold_rate": round(sum(bool(s["search_gold"][1]) for s in second) / len(second), 4) if second else None,
-        "em": round(sum(float(s.get("em", 0.0)) for s in samples) / n, 4) if n else None,
-        "f1": round(sum(float(s.get("f1", 0.0)) for s in samples) / n, 4) if n else None,
+        "em": round(sum(_score(s, "em") for s in samples) / n, 4) if n else None,
+        "f1": round(sum(_score(s, "f1") for s in samples) / n, 4) if n else None,
     }
+
+
+def _score(sample: Mapping[str, Any], name: str) -> float:
+    """A sample's ``name`` score as :func:`eval.scoring.score_items` records it (``sample["scores"][name]``)."""
+    return float((sample.get("scores") or {}).get(name, 0.0))
 
 
 def by_slice(records: Iterable[Mapping[str, Any]], ids: Mapping[str, frozenset[str] | set[str]] | None = None) -> dict[str, dict[str, Any]]:

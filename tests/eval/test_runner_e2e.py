@@ -97,6 +97,9 @@ def test_scores_and_compare_against_paper(tmp_path, answerer_dir, searcher_dir, 
     assert bam["has_answer"] == 1.0 and bam["searches"] == 0 and bam["turns"] == 1
     assert ans["datasets"]["hotpotqa"]["em"] == 0.5
     assert ans["average"]["em"] == pytest.approx((0.5 + 0.5) / 2)
+    # the per-slice table reads the same scores as the per-dataset one (greedy: one sample a question)
+    n = sum(v["n_items"] for v in ans["datasets"].values())
+    assert ans["search"]["all"]["em"] == pytest.approx(sum(v["em"] * v["n_items"] for v in ans["datasets"].values()) / n, abs=1e-4)
     # The searcher's top hit for "capital of France" is titled "Carrière des Nerviens Regional
     # Nature Reserve"; nothing it is shown mentions Rome: retrieval recall 1 for q4, 0 for q3.
     recall = {r["id"]: r["scores"]["retrieval_recall"] for r in read_items(runs["searcher"] / "items" / "bamboogle.jsonl")}

@@ -6,7 +6,7 @@ from eval.search_metrics import by_slice, markdown_table, search_metrics, slice_
 
 
 def sample(searches, gold, em=0.0, f1=0.0):
-    return {"searches": searches, "search_gold": gold, "em": em, "f1": f1}
+    return {"searches": searches, "search_gold": gold, "scores": {"em": em, "f1": f1}}  # eval.scoring's shape
 
 
 RECORDS = [  # q1 in the search slice, q2 in the reader slice, q3 in neither
