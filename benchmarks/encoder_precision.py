@@ -106,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = read_meta(index_dir)
     result = {
         "benchmark": "encoder_precision",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "cpu_bf16_instructions": cpu_has_bf16(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
         "setup": {"index": str(index_dir.name), "index_type": meta["index_type"], "passages": meta["rows"],
                   "passage_vectors": (meta.get("build") or {}).get("dtype"), "encoder": meta["encoder"]["name"],
-                  "questions": f"test split of {', '.join(QA_DATASETS)}, {args.per_set} each (seed 0)", "topk": TOPK},
+                  "questions": f"test split of {', '.join(QA_DATASETS)}, up to {args.per_set} each (seed 0)", "topk": TOPK},
         "overall": overall,
         "per_set": per_set,
         "query_vector_cosine": {"min": round(float(cos.min()), 6), "mean": round(float(cos.mean()), 6)},

@@ -9,8 +9,9 @@ Departures from Search-R1's encoder, each for a measured or documented reason:
 * Precision (:func:`resolve_precision`): fp16 by default on GPU only: on CPU (no fp16 arithmetic) fp16
   encoding is 3.5x slower than fp32. On a CPU with native bf16 dot products (AVX512-BF16/AMX,
   :func:`emapg.cpu.cpu_has_bf16`) bf16 is the default: 1.8x faster batches of MiniLM queries here
-  and 1.28x the server's requests/s at 32 clients, cosine to the fp32 vectors > 0.9999, recall@3
-  against fp32 in ``benchmarks/results/encoder_precision.json`` (``benchmarks/encoder_precision.py``).
+  (2.2x on 3,125 questions) and 1.98x the server's requests/s at 32 clients (``retriever_load.json``),
+  cosine to the fp32 vectors > 0.9999, the same top-3 ids for 97.8% of those questions and gold
+  recall@3 0.3488 vs 0.3485 (``benchmarks/encoder_precision.py``, ``encoder_precision.json``).
   Elsewhere bf16 is emulated (~8x slower) and fp32 is the default. ``bf16=False`` forces fp32.
 * Dynamic padding with sort-by-length batching instead of padding a 512-passage batch to the
   longest passage (Search-R1's builder reached 18 passages/s on 2 cores that way), and beyond that

@@ -71,7 +71,8 @@ class ServeConfig(ServerOptions):
     device: str = option("auto", help="encoder device: auto, cpu, cuda (all GPUs) or cuda:N")
     fp16: bool | None = option(None, help="fp16 encoder and GPU index (default: on with GPU, off on CPU; --no-fp16 on GPU: fp32)")
     bf16: bool | None = option(None, help="bf16 query encoder (default: on for a CPU with bf16 instructions, AVX512-BF16/AMX: "
-                                          "1.28x the requests/s at 32 clients; recall@3 against fp32 in docs/retriever.md; "
+                                          "1.98x the requests/s at 32 clients, top-3 ids as fp32's for 97.8% of 3,125 QA questions, "
+                                          "gold recall@3 0.3488 vs 0.3485; "
                                           "fp32 on other CPUs, where bf16 is emulated; --no-bf16: fp32); /health's dtype "
                                           "says which ran")  # fmt: skip
     gpu_shards: int = option(-1, help="GPUs for the FAISS index when the encoder is on GPU: -1 all, 0 keep the index on CPU, "
