@@ -12,7 +12,8 @@ In a closed loop the mean latency is fixed by throughput (Little's law: clients 
 at 32 clients, p99 <= 150 ms needs well over 32 / 0.15 = 213 requests/s.
 
 1. **Engine comparison**, query cache off: a ``--max-batch 64`` and a ``--max-batch 1`` server, one
-   NQ question per request, at each concurrency level (alternating which server goes first);
+   NQ question per request, the encoder in the server's default dtype (bf16 where the CPU has bf16
+   instructions, else fp32; ``--bf16``/``--no-bf16`` choose), at each concurrency level (alternating which server goes first);
    q/s, p50/p99 and the ratio batched/unbatched.
 2. **Ceiling**, query cache off, ``--rounds`` times in alternating order: the batched server under 32
    clients sending one question per request; the same server answering one client's requests of 32
@@ -284,7 +285,7 @@ def start_servers(index_dir: Path, specs: dict[str, dict], threads: int, stack) 
         name: RetrieverServer(
             index_dir, max_batch=spec["max_batch"], max_wait_ms=MAX_WAIT_MS, omp_num_threads=threads, device="cpu",
             extra_args=["--query-cache-size", str(spec["query_cache_size"]),
-                        *(["--bf16"] if spec["bf16"] else [])],
+                        "--bf16" if spec["bf16"] else "--no-bf16"],
         )
         for name, spec in specs.items()
     }  # fmt: skip
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=5, help="identical questions per group in the GRPO-repeat row (default 5, Search-R1's rollouts per prompt)")
     p.add_argument("--dtypes", default=None, help="encoder dtypes of the ceiling comparison, e.g. fp32,bf16 (default: quick fp32; full fp32, plus bf16 where the CPU has bf16 instructions)")
     p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of every server and of the in-process encoder (default 1: the load generator needs the other core)")
-    p.add_argument("--bf16", action="store_true", help="run the engine comparison and GRPO rows with the bf16 encoder too (default fp32)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="encoder dtype of the engine comparison and GRPO rows: --bf16 or --no-bf16 (fp32); default: the server's (bf16 where the CPU has bf16 instructions, else fp32)")
     p.add_argument("--recall-queries", type=int, default=500, help="queries for recall@3 vs Flat in full mode (default 500)")
     p.add_argument("--out", default=str(OUT), help=f"JSON output (default {OUT.relative_to(REPO)})")
     args = p.parse_args(argv)
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     # Serving cost does not depend on the passages' length; quick mode truncates them to build fast.
     index_dir, built_pps = cached_index(n_passages, max_length=128 if args.quick else 256)
     qs = questions(1000)
-    engine_bf16 = args.bf16
+    engine_bf16 = cpu_has_bf16() if args.bf16 is None else args.bf16  # the server's default unless told
     specs = {
         "batched": {"max_batch": 64, "query_cache_size": 0, "bf16": engine_bf16},  # clients repeat questions: measure encoding, not the cache
         "unbatched": {"max_batch": 1, "query_cache_size": 0, "bf16": engine_bf16},

@@ -94,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         "reader_no_worse_than_minus_3pp": result["difference"]["reader_greedy_em_pp"] >= -3,
         "reader_searches_per_question_le_1.3": (v2["reader_searches_per_question"] or 0) <= 1.3,
     }
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
-    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    result["machine"] = {"platform": platform.platform(), "cpus": __import__("os").cpu_count()}
     out = work / "starter_comparison.json" if args.quick else OUT
+    if args.summarise_only:  # the evaluations' own wall time and date stay; when it was summarised is added
+        before = json.loads(out.read_text()) if out.is_file() else {}
+        result.update({k: before[k] for k in ("wall_s", "date") if k in before}, summarised=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    else:
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        result["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    result["machine"] = {"platform": platform.platform(), "cpus": __import__("os").cpu_count()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("difference", "targets")}, indent=1))

@@ -6,9 +6,13 @@ Departures from Search-R1's encoder, each for a measured or documented reason:
   recorded in the index's ``meta.json`` and read back by the server. Search-R1 infers them from a
   substring of the model name, and its builder and server disagree for names like ``e5-small``.
   A small table of known checkpoints fills them in only on an *exact* name match.
-* fp16 only on GPU: on CPU (no fp16 arithmetic) fp16 encoding is 3.5x slower than fp32.
-  bf16 is an opt-in for CPUs with bf16 instructions (AVX512-BF16/AMX): 1.8x faster batches of
-  MiniLM queries here, cosine to the fp32 vectors > 0.9999, same recall@3 on the NQ test index.
+* Precision (:func:`resolve_precision`): fp16 by default on GPU only: on CPU (no fp16 arithmetic) fp16
+  encoding is 3.5x slower than fp32. On a CPU with native bf16 dot products (AVX512-BF16/AMX,
+  :func:`emapg.cpu.cpu_has_bf16`) bf16 is the default: 1.8x faster batches of MiniLM queries here
+  (2.2x on 3,125 questions) and 1.98x the server's requests/s at 32 clients (``retriever_load.json``),
+  cosine to the fp32 vectors > 0.9999, the same top-3 ids for 97.8% of those questions and gold
+  recall@3 0.3488 vs 0.3485 (``benchmarks/encoder_precision.py``, ``encoder_precision.json``).
+  Elsewhere bf16 is emulated (~8x slower) and fp32 is the default. ``bf16=False`` forces fp32.
 * Dynamic padding with sort-by-length batching instead of padding a 512-passage batch to the
   longest passage (Search-R1's builder reached 18 passages/s on 2 cores that way), and beyond that
   texts packed into shared rows (``retriever.packing``): a batch of 32 NQ queries carries ~30% fewer
@@ -37,6 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+from emapg.cpu import cpu_has_bf16
 
 if TYPE_CHECKING:
     from retriever.packing import Forward
@@ -155,6 +161,25 @@ def default_encode_threads() -> int:
     return max(1, cores // max(1, torch.get_num_threads()))
 
 
+def resolve_precision(on_gpu: bool, fp16: bool | None = None, bf16: bool | None = None, *,
+                      native_cpu_bf16: bool | None = None) -> Literal["float16", "bfloat16", "float32"]:
+    """The encoder's dtype from the ``fp16``/``bf16`` choices, ``None`` meaning automatic.
+
+    Automatic: float16 on GPU; on CPU bfloat16 where it has native bf16 dot products
+    (:func:`emapg.cpu.cpu_has_bf16`, or ``native_cpu_bf16`` when given), float32 elsewhere. ``True`` is
+    honoured (fp16 on GPU only); ``bf16=False`` on CPU and ``fp16=False`` on GPU force float32.
+    """
+    if bf16 and fp16:
+        raise ValueError("choose fp16 or bf16, not both")
+    if fp16 and not on_gpu:
+        raise ValueError("fp16 encoding is only supported on GPU (it is ~3.5x slower than fp32 on CPU; bf16 is the CPU option)")
+    if fp16 or (fp16 is None and on_gpu and not bf16):
+        return "float16"
+    if bf16 is None and not on_gpu:
+        bf16 = cpu_has_bf16() if native_cpu_bf16 is None else native_cpu_bf16
+    return "bfloat16" if bf16 else "float32"
+
+
 def resolve_devices(device: str) -> list[str]:
     """``auto`` -> every CUDA device or ``cpu``; ``cuda`` -> every CUDA device; ``cuda:1`` -> that one."""
     import torch
@@ -177,7 +202,7 @@ class Encoder:
         *,
         device: str = "auto",
         fp16: bool | None = None,
-        bf16: bool = False,
+        bf16: bool | None = None,
         pack: bool = True,
         row_tokens: int = ROW_TOKENS,
         threads: int = 1,
@@ -193,17 +218,12 @@ class Encoder:
         self.spec = spec
         self.devices = resolve_devices(device)
         on_gpu = self.devices[0].startswith("cuda")
-        if bf16 and fp16:
-            raise ValueError("choose fp16 or bf16, not both")
-        self.fp16 = (on_gpu and not bf16) if fp16 is None else bool(fp16)
-        if self.fp16 and not on_gpu:
-            raise ValueError("fp16 encoding is only supported on GPU (it is ~3.5x slower than fp32 on CPU; bf16 is the CPU option)")
-        self.bf16 = bool(bf16)
+        self.dtype = resolve_precision(on_gpu, fp16, bf16)
+        self.fp16, self.bf16 = self.dtype == "float16", self.dtype == "bfloat16"
         hf_logging.disable_progress_bar()  # a weight-loading bar per replica clutters build/serve logs
         path = resolve_model(spec.name)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
-        self.dtype = str(dtype).removeprefix("torch.")
+        dtype = getattr(torch, self.dtype)
         # bf16 on a CPU whose kernels are capped below AVX-512: the fused attention kernel can still take an AVX-512
         # path and stop ("pack_vnni2 ..."); the plain attention (matmul, softmax) runs there.
         load = {"attn_implementation": "eager"} if self.bf16 and not on_gpu and aten_kernels_below_avx512() else {}

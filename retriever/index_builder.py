@@ -40,7 +40,7 @@ from emapg.atomic import save_npy_atomic, write_text_atomic
 from emapg.config import option
 
 from retriever.corpus import CorpusReader, DocStore, docstore_complete, file_checksum, write_docstore
-from retriever.encoder import Encoder, EncoderSpec, make_spec
+from retriever.encoder import Encoder, EncoderSpec, make_spec, resolve_devices, resolve_precision
 from retriever.fingerprint import model_files_sha256, index_fingerprint
 from retriever.index_files import (
     BM25_DIR, EMB_DIR, FORMAT_VERSION, INDEX_FILE, META_FILE, PROGRESS_FILE, faiss_metric, progress_bar, read_meta,
@@ -70,7 +70,9 @@ class BuildConfig:
     batch_size: int = option(64, help="passages per encoder forward pass")
     device: str = option("auto", help="auto, cpu, cuda (all GPUs) or cuda:N")
     fp16: bool | None = option(None, help="fp16 encoding (default: on for GPU, off for CPU, where it is 3.5x slower)")
-    bf16: bool = option(False, help="bf16 encoding: opt-in for CPUs with bf16 instructions (about 1.8x faster; fp32 is the CPU default)")
+    bf16: bool | None = option(None, help="bf16 encoding (default: on for a CPU with bf16 instructions, AVX512-BF16/AMX: about "
+                                          "1.8x faster; fp32 on other CPUs, where bf16 is emulated; --no-bf16: fp32); "
+                                          "meta.json's build.dtype says which ran")  # fmt: skip
     train_sample: int = option(100_000, help="vectors sampled (seeded) to train IVF/PQ index types")
     nprobe: int = option(16, help="IVF lists probed per query at serve time, stored in meta.json")
     seed: int = option(0, help="seed of the training sample")
@@ -154,7 +156,8 @@ def _settings_fingerprint(cfg: BuildConfig, spec: EncoderSpec, checksum: str, ve
         "encoder": spec.to_dict(),
         "chunk_size": cfg.chunk_size,
         "fp16": cfg.fp16,
-        "bf16": cfg.bf16,
+        # automatic bf16 as resolved on this machine: a build resumed elsewhere does not mix bf16 and fp32 chunks
+        "bf16": cfg.bf16 if cfg.bf16 is not None else resolve_precision(resolve_devices(cfg.device)[0].startswith("cuda"), cfg.fp16) == "bfloat16",
     }
     if vectors_sha256 is not None:  # chunks decoded from a vector file never mix with encoded ones
         fp["vectors"] = vectors_sha256

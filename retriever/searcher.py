@@ -86,7 +86,7 @@ class Searcher:
         *,
         device: str = "auto",
         fp16: bool | None = None,
-        bf16: bool = False,
+        bf16: bool | None = None,
         gpu_shards: int = -1,
         gpu_replicate: bool = False,
         hybrid_bm25: bool = False,

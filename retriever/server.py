@@ -69,9 +69,12 @@ class ServeConfig(ServerOptions):
                                                      "batch, e.g. 512 x 5, in one request)")  # fmt: skip
     max_query_chars: int = option(2000, help="reject queries longer than this many characters")
     device: str = option("auto", help="encoder device: auto, cpu, cuda (all GPUs) or cuda:N")
-    fp16: bool | None = option(None, help="fp16 encoder and GPU index (default: on with GPU, off on CPU)")
-    bf16: bool = option(False, help="bf16 query encoder: opt-in for CPUs with bf16 instructions (about 1.8x faster batches; "
-                                    "fp32 is the CPU default)")  # fmt: skip
+    fp16: bool | None = option(None, help="fp16 encoder and GPU index (default: on with GPU, off on CPU; --no-fp16 on GPU: fp32)")
+    bf16: bool | None = option(None, help="bf16 query encoder (default: on for a CPU with bf16 instructions, AVX512-BF16/AMX: "
+                                          "1.98x the requests/s at 32 clients, top-3 ids as fp32's for 97.8% of 3,125 QA questions, "
+                                          "gold recall@3 0.3488 vs 0.3485; "
+                                          "fp32 on other CPUs, where bf16 is emulated; --no-bf16: fp32); /health's dtype "
+                                          "says which ran")  # fmt: skip
     gpu_shards: int = option(-1, help="GPUs for the FAISS index when the encoder is on GPU: -1 all, 0 keep the index on CPU, "
                                       "N the first N")  # fmt: skip
     gpu_replicate: bool = option(False, help="replicate the index on each GPU instead of sharding it (more memory, more throughput)")
@@ -107,6 +110,14 @@ class ServeConfig(ServerOptions):
             raise ConfigError("--batch-workers must be >= 0 (0: one per CPU encoder thread)")
         if self.encode_threads < 0:
             raise ConfigError("--encode-threads must be >= 0 (0: CPU cores / torch threads)")
+
+
+def _dtype_reason(cfg: ServeConfig, encoder) -> str:
+    """Why the query encoder runs in its dtype (``--fp16``/``--bf16`` given, or the automatic rule)."""
+    if (cfg.fp16, cfg.bf16) != (None, None):
+        return "--fp16/--bf16 as given"
+    return "automatic: " + ("fp16 on GPU" if encoder.fp16 else "this CPU has bf16 instructions" if encoder.bf16
+                            else "fp32 (no native bf16 on this CPU)")
 
 
 # ----------------------------------------------------------------------------- app
@@ -171,6 +182,8 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         state.batcher.start()
         state.status = "ok"
         log.info("index loaded in %.1f s: %s", time.perf_counter() - t0, state.searcher.info())
+        enc = state.searcher.encoder
+        log.info("query encoder %s on %s in %s (%s)", enc.spec.name, ",".join(enc.devices), enc.dtype, _dtype_reason(cfg, enc))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -271,7 +284,7 @@ def create_app(cfg: ServeConfig, on_fatal=None) -> FastAPI:
         """200 with index info once the index is loaded; 503 while loading or after a failed load."""
         if state.status == "ok":
             info = state.searcher.info()
-            info.update(batch_workers=state.batcher.workers, max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms, regroup_wait_ms=cfg.regroup_wait_ms, topk=cfg.topk, max_topk=cfg.max_topk)
+            info.update(dtype_reason=_dtype_reason(cfg, state.searcher.encoder), batch_workers=state.batcher.workers, max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms, regroup_wait_ms=cfg.regroup_wait_ms, topk=cfg.topk, max_topk=cfg.max_topk)
             return {"status": "ok", "index": info, "fingerprint": state.searcher.fingerprint}
         body = {"status": state.status}
         if state.error:

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # how much the 8-bit vectors change what is retrieved, on held-out questions of every QA set
     questions = [ex.question for ds in QA_DATASETS for ex in load_dataset(ds, limit=args.questions, seed=0)]
-    encoder = Encoder(spec, device="cpu")
+    encoder = Encoder(spec, device="cpu", bf16=False)  # the reference retrieval is fp32's, as the vectors
     q = encoder.encode_queries(questions, batch_size=64)
     encoder.close()
     _, ref = index.search(q, 3)

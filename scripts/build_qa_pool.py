@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from provision.indexes import ensure_bundled_index
     from retriever.searcher import Searcher
 
-    searcher = Searcher(ensure_bundled_index(None), device="cpu", encode_batch_size=128, encode_threads=2)
+    searcher = Searcher(ensure_bundled_index(None), device="cpu", bf16=False, encode_batch_size=128, encode_threads=2)
     if args.check:
         return check(searcher, args.check)
     t0 = time.perf_counter()

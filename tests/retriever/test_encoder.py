@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from emapg.models import resolve_model
-from retriever.encoder import Encoder, EncoderSpec, make_spec
+from retriever.encoder import Encoder, EncoderSpec, make_spec, resolve_precision
 from retriever.packing import pack_rows
 
 TEXTS = [
@@ -75,16 +75,35 @@ def test_fp16_on_cpu_is_refused():
         Encoder(EncoderSpec(name="minilm"), device="cpu", fp16=True)
 
 
+def test_precision_is_bf16_by_default_only_on_a_cpu_with_native_bf16_and_explicit_choices_are_honoured():
+    # the detector's answer injected: the suite pins kernels to AVX2, where emapg.cpu.cpu_has_bf16() is False
+    for native in (True, False):
+        assert resolve_precision(False, native_cpu_bf16=native) == ("bfloat16" if native else "float32")
+        assert resolve_precision(False, bf16=False, native_cpu_bf16=native) == "float32"  # --no-bf16: fp32
+        assert resolve_precision(False, bf16=True, native_cpu_bf16=native) == "bfloat16"  # asked for: honoured
+        assert resolve_precision(False, fp16=False, native_cpu_bf16=native) == ("bfloat16" if native else "float32")
+        assert resolve_precision(True, native_cpu_bf16=native) == "float16"  # GPU: fp16, whatever the CPU
+        assert resolve_precision(True, bf16=False, native_cpu_bf16=native) == "float16"
+        assert resolve_precision(True, fp16=False, native_cpu_bf16=native) == "float32"  # --no-fp16 on GPU: fp32
+        assert resolve_precision(True, bf16=True, native_cpu_bf16=native) == "bfloat16"
+        with pytest.raises(ValueError, match="only supported on GPU"):
+            resolve_precision(False, fp16=True, native_cpu_bf16=native)
+        with pytest.raises(ValueError, match="fp16 or bf16"):
+            resolve_precision(True, fp16=True, bf16=True, native_cpu_bf16=native)
+
+
 def test_bf16_on_cpu_is_close_to_fp32_and_keeps_the_ranking(retriever_index):
+    from emapg.cpu import cpu_has_bf16
     from retriever.searcher import Searcher
 
-    fp32 = Encoder(EncoderSpec(name="minilm"), device="cpu")
+    assert Encoder(EncoderSpec(name="minilm"), device="cpu").dtype == ("bfloat16" if cpu_has_bf16() else "float32")  # the default
+    fp32 = Encoder(EncoderSpec(name="minilm"), device="cpu", bf16=False)
     bf16 = Encoder(EncoderSpec(name="minilm"), device="cpu", bf16=True)
     assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
     cos = np.sum(fp32.encode(TEXTS) * bf16.encode(TEXTS), axis=1)
     assert cos.min() > 0.999
     questions = [q["question"] for q in retriever_index.questions[:50]]
-    a = Searcher(retriever_index.index_dir, device="cpu").retrieve(questions, 1)
+    a = Searcher(retriever_index.index_dir, device="cpu", bf16=False).retrieve(questions, 1)
     b = Searcher(retriever_index.index_dir, device="cpu", bf16=True).retrieve(questions, 1)
     assert np.mean([x[0]["id"] == y[0]["id"] for x, y in zip(a, b)]) >= 0.95
     with pytest.raises(ValueError, match="fp16 or bf16"):

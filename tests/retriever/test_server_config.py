@@ -248,3 +248,25 @@ def test_every_batch_worker_runs_with_more_encoder_threads_than_cores(retriever_
         questions = [q["question"] for q in retriever_index.questions[:4]]
         r = client.post("/retrieve", json={"queries": questions, "topk": 2})
         assert r.status_code == 200 and [len(hits) for hits in r.json()["result"]] == [2] * 4
+
+
+def test_health_and_the_startup_line_say_which_encoder_dtype_runs_and_why(retriever_index, caplog):
+    """bf16 by default where the CPU has native bf16 (the suite's AVX2 cap says it has not), --no-bf16 forces fp32."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from retriever.encoder import resolve_precision
+    from retriever.server import ServeConfig, create_app
+
+    cases = (({}, resolve_precision(False), "automatic"), ({"bf16": False}, "float32", "as given"), ({"bf16": True}, "bfloat16", "as given"))
+    for flags, dtype, reason in cases:
+        caplog.clear()
+        app = create_app(ServeConfig(index=str(retriever_index.index_dir), device="cpu", encode_threads=1, **flags))
+        with caplog.at_level(logging.INFO, logger="retriever.server"), TestClient(app) as client:
+            deadline = time.monotonic() + 120
+            while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            index = client.get("/health").json()["index"]
+            assert index["dtype"] == dtype and reason in index["dtype_reason"], (flags, index)
+        assert any(f"in {dtype} (" in r.getMessage() and reason in r.getMessage() for r in caplog.records), (flags, caplog.text)

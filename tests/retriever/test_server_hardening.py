@@ -233,6 +233,8 @@ def test_every_documented_flag_keeps_its_name(tmp_path):
                               encode_threads=2, query_cache_size=0, encoder="minilm", log_level="debug", insecure=True, body_timeout=3.5,
                               header_timeout=4.5, max_idle_connections=7)  # fmt: skip
     assert config_from_args(ServeConfig, serve_parser().parse_args(["--index", "i", "--bf16", "--no-fp16"])).fp16 is False
+    assert config_from_args(ServeConfig, serve_parser().parse_args(["--index", "i"])).bf16 is None  # automatic
+    assert config_from_args(ServeConfig, serve_parser().parse_args(["--index", "i", "--no-bf16"])).bf16 is False  # fp32
     build = ["build", "--corpus", "c.jsonl", "--out", "o", "--encoder", "e5", "--pooling", "cls", "--query-prefix", "query: ",
              "--passage-prefix", "passage: ", "--max-length", "32", "--index-type", "IVF4,Flat", "--metric", "l2", "--bm25",
              "--chunk-size", "5", "--batch-size", "6", "--device", "cpu", "--no-fp16", "--bf16", "--train-sample", "7",
