@@ -20,8 +20,6 @@ All served by one retriever: the bundled corpus's MiniLM Flat index on a free 12
 from __future__ import annotations
 
 import argparse
-import gzip
-import io
 import json
 import random
 import sys
@@ -31,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from scripts.build_qa_pool import write_gzip_jsonl  # noqa: E402  (byte-identical pool files, one writer)
 
 MULTIHOP_DIR = ROOT / "data" / "qa" / "multihop"
 POOL_V2_DIR = ROOT / "data" / "qa" / "pool_v2"
@@ -58,16 +58,6 @@ DEMO_RULE = ("trajectories replayed through agent.rollout.run_rollouts against t
              "configs/sft_smollm2_starter_v2.yaml): two searches (the question text, then the recorded second query) "
              "when the first passages shown lack the gold and the second show it, one search when the first show it; "
              "'shown' = the observation tokens as decoded (after truncation), tasks.qa.gold_shown; no held-out question")
-
-
-def write_gzip_jsonl(path: Path, rows: list[dict]) -> None:
-    """Byte-identical across runs: gzip level 9, mtime 0, no file name in the header."""
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=buf, mtime=0) as f:
-        for r in rows:
-            f.write((json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n").encode())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(buf.getvalue())
 
 
 def write_json(path: Path, obj) -> None:
