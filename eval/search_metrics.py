@@ -16,6 +16,7 @@ greedy run side by side (sampled mean@k EM/F1, greedy EM).
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -45,26 +46,40 @@ def slice_of(item_id: str, ids: Mapping[str, frozenset[str] | set[str]]) -> str:
 def search_metrics(samples: Sequence[Mapping[str, Any]], questions: int) -> dict[str, Any]:
     """The metrics (module docstring) of these samples (of ``questions`` questions)."""
     n = len(samples)
-    dist = Counter(int(s.get("searches", 0)) for s in samples)
-    missed = [s for s in samples if s.get("search_gold") and not s["search_gold"][0]]
-    second = [s for s in samples if len(s.get("search_gold") or ()) >= 2]
+    dist = Counter(_count(s.get("searches")) for s in samples)
+    gold = [_flags(s.get("search_gold")) for s in samples]
+    missed = [g for g in gold if g and not g[0]]
+    second = [g for g in gold if len(g) >= 2]
     return {
         "questions": questions,
         "samples": n,
         "searches": {str(k): v for k, v in sorted(dist.items())},
         "searches_per_question": round(sum(k * v for k, v in dist.items()) / n, 4) if n else None,
         "first_missed": len(missed),
-        "searched_again_rate": round(sum(len(s["search_gold"]) >= 2 for s in missed) / len(missed), 4) if missed else None,
+        "searched_again_rate": round(sum(len(g) >= 2 for g in missed) / len(missed), 4) if missed else None,
         "second_searches": len(second),
-        "second_holds_gold_rate": round(sum(bool(s["search_gold"][1]) for s in second) / len(second), 4) if second else None,
+        "second_holds_gold_rate": round(sum(bool(g[1]) for g in second) / len(second), 4) if second else None,
         "em": round(sum(_score(s, "em") for s in samples) / n, 4) if n else None,
         "f1": round(sum(_score(s, "f1") for s in samples) / n, 4) if n else None,
     }
 
 
 def _score(sample: Mapping[str, Any], name: str) -> float:
-    """A sample's ``name`` score as :func:`eval.scoring.score_items` records it (``sample["scores"][name]``)."""
-    return float((sample.get("scores") or {}).get(name, 0.0))
+    """A sample's ``name`` score as :func:`eval.scoring.score_items` records it (``sample["scores"][name]``); 0 where a
+    damaged record lacks it (the viewer reads whatever a run folder holds)."""
+    scores = sample.get("scores")
+    value = scores.get(name) if isinstance(scores, Mapping) else None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+
+def _count(value: Any) -> int:
+    """A sample's number of searches; 0 where a damaged record holds no count."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _flags(value: Any) -> list[Any]:
+    """A sample's per-search gold flags (``search_gold``); none where a damaged record holds no list."""
+    return list(value) if isinstance(value, list) else []
 
 
 def by_slice(records: Iterable[Mapping[str, Any]], ids: Mapping[str, frozenset[str] | set[str]] | None = None) -> dict[str, dict[str, Any]]:
@@ -72,9 +87,10 @@ def by_slice(records: Iterable[Mapping[str, Any]], ids: Mapping[str, frozenset[s
     ids = slice_ids() if ids is None else ids
     groups: dict[str, list[Mapping[str, Any]]] = {s: [] for s in SLICES}
     for r in records:
-        groups[slice_of(str(r["id"]), ids)].append(r)
+        groups[slice_of(str(r.get("id")), ids)].append(r)
         groups["all"].append(r)
-    return {name: search_metrics([s for r in recs for s in r.get("samples", ())], len(recs)) for name, recs in groups.items()}
+    return {name: search_metrics([s for r in recs for s in (r.get("samples") or ()) if isinstance(s, Mapping)], len(recs))
+            for name, recs in groups.items()}
 
 
 def slice_report(sampled: Iterable[Mapping[str, Any]] | None, greedy: Iterable[Mapping[str, Any]] | None,

@@ -308,7 +308,7 @@ def test_collapse_anatomy_quick_dissects_a_run_and_its_guarded_twin(tmp_path):
     from emapg.paths import REPO_ROOT
 
     out = tmp_path / "anatomy.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "collapse_anatomy.py"), "--quick", "--work",
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "studies" / "collapse_anatomy.py"), "--quick", "--work",
                            str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

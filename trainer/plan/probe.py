@@ -178,7 +178,8 @@ def _rollout(trainer: Any, cfg: TrainConfig, rows: int, cuda: bool) -> tuple[flo
 def _learn(trainer: Any, cfg: TrainConfig, batch: Any, step: int, cuda: bool) -> float:
     """The update phase as ``Trainer.learn`` runs it, timed."""
     from trainer.algo.grpo import broadcast_advantages, grpo_advantages
-    from trainer.teacher import store_teacher_scores
+    from trainer.passes import run_passes
+    from trainer.teacher import StoredTeacherScores
 
     batch.stored.clear()
     rewards, groups = _rewards(batch.size, cfg.rollout.n_samples)
@@ -187,7 +188,8 @@ def _learn(trainer: Any, cfg: TrainConfig, batch: Any, step: int, cuda: bool) ->
     plan = trainer.stats_plan(batch.size)
     trainer.compute_stored_stats(batch, plan)
     if trainer.teacher is not None:
-        store_teacher_scores(batch, trainer.teacher, cfg, rewards=rewards.tolist(), group_ids=groups)
+        scores = StoredTeacherScores(trainer.teacher.teacher, batch, cfg, rewards=rewards.tolist(), group_ids=groups)
+        run_passes(batch, [scores], cfg.algorithm, trainer.dist.device, share_prompts=cfg.model.share_prompt)
     if trainer.start_policy is not None:
         trainer.start_policy.kl_sums(batch, cfg, trainer.dist.device)
     batch.stored["advantages"] = broadcast_advantages(grpo_advantages(rewards, groups), batch.loss_mask)
