@@ -1,0 +1,118 @@
+"""Every measured figure on the pages that quote benchmarks (README.md, docs/performance.md, docs/learning.md) is the
+JSON's (issue #54): the generated tables and every *bound* figure (``<!--@FILE:KEY-->`` then the figure, rewritten by
+``scripts/gen_performance.py``) are compared here with ``benchmarks/results/*.json``, read again by this test; a
+figure that reads as a measurement and is neither bound nor generated must be one of the recorded hand-written ones
+(tests/fixtures/docs_unbound_figures.json), so a new hand-written figure fails, and binding one shrinks the list."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+PAGES = ("README.md", "docs/performance.md", "docs/learning.md")
+SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
+
+
+def _gen():
+    spec = importlib.util.spec_from_file_location("gen_performance", REPO / "scripts" / "gen_performance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _gen()
+
+
+def json_value(file: str, key: str, op: str, results: Path = RESULTS) -> float:
+    data = json.loads((results / f"{file}.json").read_text())
+    for part in key.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data * SCALES[op]
+
+
+def disagreements(text: str, results: Path = RESULTS) -> list[str]:
+    """The bound figures of ``text`` that are not their JSON value rounded to the digits shown."""
+    bad = []
+    for file, key, op, figure in gen.bound_numbers(text):
+        shown = float(figure.replace("−", "-").replace(",", ""))
+        decimals = len(figure.split(".")[1]) if "." in figure else 0
+        value = json_value(file, key, op, results)
+        if abs(shown - value) > 0.5 * 10 ** -decimals + 1e-9 or (figure[0] == "+" and value < -0.5 * 10 ** -decimals):
+            bad.append(f"{figure} is {file}.json {key}{op} = {value!r}")
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_bound_figure_is_its_json_value(page):
+    text = (REPO / page).read_text()
+    assert len(gen.bound_numbers(text)) >= 15, "the page's measured figures are bound"
+    assert disagreements(text) == []
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_figure_of_the_generated_tables_is_bound(page):
+    """Inside the generated tables every figure that reads as a measurement is bound, so the comparison above covers it."""
+    text = (REPO / page).read_text()
+    for start, end in (gen.HEADLINE, gen.LEARNING, gen.FILES):
+        if start in text:
+            block = text[text.index(start) + len(start): text.index(end)]
+            unbound = gen.measurements_unbound(block.replace(gen.NOTE, ""))
+            assert unbound == [], (page, start, unbound)
+
+
+def test_the_pages_are_what_the_json_generates():
+    assert gen.stale() == [], "run python scripts/gen_performance.py"
+
+
+def test_no_page_has_a_hand_written_figure_beyond_the_recorded_ones():
+    recorded = json.loads(gen.UNBOUND_LIST.read_text())
+    for page in PAGES:
+        found = [context for _, context in gen.measurements_unbound((REPO / page).read_text())]
+        new = [c for c in found if c not in recorded[page]]
+        assert not new, f"{page}: hand-written measured figures; bind them (<!--@FILE:KEY-->) to benchmarks/results: {new}"
+        assert sorted(found) == sorted(recorded[page]), (
+            f"{page}: figures were bound or removed; run python scripts/gen_performance.py --unbound to shrink the list")
+
+
+def test_a_figure_that_disagrees_with_the_json_is_found_and_regenerated(tmp_path):
+    """The checks can fail: a rerun changes a result (the JSON), or a hand edit changes a bound figure."""
+    page = (REPO / "docs" / "learning.md").read_text()
+    edited = page.replace("<!--@update_speed:bf16_over_fp32_speedup-->1.44", "<!--@update_speed:bf16_over_fp32_speedup-->1.54", 1)
+    assert edited != page and disagreements(edited) == ["1.54 is update_speed.json bf16_over_fp32_speedup = "
+                                                        f"{json_value('update_speed', 'bf16_over_fp32_speedup', '')!r}"]
+    assert gen.render(edited) == page  # regenerating restores the JSON's figure
+
+    results = tmp_path / "results"
+    results.mkdir()
+    for path in RESULTS.glob("*.json"):
+        (results / path.name).write_bytes(path.read_bytes())
+    data = json.loads((results / "update_speed.json").read_text())
+    data["bf16_over_fp32_speedup"] = 2.5  # a rerun, the pages not regenerated
+    (results / "update_speed.json").write_text(json.dumps(data))
+    assert any(d.startswith("1.44 is update_speed.json") for d in disagreements(page, results))
+    rerendered = gen.render(page, results)
+    assert "<!--@update_speed:bf16_over_fp32_speedup-->2.50×" in rerendered and disagreements(rerendered, results) == []
+
+
+def test_a_new_hand_written_figure_is_found():
+    page = (REPO / "docs" / "performance.md").read_text()
+    before = {c for _, c in gen.measurements_unbound(page)}
+    added = page + "\nThe new run took 12.5 min and was 1.3× faster, +4 pp on the slice.\n"
+    new = [c for _, c in gen.measurements_unbound(added) if c not in before]
+    assert len(new) == 3 and "12.5" in new[0] and "1.3×" in new[1] and "+4 pp" in new[2], new
+
+
+def test_what_the_scanner_leaves_alone():
+    """Code, bound figures, whole numbers without a unit, settings, targets, versions and the paper's numbers are not
+    hand-written measurements; a decimal or a number with a unit in prose is."""
+    text = ("Bound <!--@lora:sync_bytes_ratio_3b-->103×, `took 9.9 s` in code, 350 questions, seed 2, step 12, "
+            "β = 0.001, T = 0.7, target ≥ 0.9, p99 ≤ 150 ms, TRL 1.16, arXiv 2602.04417, 95% CI, a 1.7M-parameter "
+            "model, the paper's 0.001; but 0.58× and 13.9 min and 97.8% are figures.\n")
+    found = [m for _, m in gen.measurements_unbound(text)]
+    assert len(found) == 3 and "0.58×" in found[0] and "13.9 min" in found[1] and "97.8%" in found[2], found
