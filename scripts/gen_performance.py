@@ -64,17 +64,21 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 
 
 #: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem, KEY a dotted path (list
-#: indices as numbers), optionally ending in ``*100``, ``/60`` or ``*1000``.
-BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?)")
+#: indices as numbers) or two joined by ``~`` (the first minus the second), optionally ending in ``*100``, ``/60`` or
+#: ``*1000``.
+BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+~-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
 
 
 def bound_value(file: str, key: str, op: str | None, results: Path = RESULTS) -> float:
-    """The value a bound number shows: the results file's key, scaled by ``op``."""
-    value = lookup(_load(file, results), key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{file}.json {key}: {value!r} is not a number")
-    return value * _OPS[op or ""]
+    """The value a bound number shows: the results file's key (``A~B``: key A's value minus key B's), scaled by
+    ``op``."""
+    data = _load(file, results)
+    values = [lookup(data, part) for part in key.split("~")]
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{file}.json {key}: {value!r} is not a number")
+    return (values[0] - sum(values[1:])) * _OPS[op or ""]
 
 
 def format_like(figure: str, value: float) -> str:

@@ -30,10 +30,14 @@ gen = _gen()
 
 
 def json_value(file: str, key: str, op: str, results: Path = RESULTS) -> float:
-    data = json.loads((results / f"{file}.json").read_text())
-    for part in key.split("."):
-        data = data[int(part)] if isinstance(data, list) else data[part]
-    return data * SCALES[op]
+    """The JSON's value at ``key`` (``A~B``: A minus B), scaled by ``op``."""
+    values = []
+    for path in key.split("~"):
+        data = json.loads((results / f"{file}.json").read_text())
+        for part in path.split("."):
+            data = data[int(part)] if isinstance(data, list) else data[part]
+        values.append(data)
+    return (values[0] - sum(values[1:])) * SCALES[op]
 
 
 def disagreements(text: str, results: Path = RESULTS) -> list[str]:
