@@ -212,16 +212,27 @@ def _three_figures(value: float) -> str:
     return f",.{max(0, 2 - math.floor(math.log10(abs(value))))}f"
 
 
-def _ratios(name: str, data: dict[str, Any]) -> list[str]:
+def _ratio_items(data: dict[str, Any]) -> list[tuple[str, float]]:
+    """The ratios a results file records at its top level (at most ``MAX_RATIOS``)."""
     found = []
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if "_over_" in key or key.endswith("ratio"):
-            found.append(f"`{key}` {bind(name, key, value, _three_figures(value))}")
+            found.append((key, value))
         if len(found) == MAX_RATIOS:
             break
     return found
+
+
+def _ratios(data: dict[str, Any]) -> list[str]:
+    """The ratios as text (benchmarks/INDEX.md, scripts/gen_benchmarks_index.py)."""
+    return [f"`{key}` {value:.3g}" for key, value in _ratio_items(data)]
+
+
+def _bound_ratios(name: str, data: dict[str, Any]) -> list[str]:
+    """The ratios with each figure bound to ``name``.json (the per-file table of docs/performance.md)."""
+    return [f"`{key}` {bind(name, key, value, _three_figures(value))}" for key, value in _ratio_items(data)]
 
 
 def files_table(results: Path = RESULTS) -> str:
@@ -229,7 +240,7 @@ def files_table(results: Path = RESULTS) -> str:
     for path in sorted(results.glob("*.json")):
         data = json.loads(path.read_text())
         data = data if isinstance(data, dict) else {}
-        ratios = _ratios(path.stem, data)
+        ratios = _bound_ratios(path.stem, data)
         rows.append(f"| `{path.name}` | {_when(data) or '–'} | {'; '.join(ratios) if ratios else 'see the file'} |")
     return "\n".join(rows)
 
