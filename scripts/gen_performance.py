@@ -23,6 +23,7 @@ import json
 import math
 import re
 import sys
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +83,13 @@ def bound_value(file: str, key: str, op: str | None, results: Path = RESULTS) ->
 
 
 def format_like(figure: str, value: float) -> str:
-    """``value`` written the way ``figure`` is: the same decimals, sign (an explicit + or −) and thousands separator."""
+    """``value`` written the way ``figure`` is: the same decimals (rounded half up, as people round), sign (an explicit +
+    or −) and thousands separator."""
     signed = figure[0] in "+−-"
     body = figure.lstrip("+−-")
     decimals = len(body.split(".")[1]) if "." in body else 0
-    text = format(value, ("+" if signed else "") + ("," if "," in body else "") + f".{decimals}f")
+    rounded = Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)  # 92.5 -> 93
+    text = format(rounded, ("+" if signed else "") + ("," if "," in body else "") + f".{decimals}f")
     return text if figure.startswith("-") else text.replace("-", "−")
 
 
