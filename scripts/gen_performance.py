@@ -94,8 +94,11 @@ def format_like(figure: str, value: float) -> str:
 
 
 def bind(file: str, key: str, value: float, spec: str) -> str:
-    """A bound number for a generated table: the comment, then ``value`` formatted by ``spec`` (− for minus)."""
-    return f"<!--@{file}:{key}-->" + format(value, spec).replace("-", "−")
+    """A bound number for a generated table: the comment, then ``value`` formatted by ``spec`` (``[+][,].Nf``; − for
+    minus, rounded as :func:`format_like` rounds)."""
+    sign, comma, decimals = re.fullmatch(r"(\+?)(,?)\.(\d+)f", spec).groups()
+    template = sign + ("1,000" if comma else "0") + ("." + "0" * int(decimals) if int(decimals) else "")
+    return f"<!--@{file}:{key}-->" + format_like(template, value)
 
 
 def bind_numbers(text: str, results: Path = RESULTS) -> str:
