@@ -129,7 +129,7 @@ _NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!--@[^>]*-->[+−-]?\d[\d,]*(?:\.
 ALLOWED = (
     r"arXiv \d{4}\.\d{4,5}",  # a paper's identifier
     r"(?:Python|TRL|FAISS|torch|transformers|vLLM|mkdocs)\s?(?:≥\s?)?\d+\.\d+(?:\.\d+)?",  # a version
-    r"(?:β|η|T|p|τ|lr|top_p|cap|alpha|temperature)\s?(?:=|≥|≤|<|>)?\s?[+−-]?\d+(?:\.\d+)?",  # a setting
+    r"(?<!\w)(?:β|η|T|p|τ|lr|top_p|cap|alpha|temperature)\s?(?:=|≥|≤|<|>)?\s?[+−-]?\d+(?:\.\d+)?",  # a setting
     r"(?:≥|≤|target|at most|at least|under)\s?[+−-]?\d[\d,]*(?:\.\d+)?\s?(?:pp|%|×|ms|s|min|GB|GiB)?",  # a target or a bound
     r"\d+(?:\.\d+)?\s?%\s?(?:CI|interval|t interval|Wilson|Newcombe|confidence)",  # a confidence level
     r"\b\d+(?:\.\d+)?[MB](?:-parameter)?\b",  # a model's size
