@@ -67,7 +67,7 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 #: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem, KEY a dotted path (list
 #: indices as numbers) or two joined by ``~`` (the first minus the second), optionally ending in ``*100``, ``/60`` or
 #: ``*1000``.
-BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+~-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?)")
+BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+~-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
 
 
@@ -84,9 +84,13 @@ def bound_value(file: str, key: str, op: str | None, results: Path = RESULTS) ->
 
 def format_like(figure: str, value: float) -> str:
     """``value`` written the way ``figure`` is: the same decimals (rounded half up, as people round), sign (an explicit +
-    or −) and thousands separator."""
+    or −), thousands separator or scientific notation."""
     signed = figure[0] in "+−-"
     body = figure.lstrip("+−-")
+    if "e" in body:  # scientific, 2.5e-7: the same digits of mantissa, the exponent without padding
+        mantissa, exponent = format(value, ("+" if signed else "") + f".{len(body.split('e')[0].partition('.')[2])}e").split("e")
+        mantissa = mantissa if figure.startswith("-") else mantissa.replace("-", "−")
+        return f"{mantissa}e{int(exponent)}"
     decimals = len(body.split(".")[1]) if "." in body else 0
     rounded = Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)  # 92.5 -> 93
     text = format(rounded, ("+" if signed else "") + ("," if "," in body else "") + f".{decimals}f")
@@ -117,10 +121,10 @@ def bound_numbers(text: str) -> list[tuple[str, str, str, str]]:
 
 #: A figure that reads as a measurement: a number with decimals, or a number followed by a unit.
 UNIT = r"(?:%|\s?pp\b|×|x\b|\s?(?:ms|s|min|h|GB|GiB|MiB|MB|KiB|q/s|req/s|tokens/s|steps/s|questions/s|items/s)(?![\w/]))"
-FIGURE = re.compile(r"(?<![\w.@/:=#-])[+−-]?\d[\d,]*(?:\.\d+)?(?![\w.]*\d)(?P<unit>" + UNIT + ")?")
+FIGURE = re.compile(r"(?<![\w.@/:=#-])[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?(?![\w.]*\d)(?P<unit>" + UNIT + ")?")
 #: Text that holds no figure a reader takes for a measurement: code, HTML comments (with the bound figure after each),
 #: link targets, images, generated tables.
-_NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!--@[^>]*-->[+−-]?\d[\d,]*(?:\.\d+)?|<!--.*?-->|\]\([^)]*\)|https?://\S+",
+_NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!--@[^>]*-->[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?|<!--.*?-->|\]\([^)]*\)|https?://\S+",
                         re.S)
 
 

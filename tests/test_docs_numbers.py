@@ -45,9 +45,10 @@ def disagreements(text: str, results: Path = RESULTS) -> list[str]:
     bad = []
     for file, key, op, figure in gen.bound_numbers(text):
         shown = float(figure.replace("−", "-").replace(",", ""))
-        decimals = len(figure.split(".")[1]) if "." in figure else 0
+        mantissa, _, exponent = figure.partition("e")
+        step = 10 ** ((int(exponent) if exponent else 0) - (len(mantissa.split(".")[1]) if "." in mantissa else 0))
         value = json_value(file, key, op, results)
-        if abs(shown - value) > 0.5 * 10 ** -decimals + 1e-9 or (figure[0] == "+" and value < -0.5 * 10 ** -decimals):
+        if abs(shown - value) > 0.5 * step * (1 + 1e-9) or (figure[0] == "+" and value < -0.5 * step):
             bad.append(f"{figure} is {file}.json {key}{op} = {value!r}")
     return bad
 
