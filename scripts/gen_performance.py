@@ -65,20 +65,59 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 
 
 #: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem, KEY a dotted path (list
-#: indices as numbers) or two joined by ``~`` (the first minus the second), optionally ending in ``*100``, ``/60`` or
-#: ``*1000``.
-BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+~-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
+#: indices as numbers) or an expression of them: ``A~B`` (A minus B), ``A/B`` (A over B, a ratio of two keys) and
+#: ``min(A,B,...)`` / ``max(A,B,...)`` (the least or greatest of the keys' values, a key holding a list counting each
+#: of its numbers, a ``*`` part each item there, ``A/B`` inside item by item: the ends of a range), optionally ending in ``*100``, ``/60`` or ``*1000``.
+BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
 
 
+def _numbers(data: Any, file: str, key: str) -> list[float]:
+    """The numbers at ``key`` (one, or each of a list's); a ``*`` part takes every item of a list or dict there, in
+    order, so ``ceiling.fp32.rounds.*.qps`` is each round's."""
+    found = [data]
+    for part in key.split("."):
+        if part == "*":
+            found = [v for x in found for v in (x if isinstance(x, list) else list(x.values()))]
+        else:
+            found = [x[int(part)] if isinstance(x, list) else x[part] for x in found]
+    values = [v for x in found for v in (x if isinstance(x, list) else [x])]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{file}.json {key}: {v!r} is not a number")
+    return values
+
+
+def _ratio(data: Any, file: str, term: str) -> list[float]:
+    """A key's numbers, or ``A/B``: A's over B's item by item (one side may be a single number)."""
+    numerator, _, denominator = term.partition("/")
+    above = _numbers(data, file, numerator)
+    if not denominator:
+        return above
+    below = _numbers(data, file, denominator)
+    if len(above) != len(below) and 1 not in (len(above), len(below)):
+        raise ValueError(f"{file}.json {term}: {len(above)} numbers over {len(below)}")
+    n = max(len(above), len(below))
+    return [(above[i] if len(above) > 1 else above[0]) / (below[i] if len(below) > 1 else below[0]) for i in range(n)]
+
+
+def _term(data: Any, file: str, term: str) -> float:
+    """One term of a bound key: ``min(...)``/``max(...)`` over keys and ratios, ``A/B`` a ratio, or a key."""
+    aggregate = re.fullmatch(r"(min|max)\((.+)\)", term)
+    if aggregate:
+        values = [v for part in aggregate[2].split(",") for v in _ratio(data, file, part)]
+        return min(values) if aggregate[1] == "min" else max(values)
+    values = _ratio(data, file, term)
+    if len(values) != 1:
+        raise ValueError(f"{file}.json {term}: {len(values)} numbers where one is shown (min(...) or max(...)?)")
+    return values[0]
+
+
 def bound_value(file: str, key: str, op: str | None, results: Path = RESULTS) -> float:
-    """The value a bound number shows: the results file's key (``A~B``: key A's value minus key B's), scaled by
-    ``op``."""
+    """The value a bound number shows: the results file's key expression (``A~B``: key A's value minus key B's;
+    ``A/B``: their ratio; ``min(A,B)``, ``max(A,B)``), scaled by ``op``."""
     data = _load(file, results)
-    values = [lookup(data, part) for part in key.split("~")]
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{file}.json {key}: {value!r} is not a number")
+    values = [_term(data, file, term) for term in re.split(r"~(?![^(]*\))", key)]
     return (values[0] - sum(values[1:])) * _OPS[op or ""]
 
 

@@ -30,14 +30,38 @@ gen = _gen()
 
 
 def json_value(file: str, key: str, op: str, results: Path = RESULTS) -> float:
-    """The JSON's value at ``key`` (``A~B``: A minus B), scaled by ``op``."""
-    values = []
-    for path in key.split("~"):
-        data = json.loads((results / f"{file}.json").read_text())
+    """The JSON's value at ``key`` (``A~B``: A minus B; ``A/B``: A over B; ``min(A,B)``/``max(A,B)``: the least or
+    greatest of the keys' numbers, a list counting each), scaled by ``op``."""
+    data = json.loads((results / f"{file}.json").read_text())
+
+    def at(path: str) -> list:
+        items = [data]
         for part in path.split("."):
-            data = data[int(part)] if isinstance(data, list) else data[part]
-        values.append(data)
-    return (values[0] - sum(values[1:])) * SCALES[op]
+            if part == "*":
+                items = [v for x in items for v in (x if isinstance(x, list) else x.values())]
+            else:
+                items = [x[int(part)] if isinstance(x, list) else x[part] for x in items]
+        return [v for x in items for v in (x if isinstance(x, list) else [x])]
+
+    def ratio(text: str) -> list:
+        if "/" not in text:
+            return at(text)
+        above, below = (at(t) for t in text.split("/"))
+        if len(below) == 1:
+            below = below * len(above)
+        if len(above) == 1:
+            above = above * len(below)
+        return [a / b for a, b in zip(above, below, strict=True)]
+
+    def term(text: str) -> float:
+        if text.startswith(("min(", "max(")):
+            values = [v for part in text[4:-1].split(",") for v in ratio(part)]
+            return min(values) if text.startswith("min") else max(values)
+        (value,) = ratio(text)
+        return value
+
+    terms = re.split(r"~(?![^(]*\))", key)
+    return (term(terms[0]) - sum(term(t) for t in terms[1:])) * SCALES[op]
 
 
 def disagreements(text: str, results: Path = RESULTS) -> list[str]:
@@ -122,3 +146,23 @@ def test_what_the_scanner_leaves_alone():
     found = [m for _, m in gen.measurements_unbound(text)]
     assert len(found) == 4 and "0.58×" in found[0] and "13.9 min" in found[1] and "97.8%" in found[2], found
     assert "per step 0.25" in found[3]  # "p 0.25" inside "step 0.25" is no setting
+
+
+def test_derived_figures_ratios_differences_and_ranges(tmp_path):
+    """A bound figure may be a ratio of two keys, a difference, or an end of a range over keys and lists."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "run.json").write_text(json.dumps({"a": 3.0, "b": 1.5, "rounds": [1.9, 2.2, 2.05], "arm": {"x": 1.1},
+                                                  "r": [{"q": 4.0}, {"q": 6.0}], "s": [{"q": 2.0}, {"q": 2.0}]}))
+    page = ("<!--@run:a/b-->2.0× faster, <!--@run:a~b*100-->150 more, rounds <!--@run:min(rounds)-->1.90–"
+            "<!--@run:max(rounds,arm.x,a)-->3.00×, <!--@run:min(rounds)~arm.x-->0.80, <!--@run:a/b*100-->200%, "
+            "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×\n")
+    assert [(f, k, o) for f, k, o, _ in gen.bound_numbers(page)] == [
+        ("run", "a/b", ""), ("run", "a~b", "*100"), ("run", "min(rounds)", ""), ("run", "max(rounds,arm.x,a)", ""),
+        ("run", "min(rounds)~arm.x", ""), ("run", "a/b", "*100"), ("run", "min(r.*.q/s.*.q)", ""),
+        ("run", "max(r.*.q/s.*.q)", "")]
+    assert disagreements(page, results) == [] and gen.bind_numbers(page, results) == page
+    wrong = page.replace("-->2.0×", "-->2.1×").replace("-->1.90–", "-->2.05–")
+    assert len(disagreements(wrong, results)) == 2 and gen.bind_numbers(wrong, results) == page
+    with pytest.raises(ValueError, match="where one is shown"):
+        gen.bind_numbers("<!--@run:r.*.q-->4.0", results)  # a list needs min(...) or max(...)
