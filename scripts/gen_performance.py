@@ -67,7 +67,8 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 #: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem, KEY a dotted path (list
 #: indices as numbers) or an expression of them: ``A~B`` (A minus B), ``A/B`` (A over B, a ratio of two keys) and
 #: ``min(A,B,...)`` / ``max(A,B,...)`` (the least or greatest of the keys' values, a key holding a list counting each
-#: of its numbers, a ``*`` part each item there, ``A/B`` inside item by item: the ends of a range) and ``exp(A)`` (a
+#: of its numbers, a ``*`` part each item there, ``A/B`` inside item by item: the ends of a range), ``mean(A,B,...)``
+#: (a subset of equal-sized parts) and ``exp(A)`` (a
 #: probability from a log-probability), optionally ending in ``*100``, ``/60`` or ``*1000``.
 BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
@@ -103,14 +104,16 @@ def _ratio(data: Any, file: str, term: str) -> list[float]:
 
 
 def _term(data: Any, file: str, term: str) -> float:
-    """One term of a bound key: ``min(...)``/``max(...)`` over keys and ratios, ``exp(A)``, ``A/B`` a ratio, or a
+    """One term of a bound key: ``min(...)``/``max(...)``/``mean(...)`` over keys and ratios, ``exp(A)``, ``A/B`` a ratio, or a
     key."""
-    aggregate = re.fullmatch(r"(min|max|exp)\((.+)\)", term)
+    aggregate = re.fullmatch(r"(min|max|mean|exp)\((.+)\)", term)
     if aggregate:
         values = [v for part in aggregate[2].split(",") for v in _ratio(data, file, part)]
         if aggregate[1] == "exp":  # a probability from a log-probability
             (value,) = values
             return math.exp(value)
+        if aggregate[1] == "mean":  # a subset's share from equal-sized parts (the datasets of a split)
+            return sum(values) / len(values)
         return min(values) if aggregate[1] == "min" else max(values)
     values = _ratio(data, file, term)
     if len(values) != 1:

@@ -58,6 +58,9 @@ def json_value(file: str, key: str, op: str, results: Path = RESULTS) -> float:
         if text.startswith("exp("):
             (value,) = ratio(text[4:-1])
             return math.exp(value)
+        if text.startswith("mean("):
+            values = [v for part in text[5:-1].split(",") for v in ratio(part)]
+            return sum(values) / len(values)
         if text.startswith(("min(", "max(")):
             values = [v for part in text[4:-1].split(",") for v in ratio(part)]
             return min(values) if text.startswith("min") else max(values)
@@ -160,11 +163,12 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
                                                   "r": [{"q": 4.0}, {"q": 6.0}], "s": [{"q": 2.0}, {"q": 2.0}]}))
     page = ("<!--@run:a/b-->2.0× faster, <!--@run:a~b*100-->150 more, rounds <!--@run:min(rounds)-->1.90–"
             "<!--@run:max(rounds,arm.x,a)-->3.00×, <!--@run:min(rounds)~arm.x-->0.80, <!--@run:a/b*100-->200%, "
-            "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00\n")
+            "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00, <!--@run:mean(rounds,a)~mean(b)-->0.79\n")
     assert [(f, k, o) for f, k, o, _ in gen.bound_numbers(page)] == [
         ("run", "a/b", ""), ("run", "a~b", "*100"), ("run", "min(rounds)", ""), ("run", "max(rounds,arm.x,a)", ""),
         ("run", "min(rounds)~arm.x", ""), ("run", "a/b", "*100"), ("run", "min(r.*.q/s.*.q)", ""),
-        ("run", "max(r.*.q/s.*.q)", ""), ("run", "exp(arm.x)", "")]
+        ("run", "max(r.*.q/s.*.q)", ""), ("run", "exp(arm.x)", ""),
+        ("run", "mean(rounds,a)~mean(b)", "")]
     assert disagreements(page, results) == [] and gen.bind_numbers(page, results) == page
     wrong = page.replace("-->2.0×", "-->2.1×").replace("-->1.90–", "-->2.05–")
     assert len(disagreements(wrong, results)) == 2 and gen.bind_numbers(wrong, results) == page
