@@ -56,8 +56,9 @@ def machine() -> dict[str, Any]:
             "load_average_at_record": load}
 
 
-def record(run: Path, stdout: Path | None = None, wall_s: float | None = None, note: str = "") -> dict[str, Any]:
-    """demo.json's content for the finished demo in ``run``."""
+def record(run: Path, stdout: Path | None = None, wall_s: float | None = None, note: str = "",
+           commit: str | None = None) -> dict[str, Any]:
+    """demo.json's content for the finished demo in ``run`` (``commit``: the one it ran at; default HEAD)."""
     path = find_results(run)
     results = json.loads(path.read_text())
     results.pop("logs", None)  # absolute paths on the machine that ran it
@@ -66,7 +67,7 @@ def record(run: Path, stdout: Path | None = None, wall_s: float | None = None, n
     stages = results.get("stage_seconds") or {}
     results["recorded"] = {
         "date": ended.strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": _git("rev-parse", "--short", "HEAD"),
+        "commit": commit or _git("rev-parse", "--short", "HEAD"),
         "tree_differed": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "machine": machine(),
         "wall_s": wall,
@@ -84,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stdout", type=Path, help="the demo's captured output, for its 'demo finished in N min' line")
     p.add_argument("--wall-s", type=float, help="the demo's wall time in seconds (instead of --stdout)")
     p.add_argument("--note", default="", help="how the machine was loaded, anything a reader of the figures needs")
+    p.add_argument("--commit", help="the commit the demo ran at (default: HEAD now)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    data = record(args.run, args.stdout, args.wall_s, args.note)
+    data = record(args.run, args.stdout, args.wall_s, args.note, args.commit)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"{args.out}: sampled EM {data['base']['sampled_em']:.1f} -> {data['trained']['sampled_em']:.1f}, "
           f"greedy {data['base']['pooled_em']:.1f} -> {data['trained']['pooled_em']:.1f}, wall "
