@@ -64,13 +64,14 @@ def _load(name: str, results: Path) -> dict[str, Any]:
     return json.loads((results / f"{name}.json").read_text())
 
 
-#: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem, KEY a dotted path (list
+#: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem (``history/NAME`` for a
+#: superseded run's file, kept under benchmarks/results/history/ with its date), KEY a dotted path (list
 #: indices as numbers) or an expression of them: ``A~B`` (A minus B), ``A/B`` (A over B, a ratio of two keys) and
 #: ``min(A,B,...)`` / ``max(A,B,...)`` (the least or greatest of the keys' values, a key holding a list counting each
 #: of its numbers, a ``*`` part each item there, ``A/B`` inside item by item: the ends of a range), ``mean(A,B,...)``
 #: (a subset of equal-sized parts) and ``exp(A)`` (a
 #: probability from a log-probability), optionally ending in ``*100``, ``/60`` or ``*1000``.
-BOUND = re.compile(r"<!--@(?P<file>[\w.+-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
+BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
 
 
