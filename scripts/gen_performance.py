@@ -70,9 +70,9 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 #: ``min(A,B,...)`` / ``max(A,B,...)`` (the least or greatest of the keys' values, a key holding a list counting each
 #: of its numbers, a ``*`` part each item there, ``A/B`` inside item by item: the ends of a range), ``mean(A,B,...)``
 #: (a subset of equal-sized parts) and ``exp(A)`` (a
-#: probability from a log-probability), optionally ending in ``*100``, ``/60`` or ``*1000``.
+#: probability from a log-probability), optionally ending in ``*100``, ``/60``, ``*1000`` or ``/1000`` (MB as GB, ms as s).
 BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
-_OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
+_OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
 
 
 def _numbers(data: Any, file: str, key: str) -> list[float]:
@@ -92,12 +92,20 @@ def _numbers(data: Any, file: str, key: str) -> list[float]:
 
 
 def _ratio(data: Any, file: str, term: str) -> list[float]:
-    """A key's numbers, or ``A/B``: A's over B's item by item (one side may be a single number)."""
-    numerator, _, denominator = term.partition("/")
-    above = _numbers(data, file, numerator)
-    if not denominator:
+    """A key's numbers, or ``A/B``: A's over B's item by item (one side may be a single number). A key may itself hold
+    a ``/`` (``time/training``): the whole term is a key when it resolves, else the first ``/`` whose two sides do."""
+    splits = [(term, "")] + [(term[:i], term[i + 1:]) for i, c in enumerate(term) if c == "/"]
+    for numerator, denominator in splits:
+        try:
+            above = _numbers(data, file, numerator)
+            below = _numbers(data, file, denominator) if denominator else None
+        except (KeyError, IndexError, ValueError, TypeError):
+            continue
+        break
+    else:
+        raise KeyError(f"{file}.json: {term} is neither a key nor a ratio of two keys")
+    if below is None:
         return above
-    below = _numbers(data, file, denominator)
     if len(above) != len(below) and 1 not in (len(above), len(below)):
         raise ValueError(f"{file}.json {term}: {len(above)} numbers over {len(below)}")
     n = max(len(above), len(below))

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 PAGES = ("README.md", "docs/performance.md", "docs/learning.md")
-SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0}
+SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
 
 
 def _gen():
@@ -45,9 +45,18 @@ def json_value(file: str, key: str, op: str, results: Path = RESULTS) -> float:
         return [v for x in items for v in (x if isinstance(x, list) else [x])]
 
     def ratio(text: str) -> list:
-        if "/" not in text:
-            return at(text)
-        above, below = (at(t) for t in text.split("/"))
+        try:
+            return at(text)  # a key may hold a "/" (time/training)
+        except (KeyError, IndexError, ValueError, TypeError):
+            pass
+        for i in [i for i, c in enumerate(text) if c == "/"]:
+            try:
+                above, below = at(text[:i]), at(text[i + 1:])
+                break
+            except (KeyError, IndexError, ValueError, TypeError):
+                continue
+        else:
+            raise KeyError(text)
         if len(below) == 1:
             below = below * len(above)
         if len(above) == 1:
@@ -160,15 +169,17 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     (results / "run.json").write_text(json.dumps({"a": 3.0, "b": 1.5, "rounds": [1.9, 2.2, 2.05], "arm": {"x": 1.1},
-                                                  "r": [{"q": 4.0}, {"q": 6.0}], "s": [{"q": 2.0}, {"q": 2.0}]}))
+                                                  "r": [{"q": 4.0}, {"q": 6.0}], "s": [{"q": 2.0}, {"q": 2.0}],
+                                                  "phase": {"time/step": 9.0}}))
     page = ("<!--@run:a/b-->2.0× faster, <!--@run:a~b*100-->150 more, rounds <!--@run:min(rounds)-->1.90–"
             "<!--@run:max(rounds,arm.x,a)-->3.00×, <!--@run:min(rounds)~arm.x-->0.80, <!--@run:a/b*100-->200%, "
-            "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00, <!--@run:mean(rounds,a)~mean(b)-->0.79\n")
+            "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00, <!--@run:mean(rounds,a)~mean(b)-->0.79, <!--@run:phase.time/step/b-->6.0 "
+            "<!--@run:phase.time/step/1000-->0.009\n")
     assert [(f, k, o) for f, k, o, _ in gen.bound_numbers(page)] == [
         ("run", "a/b", ""), ("run", "a~b", "*100"), ("run", "min(rounds)", ""), ("run", "max(rounds,arm.x,a)", ""),
         ("run", "min(rounds)~arm.x", ""), ("run", "a/b", "*100"), ("run", "min(r.*.q/s.*.q)", ""),
         ("run", "max(r.*.q/s.*.q)", ""), ("run", "exp(arm.x)", ""),
-        ("run", "mean(rounds,a)~mean(b)", "")]
+        ("run", "mean(rounds,a)~mean(b)", ""), ("run", "phase.time/step/b", ""), ("run", "phase.time/step", "/1000")]
     assert disagreements(page, results) == [] and gen.bind_numbers(page, results) == page
     wrong = page.replace("-->2.0×", "-->2.1×").replace("-->1.90–", "-->2.05–")
     assert len(disagreements(wrong, results)) == 2 and gen.bind_numbers(wrong, results) == page
