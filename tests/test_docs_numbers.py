@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,10 @@ def json_value(file: str, key: str, op: str, results: Path = RESULTS) -> float:
         if text.startswith("exp("):
             (value,) = ratio(text[4:-1])
             return math.exp(value)
+        if text.startswith("sd("):
+            values = [v for part in text[3:-1].split(",") for v in ratio(part)]
+            mean = sum(values) / len(values)
+            return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
         if text.startswith("mean("):
             values = [v for part in text[5:-1].split(",") for v in ratio(part)]
             return sum(values) / len(values)
@@ -134,9 +139,7 @@ def test_a_figure_that_disagrees_with_the_json_is_found_and_regenerated(tmp_path
     assert gen.render(edited) == page  # regenerating restores the JSON's figure
 
     results = tmp_path / "results"
-    results.mkdir()
-    for path in RESULTS.glob("*.json"):
-        (results / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(RESULTS, results, ignore=lambda folder, names: [n for n in names if n.endswith((".png", ".md"))])
     data = json.loads((results / "update_speed.json").read_text())
     data["bf16_over_fp32_speedup"] = 2.5  # a rerun, the pages not regenerated
     (results / "update_speed.json").write_text(json.dumps(data))
@@ -174,12 +177,12 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
     page = ("<!--@run:a/b-->2.0× faster, <!--@run:a~b*100-->150 more, rounds <!--@run:min(rounds)-->1.90–"
             "<!--@run:max(rounds,arm.x,a)-->3.00×, <!--@run:min(rounds)~arm.x-->0.80, <!--@run:a/b*100-->200%, "
             "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00, <!--@run:mean(rounds,a)~mean(b)-->0.79, <!--@run:phase.time/step/b-->6.0 "
-            "<!--@run:phase.time/step/1000-->0.009\n")
+            "<!--@run:phase.time/step/1000-->0.009, <!--@run:sd(rounds)-->0.15\n")
     assert [(f, k, o) for f, k, o, _ in gen.bound_numbers(page)] == [
         ("run", "a/b", ""), ("run", "a~b", "*100"), ("run", "min(rounds)", ""), ("run", "max(rounds,arm.x,a)", ""),
         ("run", "min(rounds)~arm.x", ""), ("run", "a/b", "*100"), ("run", "min(r.*.q/s.*.q)", ""),
         ("run", "max(r.*.q/s.*.q)", ""), ("run", "exp(arm.x)", ""),
-        ("run", "mean(rounds,a)~mean(b)", ""), ("run", "phase.time/step/b", ""), ("run", "phase.time/step", "/1000")]
+        ("run", "mean(rounds,a)~mean(b)", ""), ("run", "phase.time/step/b", ""), ("run", "phase.time/step", "/1000"), ("run", "sd(rounds)", "")]
     assert disagreements(page, results) == [] and gen.bind_numbers(page, results) == page
     wrong = page.replace("-->2.0×", "-->2.1×").replace("-->1.90–", "-->2.05–")
     assert len(disagreements(wrong, results)) == 2 and gen.bind_numbers(wrong, results) == page
