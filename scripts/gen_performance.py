@@ -69,7 +69,8 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 #: indices as numbers) or an expression of them: ``A~B`` (A minus B), ``A/B`` (A over B, a ratio of two keys) and
 #: ``min(A,B,...)`` / ``max(A,B,...)`` (the least or greatest of the keys' values, a key holding a list counting each
 #: of its numbers, a ``*`` part each item there, ``A/B`` inside item by item: the ends of a range), ``mean(A,B,...)``
-#: (a subset of equal-sized parts), ``sd(A,B,...)`` (their sample standard deviation) and ``exp(A)`` (a
+#: (a subset of equal-sized parts), ``median(A,...)``, ``sd(A,B,...)`` (their sample
+#: standard deviation) and ``exp(A)`` (a
 #: probability from a log-probability), optionally ending in ``*100``, ``/60``, ``*1000`` or ``/1000`` (MB as GB, ms as s).
 BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
@@ -113,9 +114,9 @@ def _ratio(data: Any, file: str, term: str) -> list[float]:
 
 
 def _term(data: Any, file: str, term: str) -> float:
-    """One term of a bound key: ``min(...)``/``max(...)``/``mean(...)``/``sd(...)`` over keys and ratios, ``exp(A)``, ``A/B`` a ratio, or a
+    """One term of a bound key: ``min(...)``/``max(...)``/``mean(...)``/``median(...)``/``sd(...)`` over keys and ratios, ``exp(A)``, ``A/B`` a ratio, or a
     key."""
-    aggregate = re.fullmatch(r"(min|max|mean|sd|exp)\((.+)\)", term)
+    aggregate = re.fullmatch(r"(min|max|mean|median|sd|exp)\((.+)\)", term)
     if aggregate:
         values = [v for part in aggregate[2].split(",") for v in _ratio(data, file, part)]
         if aggregate[1] == "exp":  # a probability from a log-probability
@@ -123,6 +124,9 @@ def _term(data: Any, file: str, term: str) -> float:
             return math.exp(value)
         if aggregate[1] == "mean":  # a subset's share from equal-sized parts (the datasets of a split)
             return sum(values) / len(values)
+        if aggregate[1] == "median":
+            ordered, half = sorted(values), len(values) // 2
+            return ordered[half] if len(values) % 2 else (ordered[half - 1] + ordered[half]) / 2
         if aggregate[1] == "sd":  # the sample standard deviation (n - 1), the spread of seeds
             mean = sum(values) / len(values)
             return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))

@@ -68,6 +68,10 @@ def json_value(file: str, key: str, op: str, results: Path = RESULTS) -> float:
         if text.startswith("exp("):
             (value,) = ratio(text[4:-1])
             return math.exp(value)
+        if text.startswith("median("):
+            values = sorted(v for part in text[7:-1].split(",") for v in ratio(part))
+            middle = len(values) // 2
+            return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
         if text.startswith("sd("):
             values = [v for part in text[3:-1].split(",") for v in ratio(part)]
             mean = sum(values) / len(values)
@@ -177,12 +181,13 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
     page = ("<!--@run:a/b-->2.0× faster, <!--@run:a~b*100-->150 more, rounds <!--@run:min(rounds)-->1.90–"
             "<!--@run:max(rounds,arm.x,a)-->3.00×, <!--@run:min(rounds)~arm.x-->0.80, <!--@run:a/b*100-->200%, "
             "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00, <!--@run:mean(rounds,a)~mean(b)-->0.79, <!--@run:phase.time/step/b-->6.0 "
-            "<!--@run:phase.time/step/1000-->0.009, <!--@run:sd(rounds)-->0.15\n")
+            "<!--@run:phase.time/step/1000-->0.009, <!--@run:sd(rounds)-->0.15, <!--@run:median(rounds)-->2.05 <!--@run:median(rounds,a)-->2.13\n")
     assert [(f, k, o) for f, k, o, _ in gen.bound_numbers(page)] == [
         ("run", "a/b", ""), ("run", "a~b", "*100"), ("run", "min(rounds)", ""), ("run", "max(rounds,arm.x,a)", ""),
         ("run", "min(rounds)~arm.x", ""), ("run", "a/b", "*100"), ("run", "min(r.*.q/s.*.q)", ""),
         ("run", "max(r.*.q/s.*.q)", ""), ("run", "exp(arm.x)", ""),
-        ("run", "mean(rounds,a)~mean(b)", ""), ("run", "phase.time/step/b", ""), ("run", "phase.time/step", "/1000"), ("run", "sd(rounds)", "")]
+        ("run", "mean(rounds,a)~mean(b)", ""), ("run", "phase.time/step/b", ""), ("run", "phase.time/step", "/1000"), ("run", "sd(rounds)", ""), ("run", "median(rounds)", ""),
+        ("run", "median(rounds,a)", "")]
     assert disagreements(page, results) == [] and gen.bind_numbers(page, results) == page
     wrong = page.replace("-->2.0×", "-->2.1×").replace("-->1.90–", "-->2.05–")
     assert len(disagreements(wrong, results)) == 2 and gen.bind_numbers(wrong, results) == page
