@@ -202,6 +202,8 @@ ALLOWED = (
     r"\b\d+(?:\.\d+)?[MB](?:-parameter)?\b",  # a model's size
     r"paper(?:'s)?[^|;]{0,40}?\d+(?:\.\d+)?",  # the paper's reported number, labelled as the paper's
     r"\| \d+ s \|$",  # a section's time limit (the GPU check's table)
+    r"\d[\d,]*(?:\.\d+)?×\s(?:the\s)?(?:learning rate|steps|paper's)",  # a setting as a multiple of another
+    r"[+−-]?\d+(?:\.\d+)?\s?(?:pp|%)\s(?:target|goal)",  # a target named after its number
 )
 #: The figures of these pages that are still written by hand (``python scripts/gen_performance.py --unbound`` writes
 #: the list; tests/test_docs_numbers.py requires the pages to have exactly these, so the list can only shrink by
