@@ -65,6 +65,7 @@ def record(run: Path, stdout: Path | None = None, wall_s: float | None = None, n
     ended = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
     wall = wall_seconds(stdout, wall_s)
     stages = results.get("stage_seconds") or {}
+    results["date"] = ended.strftime("%Y-%m-%dT%H:%M:%SZ")  # when the run ended (the performance page's file table)
     results["recorded"] = {
         "date": ended.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": commit or _git("rev-parse", "--short", "HEAD"),

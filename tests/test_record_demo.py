@@ -44,7 +44,7 @@ def test_the_results_are_copied_with_the_wall_time_commit_and_machine(tmp_path):
     assert rec["wall_s"] == pytest.approx(654.0) and rec["wall_min"] == pytest.approx(10.9)
     assert rec["stage_minutes"] == {"train": pytest.approx(3.7), "eval_base": pytest.approx(1.8)}
     assert len(rec["commit"]) >= 7 and rec["machine"]["cpus"] >= 1 and rec["note"] == "idle"
-    assert rec["date"].endswith("Z")
+    assert rec["date"].endswith("Z") and data["date"] == rec["date"]
 
 
 def test_the_report_folder_works_too_and_no_wall_time_is_none(tmp_path):
