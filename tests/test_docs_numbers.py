@@ -18,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 PAGES = ("README.md", "docs/performance.md", "docs/learning.md")
+#: Pages that quote few results yet: their bound figures are compared and their hand-written ones recorded.
+CHECKED = ("docs/training.md", "docs/retriever.md", "docs/planning.md", "docs/hardening.md", "docs/mcp.md")
 SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
 
 
@@ -102,10 +104,11 @@ def disagreements(text: str, results: Path = RESULTS) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", PAGES + CHECKED)
 def test_every_bound_figure_is_its_json_value(page):
     text = (REPO / page).read_text()
-    assert len(gen.bound_numbers(text)) >= 15, "the page's measured figures are bound"
+    if page in PAGES:
+        assert len(gen.bound_numbers(text)) >= 15, "the page's measured figures are bound"
     assert disagreements(text) == []
 
 
@@ -126,7 +129,8 @@ def test_the_pages_are_what_the_json_generates():
 
 def test_no_page_has_a_hand_written_figure_beyond_the_recorded_ones():
     recorded = json.loads(gen.UNBOUND_LIST.read_text())
-    for page in PAGES:
+    assert sorted(recorded) == sorted(PAGES + CHECKED)
+    for page in PAGES + CHECKED:
         found = [context for _, context in gen.measurements_unbound((REPO / page).read_text())]
         new = [c for c in found if c not in recorded[page]]
         assert not new, f"{page}: hand-written measured figures; bind them (<!--@FILE:KEY-->) to benchmarks/results: {new}"
