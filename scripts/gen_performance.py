@@ -68,13 +68,12 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 
 
 #: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem (``history/NAME`` for a
-#: superseded run's file, kept under benchmarks/results/history/ with its date), KEY a dotted path (list
-#: indices as numbers) or an expression of them: ``A~B`` (A minus B), ``A/B`` (A over B, a ratio of two keys) and
-#: ``min(A,B,...)`` / ``max(A,B,...)`` (the least or greatest of the keys' values, a key holding a list counting each
-#: of its numbers, a ``*`` part each item there, ``A/B`` inside item by item: the ends of a range), ``mean(A,B,...)``
-#: (a subset of equal-sized parts), ``median(A,...)``, ``sd(A,B,...)`` (their sample
-#: standard deviation) and ``exp(A)`` (a
-#: probability from a log-probability), optionally ending in ``*100``, ``/60``, ``*1000`` or ``/1000`` (MB as GB, ms as s).
+#: superseded run's file, kept under benchmarks/results/history/ with its date), KEY a dotted path (list indices as
+#: numbers, ``-1`` the last; a ``*`` part takes every item there) or an expression of paths: ``A~B`` (A minus B),
+#: ``A/B`` (A over B, item by item for lists), ``min(...)`` / ``max(...)`` (the ends of a range over the keys' numbers,
+#: a list counting each), ``mean(...)`` (a subset of equal-sized parts), ``median(...)``, ``sd(...)`` (the sample
+#: standard deviation) and ``exp(A)`` (a probability from a log-probability), optionally ending in ``*100``, ``/60``,
+#: ``*1000`` or ``/1000`` (a fraction as a percentage, seconds as minutes, seconds as ms, MB as GB).
 BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
 
@@ -117,8 +116,8 @@ def _ratio(data: Any, file: str, term: str) -> list[float]:
 
 
 def _term(data: Any, file: str, term: str) -> float:
-    """One term of a bound key: ``min(...)``/``max(...)``/``mean(...)``/``median(...)``/``sd(...)`` over keys and ratios, ``exp(A)``, ``A/B`` a ratio, or a
-    key."""
+    """One term of a bound key: ``min``, ``max``, ``mean``, ``median`` or ``sd`` over keys and ratios, ``exp(A)``,
+    ``A/B`` a ratio, or a key."""
     aggregate = re.fullmatch(r"(min|max|mean|median|sd|exp)\((.+)\)", term)
     if aggregate:
         values = [v for part in aggregate[2].split(",") for v in _ratio(data, file, part)]
@@ -141,8 +140,8 @@ def _term(data: Any, file: str, term: str) -> float:
 
 
 def bound_value(file: str, key: str, op: str | None, results: Path = RESULTS) -> float:
-    """The value a bound number shows: the results file's key expression (``A~B``: key A's value minus key B's;
-    ``A/B``: their ratio; ``min(A,B)``, ``max(A,B)``), scaled by ``op``."""
+    """The value a bound number shows: the results file's key expression (terms joined by ``~``: the first minus the
+    rest), scaled by ``op``."""
     data = _load(file, results)
     values = [_term(data, file, term) for term in re.split(r"~(?![^(]*\))", key)]
     return (values[0] - sum(values[1:])) * _OPS[op or ""]
