@@ -197,7 +197,7 @@ _NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!--@[^>]*-->[+−-]?\d[\d,]*(?:\.
 #: identifiers, confidence levels, model sizes and the paper's reported numbers (labelled as the paper's).
 ALLOWED = (
     r"arXiv \d{4}\.\d{4,5}",  # a paper's identifier
-    r"(?:Python|TRL|FAISS|torch|transformers|vLLM|mkdocs)\s?(?:≥\s?)?\d+\.\d+(?:\.\d+)?",  # a version
+    r"(?:Python|TRL|FAISS|torch|transformers|vLLM(?:-cpu)?|mkdocs)\s?(?:≥\s?)?\d+\.\d+(?:\.\d+)?",  # a version
     r"(?<!\w)(?:β|η|T|p|τ|lr|top_p|cap|alpha|temperature)\s?(?:=|≥|≤|<|>)?\s?[+−-]?\d+(?:\.\d+)?",  # a setting
     r"(?:≥|≤|target|at most|at least|under|threshold(?: of)?|goes above)\s?[+−-]?\d[\d,]*(?:\.\d+)?\s?(?:pp|%|×|ms|s|min|GB|GiB)?",  # a target or a bound
     r"\d+(?:\.\d+)?\s?%\s?(?:CI|interval|t interval|Wilson|Newcombe|confidence)",  # a confidence level
