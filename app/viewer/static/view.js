@@ -86,6 +86,17 @@ function rightBadge(right) {
   return el("span", {class: "badge " + (right ? "right" : "wrong")}, right ? "right" : "wrong");
 }
 
+// What the viewer skipped in a run's files (the API's problems, skipped_records, unreadable_files): null when nothing.
+function problemsNote(r) {
+  const skipped = r.skipped_records || 0, unreadable = r.unreadable_files || 0;
+  if (!skipped && !unreadable) return null;
+  const parts = [];
+  if (skipped) parts.push(`${skipped} damaged record${skipped === 1 ? "" : "s"} skipped`);
+  if (unreadable) parts.push(`${unreadable} file${unreadable === 1 ? "" : "s"} unreadable`);
+  const files = Object.keys(r.problems || {});
+  return `not shown: ${parts.join(", ")}` + (files.length ? ` (${files.join(", ")})` : "");
+}
+
 // ------------------------------------------------------------------------------------------------ runs
 async function pageRuns() {
   const root = main();
@@ -94,7 +105,8 @@ async function pageRuns() {
     const rows = runs.map(r => el("tr", {dataset: {run: r.id}},
       el("td", {}, r.label), el("td", {}, r.kind),
       el("td", {}, r.kind === "train" ? `${r.steps} steps (last ${r.last_step}), samples at ${r.sample_steps} steps`
-        : `${r.questions} questions, ${emText(r)} (${r.protocol}); ${r.datasets.join(", ")}`),
+        : `${r.questions} questions, ${emText(r)} (${r.protocol}); ${r.datasets.join(", ")}`,
+        problemsNote(r) ? el("div", {class: "problems error"}, problemsNote(r)) : null),
       el("td", {class: "muted"}, ago(r.updated)),
       el("td", {}, r.kind === "train"
         ? [link("/curves", {runs: r.id}, "curves"), " · ", link("/samples", {run: r.id}, "trajectories")]
