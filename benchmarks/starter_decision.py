@@ -1,6 +1,6 @@
 """Does a starter's choice between answering and searching again follow the passages? (issue 53, the third starter)
 
-    /work/heavy python benchmarks/starter_decision.py --runs /tmp/emapg-starter-comparison   # ~2 min on 2 cores
+    /work/heavy python benchmarks/starter_decision.py --runs /tmp/emapg-starter-comparison   # ~10 min a starter on 2 cores
 
 Greedy decisions can hide a weak signal: a policy that leans one way answers (or searches again) on every question
 whatever it was shown. This reads the third starter's recorded greedy trajectories (``starter_comparison.py``'s
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         side["auc_reader_over_search"] = auc(by_slice["reader"], by_slice["search"])
         print(key, "AUC", side["auc_reader_over_search"], flush=True)
         result[key] = side
+        OUT.write_text(json.dumps(result, indent=1) + "\n")  # after each starter: a stopped run keeps what it measured
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     OUT.write_text(json.dumps(result, indent=1) + "\n")
