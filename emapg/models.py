@@ -44,8 +44,12 @@ STARTER_ADAPTER = DATA_DIR / "starter" / STARTER
 #: The second starter, which searches again when the first passages lack the answer (issue 53;
 #: ``scripts/build_starter.py --config configs/sft_smollm2_starter_v2.yaml``).
 STARTER_V2 = "smollm2-135m-search-starter-v2"
-STARTER_ADAPTERS = {STARTER: STARTER_ADAPTER, STARTER_V2: DATA_DIR / "starter" / STARTER_V2}
-ALIASES = (SMOLLM2, MINILM, TINY_QWEN2, STARTER, STARTER_V2)
+#: The third starter: need-conditioned demonstrations with a think step before each decision
+#: (``scripts/build_starter.py --config configs/sft_smollm2_starter_v3.yaml``).
+STARTER_V3 = "smollm2-135m-search-starter-v3"
+STARTER_ADAPTERS = {STARTER: STARTER_ADAPTER, STARTER_V2: DATA_DIR / "starter" / STARTER_V2,
+                    STARTER_V3: DATA_DIR / "starter" / STARTER_V3}
+ALIASES = (SMOLLM2, MINILM, TINY_QWEN2, STARTER, STARTER_V2, STARTER_V3)
 # What the hub accepts as a repo id: "name" or "namespace/name" (letters, digits, - _ .).
 _REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 

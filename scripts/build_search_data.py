@@ -12,7 +12,11 @@ Writes (deterministic for a given index):
 * ``data/qa/pool_v2/train.jsonl.gz`` + ``record.json`` -- the training pool v2 (:data:`POOL_RULE`);
 * ``data/qa/multihop/demonstrations.jsonl`` + ``demonstrations_record.json`` -- SFT trajectories (one or two
   searches, then the answer) replayed through the rollout loop against the live retriever (a real server on a
-  port), kept only when the passages shown hold the gold (:data:`DEMO_RULE`).
+  port), kept only when the passages shown hold the gold (:data:`DEMO_RULE`);
+* ``data/qa/multihop/demonstrations_v3.jsonl`` + ``demonstrations_v3_record.json`` (``--only demos_v3``) -- the
+  third starter's: the same rule with need-conditioned think steps before each decision, a larger mix with more
+  one-search rows from multi-hop questions the first search answers and "A or B?" 2Wiki questions
+  (:data:`DEMO_V3_RULE`, :data:`MIX_V3`).
 
 All served by one retriever: the bundled corpus's MiniLM Flat index on a free 127.0.0.1 port.
 """
@@ -41,6 +45,10 @@ DEMO_SEED = 0
 DEMOS_TWO = 64  # two-search demonstrations
 DEMOS_ONE_MULTIHOP = 28  # one-search demonstrations from multi-hop questions the first search answers
 DEMOS_ONE_POOL = 36  # one-search demonstrations from the single-hop training pool (qa_pool)
+#: The third starter's mix (issue 53: the second starter searched twice on 98% of reader-slice questions, so more
+#: rows answer after one search, from the same multi-hop sources as the two-search rows, and every decision is
+#: preceded by a think step naming what a passage shows).
+MIX_V3 = {"two": 72, "one_multihop": 36, "one_compare": 12, "one_pool": 40}
 POOL_ONE_PER_TWO = 1.0  # pool v2: one-search questions per two-search question
 
 SLICE_RULE = ("HotpotQA dev questions of the bundled multi-hop file (RPT dev and test files; not the RPT 'train' rows, "
@@ -58,6 +66,12 @@ DEMO_RULE = ("trajectories replayed through agent.rollout.run_rollouts against t
              "configs/sft_smollm2_starter_v2.yaml): two searches (the question text, then the recorded second query) "
              "when the first passages shown lack the gold and the second show it, one search when the first show it; "
              "'shown' = the observation tokens as decoded (after truncation), tasks.qa.gold_shown; no held-out question")
+DEMO_V3_RULE = (DEMO_RULE.replace("sft_smollm2_starter_v2", "sft_smollm2_starter_v3") +
+                "; plus one-search rows of 2Wiki 'A or B?' questions (class answer_in_question) whose first passages "
+                "name the gold; each decision is preceded by a think step written from the passages shown "
+                "(trainer.sft.multisearch.with_think: the doc naming the answer, 'it answers the question'; or the doc "
+                "naming the bridge entity, 'the answer is not shown'), and the row is replayed again with it and kept "
+                "only if still valid (each turn within the 64-token turn budget of the evaluation)")
 
 
 def write_json(path: Path, obj) -> None:
@@ -182,9 +196,20 @@ def build_pool(questions, coverage, heldout: dict[str, str]) -> tuple[list[dict]
     return rows, record
 
 
-def build_demos(questions, coverage, heldout: dict[str, str], retriever) -> tuple[list[dict], dict]:
+def bridge_entities(q) -> tuple[str, ...]:
+    """What a two-search question's second query is about: hop 1's answer (MuSiQue), else the supporting titles' names."""
+    from tasks.multihop import entity_name
+
+    if q.decomposition:
+        return (q.decomposition[0]["answer"],)
+    return tuple(entity_name(t) for t in q.support_titles)
+
+
+def build_demos(questions, coverage, heldout: dict[str, str], retriever, *, v3: bool = False,
+                mix: dict[str, int] | None = None) -> tuple[list[dict], dict]:
     """Candidate scripts (seeded order) replayed through the rollout loop against the live retriever
-    (:func:`trainer.sft.multisearch.build_demonstrations`); the verified ones are kept, up to the mix's counts."""
+    (:func:`trainer.sft.multisearch.build_demonstrations`); the verified ones are kept, up to the mix's counts.
+    ``v3``: the third starter's mix and config, "A or B?" rows, and think steps."""
     from emapg.config import load_config
     from emapg.models import resolve_model
     from tasks.datasets import load_dataset
@@ -193,7 +218,7 @@ def build_demos(questions, coverage, heldout: dict[str, str], retriever) -> tupl
     from trainer.sft.multisearch import Demo, build_demonstrations, script, searches_by_type
     from transformers import AutoTokenizer
 
-    cfg = load_config(SFTConfig, ROOT / "configs" / "sft_smollm2_starter_v2.yaml",
+    cfg = load_config(SFTConfig, ROOT / "configs" / f"sft_smollm2_starter_{'v3' if v3 else 'v2'}.yaml",
                       ["data.source=construct", "data.datasets=[qa_pool]", "data.path=null"])  # its rollout section
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.policy))
     by_id = {q.id: q for q in questions}
@@ -205,17 +230,24 @@ def build_demos(questions, coverage, heldout: dict[str, str], retriever) -> tupl
     rng.shuffle(one)
     pool = [ex for ex in load_dataset("qa_pool", split="train") if question_key(ex.question) not in heldout]
     rng.shuffle(pool)
+    want = dict(mix or MIX_V3) if v3 else {"two": DEMOS_TWO, "one_multihop": DEMOS_ONE_MULTIHOP, "one_pool": DEMOS_ONE_POOL}
     cands = [Demo(c.id, by_id[c.id].question, script(by_id[c.id].question, c.second_gold, c.second_query),
-                  by_id[c.id].answers, "two", f"{c.source}/{c.type}") for c in two[:DEMOS_TWO * 2]]
+                  by_id[c.id].answers, "two", f"{c.source}/{c.type}", bridges=bridge_entities(by_id[c.id]))
+             for c in two[:want["two"] * 2]]
     cands += [Demo(c.id, by_id[c.id].question, script(by_id[c.id].question, c.first_gold), by_id[c.id].answers,
-                   "one_multihop", f"{c.source}/{c.type}") for c in one[:DEMOS_ONE_MULTIHOP * 2]]
+                   "one_multihop", f"{c.source}/{c.type}") for c in one[:want["one_multihop"] * 2]]
+    if v3:  # "A or B?" (2Wiki comparison): the gold is one the question names; its passage must be shown
+        compare = [c for c in ok if c.klass == "answer_in_question" and c.source == "2wiki_aligned"]
+        rng.shuffle(compare)
+        cands += [Demo(c.id, by_id[c.id].question, script(by_id[c.id].question, by_id[c.id].answers[0]),
+                       by_id[c.id].answers, "one_compare", f"{c.source}/compare", gold_in_question=True)
+                  for c in compare[:want["one_compare"] * 3]]
     cands += [Demo(ex.id, ex.question.strip(), script(ex.question, ex.answers[0]), list(ex.answers), "one_pool",
-                   f"qa_pool/{ex.meta.get('origin', '')}") for ex in pool[:DEMOS_ONE_POOL * 2]]
-    want = {"two": DEMOS_TWO, "one_multihop": DEMOS_ONE_MULTIHOP, "one_pool": DEMOS_ONE_POOL}
-    kept, dropped = build_demonstrations(cands, want, tokenizer, retriever, cfg.rollout,
+                   f"qa_pool/{ex.meta.get('origin', '')}") for ex in pool[:want["one_pool"] * 2]]
+    kept, dropped = build_demonstrations(cands, want, tokenizer, retriever, cfg.rollout, think=v3,
                                          max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens)
     rows = [d.to_row(t.num_searches) for d, t in kept]
-    record = {"rule": DEMO_RULE, "kept": dict(Counter(r["kind"] for r in rows)), "dropped": dropped,
+    record = {"rule": DEMO_V3_RULE if v3 else DEMO_RULE, "mix": want, "kept": dict(Counter(r["kind"] for r in rows)), "dropped": dropped,
               "candidates": len(cands), "searches_per_question_by_type": searches_by_type(rows),
               "mean_searches": round(sum(r["searches"] for r in rows) / max(1, len(rows)), 4)}
     return rows, record
@@ -224,10 +256,13 @@ def build_demos(questions, coverage, heldout: dict[str, str], retriever) -> tupl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shared", default=None, help="the shared data folder (rebuilds data/qa/multihop/questions.jsonl)")
-    p.add_argument("--only", choices=["multihop", "coverage", "slice", "pool", "demos"], action="append",
+    p.add_argument("--only", choices=["multihop", "coverage", "slice", "pool", "demos", "demos_v3"], action="append",
                    help="build only these parts (repeatable; default all; later parts read the earlier parts' files)")
+    p.add_argument("--mix", default=None, help="demos_v3: the mix as kind=count,... (default: MIX_V3)")
+    p.add_argument("--suffix", default="", help="demos_v3: written as demonstrations_v3{suffix}.jsonl (a variant)")
     args = p.parse_args(argv)
-    parts = set(args.only or ["multihop", "coverage", "slice", "pool", "demos"])
+    mix = {k: int(v) for k, v in (x.split("=") for x in args.mix.split(","))} if args.mix else None
+    parts = set(args.only or ["multihop", "coverage", "slice", "pool", "demos", "demos_v3"])
 
     from provision.indexes import ensure_bundled_index
     from provision.retrievers import open_retriever
@@ -280,6 +315,14 @@ def main(argv: list[str] | None = None) -> int:
             path = MULTIHOP_DIR / "demonstrations.jsonl"
             path.write_text("".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows))
             write_json(MULTIHOP_DIR / "demonstrations_record.json", record)
+            print(json.dumps(record, indent=1), flush=True)
+        if "demos_v3" in parts:
+            t_demos = time.perf_counter()
+            rows, record = build_demos(questions, coverage, heldout, retriever, v3=True, mix=mix)
+            record["seconds"] = round(time.perf_counter() - t_demos, 1)
+            path = MULTIHOP_DIR / f"demonstrations_v3{args.suffix}.jsonl"
+            path.write_text("".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows))
+            write_json(MULTIHOP_DIR / f"demonstrations_v3{args.suffix}_record.json", record)
             print(json.dumps(record, indent=1), flush=True)
     print(f"done in {time.perf_counter() - t0:.0f} s")
     return 0

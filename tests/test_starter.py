@@ -81,3 +81,29 @@ def test_second_starter_ships_beside_the_first_with_its_searches_by_type():
     assert set(record["question_ids"]) <= set(demos)
     assert not {question_key(demos[i]["question"]) for i in record["question_ids"]} & set(heldout_questions())
     assert read_trained_questions(folder).count == len(record["question_ids"])
+
+
+def test_third_starter_ships_beside_the_others_with_its_format_check():
+    """The need-conditioned starter (issue 53): think steps before each decision; its record holds the searches of its
+    demonstrations by question type and the greedy format check; none of its questions is held out."""
+    from emapg.models import STARTER_ADAPTERS, STARTER_V2, STARTER_V3
+    from tasks.contamination import read_trained_questions
+    from tasks.heldout import heldout_questions, question_key
+
+    folder = STARTER_ADAPTERS[STARTER_V3]
+    assert (STARTER_ADAPTERS[STARTER_V2] / "adapter_model.safetensors").is_file()  # the second one is kept for comparisons
+    assert (folder / "adapter_model.safetensors").stat().st_size <= 20 * 2**20
+    record = json.loads((folder / "record.json").read_text())
+    assert record["config"]["data"]["path"].endswith("demonstrations_v3.jsonl")
+    assert record["config"]["rollout"]["max_turns"] == 3 and record["config"]["rollout"]["max_tokens_per_turn"] == 64
+    assert record["heldout_loss_after"] < record["heldout_loss_before"]
+    by_type = record["searches_per_question_by_type"]
+    assert sum(t["trajectories"] for t in by_type.values()) == record["trajectories"]["train"] + record["trajectories"]["heldout"]
+    assert 1.0 < record["mean_searches"] < 1.5
+    check = record["format_check"]
+    assert check["questions"] >= 7 and 0.0 <= check["format_rate"] <= 1.0
+    demos = {json.loads(line)["id"]: json.loads(line)
+             for line in (REPO / "data/qa/multihop/demonstrations_v3.jsonl").read_text().splitlines()}
+    assert set(record["question_ids"]) <= set(demos)
+    assert not {question_key(demos[i]["question"]) for i in record["question_ids"]} & set(heldout_questions())
+    assert read_trained_questions(folder).count == len(record["question_ids"])

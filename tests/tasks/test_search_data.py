@@ -40,7 +40,8 @@ def test_slice_contract_and_disjointness(recorded):
     # no training question: the first pool, the bundled train splits, the first starter's data, the demonstrations
     train_keys = {question_key(ex.question) for name in ("qa_pool", "qa_pool_informative") for ex in load_dataset(name, split="train")}
     train_keys |= {question_key(ex.question) for name in ("nq", "hotpotqa") for ex in load_dataset(name, split="train")}
-    demos = [json.loads(line) for line in (REPO / "data/qa/multihop/demonstrations.jsonl").read_text().splitlines()]
+    demos = [json.loads(line) for name in ("demonstrations.jsonl", "demonstrations_v3.jsonl")
+             for line in (REPO / "data/qa/multihop" / name).read_text().splitlines()]
     train_keys |= {question_key(r["question"]) for r in demos}
     assert not slice_keys & train_keys
     starter = json.loads((REPO / "data/starter/smollm2-135m-search-starter/record.json").read_text())
