@@ -60,7 +60,7 @@ from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import learn_sums, peak_memory, step_metrics, update_metrics
 from trainer.provenance import record_files, refreshed, train_provenance, trained_questions
-from trainer.policy import build_policy, deterministic, use_bf16
+from trainer.policy import build_policy, set_numerics, use_bf16
 from trainer.sampled_batch import SampledBatch, TrainingRows, batch_sums, produce, rank_training_rows, step_seed
 from trainer.samples import sample_records
 from trainer.search_health import SearchOutageGuard
@@ -262,7 +262,7 @@ class Trainer:
             raise ConfigError("rollout.uniform_groups=drop trains a different number of rows on each rank; use topup "
                               f"with {self.dist.world_size} processes")
         bf16 = use_bf16(cfg, self.dist.device)
-        deterministic(cfg, self.dist.device)
+        set_numerics(cfg, self.dist.device)  # run.deterministic, run.flush_denormal
         ckpt_path = find_resume(self.resume_from, self.run_dir)
         for seed in (random.seed, np.random.seed, torch.manual_seed):
             seed(cfg.run.seed + self.dist.rank)
