@@ -412,4 +412,8 @@ def set_numerics(cfg: TrainConfig, dev: torch.device) -> None:
         if dev.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if cfg.run.flush_denormal:
+        import numpy as np
+
+        for dtype in (np.float16, np.float32, np.float64):  # numpy reads its limits once; after the flush it would warn
+            np.finfo(dtype)  # that the smallest subnormal is zero
         torch.set_flush_denormal(True)
