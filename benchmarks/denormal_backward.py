@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "what": "forward+backward of one batch after one AdamW step on a rounding-sized gradient, subnormals kept (IEEE) "
                     "vs flushed to zero (run.flush_denormal); seconds, best of the repeats, one thread",
-            "when": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "tokens": args.tokens, "repeats": args.repeats,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "tokens": args.tokens, "repeats": args.repeats,
             "gradient_scale": GRADIENT_SCALE, "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "scripted_searcher": time_backward(scripted, ids, args.repeats),
