@@ -8,7 +8,10 @@ made while ``Trainer.learn`` consumes that batch.
 
 The walk at depth D is the sequence of those calls made at most D frames below ``learn`` (``learn``'s own
 calls are depth 1), each named by its file; consecutive calls into one file are one *stay*. A file's *entries*
-count its stays; *returns* are stays in a file already left (stays − distinct files). The target of issue #56:
+count its stays; *returns* are stays in a file already left (stays − distinct files). A comprehension or generator
+expression is part of the function that holds it, not a call of its own (Python 3.12 inlines comprehensions, PEP 709;
+on 3.11 each is a frame, so a loop over trajectories that reads a property of another file between two comprehensions
+would count as leaving its file and coming back; ``--count-comprehensions`` counts them the 3.11 way). The target of issue #56:
 no file entered more than twice. Also printed: how often ``trainer/batch.py:micro_batches`` was called (the number
 of separate walks over the batch), and ``Trainer``'s line count (its ``class`` statement to its last line).
 
@@ -57,25 +60,34 @@ def project_file(filename: str) -> str | None:
     return str(rel)
 
 
-def record_calls(fn, *args) -> tuple[list[tuple[int, str, str]], object]:
-    """``(depth below fn's frame, project file, function)`` of every Python call into a project file made by ``fn``."""
+#: The frames of comprehensions and generator expressions: parts of the function that holds them (see above).
+INLINE = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
+
+
+def record_calls(fn, *args, comprehensions: bool = False) -> tuple[list[tuple[int, str, str]], object]:
+    """``(depth below fn's frame, project file, function)`` of every Python call into a project file made by ``fn``;
+    ``comprehensions``: count a comprehension's frame as a call (else it is part of its function: :data:`INLINE`)."""
     calls: list[tuple[int, str, str]] = []
     code = getattr(fn, "__func__", fn).__code__
-    depth: int | None = None
+    frames: list[bool] | None = None  # per open frame below fn's: whether it counts as a call (adds a level)
 
     def profile(frame, event, arg):
-        nonlocal depth
+        nonlocal frames
         if event == "call":
-            if depth is None:
+            if frames is None:
                 if frame.f_code is code:
-                    depth = 0
+                    frames = []
                 return
-            depth += 1
+            counted = comprehensions or frame.f_code.co_name not in INLINE
+            frames.append(counted)
             rel = project_file(frame.f_code.co_filename)
-            if rel is not None:
-                calls.append((depth, rel, frame.f_code.co_name))
-        elif event == "return" and depth is not None:
-            depth = None if depth == 0 else depth - 1
+            if counted and rel is not None:
+                calls.append((sum(frames), rel, frame.f_code.co_name))
+        elif event == "return" and frames is not None:
+            if not frames:
+                frames = None  # fn itself returned
+            else:
+                frames.pop()
 
     sys.setprofile(profile)
     try:
@@ -100,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=2, help="the walk's depth below Trainer.learn (learn's own calls: 1)")
     parser.add_argument("--show", action="store_true", help="print the walk, one stay a line")
     parser.add_argument("--json", type=Path, help="write the numbers here")
+    parser.add_argument("--count-comprehensions", action="store_true",
+                        help="count each comprehension's and generator expression's frame as a call (Python 3.11's frames)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -114,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg).setup()
         try:
             sampled = trainer.sample_batch(trainer.sample_prompts())
-            calls, _ = record_calls(trainer.learn, sampled)
+            calls, _ = record_calls(trainer.learn, sampled, comprehensions=args.count_comprehensions)
         finally:
             trainer.close()
     out: dict[str, object] = {"trainer_class_lines": class_lines(ROOT / "trainer" / "loop.py", "Trainer"),

@@ -54,19 +54,18 @@ from trainer.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, s
 from trainer.config import TrainConfig
 from trainer.data import PromptSampler, SampledPrompt, load_prompts
 from trainer.errors import TrainingError
-from trainer.teacher import distill_gathers_topk
 from trainer.entropy_control import EntropyController, controller_card
 from trainer.health_signals import LengthDrift
 from trainer.lora import check_engine_serves_lora, engine_lora_config, serves_adapters
 from trainer.metrics import learn_sums, peak_memory, step_metrics, update_metrics
 from trainer.provenance import record_files, refreshed, train_provenance, trained_questions
-from trainer.policy import build_policy, deterministic, use_bf16
+from trainer.policy import build_policy, set_numerics, use_bf16
 from trainer.sampled_batch import SampledBatch, TrainingRows, batch_sums, produce, rank_training_rows, step_seed
 from trainer.samples import sample_records
 from trainer.search_health import SearchOutageGuard
 from trainer.step import UpdateResult, ppo_update
 from trainer.passes import BatchPass, StepConcern, run_passes
-from trainer.stored_stats import StatsPlan, compute_stored_stats, on_policy_single_update, plan_stored_stats, stored_stat_passes
+from trainer.stored_stats import StatsPlan, compute_stored_stats, step_stats_plan, stored_stat_passes
 from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -167,6 +166,7 @@ class StepPlan:
     stats: StatsPlan  # what π_old's and the anchor's passes store and the update reads
     advantages: torch.Tensor  # (trajectories,) GRPO advantages
     passes: list[BatchPass]  # the no-grad passes before the update, in order (trainer.passes)
+    sums: dict[str, float]  # the batch's own sums beside the rollout's (trainer.sampled_batch.batch_sums: sessions, tools)
 
 
 def attach_concerns(trainer: "Trainer") -> None:
@@ -262,7 +262,7 @@ class Trainer:
             raise ConfigError("rollout.uniform_groups=drop trains a different number of rows on each rank; use topup "
                               f"with {self.dist.world_size} processes")
         bf16 = use_bf16(cfg, self.dist.device)
-        deterministic(cfg, self.dist.device)
+        set_numerics(cfg, self.dist.device)  # run.deterministic, run.flush_denormal
         ckpt_path = find_resume(self.resume_from, self.run_dir)
         for seed in (random.seed, np.random.seed, torch.manual_seed):
             seed(cfg.run.seed + self.dist.rank)
@@ -363,8 +363,7 @@ class Trainer:
 
     def stats_plan(self, n: int) -> StatsPlan:
         """The stored-statistics plan for ``n`` rows on this rank."""
-        return plan_stored_stats(self.cfg, on_policy=on_policy_single_update(self.cfg, n, self.dist.world_size),
-                                 fuse=self.fuse_on_policy_topk and not self.fsdp and not distill_gathers_topk(self.cfg))
+        return step_stats_plan(self.cfg, n, self.dist.world_size, fuse=self.fuse_on_policy_topk and not self.fsdp)
 
     def compute_stored_stats(self, batch: TokenBatch, plan: StatsPlan | None = None) -> dict[str, float]:
         """π_old's and the anchor's statistics into ``batch.stored`` (``plan``: the step's, default
@@ -392,18 +391,19 @@ class Trainer:
         plan (once per step: the passes and the update follow it), the passes (π_old's and the anchor's, then each concern's)."""
         from trainer.algo.grpo import broadcast_advantages, grpo_advantages
 
-        cfg, alg = self.cfg, self.cfg.algorithm
-        # Each trajectory, then its extra segments (a recorded session that split), then filler rows (trainer.sampled_batch).
-        rows = rank_training_rows(sampled.trajectories, pad_id=self.pad_id, cfg=cfg, world_size=self.dist.world_size)
-        batch = trajectory_batch(rows.rows, pad_id=self.pad_id)  # ids, masks, behaviour log-probs
-        stats = self.stats_plan(batch.size)
+        cfg, alg, pad_id = self.cfg, self.cfg.algorithm, self.pad_id  # the Trainer's own part first: no call back into it below
         adv = grpo_advantages(sampled.rewards, sampled.group_ids, norm_by_std=alg.adv_std != "none",
                               unbiased_std=alg.adv_std != "biased", eps=alg.adv_eps)
-        batch.stored["advantages"] = broadcast_advantages(rows.per_row(adv), batch.loss_mask)  # a segment: its episode's
+        # Each trajectory, then its extra segments (a recorded session that split), then filler rows (trainer.sampled_batch).
+        rows = rank_training_rows(sampled.trajectories, pad_id=pad_id, cfg=cfg, world_size=self.dist.world_size)
+        row_adv, sums = rows.per_row(adv), batch_sums(sampled, rows, cfg)
+        batch = trajectory_batch(rows.rows, pad_id=pad_id)  # ids, masks, behaviour log-probs
+        batch.stored["advantages"] = broadcast_advantages(row_adv, batch.loss_mask)  # a segment: its episode's
+        stats = step_stats_plan(cfg, batch.size, self.dist.world_size, fuse=self.fuse_on_policy_topk and not self.fsdp)
         passes = stored_stat_passes(batch, stats, self.policy, cfg)
         for concern in self.concerns:
             passes += concern.passes(batch, sampled, rows)
-        return StepPlan(rows, batch, stats, adv, passes)
+        return StepPlan(rows, batch, stats, adv, passes, sums)
 
     def learn(self, sampled: SampledBatch) -> tuple[dict[str, float], dict[str, float]]:
         """Consume a rollout batch: its plan's passes (stored statistics and the concerns'), the update, the EMA blend;
@@ -417,7 +417,7 @@ class Trainer:
         ema_updated = self.anchor.maybe_update(self.step) if self.anchor is not None else False
         if result.updates > 0 and self.engine_session is not None:
             self.engine_session.weights_changed()
-        extra = {**done.sums, **batch_sums(sampled, step.rows, cfg)}  # beside the rollout's: kl/to_start, sessions, tools
+        extra = {**done.sums, **step.sums}  # beside the rollout's: kl/to_start, sessions, tools
         totals = learn_sums(sampled, step.batch, result.sums, extra, group_size=cfg.rollout.n_samples).reduce()
         metrics = {**step_metrics(totals, **summary), **done.timings, "ema/updated": float(ema_updated),
                    "time/generation": totals["rollout/generation_s"] / self.dist.world_size,

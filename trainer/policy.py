@@ -404,9 +404,16 @@ def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: b
                   share_prompt=cfg.model.share_prompt, share_prompt_training=cfg.model.share_prompt_training, lora=lora)
 
 
-def deterministic(cfg: TrainConfig, dev: torch.device) -> None:
-    """``run.deterministic``: deterministic torch algorithms (bit-for-bit resume on GPU)."""
+def set_numerics(cfg: TrainConfig, dev: torch.device) -> None:
+    """``run.deterministic``: deterministic torch algorithms (bit-for-bit resume on GPU); ``run.flush_denormal``:
+    subnormal floats flushed to zero in CPU arithmetic (this thread's, and the threads it starts after this)."""
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         if dev.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if cfg.run.flush_denormal:
+        import numpy as np
+
+        for dtype in (np.float16, np.float32, np.float64):  # numpy reads its limits once; after the flush it would warn
+            np.finfo(dtype)  # that the smallest subnormal is zero
+        torch.set_flush_denormal(True)

@@ -39,9 +39,10 @@ from trainer.config import TrainConfig
 from trainer.algo.kl_kinds import get_kl_kind
 from trainer.passes import BatchPass, run_passes
 from trainer.policy import Policy
+from trainer.teacher import distill_gathers_topk
 from trainer.algo.topk_kl import Direction
 
-__all__ = ["StatsPlan", "plan_stored_stats", "stored_stat_passes", "compute_stored_stats", "fused_anchor_stats"]
+__all__ = ["StatsPlan", "step_stats_plan", "plan_stored_stats", "stored_stat_passes", "compute_stored_stats", "fused_anchor_stats"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,14 @@ def on_policy_single_update(cfg: TrainConfig, n: int, world_size: int) -> bool:
     """One PPO epoch and one optimizer step over this rank's ``n`` rows: π_old is the policy itself."""
     alg = cfg.algorithm
     return alg.ppo_epochs == 1 and n <= max(1, alg.mini_batch_size // world_size)
+
+
+def step_stats_plan(cfg: TrainConfig, n: int, world_size: int, *, fuse: bool) -> StatsPlan:
+    """The plan of a step over this rank's ``n`` rows: :func:`plan_stored_stats` with π_old the policy itself when the
+    step is one update (:func:`on_policy_single_update`); ``fuse``: the trainer allows the on-policy Top-k reverse
+    shortcut (not under FSDP2), which a top-k distillation estimator also turns off."""
+    return plan_stored_stats(cfg, on_policy=on_policy_single_update(cfg, n, world_size),
+                             fuse=fuse and not distill_gathers_topk(cfg))
 
 
 def plan_stored_stats(cfg: TrainConfig, *, on_policy: bool, fuse: bool) -> StatsPlan:

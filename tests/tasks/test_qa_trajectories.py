@@ -26,7 +26,6 @@ from retriever.client import RetrieverClient
 from retriever.index_builder import BuildConfig, build_index
 from retriever.launch import RetrieverServer
 from tasks.qa import exact_match, extract_answer, qa_reward, qa_scores
-from tests.fixtures.trainer import warm_start
 
 QUOTED = "<answer> 9 </answer>"  # every passage quotes an answer the model must not be credited with
 
@@ -38,9 +37,10 @@ def _old_text(response_text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory, tiny_model_dir, toy_task):
-    """Searches the entity, then copies a digit into <answer> (about half the time the observed one)."""
-    return warm_start(tiny_model_dir, toy_task, tmp_path_factory.mktemp("qa-traj") / "warm", steps=120)
+def policy(toy_warm_policy):
+    """Searches the entity, then copies a digit into <answer> (about half the time the observed one): the 120-step
+    warm start, cached by content and shared with the other toy-task tests (tests/fixtures/trainer.py)."""
+    return toy_warm_policy
 
 
 def _serve_facts(root, toy_task, tail: str):
