@@ -54,6 +54,8 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                      TINY + ["algorithm.distill.enabled=true", "algorithm.distill.teacher=tiny-qwen2",
                              "algorithm.distill.estimator=topk_forward_kl"]),
     "tiny_ckpt": ("gradient checkpointing", TINY + ["model.gradient_checkpointing=true"]),
+    "tiny_one_pass": ("one training pass per row (the group's prompt not shared), no checkpointing: tiny_ckpt's pass "
+                      "without the recompute", TINY + ["model.share_prompt_training=false"]),
     "smollm2_topk": ("SmolLM2-135M, full fine-tuning, Top-k KL, full fp32 EMA anchor, colocated engine", SMOL + TOPK),
     "smollm2_lora": ("SmolLM2-135M, LoRA (r = 8), Top-k KL, EMA over the adapters, colocated engine", SMOL + TOPK + LORA),
     "smollm2_grpo_remote": ("SmolLM2-135M, no KL (no anchor), micro-batches of 2, no colocated engine",
