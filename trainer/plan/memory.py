@@ -223,10 +223,13 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
         if recomputed > acts + logits:
             acts, logits = recomputed, 0
     head_grad = 0 if lora.enabled else shape.embedding_params * FP32 // shard  # the lm_head's, first in the backward
+    # lm_head_backward's fresh (V, h) grad_w under accumulation: live at the lm_head's moment, added to the accumulated
+    # gradient (and freed) before a checkpointed layer's recompute
+    fresh_head_grad = head_grad if logits else 0
     # a foreach AdamW (on CUDA) holds a temporary of the size of what it steps
     step_temp = 0 if device.is_cpu else trainable * FP32 // shard
     if lay.micro_batches_per_mini > 1:  # later micro-batches: every gradient, plus lm_head_backward's fresh grad_w
-        dynamic = {"gradients": gradients + head_grad, "activations": acts, "logits": logits}
+        dynamic = {"gradients": gradients + fresh_head_grad, "activations": acts, "logits": logits}
     elif acts + logits + head_grad >= gradients + step_temp:
         dynamic = {"gradients": head_grad, "activations": acts, "logits": logits}
     else:
