@@ -72,16 +72,23 @@ EXPLANATIONS: dict[str, str] = {
                  "stop), without the lm_head: predicted +0.086 s over tiny_one_pass (the same pass without it), "
                  "measured +0.055 s. What remains of its unprobed error (+56%; update +59%, rollout +54%) is that of "
                  "every tiny configuration, tiny_one_pass's update included (+59%): see 'tiny (unprobed step time)'.",
-    "tiny_one_pass": "memory +13.6%, the one miss of +-10%: on full-length rows this one-pass forward takes torch's "
-                     "CPU flash-attention kernel (is_causal, no float mask saved), while the planner keeps one value "
-                     "per key position per layer and outside them for the mask a padded batch carries (3 x 2 MiB "
-                     "here); saved-tensor hooks count 37.3 MiB per layer (4774 values per token) against 38.0 MiB "
-                     "counted. The rest of the gap was not measured before the deadline. The shared-prompt pass (the "
-                     "default, tiny_k3) is within +4.4%.",
-    "smollm2_grpo_remote": "probed +28.0%: its four identical steps' updates took 5.98, 9.50, 7.34 and 5.67 s on the "
-                           "shared 2-core machine; the probe step (7.34 s) was 29% slower than the measured one "
-                           "(5.67 s): noise, not the model (the run at 21:34: +0.5%). Memory -8.4%: the lm_head "
-                           "backward's fresh (V, h) grad_w under gradient accumulation, counted since then.",
+    "tiny_one_pass": "memory +13.6%, the one miss of +-10%, not explained: the profiler puts this update's peak "
+                     "77.1 MiB above its start inside a decoder layer's backward (SliceBackward0), against 92 MiB "
+                     "counted at the lm_head's moment (82 MiB of saved activations, the 8 MiB logits buffer, the "
+                     "head's 2 MiB gradient), while saved-tensor hooks count 78.6 MiB saved by this forward (37.3 MiB "
+                     "a layer, 4774 values per token against 4864 counted: on full-length rows torch's CPU "
+                     "flash-attention kernel saves no float mask, which the planner keeps for a padded batch). Why "
+                     "less than the saved set plus the logits buffer is live at once was not measured before the "
+                     "deadline. The shared-prompt pass (the default, tiny_k3: peak 59.6 MiB above the update's start, "
+                     "in the forward's KV-cache concatenation, against 61.3 MiB counted) is within +4.4%.",
+    "smollm2_grpo_remote": "probed: its update's third step, the one the rates are refitted from, was slower than "
+                           "the fourth, measured one in both runs of this code (7.34 against 5.67 s at 00:05; 7.19 "
+                           "against 4.47 s at 00:30), so the refitted update over-predicts (+28%, then +59%). This is "
+                           "the only configuration without a rollout between the profiled steps and the probe step: "
+                           "the probe step starts right after the memory profiler stops, with its millions of event "
+                           "objects to collect (the probe now collects them before the step; not re-measured before "
+                           "the deadline). Memory -8.4%: the lm_head backward's fresh (V, h) grad_w under gradient "
+                           "accumulation is counted since the 21:21 run (-12.5% then).",
     "tiny (unprobed step time)": "the tiny configurations are over-predicted by +20% to +58% unprobed on this run (a "
                                  "quiet machine: its tiny steps 10-15% faster than the 21:34 run's, whose tiny "
                                  "configurations were within +38%). Rollout +54% to +65%: 128 decode steps predicted "

@@ -19,8 +19,9 @@ are refitted from, the fourth is the measurement ``benchmarks/plan_accuracy.py``
 
 from __future__ import annotations
 
-import copy
 import contextlib
+import copy
+import gc
 import math
 import os
 import tempfile
@@ -102,7 +103,10 @@ class _TensorPeak:
             if live > peak:
                 peak, at = live, event.time_range.start
         self.prof = None
-        return peak, next((name for start, end, name in phases if start <= at <= end), "setup")
+        at_phase = next((name for start, end, name in phases if start <= at <= end), "setup")
+        del events, phases
+        gc.collect()  # the profiler's event objects, now, not in the next (timed) step's garbage collections
+        return peak, at_phase
 
 
 PHASE = "emapg_plan::"
