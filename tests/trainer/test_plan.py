@@ -64,6 +64,30 @@ def test_memory_components_by_hand():
     assert sharded["weights"] == 1480 * 4 // 4 and sharded["optimizer"] == 2 * 1480 * 4 // 4
 
 
+
+def test_checkpointing_activations_and_flops_by_hand():
+    """Gradient checkpointing: the update's live set peaks in the top layer's backward (every layer's input and that
+    layer's recomputed set less its input; no logits buffer), and the recompute runs the layers (not the lm_head) up
+    to down_proj's input; the lm_head projects the response positions only."""
+    from trainer.plan.timing import update_flops
+
+    cpu = get_device("cpu")
+    shapes = ["rollout.engine=remote", "rollout.engine_urls=[http://127.0.0.1:9]", "algorithm.kl.enabled=false",
+              "rollout.max_prompt_tokens=6", "rollout.max_response_tokens=5", "rollout.max_tokens_per_turn=5",
+              "data.prompts_per_step=2", "rollout.n_samples=2", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4"]
+    ckpt, plain = tiny_cfg(*shapes, "model.gradient_checkpointing=true"), tiny_cfg(*shapes)
+    assert SMALL.recomputed_layer_params == 608 - 16 * 8  # all but down_proj
+    update = memory_phases(ckpt, SMALL, layout(ckpt, 1), cpu, None)["update"]
+    # 4 rows x 11 tokens, one pass per row; a layer saves 7h + 6kv + 4i + 11 key positions = 155 values per token
+    assert update["activations"] == 4 * 11 * (2 * 8 + 155 - 8) * 4 and update["logits"] == 0
+    assert update["gradients"] == 32 * 8 * 4  # the lm_head's (tied embedding), produced before the layers' backward
+    # per trained token: 6 x 1216 layer parameters + 3 x attention (2 x 2 layers x 11 x 8), the recompute 2 x 480 x 2
+    # layers + one more attention; the lm_head: 6 x 256 on 4 x 5 response positions
+    attention = 2 * 2 * 11 * 8
+    assert update_flops(ckpt, SMALL, layout(ckpt, 1), None) == 44 * (6 * 1216 + 3 * attention + 2 * 480 * 2 + attention) + 20 * 6 * 256
+    # without checkpointing the group's prompt runs once: 2 prompts x 6 + 4 x 5 tokens
+    assert update_flops(plain, SMALL, layout(plain, 1), None) == 32 * (6 * 1216 + 3 * attention) + 20 * 6 * 256
+
 def test_the_components_are_the_tensors_the_trainer_allocates(tiny_model_dir):
     """The planner's static components against the real policy: parameters, Adam states after a step, the anchor
     (full, and over LoRA adapters), counted from the tensors themselves."""
@@ -88,6 +112,42 @@ def test_the_components_are_the_tensors_the_trainer_allocates(tiny_model_dir):
         assert plan["optimizer"] == adam
         assert plan["anchor"] == sum(t.numel() * t.element_size() for t in policy.anchor.tensors.values())
 
+
+
+def test_checkpointed_backward_peak_is_the_recompute_count(tiny_model_dir):
+    """The live tensor bytes of a checkpointed forward+backward of the policy's hidden states (torch profiler, above
+    what was live before) against the planner's update-phase count: the top layer's backward (every layer's input and
+    that layer's recomputed set) and the tied embedding's gradient."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer import distributed as D
+    from trainer.batch import build_token_batch
+    from trainer.model_forward import causal_lm_hidden
+    from trainer.plan.memory import recompute_activation_bytes
+    from trainer.policy import build_policy
+
+    cfg = tiny_cfg(f"model.policy={tiny_model_dir}", "model.gradient_checkpointing=true", "rollout.max_prompt_tokens=64",
+                   "rollout.max_response_tokens=64", "rollout.max_tokens_per_turn=64", "data.prompts_per_step=1",
+                   "rollout.n_samples=4", "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4")
+    policy = build_policy(cfg, D.init_distributed("cpu", "auto"), str(tiny_model_dir), bf16=False)
+    policy.model.train()
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(10, 1000, (64,), generator=g).tolist() for _ in range(8)]
+    batch = build_token_batch(ids[:4], ids[4:], [[1] * 64] * 4, pad_id=0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        hidden, _ = causal_lm_hidden(policy.model, batch.input_ids, batch.attention_mask, 64, share_prompt=True)
+        (hidden.float() ** 2).mean().backward()
+        del hidden
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    update = memory_phases(cfg, model_shape(str(tiny_model_dir)), layout(cfg, 1), get_device("cpu"), None)["update"]
+    assert update["activations"] == recompute_activation_bytes(cfg, model_shape(str(tiny_model_dir)), layout(cfg, 1),
+                                                               get_device("cpu")) and update["logits"] == 0
+    predicted = update["activations"] + update["gradients"]  # with the tied embedding's (V, h) gradient
+    assert abs(predicted - peak) <= 0.1 * peak, (predicted, peak)
 
 def test_plan_json_contract_and_refusal_knob():
     proc = subprocess.run([sys.executable, "-m", "app.cli", "plan", "configs/search_qwen2.5-3b_emapg.yaml", "--device", "h100-80gb",
@@ -119,6 +179,46 @@ def test_train_refuses_what_cannot_fit_naming_the_override(tmp_path):
     assert "try model.gradient_checkpointing=true" in line and f"{without:,}" in line and "--no-plan" in line
     assert not (tmp_path / "metrics.jsonl").exists()
 
+
+
+def test_no_plan_skips_the_refusal_and_trains(tmp_path):
+    """End to end: under a memory limit too small for the weights and Adam states, `emapg train` refuses before anything
+    loads; the same command with --no-plan skips the plan (no plan.json) and trains its one step."""
+    small = ["data.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_response_tokens=8", "rollout.max_tokens_per_turn=8",
+             "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4", "run.total_steps=1", "run.save_every=0",
+             "logging.progress=false", "run.device=cpu"]
+    cfg = tiny_cfg(*small)
+    plan = estimate(cfg, get_device("cpu"))
+    limit = (plan.memory_bytes["weights"] + plan.memory_bytes["optimizer"]) / 2 / GIB  # below what certainly stays live
+    runs = {}
+    for name, flag in (("refused", []), ("no_plan", ["--no-plan"])):
+        out = tmp_path / name
+        runs[name] = out, subprocess.run(
+            [sys.executable, "-m", "app.cli", "train", "--config", str(TINY_CPU), *small, f"run.output_dir={out}",
+             "--device-memory", f"{limit:.9f}", *flag], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    out, proc = runs["refused"]
+    assert proc.returncode == 2 and "does not fit" in proc.stderr and "--no-plan" in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists() and not (out / "plan.json").exists()
+    out, proc = runs["no_plan"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "does not fit" not in proc.stderr and not (out / "plan.json").exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 1 and rows[0]["step"] == 1
+
+
+def test_refitted_rates_reproduce_the_probed_step():
+    """The probe's refit: planned again with the refitted rates (the decode latency scaled with them), the probed
+    shapes take exactly the measured seconds -- for a model whose rollout is mostly the fixed per-token latency too."""
+    from trainer.plan.probe import StepTimes, refit
+
+    cpu = get_device("cpu")
+    cfg = tiny_cfg("data.prompts_per_step=2", "rollout.n_samples=4")
+    before = plan_run(cfg, cpu)
+    assert before.step_seconds["rollout"] > 0.5 * before.step_seconds["total"]  # the tiny model: latency-bound decoding
+    measured = StepTimes(rollout=before.step_seconds["rollout"] / 3, update=before.step_seconds["update"] * 2, sync=None)
+    after = plan_run(cfg, cpu, rates=refit(before, measured))
+    assert after.step_seconds["rollout"] == pytest.approx(measured.rollout)
+    assert after.step_seconds["update"] == pytest.approx(measured.update, rel=0.02)  # + the memory-bound optimizer pass
 
 def test_probe_on_the_tiny_preset():
     proc = subprocess.run([sys.executable, "-m", "app.cli", "plan", str(TINY_CPU), "data.prompts_per_step=2",

@@ -170,6 +170,17 @@ class ModelShape:
         return self.embedding_params + head + self.num_hidden_layers * self.layer_params + self.hidden_size
 
     @property
+    def body_matmul_params(self) -> int:
+        """Parameters of the decoder layers (what every token of a pass multiplies by; the lm_head is separate)."""
+        return self.num_hidden_layers * self.layer_params
+
+    @property
+    def recomputed_layer_params(self) -> int:
+        """Parameters a checkpointed layer's recompute multiplies by: all but ``down_proj``, whose output saves
+        nothing for the backward (torch's non-reentrant checkpoint stops at the last saved tensor, its input)."""
+        return self.layer_params - self.intermediate_size * self.hidden_size
+
+    @property
     def matmul_params(self) -> int:
         """Parameters a token multiplies by in a forward (the lm_head, not the embedding lookup): N of 2·N FLOPs."""
         return self.num_hidden_layers * self.layer_params + self.embedding_params

@@ -14,9 +14,13 @@ Each figure follows the code path that allocates it (worst case: every prompt an
 * ``activations``: what autograd saves per micro-batch. Per token and decoder layer a Qwen2/Llama layer saves
   7·h + 6·kv + 4·i values, plus one per key position on a CPU (the float mask the math attention keeps), counted
   with ``torch.autograd.graph.saved_tensors_hooks`` on the transformers layer; with LoRA 5·h + 6·kv + 4·i (the
-  frozen RMSNorm weights need no saved input); under gradient checkpointing only each layer's input (h) is kept,
-  and one layer's full set is recomputed during the backward (an upper bound: torch's non-reentrant checkpoint
-  frees recomputed tensors as the backward uses them).
+  frozen RMSNorm weights need no saved input). Under gradient checkpointing (non-reentrant) the forward keeps only
+  each layer's input (h), and the backward's live set peaks at the larger of two moments: the lm_head's backward
+  (every layer's input, the values saved outside the layers, the logits buffer) and the top layer's backward
+  (every layer's input and that layer's recomputed set, less its input, which is the stored checkpoint input; the
+  final norm's saved values and the logits buffer are freed by then). Measured on tiny-qwen2 (one micro-batch of
+  8 rows x 256 tokens, torch profiler): the update's live tensors peak 41.8 MiB above its start, inside a layer's
+  backward, against 42.0 MiB from this count with the lm_head's gradient (its lm_head moment: 20 MiB).
 * ``logits``: the chunked lm_head backward's buffer (``model.chunk_size`` rows x V, the gradient in its memory).
 * ``stored_stats``: ``batch.stored`` for this device's rollout batch (log-probs, entropy, Top-k indices int64 and
   anchor logits, or the anchor's hidden states for the exact KL; the teacher's top-k), plus the batch's tensors.
@@ -115,20 +119,30 @@ def no_grad_layer_values(shape: ModelShape) -> int:
 
 
 def activation_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device) -> int:
-    """Saved activations of one training micro-batch."""
+    """Saved activations of one training micro-batch at the lm_head's backward (the start of the backward)."""
     ckpt = cfg.model.gradient_checkpointing
     shared = cfg.model.share_prompt and cfg.model.share_prompt_training and not ckpt
     tokens = lay.micro_tokens(shared)
-    b = device.compute_bytes
     lora = cfg.model.lora.enabled
-    per_layer = layer_activation_values(shape, lay.seq_tokens, device.is_cpu, frozen_norms=lora)
     # embeddings out and the final norm's input (neither kept when they do not train: LoRA)
     outside = (0 if lora else 2 * shape.hidden_size) + (lay.seq_tokens if device.is_cpu else 0)
-    if ckpt:  # each layer's input, plus one layer recomputed in the backward
-        values = tokens * (shape.num_hidden_layers * shape.hidden_size + per_layer + outside)
+    if ckpt:  # each layer's input only
+        values = tokens * (shape.num_hidden_layers * shape.hidden_size + outside)
     else:
+        per_layer = layer_activation_values(shape, lay.seq_tokens, device.is_cpu, frozen_norms=lora)
         values = tokens * (shape.num_hidden_layers * per_layer + outside)
-    return values * b
+    return values * device.compute_bytes
+
+
+def recompute_activation_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device) -> int:
+    """Under gradient checkpointing, what is live in the top decoder layer's backward: every layer's input and the
+    top layer's recomputed saved set (its input is the checkpoint's stored tensor, not a copy). The final norm's saved
+    values and the logits buffer were freed by the backward before it; recomputed tensors are freed as the layer's
+    backward uses them, so this is that layer's peak."""
+    tokens = lay.micro_tokens(False)  # a checkpointed pass runs one row at a time (no shared prompt)
+    per_layer = layer_activation_values(shape, lay.seq_tokens, device.is_cpu, frozen_norms=cfg.model.lora.enabled)
+    values = tokens * (shape.num_hidden_layers * shape.hidden_size + per_layer - shape.hidden_size)
+    return values * device.compute_bytes
 
 
 def logits_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout) -> int:
@@ -204,11 +218,18 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
         fsdp_buffers = (root + 2 * shape.layer_params) * device.compute_bytes
     acts = activation_bytes(cfg, shape, lay, device)
     logits = logits_bytes(cfg, shape, lay)
+    if cfg.model.gradient_checkpointing:  # the later of the backward's two moments, when it holds more
+        recomputed = recompute_activation_bytes(cfg, shape, lay, device)
+        if recomputed > acts + logits:
+            acts, logits = recomputed, 0
     head_grad = 0 if lora.enabled else shape.embedding_params * FP32 // shard  # the lm_head's, first in the backward
+    # lm_head_backward's fresh (V, h) grad_w under accumulation: live at the lm_head's moment, added to the accumulated
+    # gradient (and freed) before a checkpointed layer's recompute
+    fresh_head_grad = head_grad if logits else 0
     # a foreach AdamW (on CUDA) holds a temporary of the size of what it steps
     step_temp = 0 if device.is_cpu else trainable * FP32 // shard
     if lay.micro_batches_per_mini > 1:  # later micro-batches: every gradient, plus lm_head_backward's fresh grad_w
-        dynamic = {"gradients": gradients + head_grad, "activations": acts, "logits": logits}
+        dynamic = {"gradients": gradients + fresh_head_grad, "activations": acts, "logits": logits}
     elif acts + logits + head_grad >= gradients + step_temp:
         dynamic = {"gradients": head_grad, "activations": acts, "logits": logits}
     else:

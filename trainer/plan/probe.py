@@ -3,9 +3,10 @@
 What runs is the trainer's own code on this machine, in this process: ``Trainer.setup`` (policy, optimizer, anchor,
 teacher, a colocated engine), then per step a rollout phase (the engine generates ``rows`` sequences of the
 configured prompt length for the response budget, ``ignore_eos``) after the weight sync of the step before
-(``EngineSession.generating`` pushes the changed weights, as in a run), and the update phase as ``Trainer.learn`` runs it (stored statistics, teacher scores,
-``Trainer.update``, the EMA blend) on a synthetic batch of full-length rows in groups of ``rollout.n_samples`` -- the
-planner's worst case, so measured and predicted describe the same shapes. The retriever is not needed: a search
+(``EngineSession.generating`` pushes the changed weights, as in a run), and the update phase: ``Trainer.learn`` itself
+(the step's passes -- stored statistics, the teacher's, ``kl/to_start``'s --, the PPO update, the EMA blend) on a
+synthetic graded batch of full-length trajectories in groups of ``rollout.n_samples`` -- the planner's worst case, so
+measured and predicted describe the same shapes. The retriever is not needed: a search
 config is probed as the math task (the update's shapes do not depend on it).
 
 Measured peak memory: on a GPU, ``torch.cuda.max_memory_allocated()`` over setup and steps minus what was allocated
@@ -18,8 +19,10 @@ are refitted from, the fourth is the measurement ``benchmarks/plan_accuracy.py``
 
 from __future__ import annotations
 
-import copy
 import contextlib
+import copy
+import gc
+import math
 import os
 import tempfile
 import time
@@ -100,7 +103,10 @@ class _TensorPeak:
             if live > peak:
                 peak, at = live, event.time_range.start
         self.prof = None
-        return peak, next((name for start, end, name in phases if start <= at <= end), "setup")
+        at_phase = next((name for start, end, name in phases if start <= at <= end), "setup")
+        del events, phases
+        gc.collect()  # the profiler's event objects, now, not in the next (timed) step's garbage collections
+        return peak, at_phase
 
 
 PHASE = "emapg_plan::"
@@ -124,25 +130,31 @@ def probe_config(cfg: TrainConfig, workdir: str) -> TrainConfig:
     return c
 
 
-def synthetic_batch(cfg: TrainConfig, rows: int, vocab: int, pad_id: int, seed: int = 0) -> Any:
-    """``rows`` full-length trajectories in groups of ``n_samples`` sharing a prompt (every response token trained)."""
-    from trainer.batch import build_token_batch
+def synthetic_sampled(cfg: TrainConfig, rows: int, vocab: int, examples: list[Any], seed: int = 0) -> Any:
+    """A :class:`~trainer.sampled_batch.SampledBatch` of ``rows`` graded trajectories, full-length, in groups of
+    ``n_samples`` sharing a prompt (every response token sampled and trained; rewards 0 or 1): what the engine and the
+    grader hand ``Trainer.learn`` in a run, at the planner's worst-case shapes."""
+    from agent.rollout import RolloutStats, Trajectory
+    from tasks.task import Outcome
+    from trainer.data import SampledPrompt
+    from trainer.sampled_batch import SampledBatch
 
     g = torch.Generator().manual_seed(seed)
     r = cfg.rollout
-    prompts, responses, masks = [], [], []
-    for i in range(rows):
-        if i % r.n_samples == 0:
-            prompt = torch.randint(10, vocab, (r.max_prompt_tokens,), generator=g).tolist()
-        prompts.append(prompt)
-        responses.append(torch.randint(10, vocab, (r.max_response_tokens,), generator=g).tolist())
-        masks.append([1] * r.max_response_tokens)
-    return build_token_batch(prompts, responses, masks, pad_id=pad_id)
-
-
-def _rewards(rows: int, n: int) -> tuple[torch.Tensor, list[str]]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 2, (rows,), generator=g).float(), [str(i // n) for i in range(rows)]
+    n = r.n_samples
+    prompts = [SampledPrompt(examples[i % len(examples)], f"probe-{i}") for i in range(max(1, rows // n))]
+    logp = -math.log(vocab)  # the engine's sampling log-prob of a token of a uniform distribution
+    trajectories = []
+    for i in range(len(prompts) * n):
+        if i % n == 0:
+            prompt_ids = torch.randint(10, vocab, (r.max_prompt_tokens,), generator=g).tolist()
+        trajectories.append(Trajectory(
+            uid=f"probe-{i}", group_id=prompts[i // n].group_id, prompt_index=i // n, sample_index=i % n, question="",
+            example_id=None, prompt_ids=prompt_ids,
+            response_ids=torch.randint(10, vocab, (r.max_response_tokens,), generator=g).tolist(),
+            loss_mask=[1] * r.max_response_tokens, sampling_logprobs=[logp] * r.max_response_tokens, stop_reason="length"))
+    rewards = torch.randint(0, 2, (len(trajectories),), generator=g).tolist()
+    return SampledBatch(prompts, trajectories, [Outcome(float(x)) for x in rewards], {}, RolloutStats())
 
 
 def _sync(cuda: bool) -> None:
@@ -175,27 +187,12 @@ def _rollout(trainer: Any, cfg: TrainConfig, rows: int, cuda: bool) -> tuple[flo
     return t1 - t0, t2 - t1
 
 
-def _learn(trainer: Any, cfg: TrainConfig, batch: Any, step: int, cuda: bool) -> float:
-    """The update phase as ``Trainer.learn`` runs it, timed."""
-    from trainer.algo.grpo import broadcast_advantages, grpo_advantages
-    from trainer.passes import run_passes
-    from trainer.teacher import StoredTeacherScores
-
-    batch.stored.clear()
-    rewards, groups = _rewards(batch.size, cfg.rollout.n_samples)
+def _learn(trainer: Any, sampled: Any, cuda: bool) -> float:
+    """The update phase: ``Trainer.learn`` on ``sampled`` (the step's rows as tensors, its passes -- stored statistics,
+    the teacher's and ``kl/to_start``'s --, the PPO update, the EMA blend, the step's metrics), timed."""
     _sync(cuda)
     t0 = time.perf_counter()
-    plan = trainer.stats_plan(batch.size)
-    trainer.compute_stored_stats(batch, plan)
-    if trainer.teacher is not None:
-        scores = StoredTeacherScores(trainer.teacher.teacher, batch, cfg, rewards=rewards.tolist(), group_ids=groups)
-        run_passes(batch, [scores], cfg.algorithm, trainer.dist.device, share_prompts=cfg.model.share_prompt)
-    if trainer.start_policy is not None:
-        trainer.start_policy.kl_sums(batch, cfg, trainer.dist.device)
-    batch.stored["advantages"] = broadcast_advantages(grpo_advantages(rewards, groups), batch.loss_mask)
-    trainer.update(batch, plan)
-    if trainer.anchor is not None:
-        trainer.anchor.maybe_update(step)
+    trainer.learn(sampled)
     _sync(cuda)
     return time.perf_counter() - t0
 
@@ -226,15 +223,13 @@ def measure(cfg: TrainConfig, *, steps: int = PROBE_STEPS) -> Measurement:
             with _trainer(c, colocated) as trainer:
                 world = trainer.dist.world_size
                 rows = max(1, c.data.prompts_per_step * c.rollout.n_samples // world)
-                batch = synthetic_batch(c, rows, trainer.model.config.vocab_size, trainer.pad_id)
+                sampled = synthetic_sampled(c, rows, trainer.model.config.vocab_size, trainer.sampler.examples)
                 for step in range(1, steps + 1):
                     if step == PROFILED_STEPS + 1 and not cuda:  # the rest run unprofiled: the timings
                         (peak_bytes, peak_phase), stopped = peak.stop(), True
                     sync, rollout = _rollout(trainer, c, rows, cuda) if colocated else (None, None)
                     with _phase("update"):
-                        update = _learn(trainer, c, batch, step, cuda)
-                    if colocated:
-                        trainer.engine_session.weights_changed()  # the next rollout pushes them first, as a run does
+                        update = _learn(trainer, sampled, cuda)  # marks the weights changed: the next rollout pushes them
                     times.append(StepTimes(rollout, update, None if step == 1 else sync))
         finally:
             if not stopped:
@@ -244,14 +239,16 @@ def measure(cfg: TrainConfig, *, steps: int = PROBE_STEPS) -> Measurement:
 
 
 def refit(plan: Plan, measured: StepTimes) -> Rates:
-    """Rates under which ``plan``'s phases take the ``measured`` seconds (a phase not measured keeps its rate)."""
+    """Rates under which ``plan``'s phases take the ``measured`` seconds (a phase not measured keeps its rates): the
+    update's FLOP rate, and the rollout's rates and fixed decode-step latency scaled together (the rollout's seconds
+    are their sum: scaling only the rates would leave the assumed latency in the refitted time)."""
     r, s = plan.rates, plan.step_seconds
     update = r.update_flops * s["update"] / measured.update if measured.update > 0 else r.update_flops
-    prefill, decode = r.prefill_flops, r.decode_bandwidth
+    prefill, decode, latency = r.prefill_flops, r.decode_bandwidth, r.decode_step_latency
     if measured.rollout and s["rollout"] > 0:
         factor = s["rollout"] / measured.rollout
-        prefill, decode = prefill * factor, decode * factor
-    return Rates(update_flops=update, prefill_flops=prefill, decode_bandwidth=decode)
+        prefill, decode, latency = prefill * factor, decode * factor, latency / factor
+    return Rates(update_flops=update, prefill_flops=prefill, decode_bandwidth=decode, decode_step_latency=latency)
 
 
 def probe_device(cfg: TrainConfig) -> Device:

@@ -4,11 +4,15 @@
   each decode step costs the engine's fixed ``decode_step_latency`` plus reading the weights once for the whole
   concurrent batch (``decode_fraction`` of the memory bandwidth) or 2·N·batch FLOPs, whichever is slower; a vLLM KV
   cache too small for every sequence at once takes several waves.
-* ``update``: the training pass at 6·N FLOPs per token (4·N with LoRA: no weight gradients of the frozen base;
-  +2·N under gradient checkpointing), attention's 2·L·T·h per token forward (x3 trained), plus each extra no-grad
-  forward the config needs at 2·N per token: π_old's pass when the update is not on-policy (several mini-batches
-  or epochs) or needs π_old's top-k, the anchor's, a local teacher's, ``logging.kl_to_start``'s two; at
-  ``update_fraction`` of peak. Under FSDP2 each micro-batch's all-gathers and reduce-scatter overlap its compute (the
+* ``update``: the training pass at 6 FLOPs per parameter and token (4 with LoRA: no weight gradients of the frozen
+  base), attention's 2·L·T·h per token forward (x3 trained), plus each extra no-grad forward the config needs at 2
+  per parameter and token: π_old's pass when the update is not on-policy (several mini-batches or epochs) or needs
+  π_old's top-k, the anchor's, a local teacher's, ``logging.kl_to_start``'s two; at ``update_fraction`` of peak.
+  The decoder layers run on every token of the pass; the lm_head only on the response positions (the fused,
+  chunked head of :func:`trainer.model_forward.causal_lm_hidden` projects ``hidden[:, -T-1:-1]``). Gradient
+  checkpointing adds one more forward of each layer (and its attention) per trained token, up to the layer's last
+  saved tensor -- the input of ``down_proj`` (torch's non-reentrant checkpoint stops recomputing there: early stop)
+  -- and no lm_head. Under FSDP2 each micro-batch's all-gathers and reduce-scatter overlap its compute (the
   slower of the two counts). The optimizer step and the EMA blend are memory-bound passes over their tensors.
 * ``sync``: the weights the engine gets (bf16 on a GPU, fp32 on a CPU; LoRA adapters only) over ``sync_bandwidth``
   (a colocated engine) or the network (remote servers).
@@ -26,16 +30,18 @@ from trainer.plan.memory import FP32, Layout, generated_tokens
 
 @dataclass(frozen=True)
 class Rates:
-    """Achievable rates: FLOP/s of the update and of prefill, bytes/s of decoding (``--probe`` refits them)."""
+    """Achievable rates: FLOP/s of the update and of prefill, bytes/s of decoding, and the engine's fixed seconds per
+    decode step (``--probe`` refits them all)."""
 
     update_flops: float
     prefill_flops: float
     decode_bandwidth: float
+    decode_step_latency: float
 
     @classmethod
     def assumed(cls, device: Device) -> "Rates":
         return cls(device.bf16_flops * device.update_fraction, device.bf16_flops * device.prefill_fraction,
-                   device.memory_bandwidth * device.decode_fraction)
+                   device.memory_bandwidth * device.decode_fraction, device.decode_step_latency)
 
 
 def needs_old_pass(cfg: TrainConfig, lay: Layout) -> tuple[bool, bool]:
@@ -53,22 +59,26 @@ def needs_old_pass(cfg: TrainConfig, lay: Layout) -> tuple[bool, bool]:
 
 
 def update_flops(cfg: TrainConfig, shape: ModelShape, lay: Layout, teacher: ModelShape | None) -> float:
-    n = shape.matmul_params
     ckpt = cfg.model.gradient_checkpointing
     trained_tokens = lay.step_tokens(cfg.model.share_prompt and cfg.model.share_prompt_training and not ckpt)
     free_tokens = lay.step_tokens(cfg.model.share_prompt)
+    head_tokens = lay.rows * lay.response_tokens  # the positions the lm_head projects (each row's response)
     attention = 2 * shape.num_hidden_layers * lay.seq_tokens * shape.hidden_size  # per token, forward
-    per_trained = (4 if cfg.model.lora.enabled else 6) * n + (2 * n if ckpt else 0) + 3 * attention
-    flops = cfg.algorithm.ppo_epochs * trained_tokens * per_trained
+    trained = 4 if cfg.model.lora.enabled else 6
+    per_trained = trained * shape.body_matmul_params + 3 * attention
+    if ckpt:  # each layer's forward again, up to down_proj's input (early stop), in the backward
+        per_trained += 2 * shape.recomputed_layer_params * shape.num_hidden_layers + attention
+    flops = cfg.algorithm.ppo_epochs * (trained_tokens * per_trained + head_tokens * trained * shape.embedding_params)
     old_pass, anchor = needs_old_pass(cfg, lay)
     forwards = int(old_pass) + int(anchor) + (2 if cfg.logging.kl_to_start else 0)
-    flops += forwards * free_tokens * (2 * n + attention)
+    flops += forwards * (free_tokens * (2 * shape.body_matmul_params + attention) + head_tokens * 2 * shape.embedding_params)
     kl = cfg.algorithm.kl
     if kl.enabled and kl.type.startswith("exact"):  # the anchor's full-vocabulary head in the training pass
-        flops += 3 * 2 * shape.embedding_params * lay.rows * lay.response_tokens
+        flops += 3 * 2 * shape.embedding_params * head_tokens
     d = cfg.algorithm.distill
     if d.enabled and d.teacher:
-        flops += free_tokens * 2 * (teacher or shape).matmul_params
+        t = teacher or shape
+        flops += 2 * (free_tokens * t.body_matmul_params + head_tokens * t.embedding_params)
     return float(flops)
 
 
@@ -102,7 +112,7 @@ def rollout_seconds(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: De
         space = r.vllm_gpu_memory_utilization * device.memory_bytes - weight_bytes
         concurrent = max(1, min(lay.rows, int(space // kv_per_seq))) if space > 0 else 1
     waves = math.ceil(lay.rows / concurrent)
-    step = device.decode_step_latency + max(weight_bytes / rates.decode_bandwidth, 2 * n * concurrent / rates.prefill_flops)
+    step = rates.decode_step_latency + max(weight_bytes / rates.decode_bandwidth, 2 * n * concurrent / rates.prefill_flops)
     return prefill + waves * gen * step
 
 
