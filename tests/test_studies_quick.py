@@ -47,3 +47,10 @@ def test_greedy_vs_sampled_quick(tmp_path):
     report = _quick("greedy_vs_sampled", tmp_path, "--work", str(tmp_path / "work"))
     assert report["mode"] == "quick" and set(report["results"]) == {"greedy", "sampled"}
     assert report["machine"]["cpus"] == os.cpu_count()
+
+
+@pytest.mark.slow
+def test_same_seed_twice_quick(tmp_path):
+    report = _quick("same_seed_twice", tmp_path, "--work", str(tmp_path / "work"))
+    row = report["conditions"]["hf"]
+    assert row["trajectories"] == 16 and row["identical"] == 16  # the transformers engine repeats a seeded batch exactly
