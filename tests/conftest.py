@@ -41,3 +41,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _ieee_subnormals_after_each_test():
+    """A test that sets up a Trainer without closing it leaves ``run.flush_denormal`` on in its worker's thread; the next
+    test in that worker (hypothesis' float strategies refuse to run then) gets IEEE subnormals back. The Trainer itself
+    puts the flush back on close (tests/trainer/test_numerics.py)."""
+    yield
+    import torch
+
+    if float(torch.tensor([1e-39], dtype=torch.float32) * 1.0) == 0.0:
+        torch.set_flush_denormal(False)

@@ -262,7 +262,7 @@ class Trainer:
             raise ConfigError("rollout.uniform_groups=drop trains a different number of rows on each rank; use topup "
                               f"with {self.dist.world_size} processes")
         bf16 = use_bf16(cfg, self.dist.device)
-        set_numerics(cfg, self.dist.device)  # run.deterministic, run.flush_denormal
+        self._on_close(set_numerics(cfg, self.dist.device))  # run.deterministic, run.flush_denormal (put back on close)
         ckpt_path = find_resume(self.resume_from, self.run_dir)
         for seed in (random.seed, np.random.seed, torch.manual_seed):
             seed(cfg.run.seed + self.dist.rank)

@@ -12,6 +12,8 @@ and the full weights for the engine and checkpoints (:meth:`Policy.export_weight
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import contextlib
 import logging
 import os
@@ -404,9 +406,17 @@ def build_policy(cfg: TrainConfig, dist: D.DistInfo, model_path: str, *, bf16: b
                   share_prompt=cfg.model.share_prompt, share_prompt_training=cfg.model.share_prompt_training, lora=lora)
 
 
-def set_numerics(cfg: TrainConfig, dev: torch.device) -> None:
+def flush_denormal_on() -> bool:
+    """Whether this thread's CPU arithmetic flushes subnormal floats to zero (torch has no getter: a subnormal times one)."""
+    return float(torch.tensor([1e-39], dtype=torch.float32) * 1.0) == 0.0
+
+
+def set_numerics(cfg: TrainConfig, dev: torch.device) -> Callable[[], None]:
     """``run.deterministic``: deterministic torch algorithms (bit-for-bit resume on GPU); ``run.flush_denormal``:
-    subnormal floats flushed to zero in CPU arithmetic (this thread's, and the threads it starts after this)."""
+    subnormal floats flushed to zero in CPU arithmetic (this thread's, and the threads it starts after this).
+
+    Returns what puts the flush back as it was: the flush is process state (the CPU's control register), and code that
+    runs after training in the same thread (numpy, hypothesis' float strategies) must see IEEE subnormals again."""
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         if dev.type == "cuda":
@@ -416,4 +426,7 @@ def set_numerics(cfg: TrainConfig, dev: torch.device) -> None:
 
         for dtype in (np.float16, np.float32, np.float64):  # numpy reads its limits once; after the flush it would warn
             np.finfo(dtype)  # that the smallest subnormal is zero
+        was_on = flush_denormal_on()
         torch.set_flush_denormal(True)
+        return lambda: None if was_on else torch.set_flush_denormal(False)
+    return lambda: None
