@@ -20,7 +20,7 @@ RESULTS = REPO / "benchmarks" / "results"
 PAGES = ("README.md", "docs/performance.md", "docs/learning.md")
 #: Pages that quote few results yet: their bound figures are compared and their hand-written ones recorded.
 CHECKED = ("docs/training.md", "docs/retriever.md", "docs/planning.md", "docs/hardening.md", "docs/mcp.md")
-SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
+SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000, "/1000000000": 1e-9}
 
 
 def _gen():
