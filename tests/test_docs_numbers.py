@@ -181,7 +181,7 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
     results.mkdir()
     (results / "run.json").write_text(json.dumps({"a": 3.0, "b": 1.5, "rounds": [1.9, 2.2, 2.05], "arm": {"x": 1.1},
                                                   "r": [{"q": 4.0}, {"q": 6.0}], "s": [{"q": 2.0}, {"q": 2.0}],
-                                                  "phase": {"time/step": 9.0}}))
+                                                  "phase": {"time/step": 9.0}, "rss_bytes": 823762944}))
     page = ("<!--@run:a/b-->2.0× faster, <!--@run:a~b*100-->150 more, rounds <!--@run:min(rounds)-->1.90–"
             "<!--@run:max(rounds,arm.x,a)-->3.00×, <!--@run:min(rounds)~arm.x-->0.80, <!--@run:a/b*100-->200%, "
             "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00, <!--@run:mean(rounds,a)~mean(b)-->0.79, <!--@run:phase.time/step/b-->6.0 "
@@ -195,5 +195,7 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
     assert disagreements(page, results) == [] and gen.bind_numbers(page, results) == page
     wrong = page.replace("-->2.0×", "-->2.1×").replace("-->1.90–", "-->2.05–")
     assert len(disagreements(wrong, results)) == 2 and gen.bind_numbers(wrong, results) == page
+    bytes_as_gb = "<!--@run:rss_bytes/1000000000-->0.82 GB"  # bytes shown as GB
+    assert disagreements(bytes_as_gb, results) == [] and gen.bind_numbers(bytes_as_gb.replace("0.82", "0.90"), results) == bytes_as_gb
     with pytest.raises(ValueError, match="where one is shown"):
         gen.bind_numbers("<!--@run:r.*.q-->4.0", results)  # a list needs min(...) or max(...)
