@@ -1,7 +1,7 @@
 """How close is ``emapg plan`` to what the trainer really uses? Predicted against measured, config by config, on this CPU.
 
 Each configuration runs ``emapg plan configs/math_tiny_cpu.yaml OVERRIDES --probe --json`` in a fresh process
-(:mod:`trainer.plan.probe`: ``Trainer.setup`` and four real steps at the configured shapes, full-length rows): the
+(:mod:`trainer.plan.probe`: ``Trainer.setup`` and four real steps at the configured shapes, rows at the token budgets, every other one a token short: padded micro-batches): the
 unprobed plan's peak memory against the measured peak (live torch tensor bytes over setup and two steps, from the
 profiler's allocation events: the CPU counterpart of ``torch.cuda.max_memory_allocated``), and the step time of the
 last step against the unprobed plan and against the plan refitted from the step before it (the probe; both unprofiled).
@@ -200,7 +200,8 @@ def main() -> int:
         "benchmark": "plan_accuracy",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1")},
-        "peak_definition": "peak live torch tensor bytes over Trainer.setup and two steps (torch profiler allocation events)",
+        "peak_definition": "peak live torch tensor bytes over Trainer.setup and two steps (the torch profiler's CPU "
+                           "allocation records, summed in time order)",
         "targets": {"memory_error": 0.10, "step_error_probed": 0.25, "step_error_unprobed": 0.50, "planner_seconds_3b": 5.0},
         "configs": configs,
         "worst_memory_error": worst(configs, "memory_error"),

@@ -78,8 +78,9 @@ def test_checkpointing_activations_and_flops_by_hand():
     ckpt, plain = tiny_cfg(*shapes, "model.gradient_checkpointing=true"), tiny_cfg(*shapes)
     assert SMALL.recomputed_layer_params == 608 - 16 * 8  # all but down_proj
     update = memory_phases(ckpt, SMALL, layout(ckpt, 1), cpu, None)["update"]
-    # 4 rows x 11 tokens, one pass per row; a layer saves 7h + 6kv + 4i + 11 key positions = 155 values per token
-    assert update["activations"] == 4 * 11 * (2 * 8 + 155 - 8) * 4 and update["logits"] == 0
+    # 4 rows x 11 tokens, one pass per row; a layer saves 7h + 6kv + 4i + 11 key positions = 155 values per token; the
+    # MLP's backward adds the layer output's gradient and two of the intermediate width: h + 2i = 40
+    assert update["activations"] == 4 * 11 * (2 * 8 + 155 - 8 + 40) * 4 and update["logits"] == 0
     assert update["gradients"] == 32 * 8 * 4  # the lm_head's (tied embedding), produced before the layers' backward
     # per trained token: 6 x 1216 layer parameters + 3 x attention (2 x 2 layers x 11 x 8), the recompute 2 x 480 x 2
     # layers + one more attention; the lm_head: 6 x 256 on 4 x 5 response positions
