@@ -105,17 +105,17 @@ EXPLANATIONS: dict[str, str] = {
                            "difference (~220 MiB by the old sum, under gradient accumulation over two micro-batches) is "
                            "not identified.",
     "tiny (unprobed step time)": "the catalogue's CPU decode latency (3 ms a step) and rates were fitted to SmolLM2. "
-                                 "Measured on the transformers engine (one thread): a decode step costs 0.65 ms per "
+                                 "Measured on the transformers engine (one thread): a decode step costs ~0.58 ms per "
                                  "decoder layer (eager dispatch of ~50 ops: tiny-qwen2 at 1, 2, 4, 8 layers takes 2.1, "
-                                 "3.3, 5.8, 10.0 ms with 8 rows), the weights read once (20.6 GB/s measured) and 2·N "
-                                 "FLOPs per sequence at 20.5 GFLOP/s (1 -> 32 rows: +0.24 ms a row on tiny, +14 ms on "
-                                 "SmolLM2), summed; prefill runs at 0.45 of peak (58-90 GFLOP/s), the update at 0.35 "
-                                 "(0.25-0.49 measured; the same for both sizes in one run: 57 and 59 GFLOP/s). One "
-                                 "least-squares fit over both models gives every measured step within -21%..+7% but "
-                                 "tiny's one-row step (+36%); devices.yaml states the source. Against this table's "
-                                 "measured steps the new catalogue predicts every configuration within -8%..+24% "
-                                 "unprobed (tiny +5..+24%, SmolLM2 -2..+7%; smollm2_grpo_remote -22% against its 03:24 "
-                                 "step), against +20..+58% before.",
+                                 "3.3, 5.8, 10.0 ms with 8 rows) plus the slower of reading the weights (20.6 GB/s "
+                                 "measured) and 2·N FLOPs per sequence at 13.5 GFLOP/s (1 -> 32 rows: +0.24 ms a row "
+                                 "on tiny, +14 ms on SmolLM2); prefill runs at 0.45 of peak (58-90 GFLOP/s), the update "
+                                 "at 0.35 (0.25-0.49 measured; the same for both sizes in one run: 57 and 59 GFLOP/s). "
+                                 "One fit over both models gives every measured step within -9%..+9% but SmolLM2's "
+                                 "one-row step (-26%); devices.yaml states the source. Against this table's measured "
+                                 "steps the new catalogue predicts every configuration within -22%..+27% unprobed "
+                                 "(tiny -5..+27%, SmolLM2 -2..+7%, smollm2_grpo_remote -22% against its 03:24 step), "
+                                 "against +20..+58% before; this table's unprobed column is the old catalogue's.",
 }
 
 

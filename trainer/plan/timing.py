@@ -3,8 +3,8 @@
 * ``rollout``: prefill (2·N FLOPs per prompt and observation token) at ``prefill_fraction`` of peak, then decoding:
   each decode step costs the engine's fixed ``decode_step_latency`` and ``decode_layer_latency`` per decoder layer,
   plus reading the weights once for the whole concurrent batch (``decode_fraction`` of the memory bandwidth) and
-  2·N·batch FLOPs (``decode_flops_fraction`` of peak): the slower of the two on a GPU, their sum on a CPU
-  (:func:`decode_step_seconds`); a vLLM KV cache too small for every sequence at once takes several waves.
+  2·N·batch FLOPs (``decode_flops_fraction`` of peak), whichever is slower (:func:`decode_step_seconds`); a vLLM
+  KV cache too small for every sequence at once takes several waves.
 * ``update``: the training pass at 6 FLOPs per parameter and token (4 with LoRA: no weight gradients of the frozen
   base), attention's 2·L·T·h per token forward (x3 trained), plus each extra no-grad forward the config needs at 2
   per parameter and token: π_old's pass when the update is not on-policy (several mini-batches or epochs) or needs
@@ -126,14 +126,14 @@ def rollout_seconds(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: De
 
 
 def decode_step_seconds(shape: ModelShape, device: Device, rates: Rates, concurrent: int) -> float:
-    """One decode step of ``concurrent`` sequences: the fixed latency, each layer's, and the weights read once plus
-    2·N FLOPs per sequence -- overlapped on a GPU (the slower counts), one after the other on a CPU (measured on this
-    machine's transformers engine, one thread: the sum fits tiny-qwen2 at 1-8 layers and 1-32 rows and SmolLM2-135M
-    at 1-4 rows; the slower of the two alone under-predicts SmolLM2's one-row step by ~30%, see devices.yaml)."""
+    """One decode step of ``concurrent`` sequences: the fixed latency, each decoder layer's, and the slower of reading
+    the weights once and 2·N FLOPs per sequence (on this machine's transformers engine, one thread, this fits
+    tiny-qwen2 at 1-8 layers and 1-32 rows and SmolLM2-135M at 1-4 rows within -9%..+9%, SmolLM2's one-row step
+    -26%; see devices.yaml)."""
     weights = shape.params * device.compute_bytes / rates.decode_bandwidth
     compute = 2 * shape.matmul_params * concurrent / rates.decode_compute_flops
     fixed = rates.decode_step_latency + shape.num_hidden_layers * rates.decode_layer_latency
-    return fixed + (weights + compute if device.is_cpu else max(weights, compute))
+    return fixed + max(weights, compute)
 
 
 def sync_seconds(cfg: TrainConfig, shape: ModelShape, device: Device) -> float:
