@@ -54,6 +54,10 @@ INT64 = 8
 #: tokens, one chunk of 1024: the backward's live bytes rise 27 MiB above the saved activations (3 x 8 MiB, the (V, h)
 #: weight gradient's 2 MiB, the hidden states' gradient's 1 MiB), its forward's 16 (z and logsumexp's temporary).
 LOGIT_BUFFERS = 3
+#: The exact full-vocabulary KL's chunk (``trainer.algo.topk_kl._exact_chunk``, in its forward and again in its
+#: backward): the policy's and the anchor's logits, both log-softmaxes, the policy's probabilities and the two
+#: temporaries of the KL's sum -- seven (chunk, V) fp32 buffers at once.
+EXACT_KL_BUFFERS = 7
 
 
 @dataclass(frozen=True)
@@ -156,12 +160,24 @@ def recompute_activation_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout,
     return values * device.compute_bytes
 
 
+def exact_kl_in_training(cfg: TrainConfig) -> bool:
+    """Whether the training pass computes an exact full-vocabulary KL from the anchor's stored hidden states (a
+    second lm_head backward, :class:`trainer.algo.topk_kl._ExactKLFromHidden`)."""
+    from trainer.algo.kl_kinds import get_kl_kind
+
+    kl = cfg.algorithm.kl
+    return kl.enabled and get_kl_kind(kl.type).needs(kl).exact is not None
+
+
 def logits_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device | None = None) -> int:
-    """The fused lm_head's backward buffers: ``LOGIT_BUFFERS`` (chunk, V) fp32 chunks, and (``device`` given: the
-    training pass) the gradient of the micro-batch's response hidden states it fills, (rows x T, h)."""
+    """The fused lm_head's backward buffers: ``LOGIT_BUFFERS`` (chunk, V) fp32 chunks (``EXACT_KL_BUFFERS`` when the
+    training pass computes an exact KL), and (``device`` given: the training pass) the gradient of the micro-batch's
+    response hidden states it fills, (rows x T, h), one per lm_head backward."""
     rows = min(cfg.model.chunk_size, lay.micro_rows * lay.response_tokens)
-    grad_h = lay.micro_rows * lay.response_tokens * shape.hidden_size * device.compute_bytes if device else 0
-    return LOGIT_BUFFERS * rows * shape.vocab_size * FP32 + grad_h
+    heads = 2 if device and exact_kl_in_training(cfg) else 1
+    buffers = EXACT_KL_BUFFERS if heads == 2 else LOGIT_BUFFERS
+    grad_h = heads * lay.micro_rows * lay.response_tokens * shape.hidden_size * device.compute_bytes if device else 0
+    return buffers * rows * shape.vocab_size * FP32 + grad_h
 
 
 def stored_stats_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device) -> int:
@@ -237,6 +253,8 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
         if recomputed > acts + logits:
             acts, logits = recomputed, 0
     head_grad = 0 if lora.enabled else shape.embedding_params * FP32 // shard  # the lm_head's, first in the backward
+    if exact_kl_in_training(cfg) and not cfg.model.gradient_checkpointing:
+        head_grad *= 2  # the second lm_head backward's fresh (V, h) weight gradient beside the first's
     # lm_head_backward's fresh (V, h) grad_w under accumulation: live at the lm_head's moment, added to the accumulated
     # gradient (and freed) before a checkpointed layer's recompute
     fresh_head_grad = head_grad if logits else 0
