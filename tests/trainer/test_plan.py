@@ -78,8 +78,9 @@ def test_checkpointing_activations_and_flops_by_hand():
     ckpt, plain = tiny_cfg(*shapes, "model.gradient_checkpointing=true"), tiny_cfg(*shapes)
     assert SMALL.recomputed_layer_params == 608 - 16 * 8  # all but down_proj
     update = memory_phases(ckpt, SMALL, layout(ckpt, 1), cpu, None)["update"]
-    # 4 rows x 11 tokens, one pass per row; a layer saves 7h + 6kv + 4i + 11 key positions = 155 values per token
-    assert update["activations"] == 4 * 11 * (2 * 8 + 155 - 8) * 4 and update["logits"] == 0
+    # 4 rows x 11 tokens, one pass per row; a layer saves 7h + 6kv + 4i + 11 key positions = 155 values per token; the
+    # MLP's backward adds the layer output's gradient and two of the intermediate width: h + 2i = 40
+    assert update["activations"] == 4 * 11 * (2 * 8 + 155 - 8 + 40) * 4 and update["logits"] == 0
     assert update["gradients"] == 32 * 8 * 4  # the lm_head's (tied embedding), produced before the layers' backward
     # per trained token: 6 x 1216 layer parameters + 3 x attention (2 x 2 layers x 11 x 8), the recompute 2 x 480 x 2
     # layers + one more attention; the lm_head: 6 x 256 on 4 x 5 response positions
@@ -125,6 +126,7 @@ def test_checkpointed_backward_peak_is_the_recompute_count(tiny_model_dir):
     from trainer.batch import build_token_batch
     from trainer.model_forward import causal_lm_hidden
     from trainer.plan.memory import recompute_activation_bytes
+    from trainer.plan.probe import live_peak
     from trainer.policy import build_policy
 
     cfg = tiny_cfg(f"model.policy={tiny_model_dir}", "model.gradient_checkpointing=true", "rollout.max_prompt_tokens=64",
@@ -139,15 +141,35 @@ def test_checkpointed_backward_peak_is_the_recompute_count(tiny_model_dir):
         hidden, _ = causal_lm_hidden(policy.model, batch.input_ids, batch.attention_mask, 64, share_prompt=True)
         (hidden.float() ** 2).mean().backward()
         del hidden
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
+    peak = live_peak(prof)[0]
     update = memory_phases(cfg, model_shape(str(tiny_model_dir)), layout(cfg, 1), get_device("cpu"), None)["update"]
     assert update["activations"] == recompute_activation_bytes(cfg, model_shape(str(tiny_model_dir)), layout(cfg, 1),
                                                                get_device("cpu")) and update["logits"] == 0
     predicted = update["activations"] + update["gradients"]  # with the tied embedding's (V, h) gradient
     assert abs(predicted - peak) <= 0.1 * peak, (predicted, peak)
+
+def test_the_cpu_peak_is_the_allocators_records_in_time_order():
+    """The probe's CPU peak: allocations and frees in the order they happened, not each op's net bytes at its start
+    (a composite op that frees what its children allocated would hide the moment they were all live)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from trainer.plan.probe import live_peak
+
+    mib = 2**20
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("emapg_plan::update"):  # two 4 MiB tensors live together, freed inside the range
+            a, b = torch.ones(mib), torch.ones(mib)
+            del a, b
+        kept = torch.ones(mib // 4)
+    peak, at, ranges = live_peak(prof, "emapg_plan::")
+    assert peak == 8 * mib
+    assert [name for *_, name in ranges] == ["update"] and ranges[0][0] <= at <= ranges[0][1]
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)  # the net-bytes-at-start sum misses it
+    running = [sum(e.self_cpu_memory_usage for e in events[: i + 1]) for i in range(len(events))]
+    assert max(running) < 8 * mib
+    del kept
+
 
 def test_plan_json_contract_and_refusal_knob():
     proc = subprocess.run([sys.executable, "-m", "app.cli", "plan", "configs/search_qwen2.5-3b_emapg.yaml", "--device", "h100-80gb",

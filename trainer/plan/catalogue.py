@@ -47,6 +47,12 @@ class Device:
     price_per_hour: float
     is_cpu: bool = False
     sources: list[str] = field(default_factory=list)
+    #: seconds per decoder layer per decode step beyond its arithmetic and weight reads (an eager forward's per-op
+    #: dispatch: ~50 ops a layer); 0 where the catalogue does not state it
+    decode_layer_latency: float = 0.0
+    #: share of peak FLOP/s the decode step's arithmetic reaches (2·N per concurrent sequence: skinny matmuls);
+    #: None: prefill_fraction
+    decode_flops_fraction: float | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -98,7 +104,8 @@ def get_device(name: str) -> Device:
     fields = {f: entry[f] for f in ("name", "memory_bytes", "bf16_flops", "memory_bandwidth", "interconnect_bandwidth",
                                     "internode_bandwidth", "sync_bandwidth", "update_fraction", "prefill_fraction",
                                     "decode_fraction", "decode_step_latency", "fragmentation", "usable_fraction", "price_per_hour")}
-    return Device(key=key, is_cpu=key == "cpu", sources=list(entry.get("sources", [])),
+    optional = {k: float(entry[k]) for k in ("decode_layer_latency", "decode_flops_fraction") if entry.get(k) is not None}
+    return Device(key=key, is_cpu=key == "cpu", sources=list(entry.get("sources", [])), **optional,
                   **{k: (int(v) if k == "memory_bytes" else float(v) if k != "name" else v) for k, v in fields.items()})
 
 

@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
                    help="plan against this many GiB per device instead of the catalogue's usable memory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--probe", action="store_true",
-                   help="run four real steps at the configured shapes on this machine (synthetic full-length rollouts, no "
+                   help="run four real steps at the configured shapes on this machine (synthetic rollouts at the token budgets, no "
                    "retriever), measure peak memory and each phase's time, refit the achievable rates and plan the run with "
                    "them (--device is then this machine's)")
     p.add_argument("--out", default=None, help=f"write the plan's JSON here (default <run.output_dir>/{PLAN_FILE}; '-': nowhere)")

@@ -21,7 +21,9 @@ Each figure follows the code path that allocates it (worst case: every prompt an
   final norm's saved values and the logits buffer are freed by then). Measured on tiny-qwen2 (one micro-batch of
   8 rows x 256 tokens, torch profiler): the update's live tensors peak 41.8 MiB above its start, inside a layer's
   backward, against 42.0 MiB from this count with the lm_head's gradient (its lm_head moment: 20 MiB).
-* ``logits``: the chunked lm_head backward's buffer (``model.chunk_size`` rows x V, the gradient in its memory).
+* ``logits``: the chunked lm_head backward's buffers (``LOGIT_BUFFERS`` x ``model.chunk_size`` rows x V: the
+  recomputed logits, the gradient, the entropy term's centred logits) and the response hidden states' gradient; a
+  no-grad pass's head holds two such chunks (the logits and logsumexp's or softmax's temporary).
 * ``stored_stats``: ``batch.stored`` for this device's rollout batch (log-probs, entropy, Top-k indices int64 and
   anchor logits, or the anchor's hidden states for the exact KL; the teacher's top-k), plus the batch's tensors.
 * ``engine``: a colocated engine -- transformers: its own copy of the weights and its KV cache while generating;
@@ -46,8 +48,16 @@ from trainer.plan.catalogue import Device, ModelShape
 
 FP32 = 4
 INT64 = 8
-#: Live (chunk, V) buffers at the update's peak: the lm_head backward's recomputed logits, whose memory the gradient reuses.
-LOGIT_BUFFERS = 1
+#: Live (chunk, V) fp32 buffers in the fused lm_head's backward (``trainer.algo.token_stats._chunk_grad_z``): the
+#: recomputed logits z, the gradient built in exp(z - Z), and the entropy term's centred logits (built whenever the pass
+#: returned an entropy: autograd hands its backward a zero gradient, not None). Measured: tiny-qwen2, 8 rows x 256
+#: tokens, one chunk of 1024: the backward's live bytes rise 27 MiB above the saved activations (3 x 8 MiB, the (V, h)
+#: weight gradient's 2 MiB, the hidden states' gradient's 1 MiB), its forward's 16 (z and logsumexp's temporary).
+LOGIT_BUFFERS = 3
+#: The exact full-vocabulary KL's chunk (``trainer.algo.topk_kl._exact_chunk``, in its forward and again in its
+#: backward): the policy's and the anchor's logits, both log-softmaxes, the policy's probabilities and the two
+#: temporaries of the KL's sum -- seven (chunk, V) fp32 buffers at once.
+EXACT_KL_BUFFERS = 7
 
 
 @dataclass(frozen=True)
@@ -138,16 +148,36 @@ def recompute_activation_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout,
     """Under gradient checkpointing, what is live in the top decoder layer's backward: every layer's input and the
     top layer's recomputed saved set (its input is the checkpoint's stored tensor, not a copy). The final norm's saved
     values and the logits buffer were freed by the backward before it; recomputed tensors are freed as the layer's
-    backward uses them, so this is that layer's peak."""
+    backward uses them, so its MLP's backward, the first, is that layer's peak, with the gradients it builds. Measured
+    (tiny-qwen2, 8 rows x 256 tokens, a padded batch, allocator records): 54.3 MiB above the start, in the MLP's
+    MulBackward0, against 52.0 MiB from this count with the tied embedding's gradient."""
     tokens = lay.micro_tokens(False)  # a checkpointed pass runs one row at a time (no shared prompt)
     per_layer = layer_activation_values(shape, lay.seq_tokens, device.is_cpu, frozen_norms=cfg.model.lora.enabled)
-    values = tokens * (shape.num_hidden_layers * shape.hidden_size + per_layer - shape.hidden_size)
+    # the MLP's backward, first in the layer's: the layer output's gradient (h), then d(act * up) and its two factors'
+    # (3 i) once down_proj's saved input (i) is freed
+    transient = shape.hidden_size + 2 * shape.intermediate_size
+    values = tokens * (shape.num_hidden_layers * shape.hidden_size + per_layer - shape.hidden_size + transient)
     return values * device.compute_bytes
 
 
-def logits_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout) -> int:
+def exact_kl_in_training(cfg: TrainConfig) -> bool:
+    """Whether the training pass computes an exact full-vocabulary KL from the anchor's stored hidden states (a
+    second lm_head backward, :class:`trainer.algo.topk_kl._ExactKLFromHidden`)."""
+    from trainer.algo.kl_kinds import get_kl_kind
+
+    kl = cfg.algorithm.kl
+    return kl.enabled and get_kl_kind(kl.type).needs(kl).exact is not None
+
+
+def logits_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device | None = None) -> int:
+    """The fused lm_head's backward buffers: ``LOGIT_BUFFERS`` (chunk, V) fp32 chunks (``EXACT_KL_BUFFERS`` when the
+    training pass computes an exact KL), and (``device`` given: the training pass) the gradient of the micro-batch's
+    response hidden states it fills, (rows x T, h), one per lm_head backward."""
     rows = min(cfg.model.chunk_size, lay.micro_rows * lay.response_tokens)
-    return LOGIT_BUFFERS * rows * shape.vocab_size * FP32
+    heads = 2 if device and exact_kl_in_training(cfg) else 1
+    buffers = EXACT_KL_BUFFERS if heads == 2 else LOGIT_BUFFERS
+    grad_h = heads * lay.micro_rows * lay.response_tokens * shape.hidden_size * device.compute_bytes if device else 0
+    return buffers * rows * shape.vocab_size * FP32 + grad_h
 
 
 def stored_stats_bytes(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Device) -> int:
@@ -217,12 +247,14 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
         root = shape.embedding_params * (1 if shape.tie_word_embeddings else 2)
         fsdp_buffers = (root + 2 * shape.layer_params) * device.compute_bytes
     acts = activation_bytes(cfg, shape, lay, device)
-    logits = logits_bytes(cfg, shape, lay)
+    logits = logits_bytes(cfg, shape, lay, device)
     if cfg.model.gradient_checkpointing:  # the later of the backward's two moments, when it holds more
         recomputed = recompute_activation_bytes(cfg, shape, lay, device)
         if recomputed > acts + logits:
             acts, logits = recomputed, 0
     head_grad = 0 if lora.enabled else shape.embedding_params * FP32 // shard  # the lm_head's, first in the backward
+    if exact_kl_in_training(cfg) and not cfg.model.gradient_checkpointing:
+        head_grad *= 2  # the second lm_head backward's fresh (V, h) weight gradient beside the first's
     # lm_head_backward's fresh (V, h) grad_w under accumulation: live at the lm_head's moment, added to the accumulated
     # gradient (and freed) before a checkpointed layer's recompute
     fresh_head_grad = head_grad if logits else 0
@@ -244,7 +276,8 @@ def memory_phases(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: Devi
     phases = {
         "rollout": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=True), "activations": prefill},
         "stats": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=False),
-                  "anchor_transient": anchor_transient, "activations": no_grad, "logits": logits,
+                  "anchor_transient": anchor_transient, "activations": no_grad,
+                  "logits": 2 * logits_bytes(cfg, shape, lay) // LOGIT_BUFFERS,  # a no-grad head: z and one temporary
                   "fsdp_buffers": fsdp_buffers},
         "update": {**persistent, "engine": engine_bytes(cfg, shape, lay, device, awake=False), **dynamic,
                    "fsdp_buffers": fsdp_buffers},

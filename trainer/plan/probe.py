@@ -5,14 +5,15 @@ teacher, a colocated engine), then per step a rollout phase (the engine generate
 configured prompt length for the response budget, ``ignore_eos``) after the weight sync of the step before
 (``EngineSession.generating`` pushes the changed weights, as in a run), and the update phase: ``Trainer.learn`` itself
 (the step's passes -- stored statistics, the teacher's, ``kl/to_start``'s --, the PPO update, the EMA blend) on a
-synthetic graded batch of full-length trajectories in groups of ``rollout.n_samples`` -- the planner's worst case, so
+synthetic graded batch of trajectories at the token budgets (every other response one token short: padded
+micro-batches at the full width) in groups of ``rollout.n_samples`` -- the planner's worst case, so
 measured and predicted describe the same shapes. The retriever is not needed: a search
 config is probed as the math task (the update's shapes do not depend on it).
 
 Measured peak memory: on a GPU, ``torch.cuda.max_memory_allocated()`` over setup and steps minus what was allocated
 before; on a CPU, the peak of live tensor bytes over setup and the first two steps from the torch profiler's
-allocation events (``profile_memory=True``: every allocation and free of torch's CPU allocator, in order) -- the
-CPU counterpart of the CUDA allocator's figure; the process's RSS growth (VmHWM minus the RSS before setup) is
+allocation records (``profile_memory=True``: every allocation and free of torch's CPU allocator, summed in the order
+they happened: :func:`live_peak`) -- the CPU counterpart of the CUDA allocator's figure; the process's RSS growth (VmHWM minus the RSS before setup) is
 reported beside it. Times: four steps; the first two are profiled on a CPU (memory), the third is the probe the rates
 are refitted from, the fourth is the measurement ``benchmarks/plan_accuracy.py`` compares against.
 """
@@ -94,19 +95,41 @@ class _TensorPeak:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base, None
         self.prof.__exit__(None, None, None)
-        events = sorted(self.prof.events(), key=lambda e: e.time_range.start)
-        phases = [(e.time_range.start, e.time_range.end, e.name.removeprefix(PHASE)) for e in events if e.name.startswith(PHASE)]
-        live = peak = 0
-        at = 0
-        for event in events:
-            live += event.self_cpu_memory_usage
-            if live > peak:
-                peak, at = live, event.time_range.start
+        peak, at, phases = live_peak(self.prof, PHASE)
         self.prof = None
         at_phase = next((name for start, end, name in phases if start <= at <= end), "setup")
-        del events, phases
-        gc.collect()  # the profiler's event objects, now, not in the next (timed) step's garbage collections
+        gc.collect()  # the profiler's objects, now, not in the next (timed) step's garbage collections
         return peak, at_phase
+
+
+def live_peak(prof: Any, marker: str = "") -> tuple[int, int, list[tuple[int, int, str]]]:
+    """(peak bytes above the start, its time in ns, the ``marker``-prefixed ranges as (start, end, name without the
+    prefix)) from a finished ``profile(profile_memory=True)``: the CPU allocator's allocation and free records summed
+    in time order.
+
+    Not ``prof.events()``' ``self_cpu_memory_usage`` summed in each op's start order: that is an op's net bytes placed
+    at its start, so a composite op that frees what its children allocated (an autograd Function's backward releasing
+    its chunk buffers, the engine's node releasing saved tensors) moves its frees before the children's allocations
+    and hides the moment they were all live (on tiny-qwen2's one-pass update the fused lm_head's forward: three
+    (chunk, V) buffers at once over the saved activations)."""
+    from torch.autograd import DeviceType
+
+    records: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, str]] = []
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if name == "[memory]":
+            if e.device_type() == DeviceType.CPU:
+                records.append((e.start_ns(), e.nbytes()))
+        elif marker and name.startswith(marker):
+            ranges.append((e.start_ns(), e.start_ns() + e.duration_ns(), name.removeprefix(marker)))
+    records.sort()
+    live = peak = at = 0
+    for t, nbytes in records:
+        live += nbytes
+        if live > peak:
+            peak, at = live, t
+    return peak, at, ranges
 
 
 PHASE = "emapg_plan::"
@@ -131,9 +154,14 @@ def probe_config(cfg: TrainConfig, workdir: str) -> TrainConfig:
 
 
 def synthetic_sampled(cfg: TrainConfig, rows: int, vocab: int, examples: list[Any], seed: int = 0) -> Any:
-    """A :class:`~trainer.sampled_batch.SampledBatch` of ``rows`` graded trajectories, full-length, in groups of
-    ``n_samples`` sharing a prompt (every response token sampled and trained; rewards 0 or 1): what the engine and the
-    grader hand ``Trainer.learn`` in a run, at the planner's worst-case shapes."""
+    """A :class:`~trainer.sampled_batch.SampledBatch` of ``rows`` graded trajectories at the token budgets, in groups
+    of ``n_samples`` sharing a prompt (every response token sampled and trained; rewards 0 or 1): what the engine and
+    the grader hand ``Trainer.learn`` in a run, at the planner's worst-case shapes. Every other row's response stops
+    one token short, so each micro-batch of two or more consecutive rows is a padded one at the full width -- as in a
+    run, where responses end at different lengths: its attention mask is materialised (and on a CPU saved by the
+    attention kernel, with the keys and values repeated to every query head), which a batch of rows that all fill the
+    budget does not need (tiny-qwen2, 8 rows x 256 tokens: 74.1 MiB saved without padding, 82.1 MiB with one padded
+    row; the planner counts the padded batch)."""
     from agent.rollout import RolloutStats, Trajectory
     from tasks.task import Outcome
     from trainer.data import SampledPrompt
@@ -148,11 +176,12 @@ def synthetic_sampled(cfg: TrainConfig, rows: int, vocab: int, examples: list[An
     for i in range(len(prompts) * n):
         if i % n == 0:
             prompt_ids = torch.randint(10, vocab, (r.max_prompt_tokens,), generator=g).tolist()
+        length = r.max_response_tokens - (i % 2 if r.max_response_tokens > 1 else 0)
         trajectories.append(Trajectory(
             uid=f"probe-{i}", group_id=prompts[i // n].group_id, prompt_index=i // n, sample_index=i % n, question="",
-            example_id=None, prompt_ids=prompt_ids,
-            response_ids=torch.randint(10, vocab, (r.max_response_tokens,), generator=g).tolist(),
-            loss_mask=[1] * r.max_response_tokens, sampling_logprobs=[logp] * r.max_response_tokens, stop_reason="length"))
+            example_id=None, prompt_ids=prompt_ids, response_ids=torch.randint(10, vocab, (length,), generator=g).tolist(),
+            loss_mask=[1] * length, sampling_logprobs=[logp] * length,
+            stop_reason="length" if length == r.max_response_tokens else "stop"))
     rewards = torch.randint(0, 2, (len(trajectories),), generator=g).tolist()
     return SampledBatch(prompts, trajectories, [Outcome(float(x)) for x in rewards], {}, RolloutStats())
 
@@ -240,15 +269,14 @@ def measure(cfg: TrainConfig, *, steps: int = PROBE_STEPS) -> Measurement:
 
 def refit(plan: Plan, measured: StepTimes) -> Rates:
     """Rates under which ``plan``'s phases take the ``measured`` seconds (a phase not measured keeps its rates): the
-    update's FLOP rate, and the rollout's rates and fixed decode-step latency scaled together (the rollout's seconds
-    are their sum: scaling only the rates would leave the assumed latency in the refitted time)."""
+    update's FLOP rate, and the rollout's rates and fixed decode latencies (per step, per layer) scaled together (the rollout's seconds
+    are their sum: scaling only the rates would leave the assumed latencies in the refitted time)."""
     r, s = plan.rates, plan.step_seconds
     update = r.update_flops * s["update"] / measured.update if measured.update > 0 else r.update_flops
-    prefill, decode, latency = r.prefill_flops, r.decode_bandwidth, r.decode_step_latency
-    if measured.rollout and s["rollout"] > 0:
-        factor = s["rollout"] / measured.rollout
-        prefill, decode, latency = prefill * factor, decode * factor, latency / factor
-    return Rates(update_flops=update, prefill_flops=prefill, decode_bandwidth=decode, decode_step_latency=latency)
+    factor = s["rollout"] / measured.rollout if measured.rollout and s["rollout"] > 0 else 1.0
+    return Rates(update_flops=update, prefill_flops=r.prefill_flops * factor, decode_bandwidth=r.decode_bandwidth * factor,
+                 decode_step_latency=r.decode_step_latency / factor, decode_layer_latency=r.decode_layer_latency / factor,
+                 decode_flops=r.decode_compute_flops * factor)
 
 
 def probe_device(cfg: TrainConfig) -> Device:

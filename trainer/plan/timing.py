@@ -1,9 +1,10 @@
 """Seconds per training step, by phase, from FLOPs, bytes and the device's achievable rates.
 
 * ``rollout``: prefill (2·N FLOPs per prompt and observation token) at ``prefill_fraction`` of peak, then decoding:
-  each decode step costs the engine's fixed ``decode_step_latency`` plus reading the weights once for the whole
-  concurrent batch (``decode_fraction`` of the memory bandwidth) or 2·N·batch FLOPs, whichever is slower; a vLLM KV
-  cache too small for every sequence at once takes several waves.
+  each decode step costs the engine's fixed ``decode_step_latency`` and ``decode_layer_latency`` per decoder layer,
+  plus reading the weights once for the whole concurrent batch (``decode_fraction`` of the memory bandwidth) and
+  2·N·batch FLOPs (``decode_flops_fraction`` of peak), whichever is slower (:func:`decode_step_seconds`); a vLLM
+  KV cache too small for every sequence at once takes several waves.
 * ``update``: the training pass at 6 FLOPs per parameter and token (4 with LoRA: no weight gradients of the frozen
   base), attention's 2·L·T·h per token forward (x3 trained), plus each extra no-grad forward the config needs at 2
   per parameter and token: π_old's pass when the update is not on-policy (several mini-batches or epochs) or needs
@@ -30,18 +31,27 @@ from trainer.plan.memory import FP32, Layout, generated_tokens
 
 @dataclass(frozen=True)
 class Rates:
-    """Achievable rates: FLOP/s of the update and of prefill, bytes/s of decoding, and the engine's fixed seconds per
-    decode step (``--probe`` refits them all)."""
+    """Achievable rates: FLOP/s of the update and of prefill, bytes/s of decoding, the engine's fixed seconds per
+    decode step and per decoder layer of a decode step, and FLOP/s of the decode step's arithmetic (``--probe``
+    refits them all)."""
 
     update_flops: float
     prefill_flops: float
     decode_bandwidth: float
     decode_step_latency: float
+    decode_layer_latency: float = 0.0
+    decode_flops: float | None = None  # None: prefill_flops
 
     @classmethod
     def assumed(cls, device: Device) -> "Rates":
+        decode_fraction = device.prefill_fraction if device.decode_flops_fraction is None else device.decode_flops_fraction
         return cls(device.bf16_flops * device.update_fraction, device.bf16_flops * device.prefill_fraction,
-                   device.memory_bandwidth * device.decode_fraction, device.decode_step_latency)
+                   device.memory_bandwidth * device.decode_fraction, device.decode_step_latency,
+                   device.decode_layer_latency, device.bf16_flops * decode_fraction)
+
+    @property
+    def decode_compute_flops(self) -> float:
+        return self.prefill_flops if self.decode_flops is None else self.decode_flops
 
 
 def needs_old_pass(cfg: TrainConfig, lay: Layout) -> tuple[bool, bool]:
@@ -112,8 +122,18 @@ def rollout_seconds(cfg: TrainConfig, shape: ModelShape, lay: Layout, device: De
         space = r.vllm_gpu_memory_utilization * device.memory_bytes - weight_bytes
         concurrent = max(1, min(lay.rows, int(space // kv_per_seq))) if space > 0 else 1
     waves = math.ceil(lay.rows / concurrent)
-    step = rates.decode_step_latency + max(weight_bytes / rates.decode_bandwidth, 2 * n * concurrent / rates.prefill_flops)
-    return prefill + waves * gen * step
+    return prefill + waves * gen * decode_step_seconds(shape, device, rates, concurrent)
+
+
+def decode_step_seconds(shape: ModelShape, device: Device, rates: Rates, concurrent: int) -> float:
+    """One decode step of ``concurrent`` sequences: the fixed latency, each decoder layer's, and the slower of reading
+    the weights once and 2·N FLOPs per sequence (on this machine's transformers engine, one thread, this fits
+    tiny-qwen2 at 1-8 layers and 1-32 rows and SmolLM2-135M at 1-4 rows within -9%..+9%, SmolLM2's one-row step
+    -26%; see devices.yaml)."""
+    weights = shape.params * device.compute_bytes / rates.decode_bandwidth
+    compute = 2 * shape.matmul_params * concurrent / rates.decode_compute_flops
+    fixed = rates.decode_step_latency + shape.num_hidden_layers * rates.decode_layer_latency
+    return fixed + max(weights, compute)
 
 
 def sync_seconds(cfg: TrainConfig, shape: ModelShape, device: Device) -> float:
