@@ -110,6 +110,10 @@ def compare_recorded(json_out: str | None = None) -> int:
         print(f"  {ds}: {len(recorded.ids[ds])} -> {per_dataset[ds]['today']}"
               + (f" (leaving: {', '.join(out)})" if out else "") + (f" (joining: {', '.join(inn)})" if inn else ""))
     print(f"{changed} of {recorded.size} slice questions would change; the file is unchanged")
+    # the starter's greedy answers on the slice, as the file records them (its per-question ``em``): the gap to its
+    # sampled mean@k EM is what docs/learning.md quotes
+    greedy_right = sum(q.get("em", 0.0) for rows in recorded.questions.values() for q in rows if q["in_slice"])
+    print(f"the starter's recorded greedy answers: {greedy_right:g} of {recorded.size} slice questions right")
     if json_out:
         Path(json_out).write_text(json.dumps({
             "benchmark": "reader_slice_rule", "date": time.strftime("%Y-%m-%d"),
@@ -118,6 +122,7 @@ def compare_recorded(json_out: str | None = None) -> int:
             "command": "python scripts/build_reader_slice.py --compare-recorded --json " + json_out,
             "recorded_rule": rule_name(recorded.rule), "today_rule": RULE_NAME, "recorded_questions": recorded.size,
             "recomputed_identical": True, "changed": changed, "today_questions": sum(v["today"] for v in per_dataset.values()),
+            "recorded_starter_greedy_right": greedy_right,
             "per_dataset": per_dataset}, indent=2) + "\n")
         print(f"wrote {json_out}")
     return 0

