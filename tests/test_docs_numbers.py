@@ -1,5 +1,5 @@
-"""Every measured figure on the pages that quote benchmarks (README.md, docs/performance.md, docs/learning.md) is the
-JSON's (issue #54): the generated tables and every *bound* figure (``<!--@FILE:KEY-->`` then the figure, rewritten by
+"""Every measured figure on the pages that quote benchmarks (README.md, docs/performance.md, docs/learning.md) and on
+every other docs page is the JSON's (issue #54): the generated tables and every *bound* figure (``<!--@FILE:KEY-->`` then the figure, rewritten by
 ``scripts/gen_performance.py``) are compared here with ``benchmarks/results/*.json``, read again by this test; a
 figure that reads as a measurement and is neither bound nor generated must be one of the recorded hand-written ones
 (tests/fixtures/docs_unbound_figures.json), so a new hand-written figure fails, and binding one shrinks the list."""
@@ -18,8 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 PAGES = ("README.md", "docs/performance.md", "docs/learning.md")
-#: Pages that quote few results yet: their bound figures are compared and their hand-written ones recorded.
-CHECKED = ("docs/training.md", "docs/retriever.md", "docs/planning.md", "docs/hardening.md", "docs/mcp.md")
+#: Every other docs page (a new one included): its bound figures are compared and its hand-written ones recorded.
+CHECKED = tuple(f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md")) if f"docs/{p.name}" not in PAGES)
 SCALES = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000, "/1000000": 1e-6, "/1000000000": 1e-9}
 
 
@@ -121,6 +121,25 @@ def test_every_figure_of_the_generated_tables_is_bound(page):
             block = text[text.index(start) + len(start): text.index(end)]
             unbound = gen.measurements_unbound(block.replace(gen.NOTE, ""))
             assert unbound == [], (page, start, unbound)
+
+
+def test_every_docs_page_is_checked():
+    """The script rewrites and lists the pages this test checks: every docs page, and not only the ones named once."""
+    assert {str(p.relative_to(REPO)) for p in gen.PAGES + gen.CHECKED_PAGES} == set(PAGES + CHECKED)
+    assert {"docs/ALGORITHM.md", "docs/security.md", "docs/troubleshooting.md", "docs/evaluation.md"} <= set(CHECKED)
+
+
+def test_a_marked_citation_is_not_a_measurement():
+    """Another work's figures inside ``<!-- quotes SOURCE -->`` ... ``<!-- /quotes -->`` (docs/ALGORITHM.md: the paper's
+    settings and results) are left alone; a block that names no source (an arXiv id or a repository at a commit) is
+    no citation, and section numbers (§3.1, a heading's 2.1) are no figures."""
+    quoted = ("<!-- quotes arXiv 2602.04417 -->HotpotQA 29.7 → 44.1, +33.3% relative<!-- /quotes -->; "
+              "<!-- quotes LunjunZhang/ema-pg@f9b97763; arXiv 2602.04417 -->\n\n| clip | 0.2 / 0.28 |\n\n<!-- /quotes -->\n")
+    assert gen.measurements_unbound(quoted) == []
+    unsourced = [c for _, c in gen.measurements_unbound(quoted.replace("arXiv 2602.04417 -->HotpotQA", "the paper -->HotpotQA"))]
+    assert len(unsourced) == 3 and "29.7" in unsourced[0] and "44.1" in unsourced[1] and "+33.3%" in unsourced[2], unsourced
+    sections = [c for _, c in gen.measurements_unbound("### 2.1 Keys\n\nSee §3.3 and §2.4, not 0.75 of it.\n")]
+    assert len(sections) == 1 and "0.75" in sections[0], sections
 
 
 def test_the_pages_are_what_the_json_generates():
