@@ -12,7 +12,8 @@ current batch. The schedule is fixed, not timing-dependent:
   (nothing is in flight then). With the http transport the upload itself is off that path: the trainer
   stages each version on the servers (:meth:`agent.engines.remote.RemoteEngine.stage_weights`) as soon as it
   publishes it, while the current batch generates, and the producer only commits it (one sync is transferred
-  at a time; a version that was not staged, or whose commit fails, is uploaded by the producer as before). Requests in flight when the trainer publishes new weights finish on the
+  at a time, always the version the producer loads next; a version that was not staged, or whose commit fails, is
+  uploaded by the producer as before). Requests in flight when the trainer publishes new weights finish on the
   old ones, so a batch has exactly one version, recorded on the batch and on each of its
   trajectories (:attr:`agent.rollout.Trajectory.weights_version`);
 * a batch found older than s versions when its step comes (it cannot happen with this schedule, but
@@ -234,9 +235,8 @@ class RolloutPipeline:
                     if state is None:
                         raise RuntimeError(f"weights version {req.version} was never published")
                     t_load = time.perf_counter()
-                    self._load_version(engine, req.version, state)
+                    self._load_version(engine, req.version, state)  # sets _engine_version
                     self.clock.add(load=time.perf_counter() - t_load)
-                    self._engine_version = req.version
                     self._forget_weights_before(req.version)
                 # the global batch's seed is rank 0's: one producer generates every rank's share
                 seed = _seed(trainer, req.step)
@@ -265,26 +265,39 @@ class RolloutPipeline:
             staged = self._staged.pop(version, None)
             older = [self._staged.pop(v) for v in sorted(self._staged) if v < version]
             self._uploading = True
+        loaded = False
         try:
             for o in older:
                 engine.discard_weights(o)
             if staged is not None:
                 try:
                     engine.commit_weights(staged)
-                    return
+                    loaded = True
                 except Exception as e:  # e.g. a replica restarted and lost it: the whole upload, now
                     self._warn_producing(f"staged weights {version} did not load ({type(e).__name__}: {e}); uploading them again")
-            engine.load_weights(state, tag=f"step-{version}")
+            if not loaded:
+                engine.load_weights(state, tag=f"step-{version}")
+                loaded = True
         finally:
             with self._cond:
+                if loaded:
+                    self._engine_version = version
                 self._uploading = False
                 self._cond.notify_all()
 
-    def _stage(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """The trainer's thread: upload ``version`` to the servers while the producer generates (not loaded), unless
-        another sync is being transferred or waits to be loaded (the producer then uploads this one itself)."""
+    def _stage_next(self) -> None:
+        """Upload, without loading, the version the producer loads next (the one after what the servers hold, once
+        published), while generation goes on; skipped while another sync is transferred or waits to be loaded (a
+        server keeps one staged sync), so a staged sync is never replaced before its commit. The trainer's thread,
+        when it publishes (the producer never uploads ahead: its time is the step's)."""
+        if not self._staging_on:
+            return
         with self._cond:
             if self._uploading or self._staged or self._stop:
+                return
+            version = (self._engine_version + 1) if self._engine_version is not None else min(self._weights, default=None)
+            state = self._weights.get(version) if version is not None else None
+            if state is None:
                 return
             self._uploading = True
         t0 = time.perf_counter()
@@ -317,8 +330,7 @@ class RolloutPipeline:
             with self._cond:
                 self._weights[version] = copy_
                 self._cond.notify_all()
-            if self._staging_on and version != self._engine_version:
-                self._stage(version, copy_)
+            self._stage_next()
 
     # ------------------------------------------------------------------ the consumer (every rank)
     def _wait(self, step: int) -> tuple[_Produced, int]:
