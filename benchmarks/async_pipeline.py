@@ -95,6 +95,8 @@ def run_config(name: str, *, url: str, model_dir: str, s: int, threads: int, cor
         "trainer_idle_s_per_step": wait / len(timed),
         "producer_busy_s_per_step": (sum(m["async/producer_busy_s"] for m in timed) / len(timed)) if s else None,
         "producer_idle_s_per_step": (sum(m["async/producer_idle_s"] for m in timed) / len(timed)) if s else None,
+        "producer_load_s_per_step": (sum(m.get("async/producer_load_s", 0.0) for m in timed) / len(timed)) if s else None,
+        "trainer_stage_s_per_step": (sum(m.get("async/trainer_stage_s", 0.0) for m in timed) / len(timed)) if s else None,
         "staleness": [m.get("async/staleness", 0.0) for m in history],
         "mismatch_abs_logp_diff_mean": mean("mismatch/abs_logp_diff_mean"), "mismatch_abs_logp_diff_max": mean("mismatch/abs_logp_diff_max"),
         "mismatch_k3": mean("mismatch/k3"), "reward_mean": mean("reward/mean"),

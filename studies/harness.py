@@ -10,7 +10,8 @@ A study (one file in ``studies/``) writes its protocol in its docstring and comm
 * **seeds and resuming**: a finished run leaves its record in the work folder (:func:`finished`, :func:`record`), a rerun
   with the same folder keeps it; :func:`take_finished` puts an earlier report's run records back into an empty work
   folder (a lost folder costs nothing again); :func:`seeds_first` orders (arm, seed) so that an interrupted study has
-  every arm at the same number of seeds;
+  every arm at the same number of seeds; :func:`arm_runs` runs an arms-by-seeds study's loop on these and
+  :func:`import_runs` is its ``--resume-from``;
 * **statistics**: per-question scores of QA evaluations (:func:`per_question`), their mean over seeds
   (:func:`seed_mean`), the per-question paired interval (:func:`difference`, :func:`eval.significance.paired_bootstrap`
   over the seed-averaged scores: these seeds) and the seed-level interval (:func:`seed_difference`,
@@ -30,6 +31,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -143,6 +145,67 @@ def same_protocol(earlier: dict[str, Any], report: dict[str, Any], keys: Sequenc
     differ = [k for k in keys if earlier.get(k) != report.get(k)]
     if differ:
         raise SystemExit(f"{what}: the earlier report ran another protocol (differs in {', '.join(differ)})")
+
+
+def import_runs(earlier: dict[str, Any], report: dict[str, Any], work: Path, algos: Sequence[str], seeds: Sequence[int],
+                keys: Sequence[str]) -> list[str]:
+    """``--resume-from`` for an arms-by-seeds study (:func:`arm_runs`): copy an earlier report's recorded starter scores
+    (``report["starter"]``) and finished runs (``runs[arm][seed]`` with ``per_question``) into ``work`` where it has
+    none, after checking that both reports describe the same protocol (``keys``) and the same settings per arm
+    (``algorithms``). Returns what was taken ("starter", "grpo seed 0", ...)."""
+    same_protocol(earlier, report, keys)
+    if "starter" not in earlier:
+        raise SystemExit("--resume-from: the earlier report records no per-question scores (written before they were kept)")
+    changed = [alg for alg in algos
+               if alg in earlier.get("algorithms", {}) and earlier["algorithms"][alg] != report.get("algorithms", {}).get(alg)]
+    if changed:
+        raise SystemExit(f"--resume-from: the earlier report ran other settings for {', '.join(changed)}")
+    records = {work / "starter.json": earlier["starter"]}
+    for alg, seed in seeds_first(algos, seeds):
+        run = earlier.get("runs", {}).get(alg, {}).get(str(seed))
+        if run and "per_question" in run:
+            records[run_folder(work, alg, seed) / "run.json"] = run
+    return [("starter" if p.name == "starter.json" else p.parent.name.replace("-seed", " seed ")) for p in take_finished(records)]
+
+
+def run_folder(work: Path, arm: str, seed: int) -> Path:
+    """The work folder of one (arm, seed) run."""
+    return work / f"{arm}-seed{seed}"
+
+
+def arm_runs(work: Path, algos: Sequence[str], seeds: Sequence[int],
+             train: Callable[[str, int, Path], dict[str, Any]]) -> Iterator[tuple[str, int, dict[str, Any], bool]]:
+    """Every (arm, seed) run of a study, seeds first (:func:`seeds_first`): yields ``(arm, seed, record, kept)``.
+    A run whose record is in ``work`` (:func:`finished`) is kept (``kept`` True); any other is trained again from
+    an empty folder by ``train(arm, seed, folder)``, which returns the run's record, written last (:func:`record`).
+    A run kept from before per-question scores were recorded is refused: it cannot be pooled."""
+    for alg, seed in seeds_first(algos, seeds):
+        folder = run_folder(work, alg, seed)
+        run = finished(folder / "run.json")
+        if run is not None:
+            if "per_question" not in run:
+                raise SystemExit(f"{folder / 'run.json'} was written before runs recorded their per-question scores: "
+                                 "train it again (remove the file)")
+            yield alg, seed, run, True
+            continue
+        shutil.rmtree(folder, ignore_errors=True)  # an unfinished run is trained again from the start
+        run = train(alg, seed, folder)
+        record(folder / "run.json", run, indent=1)
+        yield alg, seed, run, False
+
+
+def keep_policy_only(ckpt: Path) -> None:
+    """Remove a checkpoint's training state (optimizer, anchor, sharded state), keeping ``policy/`` (weights, tokenizer)
+    and the manifest/provenance files beside it, so the trained weights stay evaluable after the run."""
+    for f in ckpt.iterdir():
+        if f.name == "policy" or (f.is_file() and f.suffix in (".json", ".yaml", ".txt")):
+            continue
+        shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink()
+
+
+def finish_checkpoint(ckpt: Path, *, keep_policy: bool) -> None:
+    """After a run's last checkpoint is scored: keep its ``policy/`` (:func:`keep_policy_only`) or remove it."""
+    keep_policy_only(ckpt) if keep_policy else shutil.rmtree(ckpt, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------- servers

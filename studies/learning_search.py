@@ -163,39 +163,11 @@ def recorded_scores(eval_dir: Path, kind: str) -> dict[str, dict[str, float]]:
     return {metric: per_question([eval_dir], metric) for metric in SCORED[kind]}
 
 
-def import_recorded(report: dict[str, Any], earlier: dict[str, Any], work: Path, algos: list[str], seeds: list[int]) -> list[str]:
-    """``--resume-from``: copy an earlier report's recorded starter scores and finished runs (those with
-    ``per_question``) into ``work`` where it has none, after checking that both reports describe the same protocol
-    (:data:`PROTOCOL_KEYS`). Returns what was taken."""
-    harness.same_protocol(earlier, report, PROTOCOL_KEYS)
-    if "starter" not in earlier:
-        raise SystemExit("--resume-from: the earlier report records no per-question scores (written before they were kept)")
-    changed = [alg for alg in algos if alg in earlier.get("algorithms", {}) and earlier["algorithms"][alg] != report["algorithms"][alg]]
-    if changed:
-        raise SystemExit(f"--resume-from: the earlier report ran other settings for {', '.join(changed)}")
-    records = {work / "starter.json": earlier["starter"]}
-    for alg, seed in harness.seeds_first(algos, seeds):
-        run = earlier.get("runs", {}).get(alg, {}).get(str(seed))
-        if run and "per_question" in run:
-            records[work / f"{alg}-seed{seed}" / "run.json"] = run
-    return [("starter" if p.name == "starter.json" else p.parent.name.replace("-seed", " seed "))
-            for p in harness.take_finished(records)]
-
-
 def informative_fraction(row: dict[str, float]) -> float:
     """The share of a step's first prompt batch whose groups have differing rewards (a policy gradient)."""
     if "filter/first_round_informative_frac" in row:
         return float(row["filter/first_round_informative_frac"])
     return 1.0 - float(row["reward/zero_variance_groups"])
-
-
-def keep_policy_only(ckpt: Path) -> None:
-    """Remove a checkpoint's training state (optimizer, anchor, sharded state), keeping ``policy/`` (weights, tokenizer)
-    and the manifest/provenance files beside it, so the trained weights stay evaluable after the run."""
-    for f in ckpt.iterdir():
-        if f.name == "policy" or (f.is_file() and f.suffix in (".json", ".yaml", ".txt")):
-            continue
-        shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink()
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
@@ -409,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {alg: {} for alg in algos}, "provenance": provenance,
     }
     if args.resume_from:
-        taken = import_recorded(report, json.loads(Path(args.resume_from).read_text()), work, algos, seeds)
+        taken = harness.import_runs(json.loads(Path(args.resume_from).read_text()), report, work, algos, seeds, PROTOCOL_KEYS)
         print(f"[learning_search] taken from {args.resume_from}: {', '.join(taken) or 'nothing new'}", flush=True)
     train_s_total, trajectories_total = 0.0, 0.0
     with harness.servers(settings["policy"], engine=settings["engine"], index_limit=settings["index_limit"],
@@ -430,36 +402,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[learning_search] starter: held-out greedy EM {pct(starter['heldout']['em']):.1f}, reader slice mean@{SAMPLES} "
               f"EM {pct(start_reader):.1f} (seed A) / {pct(starter['reader_b']['em']):.1f} (seed B) "
               f"[{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
-        for alg, seed in harness.seeds_first(algos, seeds):  # an interrupted study has every arm at the same seeds
-            run_dir = work / f"{alg}-seed{seed}"
-            done = run_dir / "run.json"
-            run = harness.finished(done)
-            if run is not None:  # finished in an earlier invocation with this --work
-                if "per_question" not in run:
-                    raise SystemExit(f"{done} was written before runs recorded their per-question scores: train it again "
-                                     "(remove the file)")
-                report["runs"][alg][str(seed)] = run
-                train_s_total += run["train_s"]
-                trajectories_total += run["trajectories_sampled"]
-                print(f"[learning_search] {alg} seed {seed}: kept from {done}", flush=True)
-                continue
-            shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run is trained again from the start
-            t_run = time.perf_counter()
-            metrics, t_train = train_run(alg, seed, run_dir, url, served.engine_url, settings, args, steps)
+        def train_and_score(alg: str, seed: int, run_dir: Path) -> dict[str, Any]:
             from trainer.checkpoint import step_dir_name
 
+            t_run = time.perf_counter()
+            metrics, t_train = train_run(alg, seed, run_dir, url, served.engine_url, settings, args, steps)
             ckpt = run_dir / step_dir_name(steps)
             g = evaluate(str(ckpt / "policy"), run_dir / "end_greedy", url, served.engine_url, settings, per_dataset=per_dataset)
             a = evaluate(str(ckpt / "policy"), run_dir / "end_reader_a", url, served.engine_url, settings, reader_seed=SEED_A,
                          temperature=r.temperature)
-            if args.keep_final:
-                keep_policy_only(ckpt)
-            else:
-                shutil.rmtree(ckpt, ignore_errors=True)
+            harness.finish_checkpoint(ckpt, keep_policy=args.keep_final)
             sampled = sum(float(m.get("filter/sampled_trajectories", r.n_samples * base_cfg.data.prompts_per_step)) for m in metrics)
-            train_s_total += t_train
-            trajectories_total += sampled
-            run = {
+            return {
                 "steps": steps, "train_steps": [int(m["step"]) for m in metrics],
                 "train_reward": [float(m.get("filter/sampled_reward_mean", m["reward/mean"])) for m in metrics],
                 "informative_frac": [informative_fraction(m) for m in metrics],
@@ -474,8 +428,14 @@ def main(argv: list[str] | None = None) -> int:
                 "misses_end": asdict(miss_breakdown(g, list(qa_sets()))),
                 "per_question": {"reader": recorded_scores(a, "reader"), "heldout": recorded_scores(g, "heldout")},
             }
+
+        for alg, seed, run, kept in harness.arm_runs(work, algos, seeds, train_and_score):
             report["runs"][alg][str(seed)] = run
-            harness.record(done, run, indent=1)
+            train_s_total += run["train_s"]
+            trajectories_total += run["trajectories_sampled"]
+            if kept:  # finished in an earlier invocation with this --work
+                print(f"[learning_search] {alg} seed {seed}: kept from {harness.run_folder(work, alg, seed) / 'run.json'}", flush=True)
+                continue
             partial = Path(args.out).with_suffix(".partial.json")
             write_report(summarise(dict(report), algos, trajectories_total, train_s_total, complete=False), partial,
                          plot_too=False)

@@ -81,7 +81,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from studies import harness  # noqa: E402
 from studies.harness import RESULTS, difference, pct, seed_difference, seed_mean  # noqa: E402
-from studies.learning_search import ALGOS, COLORS, LABELS, PROTOCOL_ARMS, informative_fraction, keep_policy_only, train_run  # noqa: E402
+from studies.learning_search import ALGOS, COLORS, LABELS, PROTOCOL_ARMS, informative_fraction, train_run  # noqa: E402
 
 SECOND_STARTER = "smollm2-135m-search-starter-v2"  # the second starter of part 1 (data/starter/<name>)
 FIRST_STARTER = "smollm2-135m-search-starter"
@@ -349,15 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     starter_part(report, args.quick)
     if args.resume_from:
-        earlier = json.loads(Path(args.resume_from).read_text())
-        harness.same_protocol(earlier, report, PROTOCOL_KEYS)
-        records = {work / "starter.json": earlier["starter"]}
-        for alg, seed in harness.seeds_first(algos, seeds):
-            run = earlier.get("runs", {}).get(alg, {}).get(str(seed))
-            if run and "per_question" in run:
-                records[work / f"{alg}-seed{seed}" / "run.json"] = run
-        taken = harness.take_finished(records)
-        print(f"[search_learning] taken from {args.resume_from}: {len(taken)} records", flush=True)
+        taken = harness.import_runs(json.loads(Path(args.resume_from).read_text()), report, work, algos, seeds, PROTOCOL_KEYS)
+        print(f"[search_learning] taken from {args.resume_from}: {', '.join(taken) or 'nothing new'}", flush=True)
     with harness.servers(settings["policy"], engine=settings["engine"], index_limit=settings["index_limit"],
                          max_model_len=r.max_prompt_tokens + r.max_response_tokens, folder=work) as served:  # fmt: skip
         url, engine_url = served.retriever_url, served.engine_url
@@ -382,21 +375,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{pct(starter['search_b']['em']):.1f} (seed B), searched again "
               f"{pooled_rate(starter['search_a'], 'searched_again', 'first_missed')}%, reader greedy "
               f"{pct(starter['reader_greedy']):.1f} [{(time.perf_counter() - t0) / 60:.1f} min]", flush=True)
-        for alg, seed in harness.seeds_first(algos, seeds):
-            run_dir = work / f"{alg}-seed{seed}"
-            run = harness.finished(run_dir / "run.json")
-            if run is None:
-                shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run is trained again from the start
-                metrics, t_train = train_run(alg, seed, run_dir, url, engine_url, settings, train_args, steps)
-                ckpt = run_dir / step_dir_name(steps)
-                end = scored(str(ckpt / "policy"), run_dir)
-                keep_policy_only(ckpt) if args.keep_final else shutil.rmtree(ckpt, ignore_errors=True)
-                run = {"steps": steps, "train_steps": [int(m["step"]) for m in metrics],
-                       "train_reward": [float(m.get("filter/sampled_reward_mean", m["reward/mean"])) for m in metrics],
-                       "informative_frac": [informative_fraction(m) for m in metrics],
-                       "searches_per_trajectory": [float(m.get("search/per_traj", float("nan"))) for m in metrics],
-                       "train_s": round(t_train, 1), "per_question": end}  # fmt: skip
-                harness.record(run_dir / "run.json", run, indent=1)
+        def train_and_score(alg: str, seed: int, run_dir: Path) -> dict[str, Any]:
+            metrics, t_train = train_run(alg, seed, run_dir, url, engine_url, settings, train_args, steps)
+            ckpt = run_dir / step_dir_name(steps)
+            end = scored(str(ckpt / "policy"), run_dir)
+            harness.finish_checkpoint(ckpt, keep_policy=args.keep_final)
+            return {"steps": steps, "train_steps": [int(m["step"]) for m in metrics],
+                    "train_reward": [float(m.get("filter/sampled_reward_mean", m["reward/mean"])) for m in metrics],
+                    "informative_frac": [informative_fraction(m) for m in metrics],
+                    "searches_per_trajectory": [float(m.get("search/per_traj", float("nan"))) for m in metrics],
+                    "train_s": round(t_train, 1), "per_question": end}  # fmt: skip
+
+        for alg, seed, run, _kept in harness.arm_runs(work, algos, seeds, train_and_score):
             report["runs"][alg][str(seed)] = run
             harness.write_report(summarise(dict(report), algos, complete=False), Path(args.out).with_suffix(".partial.json"))
             print(f"[search_learning] {alg} seed {seed}: search mean@{SAMPLES} EM {pct(starter['search_a']['em']):.1f} -> "

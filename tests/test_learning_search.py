@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from studies import harness
 from studies.learning_search import ALGOS, per_question_em, plot
 from tasks.datasets import QA_DATASETS
 
@@ -143,20 +144,45 @@ def test_summarise_pools_recorded_scores_and_compares_arms_on_common_seeds():
 
 
 def test_resume_from_takes_recorded_runs_of_the_same_protocol_only(tmp_path):
-    from studies.learning_search import PROTOCOL_KEYS, import_recorded
+    from studies.learning_search import PROTOCOL_KEYS
 
     proto = {k: f"value of {k}" for k in PROTOCOL_KEYS}
     earlier = {**proto, "starter": {"reader_a": {}}, "runs": {"grpo": {"0": _run([1], [1]), "1": {"no": "per_question"}}}}
-    taken = import_recorded(dict(proto), earlier, tmp_path, ["grpo", "emapg"], [0, 1])
-    assert taken == ["starter", "grpo seed 0"]
+
+    def take(earlier: dict, report: dict, work, algos, seeds):
+        return harness.import_runs(earlier, report, work, algos, seeds, PROTOCOL_KEYS)
+
+    assert take(earlier, dict(proto), tmp_path, ["grpo", "emapg"], [0, 1]) == ["starter", "grpo seed 0"]
     assert json.loads((tmp_path / "grpo-seed0" / "run.json").read_text())["per_question"]["heldout"]["em"] == {"nq/h0": 1}
-    assert import_recorded(dict(proto), earlier, tmp_path, ["grpo"], [0]) == []  # already in the work folder: kept
+    assert take(earlier, dict(proto), tmp_path, ["grpo"], [0]) == []  # already in the work folder: kept
     with pytest.raises(SystemExit, match="differs in steps"):
-        import_recorded({**proto, "steps": 99}, earlier, tmp_path / "other", ["grpo"], [0])
+        take(earlier, {**proto, "steps": 99}, tmp_path / "other", ["grpo"], [0])
     with pytest.raises(SystemExit, match="other settings for grpo"):
-        import_recorded({**proto, "algorithms": {"grpo": "new"}}, {**earlier, "algorithms": {"grpo": "old"}}, tmp_path / "o", ["grpo"], [0])
+        take({**earlier, "algorithms": {"grpo": "old"}}, {**proto, "algorithms": {"grpo": "new"}}, tmp_path / "o", ["grpo"], [0])
     with pytest.raises(SystemExit, match="no per-question scores"):
-        import_recorded(dict(proto), {**proto, "runs": {}}, tmp_path / "other", ["grpo"], [0])
+        take({**proto, "runs": {}}, dict(proto), tmp_path / "other", ["grpo"], [0])
+
+
+def test_arm_runs_keeps_finished_runs_and_trains_the_rest_seeds_first(tmp_path):
+    """The study loop: a finished run's record is kept, an unfinished run's folder is emptied and trained again, every
+    arm reaches a seed before any arm reaches the next; a record without per-question scores is refused."""
+    harness.record(tmp_path / "grpo-seed0" / "run.json", {"per_question": {"em": 1}})
+    (tmp_path / "emapg-seed0").mkdir()
+    (tmp_path / "emapg-seed0" / "stale.bin").write_text("left by a killed run")
+    trained = []
+
+    def train(arm, seed, folder):
+        assert not folder.exists()  # emptied before training again
+        trained.append((arm, seed))
+        return {"per_question": {"em": seed}}
+
+    runs = list(harness.arm_runs(tmp_path, ["grpo", "emapg"], [0, 1], train))
+    assert [(a, s, kept) for a, s, _, kept in runs] == [("grpo", 0, True), ("emapg", 0, False), ("grpo", 1, False), ("emapg", 1, False)]
+    assert trained == [("emapg", 0), ("grpo", 1), ("emapg", 1)]
+    assert harness.finished(tmp_path / "emapg-seed1" / "run.json") == {"per_question": {"em": 1}}
+    harness.record(tmp_path / "old" / "grpo-seed0" / "run.json", {"em": 1})
+    with pytest.raises(SystemExit, match="per-question scores"):
+        list(harness.arm_runs(tmp_path / "old", ["grpo"], [0], train))
 
 
 def test_summarise_only_recomputes_a_report_from_its_recorded_scores(tmp_path):

@@ -54,3 +54,9 @@ def test_same_seed_twice_quick(tmp_path):
     report = _quick("same_seed_twice", tmp_path, "--work", str(tmp_path / "work"))
     row = report["conditions"]["hf"]
     assert row["trajectories"] == 16 and row["identical"] == 16  # the transformers engine repeats a seeded batch exactly
+
+
+def test_same_run_twice_quick(tmp_path):
+    report = _quick("same_run_twice", tmp_path, "--work", str(tmp_path / "work"))
+    assert [r["step"] for r in report["steps"]] == [1, 2] and all(r["trajectories"] > 0 for r in report["steps"])
+    assert all(r["weights"].get("tensors", 0) > 0 for r in report["steps"])  # every checkpoint compared

@@ -194,6 +194,11 @@ class SamplingConfig(AgentRolloutConfig):
         0, help="0: synchronous (generate, then train). s >= 1: a producer thread generates the next batches on the remote "
         "servers while the trainer updates; batch k is generated with the weights after step max(k0, k-1-s), k0 the step the run started at (trainer.pipeline)",
     )
+    stage_weights: bool = option(
+        True, help="asynchronous runs (max_staleness >= 1) over the http weight transport: the trainer uploads each new "
+        "weights version to the servers as soon as it has it, while the current batch generates, and the producer only "
+        "loads it between batches; false: the producer uploads and loads between batches (the batches are the same)",
+    )
 
     def validate(self) -> None:
         super().validate()

@@ -8,8 +8,12 @@ current batch. The schedule is fixed, not timing-dependent:
   v(k) = max(k₀, k − 1 − s), where k₀ is the step the run (or the resume) started from; its
   staleness when trained is k − 1 − v(k) ≤ s versions. The trainer requests batch k + s + 1 as soon as
   step k is done and its weights are published, so at most s + 1 batches are ahead of the update;
-* weight sync happens between batches: the producer pushes version v(k) before generating batch k
-  (nothing is in flight then). Requests in flight when the trainer publishes new weights finish on the
+* weight sync happens between batches: the producer loads version v(k) before generating batch k
+  (nothing is in flight then). With the http transport the upload itself is off that path: the trainer
+  stages each version on the servers (:meth:`agent.engines.remote.RemoteEngine.stage_weights`) as soon as it
+  publishes it, while the current batch generates, and the producer only commits it (one sync is transferred
+  at a time, always the version the producer loads next; a version that was not staged, or whose commit fails, is
+  uploaded by the producer as before). Requests in flight when the trainer publishes new weights finish on the
   old ones, so a batch has exactly one version, recorded on the batch and on each of its
   trajectories (:attr:`agent.rollout.Trajectory.weights_version`);
 * a batch found older than s versions when its step comes (it cannot happen with this schedule, but
@@ -51,7 +55,8 @@ the scored batch and each rank trains on its share of the groups; every rank joi
 Metrics per step: ``async/staleness`` and the cumulative histogram ``async/staleness_count_{i}``,
 ``async/queue_depth`` (batches ready when the step began), ``async/trainer_wait_s`` (the trainer idle,
 waiting for its batch), ``async/producer_busy_s`` / ``async/producer_idle_s`` (since the previous
-step), ``async/dropped_batches`` (stale batches dropped, cumulative), ``async/search_dropped_batches``
+step; ``async/producer_load_s`` of the busy time loaded weights), ``async/trainer_stage_s`` (the trainer's
+seconds uploading staged weights), ``async/dropped_batches`` (stale batches dropped, cumulative), ``async/search_dropped_batches``
 (batches the outage guard rejected, cumulative) and ``async/weights_version``; with a retriever also
 the synchronous loop's ``search/failure_rate`` (of the trained batch), ``search/rejected_batches`` and
 ``search/rejected_failures`` (the rejected generations of this step's batch).
@@ -136,16 +141,18 @@ class _Clock:
 
     busy: float = 0.0
     idle: float = 0.0
+    load: float = 0.0  # of busy: loading weights into the servers
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, busy: float = 0.0, idle: float = 0.0) -> None:
+    def add(self, busy: float = 0.0, idle: float = 0.0, load: float = 0.0) -> None:
         with self.lock:
             self.busy += busy
             self.idle += idle
+            self.load += load
 
-    def take(self) -> tuple[float, float]:
+    def take(self) -> tuple[float, float, float]:
         with self.lock:
-            out, self.busy, self.idle = (self.busy, self.idle), 0.0, 0.0
+            out, self.busy, self.idle, self.load = (self.busy, self.idle, self.load), 0.0, 0.0, 0.0
         return out
 
 
@@ -167,6 +174,14 @@ class RolloutPipeline:
         self._results: dict[int, _Produced] = {}
         self._weights: dict[int, dict[str, torch.Tensor]] = {}
         self._engine_version: int | None = None  # what the servers hold (they start on weights of their own)
+        # Staged sync (the http transport): the trainer uploads each new version while the producer generates, and
+        # the producer only commits it between batches. One sync is transferred at a time (a server keeps one
+        # staged sync; a new one discards it): ``_uploading`` is held by whichever thread transfers.
+        self._staging_on = bool(trainer.cfg.rollout.stage_weights and getattr(trainer.engine, "weight_sync", None) == "http"
+                                and hasattr(trainer.engine, "stage_weights"))
+        self._staged: dict[int, Any] = {}  # version -> agent.engines.remote.StagedWeights
+        self._uploading = False
+        self._stage_s = 0.0  # the trainer's seconds staging since the previous step
         self._stop = False
         self._thread: threading.Thread | None = None
         # The producer samples ahead with its own copy; the trainer's sampler advances as steps are trained,
@@ -219,8 +234,9 @@ class RolloutPipeline:
                 if self._engine_version != req.version:
                     if state is None:
                         raise RuntimeError(f"weights version {req.version} was never published")
-                    engine.load_weights(state, tag=f"step-{req.version}")
-                    self._engine_version = req.version
+                    t_load = time.perf_counter()
+                    self._load_version(engine, req.version, state)  # sets _engine_version
+                    self.clock.add(load=time.perf_counter() - t_load)
                     self._forget_weights_before(req.version)
                 # the global batch's seed is rank 0's: one producer generates every rank's share
                 seed = _seed(trainer, req.step)
@@ -240,6 +256,64 @@ class RolloutPipeline:
                 self._results[req.step] = item
                 self._cond.notify_all()
 
+    def _load_version(self, engine: Engine, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Load weights ``version`` into the servers (nothing in flight): commit its staged upload if the trainer
+        staged it, else (or if the commit fails) upload and load it now."""
+        with self._cond:
+            while self._uploading:
+                self._cond.wait(0.5)
+            staged = self._staged.pop(version, None)
+            older = [self._staged.pop(v) for v in sorted(self._staged) if v < version]
+            self._uploading = True
+        loaded = False
+        try:
+            for o in older:
+                engine.discard_weights(o)
+            if staged is not None:
+                try:
+                    engine.commit_weights(staged)
+                    loaded = True
+                except Exception as e:  # e.g. a replica restarted and lost it: the whole upload, now
+                    self._warn_producing(f"staged weights {version} did not load ({type(e).__name__}: {e}); uploading them again")
+            if not loaded:
+                engine.load_weights(state, tag=f"step-{version}")
+                loaded = True
+        finally:
+            with self._cond:
+                if loaded:
+                    self._engine_version = version
+                self._uploading = False
+                self._cond.notify_all()
+
+    def _stage_next(self) -> None:
+        """Upload, without loading, the version the producer loads next (the one after what the servers hold, once
+        published), while generation goes on; skipped while another sync is transferred or waits to be loaded (a
+        server keeps one staged sync), so a staged sync is never replaced before its commit. The trainer's thread,
+        when it publishes (the producer never uploads ahead: its time is the step's)."""
+        if not self._staging_on:
+            return
+        with self._cond:
+            if self._uploading or self._staged or self._stop:
+                return
+            version = (self._engine_version + 1) if self._engine_version is not None else min(self._weights, default=None)
+            state = self._weights.get(version) if version is not None else None
+            if state is None:
+                return
+            self._uploading = True
+        t0 = time.perf_counter()
+        staged = None
+        try:
+            staged = self.trainer.engine.stage_weights(state, tag=f"step-{version}")
+        except Exception as e:  # the producer uploads it at load time instead
+            self.trainer.message(f"[warn] staging weights {version} failed ({type(e).__name__}: {e}); the producer uploads them")
+        finally:
+            with self._cond:
+                if staged is not None:
+                    self._staged[version] = staged
+                self._uploading = False
+                self._cond.notify_all()
+            self._stage_s += time.perf_counter() - t0
+
     def _warn_producing(self, text: str) -> None:
         self.trainer.message(f"[warn] producer, batch {self._producing}: {text}")
 
@@ -256,6 +330,7 @@ class RolloutPipeline:
             with self._cond:
                 self._weights[version] = copy_
                 self._cond.notify_all()
+            self._stage_next()
 
     # ------------------------------------------------------------------ the consumer (every rank)
     def _wait(self, step: int) -> tuple[_Produced, int]:
@@ -309,12 +384,14 @@ class RolloutPipeline:
                 self._request(trainer.step + 1 + self.s)
         staleness = step - 1 - version
         self.staleness_counts[staleness] += 1
-        busy, idle = self.clock.take()
+        busy, idle, load = self.clock.take()
+        stage_s, self._stage_s = self._stage_s, 0.0
         t_total = time.perf_counter() - t_step
         metrics.update({
             "time/rollout": waited, "time/step": t_total, "perf/tokens_per_s": totals["rollout/tokens"] / max(t_total, 1e-9),
             "async/staleness": float(staleness), "async/weights_version": float(version), "async/queue_depth": float(depth),
             "async/trainer_wait_s": waited, "async/producer_busy_s": busy, "async/producer_idle_s": idle,
+            "async/producer_load_s": load, "async/trainer_stage_s": stage_s,
             "async/dropped_batches": float(self.dropped), **search,
             **{f"async/staleness_count_{i}": float(c) for i, c in enumerate(self.staleness_counts)},
         })  # fmt: skip
@@ -328,6 +405,13 @@ class RolloutPipeline:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        with self._cond:
+            staged, self._staged = list(self._staged.values()), {}
+        for st in staged:  # uploaded, never loaded: free the servers' copies
+            try:
+                self.trainer.engine.discard_weights(st)
+            except Exception:
+                pass
 
 
 def _seed(trainer: PipelineTrainer, step: int) -> int:

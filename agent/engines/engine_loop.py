@@ -58,6 +58,27 @@ class EngineStepError(RuntimeError):
     """The engine failed on this request (also when it ran alone)."""
 
 
+#: Errors after which an engine serves nothing again (vLLM's ``EngineDeadError``: its engine core or a worker
+#: process died, e.g. killed for memory). Matched by class name anywhere in the chain, so vLLM need not be imported.
+FATAL_ENGINE_ERRORS = ("EngineDeadError",)
+
+
+def is_fatal(error: BaseException) -> bool:
+    """The engine died with ``error`` (:data:`FATAL_ENGINE_ERRORS`), rather than failing one request."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ in FATAL_ENGINE_ERRORS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _Fatal(Exception):
+    """The engine died: the loop stops, /health reports it and the server exits (``on_fatal``)."""
+
+
 class EngineLoop:
     """The one thread that owns the engine: loads it, admits generations, steps it, runs barriers."""
 
@@ -140,8 +161,13 @@ class EngineLoop:
                     self._step()
         except _Stop:
             pass
+        except _Fatal as fatal:
+            self.status, self.error = "failed", str(fatal)
+            log.error("the engine died: %s; failing every request and stopping the server", self.error)
+            if self.on_fatal is not None:
+                self.on_fatal(self.error)
         finally:
-            err = RuntimeError("the generation server is shutting down")
+            err = RuntimeError("the generation server is shutting down" if self.status == "ok" else f"the engine died: {self.error}")
             for job, _ in list(self._jobs.values()):
                 _resolve(job.future, exc=err)
             for _, _, fut in waiting:
@@ -160,6 +186,8 @@ class EngineLoop:
             self._submit(job, range(len(prompts)))
         except Exception as e:  # noqa: BLE001 - requests already submitted finish and are dropped
             _resolve(fut, exc=e)
+            if is_fatal(e):
+                raise _Fatal(f"{type(e).__name__}: {e}") from e
         self.counters["prompts"] += len(prompts)
 
     def _submit(self, job: _GenJob, indices) -> None:
@@ -185,6 +213,8 @@ class EngineLoop:
         try:
             finished = self.engine.step()
         except Exception as e:  # noqa: BLE001 - isolate the request that broke it
+            if is_fatal(e):
+                raise _Fatal(f"{type(e).__name__}: {e}") from e
             self._rerun_alone(e)
             return
         self._collect(finished)
@@ -218,6 +248,8 @@ class EngineLoop:
                 while self.engine.has_unfinished():
                     self._collect(self.engine.step())
             except Exception as e:  # noqa: BLE001 - this request is the culprit
+                if is_fatal(e):
+                    raise _Fatal(f"{type(e).__name__}: {e}") from e
                 mine = [rid for rid, (j, _) in self._jobs.items() if j is job]
                 for rid in mine:
                     del self._jobs[rid]

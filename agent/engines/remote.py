@@ -32,6 +32,7 @@ import random
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,6 +78,16 @@ def _raise_if_done(futs: list[cf.Future], what: str) -> None:
         if f.done():
             f.result()  # a 4xx/5xx raises here
             raise RemoteEngineError(f"a generation server answered before the collective step and {what}")
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """Weights uploaded to the servers and not yet loaded (:meth:`RemoteEngine.stage_weights`)."""
+
+    sync_id: str
+    buckets: int
+    tensors: int
+    tag: str | None = None
 
 
 class RemoteEngine:
@@ -358,6 +369,16 @@ class RemoteEngine:
         return self._load_http(adapters, tag, lora=lora)
 
     def _load_http(self, state_dict: dict[str, torch.Tensor], tag: str | None, *, lora: dict | None = None) -> list[int]:
+        staged = self.stage_weights(state_dict, tag)
+        return self.commit_weights(staged, lora=lora)
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], tag: str | None = None) -> StagedWeights:
+        """Upload HF-named weights to every replica without loading them (the http transport's buckets): the served
+        weights do not change, so this may run while requests are in flight (an asynchronous run uploads the next
+        weights while the current batch generates). :meth:`commit_weights` loads them; :meth:`discard_weights` frees
+        them. A replica keeps one staged sync: staging another discards it."""
+        if self.weight_sync != "http":
+            raise RuntimeError("stage_weights needs weight_sync='http' (the collective transport sends while loading)")
         from safetensors.torch import save
 
         sync_id = uuid.uuid4().hex
@@ -369,19 +390,34 @@ class RemoteEngine:
                 self._all(lambda u, i=i, body=body: self._request("POST", f"{u}/weights/{sync_id}/bucket/{i}", content=body),
                           tolerate_loss=True)
                 del body
-            commit = {"buckets": len(meta), "tensors": len(state_dict), "tag": tag}
-            if lora is not None:
-                commit["lora"] = lora
-            answers = self._all(lambda u: self._request("POST", f"{u}/weights/{sync_id}/commit", json=commit, retry_5xx=False).json(),
+        except BaseException:
+            self.discard_weights(StagedWeights(sync_id, len(meta), len(state_dict), tag))
+            raise
+        return StagedWeights(sync_id, len(meta), len(state_dict), tag)
+
+    def commit_weights(self, staged: StagedWeights, *, lora: dict | None = None) -> list[int]:
+        """Load a staged sync (:meth:`stage_weights`) on every replica; returns their new ``weights_version``. Refused
+        while requests are in flight. A failed commit frees the staged buckets (nothing was loaded)."""
+        if self._inflight:
+            raise RuntimeError("commit_weights while requests are in flight; let the rollout finish first")
+        commit = {"buckets": staged.buckets, "tensors": staged.tensors, "tag": staged.tag}
+        if lora is not None:
+            commit["lora"] = lora
+        try:
+            answers = self._all(lambda u: self._request("POST", f"{u}/weights/{staged.sync_id}/commit", json=commit, retry_5xx=False).json(),
                                 tolerate_loss=True)
         except BaseException:
-            for u in self.urls:  # free the staged buckets; nothing was loaded where the commit did not run
-                try:
-                    self._http.delete(f"{u}/weights/{sync_id}")
-                except httpx.HTTPError:
-                    pass
+            self.discard_weights(staged)
             raise
         return [a["weights_version"] for a in answers]
+
+    def discard_weights(self, staged: StagedWeights) -> None:
+        """Free a staged sync on every replica (nothing is loaded); unreachable replicas are skipped."""
+        for u in self.urls:
+            try:
+                self._http.delete(f"{u}/weights/{staged.sync_id}")
+            except httpx.HTTPError:
+                pass
 
     def _load_collective(self, state_dict: dict[str, torch.Tensor], tag: str | None, *, lora: dict | None = None) -> list[int]:
         from agent.engines.collective import CollectiveSender

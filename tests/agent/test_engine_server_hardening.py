@@ -359,3 +359,51 @@ def test_refusals_before_binding_and_flag_names(capsys, monkeypatch):
                                     header_timeout=4.0, max_idle_connections=9)  # fmt: skip
     assert got.max_bucket_bytes == 8 << 20 and got.engine_options()["seed"] == 3
     assert config_from_args(EngineServeConfig, serve_parser().parse_args(["--model", "m", "--collective-allow"])).collective_allow == []
+
+
+class EngineDeadError(RuntimeError):
+    """Named as vLLM's: its engine core or a worker process died (e.g. the worker was killed for memory)."""
+
+
+class DyingEngine(HFEngine):
+    """The real transformers engine with one injected fault: a batch holding token POISON kills it, as vLLM's
+    engine dies when its worker process is killed (every later step would fail or hang)."""
+
+    def _generate_batch(self, prompts, params, seeds, max_tokens):
+        if any(POISON in p for p in prompts):
+            try:
+                raise RuntimeError("Worker proc VllmWorker-0 died unexpectedly (exit code: -9)")
+            except RuntimeError as e:
+                raise EngineDeadError("EngineCore encountered an issue") from e
+        return super()._generate_batch(prompts, params, seeds, max_tokens)
+
+
+def test_a_dead_engine_fails_every_request_reports_it_and_stops_the_server(untied_tiny_dir):
+    """An engine that died is not retried request by request (the old loop kept /health at ok while later requests
+    hung): every request in flight or waiting fails with the cause, the status becomes failed and on_fatal stops the
+    server (exit code 1), so clients and supervisors see it at once."""
+    from agent.engines.engine_loop import is_fatal
+
+    fatal: list[str] = []
+    loop = EngineLoop(lambda: DyingEngine(str(untied_tiny_dir), max_model_len=256), max_wait_s=0.5, on_fatal=fatal.append)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 120
+        while loop.status == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loop.status == "ok"
+        futures = [loop.generate(prompts, [GREEDY] * len(prompts)) for prompts in ([[5, 6]], [[10, POISON, 11]], [[12, 13]])]
+        errors = [f.exception(timeout=120) for f in futures]
+        assert all(e is not None and "EngineDeadError" in str(e) for e in errors), errors
+        assert loop.status == "failed" and "EngineDeadError" in loop.error and fatal == [loop.error]
+        assert loop.counters["failed_steps"] == 0  # not rerun request by request on a dead engine
+    finally:
+        loop.stop()
+    assert is_fatal(EngineDeadError("x")) and not is_fatal(RuntimeError("injected fault"))
+    try:
+        try:
+            raise EngineDeadError("core died")
+        except EngineDeadError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert is_fatal(outer)  # found anywhere in the chain

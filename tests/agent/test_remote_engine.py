@@ -166,6 +166,41 @@ def test_weight_sync_serves_exactly_the_new_weights_on_every_replica(servers, lo
     remote.close()
 
 
+def test_staged_weights_upload_while_generating_and_load_only_on_commit(servers, local, weights, untied_tiny_dir):
+    """stage_weights uploads while requests are in flight and changes nothing served; commit_weights loads exactly
+    those weights (refused while requests are in flight); discard_weights frees a staged sync, which then cannot load."""
+    original, perturbed = weights
+    url = servers[0].url
+    remote = RemoteEngine(url, model_path=str(untied_tiny_dir), api_key=KEY, bucket_bytes=64 << 10)
+    prompts = _prompts(local.tokenizer)
+    remote.load_weights(original)
+    expected_old = remote.generate(prompts, GREEDY)
+    version = _version(servers[0])
+    for i, prompt in enumerate(prompts):  # in flight while the next weights upload
+        remote.submit(f"r{i}", prompt, GREEDY)
+    staged = remote.stage_weights(perturbed, tag="staged")
+    assert staged.buckets > 1 and staged.tensors == len(perturbed)
+    with pytest.raises(RuntimeError, match="in flight"):
+        remote.commit_weights(staged)
+    done: dict[str, object] = {}
+    while remote.has_unfinished():
+        done.update(remote.step(timeout=1.0))
+    _same([done[f"r{i}"] for i in range(len(prompts))], expected_old)  # the batch in flight finished on the old weights
+    assert _version(servers[0]) == version
+    assert remote.commit_weights(staged) == [version + 1] == [_version(servers[0])]
+    assert httpx.get(url + "/health").json()["weights_tag"] == "staged"
+    local.load_weights(perturbed)
+    _same(remote.generate(prompts, GREEDY), local.generate(prompts, GREEDY))
+    again = remote.stage_weights(original)
+    remote.discard_weights(again)
+    with pytest.raises(ValueError, match="HTTP 409"):
+        remote.commit_weights(again)
+    assert _version(servers[0]) == version + 1
+    remote.load_weights(original)
+    local.load_weights(original)
+    remote.close()
+
+
 def test_aborted_or_mismatched_sync_leaves_the_old_weights(servers, local, weights, untied_tiny_dir):
     original, perturbed = weights
     url, h = servers[0].url, {"X-API-Key": KEY}

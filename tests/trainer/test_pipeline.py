@@ -36,7 +36,7 @@ def _cfg(out, model_dir, urls, *extra):
 
 def _compared(history):
     return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/", "async/producer", "async/trainer_wait",
-                                                             "async/queue_depth"))} for m in history]
+                                                             "async/trainer_stage", "async/queue_depth"))} for m in history]
 
 
 def test_schedule():
@@ -107,6 +107,20 @@ def test_async_run_staleness_resume_and_versions(tmp_path, tiny_model_dir, two_s
     assert [m["async/staleness"] for m in resumed[0]] == [0.0, 1.0]
     assert [m["async/weights_version"] for m in resumed[0]] == [2.0, 2.0]
     assert _compared(resumed[0]) == _compared(resumed[1])
+
+
+def test_staged_weight_upload_changes_no_batch(tmp_path, tiny_model_dir, two_servers):
+    """rollout.stage_weights: the trainer uploads each version while the batch generates and the producer only commits
+    it; the run is the same as with the producer uploading (every metric but timings), and the upload moved."""
+    from trainer.loop import train
+
+    url = two_servers[0].url
+    staged = train(_cfg(tmp_path / "staged", tiny_model_dir, [url]))
+    plain = train(_cfg(tmp_path / "plain", tiny_model_dir, [url], "rollout.stage_weights=false"))
+    assert _compared(staged) == _compared(plain)
+    assert sum(m["async/trainer_stage_s"] for m in staged) > 0.0  # versions 1 and 2 were staged by the trainer
+    assert all(m["async/trainer_stage_s"] == 0.0 for m in plain)
+    assert httpx.get(url + "/health").json()["weights_tag"] == "step-2"
 
 
 def test_sigint_with_generations_in_flight(tmp_path, tiny_model_dir, two_servers):
