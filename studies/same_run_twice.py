@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "same_run_twice.json"))
     p.add_argument("--work", default="/tmp/emapg-same-run-twice", help="folder for the two runs and the servers' logs (emptied first)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep every step's checkpoint (SmolLM2: ~1.6 GB each, two "
+                   "runs x --steps of them); by default they are removed once compared")
     harness.add_arguments(p)
     args = p.parse_args(argv)
     provenance = harness.start(__file__, quick=args.quick, allow_dirty=args.allow_dirty)
@@ -184,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[same_run_twice] {name} run: {walls[-1]:.0f} s", flush=True)
     report["train_s"] = walls
     report.update(compare_runs(work / "first", work / "second", steps))
+    if not args.keep_checkpoints:  # compared: the runs' logs stay, their checkpoints go
+        from trainer.checkpoint import step_dir_name
+
+        for name in ("first", "second"):
+            for step in range(1, steps + 1):
+                shutil.rmtree(work / name / step_dir_name(step), ignore_errors=True)
     for row in report["steps"]:
         print(f"[same_run_twice] step {row['step']}: batch {'same' if row['batch_identical'] else 'DIFFERS'} "
               f"({row['trajectories_differ']} of {row['trajectories']} trajectories differ), metrics "

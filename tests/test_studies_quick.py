@@ -60,3 +60,4 @@ def test_same_run_twice_quick(tmp_path):
     report = _quick("same_run_twice", tmp_path, "--work", str(tmp_path / "work"))
     assert [r["step"] for r in report["steps"]] == [1, 2] and all(r["trajectories"] > 0 for r in report["steps"])
     assert all(r["weights"].get("tensors", 0) > 0 for r in report["steps"])  # every checkpoint compared
+    assert not list((tmp_path / "work").glob("*/step_*"))  # then removed (a SmolLM2 run's are ~1.6 GB a step)
