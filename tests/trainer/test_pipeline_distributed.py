@@ -22,7 +22,7 @@ def _worker(rank: int, world: int, port: int, out: str, model_dir: str, url: str
     from trainer import distributed as D
     from trainer.loop import Trainer
 
-    calls = count_calls(RemoteEngine, ["load_weights", "generate", "submit"])
+    calls = count_calls(RemoteEngine, ["load_weights", "stage_weights", "commit_weights", "generate", "submit"])
     trainer = Trainer(_cfg(f"{out}/run", model_dir, [url], f"run.total_steps={STEPS}", "run.save_every=0")).setup()
     try:
         history = trainer.train()
@@ -38,9 +38,11 @@ def test_rank0_produces_every_rank_trains(tmp_path, tiny_model_dir):
         mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(tiny_model_dir), server.url), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["step"] for r in ranks] == [STEPS, STEPS]
-    assert ranks[1]["calls"] == {"load_weights": 0, "generate": 0, "submit": 0}
+    assert ranks[1]["calls"] == {"load_weights": 0, "stage_weights": 0, "commit_weights": 0, "generate": 0, "submit": 0}
     c = ranks[0]["calls"]
-    assert c["load_weights"] == 2 and c["generate"] + c["submit"] > 0  # v0 (batches 1, 2), v1 (batch 3)
+    # v0 (batches 1, 2), v1 (batch 3) loaded: every http load ends in one commit (staged by the trainer's thread and
+    # committed by the producer, or uploaded and committed by the producer's load_weights)
+    assert c["commit_weights"] == 2 and c["generate"] + c["submit"] > 0
     for r in ranks:
         assert [m["async/staleness"] for m in r["history"]] == [0.0, 1.0, 1.0]
         assert all(m["reward/mean"] == m["reward/mean"] for m in r["history"])
