@@ -120,15 +120,20 @@ class PoisonedEngine(HFEngine):
         return super()._generate_batch(prompts, params, seeds, max_tokens)
 
 
+def _start(loop: EngineLoop) -> None:
+    """Start the loop and wait (up to 120 s) until its engine has loaded."""
+    loop.start()
+    deadline = time.monotonic() + 120
+    while loop.status == "loading" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loop.status == "ok"
+
+
 def test_a_request_that_breaks_an_engine_step_fails_alone(untied_tiny_dir):
     """Validation cannot foresee every failure: when a step fails, each of its requests runs again alone."""
     loop = EngineLoop(lambda: PoisonedEngine(str(untied_tiny_dir), max_model_len=256), max_wait_s=0.5)
-    loop.start()
+    _start(loop)
     try:
-        deadline = time.monotonic() + 120
-        while loop.status == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert loop.status == "ok"
         jobs = [[[5, 6], [7, 8, 9]], [[10, POISON, 11]], [[12, 13, 14]]]
         futures = [loop.generate(prompts, [GREEDY] * len(prompts)) for prompts in jobs]  # one batch (0.5 s collect)
         results = [f.exception(timeout=120) or f.result() for f in futures]
@@ -386,12 +391,8 @@ def test_a_dead_engine_fails_every_request_reports_it_and_stops_the_server(untie
 
     fatal: list[str] = []
     loop = EngineLoop(lambda: DyingEngine(str(untied_tiny_dir), max_model_len=256), max_wait_s=0.5, on_fatal=fatal.append)
-    loop.start()
+    _start(loop)
     try:
-        deadline = time.monotonic() + 120
-        while loop.status == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert loop.status == "ok"
         futures = [loop.generate(prompts, [GREEDY] * len(prompts)) for prompts in ([[5, 6]], [[10, POISON, 11]], [[12, 13]])]
         errors = [f.exception(timeout=120) for f in futures]
         assert all(e is not None and "EngineDeadError" in str(e) for e in errors), errors
