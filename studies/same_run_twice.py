@@ -51,7 +51,10 @@ TIMING_PREFIXES = ("time/", "perf/", "throughput/", "memory/", "mem/", "eta")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """A run's jsonl records (:func:`emapg.jsonl.read_jsonl`: a line cut by a kill mid-write is skipped); none if absent."""
+    from emapg.jsonl import read_jsonl as read
+
+    return read(path) if path.is_file() else []
 
 
 def batches(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
