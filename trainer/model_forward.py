@@ -149,10 +149,68 @@ def _shared_prompt_hidden(
         last_prompt = out.last_hidden_state[inverse, -1:]
         if T == 1:
             return last_prompt
+        if torch.is_grad_enabled() and last_prompt.requires_grad:
+            last_prompt = _cut_at_the_prompt(body, cache, last_prompt)
         # The last column predicts nothing, so the response block stops one short of it.
         rest = body(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, P:-1],
                     past_key_values=cache, use_cache=True).last_hidden_state
     return torch.cat([last_prompt, rest], dim=1)
+
+
+class _PromptCut(torch.autograd.Function):
+    """The graph cut between a shared prompt's pass and the response block that reads it.
+
+    ``forward(anchor, prompt_outputs)`` returns aliases of the prompt pass's outputs (the last prompt hidden state,
+    every layer's keys and values) that the autograd graph does not link to the prompt pass: its only tracked input is
+    ``anchor``, an empty leaf. ``backward`` receives their gradients once the response block's backward is done and
+    runs the prompt pass's backward from them (a nested ``torch.autograd.backward``, as reentrant checkpointing does).
+
+    Why: every decoder weight is used by both passes, so in one backward the engine would hold each weight's
+    response-block gradient until the prompt pass's backward (last, by sequence number) added its own -- every layer's
+    gradient beside ``.grad`` at once under gradient accumulation (SmolLM2-135M, micro-batches of 2: +405 MiB at the
+    second micro-batch's peak, measured). Cut, each weight has one use per graph and its gradient is added into
+    ``.grad`` as soon as it is built. The sum is the same up to float rounding (response part, then prompt part)."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, prompt_outputs: list[Tensor], trainable: Tensor | None) -> tuple[Tensor, ...]:
+        ctx.prompt_outputs, ctx.trainable = prompt_outputs, trainable  # a list: not tracked as inputs
+        return tuple(t.detach() for t in prompt_outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[None, None, None]:
+        outputs, ctx.prompt_outputs = ctx.prompt_outputs, None
+        if ctx.trainable is not None:
+            from torch.autograd.graph import get_gradient_edge
+
+            try:
+                into_grad = torch._C._will_engine_execute_node(get_gradient_edge(ctx.trainable).node)
+            except RuntimeError:  # torch refuses the question for a leaf's accumulator under autograd.grad
+                into_grad = False
+            if not into_grad:
+                raise RuntimeError("a shared-prompt training pass reaches the weights through .backward() only (its "
+                                   "prompt part is a nested backward into .grad): run torch.autograd.grad, or "
+                                   "backward(inputs=...) without the weights, with share_prompt=False")
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return None, None, None
+
+
+def _cut_at_the_prompt(body: nn.Module, cache, last_prompt: Tensor) -> Tensor:
+    """Cut the graph between the prompt pass and the response block (:class:`_PromptCut`): ``cache``'s layers get the
+    cut keys and values in place; returns the cut ``last_prompt``. A cache without per-layer ``keys``/``values`` is
+    left as it is (one backward through both passes, as before)."""
+    layers = list(getattr(cache, "layers", []))
+    if not layers or not all(isinstance(getattr(layer, "keys", None), Tensor) and
+                             isinstance(getattr(layer, "values", None), Tensor) for layer in layers):
+        return last_prompt
+    outputs = [last_prompt] + [t for layer in layers for t in (layer.keys, layer.values)]
+    # the autograd.grad guard reads one weight's accumulator; FSDP2 trains unsharded copies of its weights, not these
+    trainable = None if _is_sharded(body) else next((p for p in body.parameters() if p.requires_grad), None)
+    cut = _PromptCut.apply(torch.empty(0, device=last_prompt.device, requires_grad=True), outputs, trainable)
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = cut[1 + 2 * i], cut[2 + 2 * i]
+    return cut[0]
 
 
 def _is_sharded(body: nn.Module) -> bool:
