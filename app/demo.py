@@ -9,13 +9,15 @@
    (``rollout.engine=remote``), so the engine (vLLM: ~45 s) starts once, not once per stage;
 4. evaluate the starter on held-out questions of all seven QA sets (the same seeded sample per set in
    both evaluations, a subset of the recorded held-out split ``data/qa/heldout.json``; no training,
-   warm-start or selection question is among them);
+   warm-start or selection question is among them), and on a seeded sample of the search slice
+   (``data/qa/search_slice.json``: held-out multi-hop questions a second search can answer), greedy then sampled;
 5. train it with EMA-PG on the answerable training pool (``qa_pool``: bundled QA questions outside every
    held-out split whose answer the bundled index retrieves; ``data/qa/pool/``) for the preset's steps;
 6. evaluate the trained policy on the same questions;
 7. write the report: starter vs trained per dataset and pooled over all questions, with the paired
    bootstrap interval of the difference (:mod:`eval.learning`), the reward / format-rate /
-   searches-per-question / KL-estimate curves of every step, all metrics side by side, example
+   searches-per-question / KL-estimate curves of every step, all metrics side by side, how each policy
+   searched per slice (search slice, reader slice, rest), one trajectory that searched twice, example
    trajectories; stop the server; print the report folder as the last line.
 
 The console shows stage banners, progress bars and results; each stage's own output (vLLM,
@@ -75,6 +77,9 @@ class DemoPreset:
     eval_overrides: tuple[str, ...] = ()
     sampled_n: int = 2  # samples per question of the sampled evaluation (mean@k at the training temperature)
     sampled_overrides: tuple[str, ...] = ()
+    # held-out search-slice questions (data/qa/search_slice.json: the first search does not show the gold, a second
+    # search can), evaluated beside the eval_limit ones the same two ways (a seeded sample; 0: none)
+    search_limit: int = 0
 
 
 PresetName = Literal["default", "tiny"]
@@ -96,6 +101,7 @@ PRESETS: dict[str, DemoPreset] = {
         # trajectories/s: 105 x 4 would add ~5.5 min to the 15-min demo); studies/learning_search.py scores mean@4
         sampled_n=2,
         sampled_overrides=("--batch-size", "53"),  # 53 questions x 2 samples per vLLM batch
+        search_limit=15,
     ),
     # CI-sized: a 1.7M-parameter random model, a 2k-passage index; checks the plumbing, not learning.
     "tiny": DemoPreset(
@@ -109,6 +115,7 @@ PRESETS: dict[str, DemoPreset] = {
         train_overrides=("logging.progress=false", "logging.tensorboard=false"),
         eval_overrides=("--max-tokens", "32", "--max-turns", "2"),
         sampled_n=2,
+        search_limit=2,
     ),
 }
 
@@ -129,6 +136,14 @@ def _bar(total: int, desc: str, unit: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty(), leave=True)
+
+
+def _search_slice_size(limit: int) -> tuple[list[str], int]:
+    """The recorded search slice's datasets and how many of its questions ``--slice search --limit limit`` evaluates."""
+    from tasks.multihop import search_slice_ids
+
+    ids = search_slice_ids()
+    return list(ids), sum(min(limit, len(v)) for v in ids.values())
 
 
 def _count_lines(paths: list[Path]) -> int:
@@ -268,11 +283,53 @@ def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
     return "\n".join(blocks)
 
 
+def _two_search_trajectories(out: Path) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """Per policy (``base``, ``trained``), how many of its evaluated trajectories (greedy and sampled, every question)
+    searched at least twice, and the report's section showing one of them: the trained policy's before the starter's,
+    search-slice questions first, greedy before sampled, a right answer preferred; it says so when none did."""
+    from eval.items import items_file, read_items
+
+    counts: dict[str, dict[str, int]] = {}
+    found: list[tuple[str, str, int, dict[str, Any], dict[str, Any]]] = []
+    for label in ("trained", "base"):
+        total = twice = 0
+        for suffix in ("_search", "_search_sampled", "", "_sampled"):
+            folder = out / f"eval_{label}{suffix}"
+            for ds in QA_DATASETS:
+                for r in read_items(folder, ds) if items_file(folder, ds).is_file() else ():
+                    for k, sample in enumerate(r.get("samples") or ()):
+                        total += 1
+                        if int(sample.get("searches") or 0) >= 2:
+                            twice += 1
+                            found.append((label, suffix, k, r, sample))
+        counts[label] = {"trajectories": total, "searched_twice": twice}
+    lines = ["## A held-out trajectory with two searches", ""]
+    if not found:
+        return counts, lines + [f"None of the {counts['trained']['trajectories']} trained and {counts['base']['trajectories']} "
+                                "starter trajectories evaluated (greedy and sampled) searched twice.", ""]
+    label, suffix, k, r, sample = next((f for f in found if (f[4].get("scores") or {}).get("em")), found[0])
+    flags = sample.get("search_gold") or []
+    queries = " → ".join(f"`{q}`" + (" (its passages show the gold)" if i < len(flags) and flags[i] else "")
+                         for i, q in enumerate(sample.get("queries") or []))
+    em = (sample.get("scores") or {}).get("em")
+    how = f"sample {k + 1}" if suffix.endswith("_sampled") else "greedy"
+    return counts, lines + [
+        f"Trajectories that searched at least twice: trained {counts['trained']['searched_twice']} of "
+        f"{counts['trained']['trajectories']}, starter {counts['base']['searched_twice']} of {counts['base']['trajectories']} "
+        "(greedy and sampled, every question evaluated). One of them:", "",
+        f"**{r.get('dataset')}** `{r.get('id')}` ({'trained' if label == 'trained' else 'starter'} policy, {how}"
+        f"{', a search-slice question' if '_search' in suffix else ''}) — question: {r.get('question')}  ",
+        f"gold: {r.get('golds')} · queries: {queries} · prediction: {sample.get('prediction')!r} · EM {em}", "",
+        f"```text\n{str(sample.get('response') or '')[:3000]}\n```", ""]
+
+
 def _sampled_learning(out: Path) -> dict[str, Any]:
     """The sampled evaluations compared (:func:`eval.learning.compare_sampled`): over all the demo's held-out
     questions, and over those of them in the reader slice (:mod:`eval.reader_slice`): ``reader_questions`` counts
-    them (:func:`eval.reader_slice.evaluated_in_slice`); ``reader`` is their comparison, None when the count is 0."""
-    from eval.learning import compare_sampled, evaluated_datasets, samples_per_question
+    them (:func:`eval.reader_slice.evaluated_in_slice`); ``reader`` is their comparison, None when the count is 0.
+    ``search``: the search-slice questions' own evaluations compared, sampled (``sampled``) and greedy (``greedy``,
+    :func:`eval.learning.compare_learning`); None when the demo evaluated none."""
+    from eval.learning import compare_learning, compare_sampled, evaluated_datasets, samples_per_question
     from eval.reader_slice import evaluated_in_slice, load_reader_slice
 
     base, trained = out / "eval_base_sampled", out / "eval_trained_sampled"
@@ -280,8 +337,25 @@ def _sampled_learning(out: Path) -> dict[str, Any]:
     in_slice = evaluated_in_slice(base, datasets, load_reader_slice())
     questions = sum(len(ids) for ids in in_slice.values())
     reader = compare_sampled(base, trained, datasets, only=in_slice) if questions else None
+    search = None
+    if (out / "eval_trained_search_sampled").is_dir():
+        search_datasets = evaluated_datasets(out / "eval_base_search_sampled")
+        search = {"sampled": compare_sampled(out / "eval_base_search_sampled", out / "eval_trained_search_sampled", search_datasets),
+                  "greedy": compare_learning(out / "eval_base_search", out / "eval_trained_search", search_datasets)}
     return {"samples": samples_per_question(base, datasets), "all": compare_sampled(base, trained, datasets),
-            "reader": reader, "reader_questions": questions}
+            "reader": reader, "reader_questions": questions, "search": search}
+
+
+def _search_slice_results(sampled: dict[str, Any]) -> dict[str, Any]:
+    """results.json's ``search_slice``: ``questions`` (search-slice questions evaluated beside the held-out sample);
+    when > 0, sampled mean@k EM (``sampled_em_start``, ``sampled_em_end``, ``difference``) and greedy EM
+    (``greedy_em_start``, ``greedy_em_end``, ``greedy_difference``) over them, percent."""
+    out: dict[str, Any] = {"file": "data/qa/search_slice.json", "questions": 0}
+    if sampled["search"] is not None:
+        s, g = sampled["search"]["sampled"]["mean_em"]["pooled"], sampled["search"]["greedy"]["pooled"]
+        out.update(questions=s["n"], sampled_em_start=s["base"], sampled_em_end=s["trained"], difference=s["difference"],
+                   greedy_em_start=g["base"], greedy_em_end=g["trained"], greedy_difference=g["difference"])
+    return out
 
 
 def _reader_slice_results(sampled: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +370,7 @@ def _reader_slice_results(sampled: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_search(results: dict[str, Any], out: Path) -> None:
-    """Searches per question (greedy, all held-out questions) of both policies, and the per-slice search metrics
+    """Searches per question (greedy, every question evaluated) of both policies, and the per-slice search metrics
     (:mod:`eval.search_metrics`) under ``search``. Contract: ``base.searches_per_question``, ``trained.searches_per_question``."""
     from eval.search_metrics import demo_section
 
@@ -336,8 +410,9 @@ def _results(preset_name: str, preset: DemoPreset, out: Path, train_dir: Path, l
                        "datasets": {ds: b["difference"] for ds, b in learning["datasets"].items()}},
         "sampled": {"samples": sampled["samples"], "temperature": _train_config(preset).rollout.temperature, "seed": SAMPLING_SEED,
                     "all": s_all, "reader": s_reader,
-                    "reader_questions": sampled["reader_questions"]},
+                    "reader_questions": sampled["reader_questions"], "search": sampled["search"]},
         "reader_slice": _reader_slice_results(sampled),
+        "search_slice": _search_slice_results(sampled),
         "heldout": {"datasets": list(QA_DATASETS), "per_dataset": preset.eval_limit, "data_seed": 0, "questions": pooled["n"],
                     "protocol": runs["base"]["protocol"]},
         "learning": learning,
@@ -478,6 +553,11 @@ def _sampled_lines(results: dict[str, Any]) -> list[str]:
     if smp["reader"]:
         r = smp["reader"]["mean_em"]["pooled"]
         rows.append(row(f"reader slice, sampled mean@{k} EM", r["n"], r["base"], r["trained"], r["difference"]))
+    ss = results["search_slice"]
+    if ss["questions"]:
+        rows += [row(f"search slice, sampled mean@{k} EM", ss["questions"], ss["sampled_em_start"], ss["sampled_em_end"],
+                     ss["difference"]),
+                 row("search slice, greedy EM", ss["questions"], ss["greedy_em_start"], ss["greedy_em_end"], ss["greedy_difference"])]
     lines = [f"Sampled at the training temperature (T = {smp['temperature']:g}, {k} samples per question, sampling seed "
              f"{smp['seed']} for both policies, so the samples are paired), small-compute RL shows first: it sharpens the "
              "answers the policy already samples before it flips a greedy answer. Greedy exact match is the paper's metric "
@@ -487,6 +567,11 @@ def _sampled_lines(results: dict[str, Any]) -> list[str]:
                  "starter was shown when it answered greedily: better reading, the skill RL can teach here, shows there "
                  f"first. {smp['reader_questions']} of these {a['mean_em']['pooled']['n']} questions are in it"
                  + (" (counted from the questions evaluated)." if smp["reader"] else ", so it has no row here."))
+    if ss["questions"]:
+        lines.append(f"The search slice (`data/qa/search_slice.json`) holds held-out multi-hop questions whose first search "
+                     "(the question text) does not show the gold answer and a second search can: searching again, not "
+                     f"reading, answers them. {ss['questions']} of them were evaluated beside the "
+                     f"{a['mean_em']['pooled']['n']} (not pooled into \"all\").")
     return lines
 
 
@@ -507,7 +592,9 @@ def _report_md(results: dict[str, Any], learning: dict[str, Any], compare_md: st
         *_movement_lines(t),
         f"- held-out evaluation: {results['heldout']['per_dataset']} questions x {len(QA_DATASETS)} QA test sets "
         f"= {results['heldout']['questions']} questions, the same for both policies, protocol "
-        f"`{results['heldout']['protocol']['name']}`, greedy and sampled", "",
+        f"`{results['heldout']['protocol']['name']}`, greedy and sampled"
+        + (f"; and {results['search_slice']['questions']} search-slice questions (`data/qa/search_slice.json`) the same two "
+           "ways" if results["search_slice"]["questions"] else ""), "",
         "## Held-out accuracy, sampled and greedy", "",
         *_sampled_lines(results), "",
         "![held-out EM, greedy and sampled, with paired 95% intervals](em.png)", "",
@@ -610,25 +697,33 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
             stages.logs["engine"] = str(log_dir / "engine.log")
             stages.seconds["servers"] = time.monotonic() - t
             print(f"generation engine starting at {engine.url} (log: {log_dir / 'engine.log'})", flush=True)
-            eval_common = ["--suite", "qa", "--limit", str(preset.eval_limit), "--data-seed", "0", "--retriever-url", url,
+            eval_common = ["--suite", "qa", "--data-seed", "0", "--retriever-url", url,
                            "--engine", "remote", "--engine-urls", engine.url, "--engine-wait", str(ENGINE_STARTUP_S),
                            "--no-progress", *preset.eval_overrides]  # fmt: skip
-            n_questions = preset.eval_limit * len(QA_DATASETS)
+            # (folder suffix, arguments, datasets, questions): the held-out sample, then the search-slice questions
+            question_sets = [("", ["--limit", str(preset.eval_limit)], list(QA_DATASETS), preset.eval_limit * len(QA_DATASETS))]
+            if preset.search_limit:
+                question_sets.append(("_search", ["--slice", "search", "--limit", str(preset.search_limit)],
+                                      *_search_slice_size(preset.search_limit)))
 
             train_temperature = _train_config(preset).rollout.temperature
             sampled_args = ["--n", str(preset.sampled_n), "--temperature", str(train_temperature), "--top-p", "1.0",
                             "--seed", str(SAMPLING_SEED), *preset.sampled_overrides]
 
             def evaluate(label: str, model: str, name: str) -> None:
-                """Greedy, then sampled (mean@k at the training temperature) on the same held-out questions."""
-                for folder, extra in ((f"eval_{label}", []), (f"eval_{label}_sampled", sampled_args)):
-                    items = [out / folder / "items" / f"{ds}.jsonl" for ds in QA_DATASETS]
-                    stages.run(folder, ["eval", "--model", model, "--out", str(out / folder), "--name", name, *eval_common,
-                                        *extra], progress=lambda items=items: _count_lines(items), total=n_questions, unit="q")
+                """Greedy, then sampled (mean@k at the training temperature), on the held-out sample and then on the
+                search-slice questions."""
+                for suffix, which, datasets, n_questions in question_sets:
+                    for folder, extra in ((f"eval_{label}{suffix}", []), (f"eval_{label}{suffix}_sampled", sampled_args)):
+                        items = [out / folder / "items" / f"{ds}.jsonl" for ds in datasets]
+                        stages.run(folder, ["eval", "--model", model, "--out", str(out / folder), "--name", name + suffix,
+                                            *eval_common, *which, *extra],
+                                   progress=lambda items=items: _count_lines(items), total=n_questions, unit="q")
 
+            search_part = (f" and {question_sets[1][3]} search-slice questions" if len(question_sets) > 1 else "")
             stages.banner(4, total, f"evaluating the starter policy on {preset.eval_limit} held-out questions x "
-                                    f"{len(QA_DATASETS)} QA datasets (greedy, then {preset.sampled_n} samples each at "
-                                    f"T = {train_temperature:g})")
+                                    f"{len(QA_DATASETS)} QA datasets{search_part} (greedy, then {preset.sampled_n} samples "
+                                    f"each at T = {train_temperature:g})")
             try:
                 evaluate("base", preset.policy, "starter")
             except UserError:
@@ -668,9 +763,10 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
         plot_learning({"greedy EM": learning, f"sampled mean@{sampled['samples']} EM": sampled["all"]["mean_em"]}, report / "em.png")
         results = _results(preset_name, preset, out, train_dir, learning, pool, stages, sampled)
         _add_search(results, out)
+        results["two_searches"], two_search_md = _two_search_trajectories(out)
         (report / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         md = _report_md(results, learning, compare_md, _example_trajectories(out / "eval_trained"), curves.name)
-        md = md.rstrip("\n") + "\n\n" + "\n".join(search_demo_lines(results["search"])) + "\n"
+        md = md.rstrip("\n") + "\n\n" + "\n".join([*search_demo_lines(results["search"]), *two_search_md]) + "\n"
         (report / "report.md").write_text(md)
         shutil.copy2(preset.train_config, report / "train_config.yaml")
         d = learning["pooled"]["difference"]
@@ -696,8 +792,9 @@ class DemoConfig:
 
     preset: PresetName = option(
         "default", help="default: the starter SmolLM2-135M search policy on the whole bundled corpus, evaluated on "
-        "105 held-out questions (15 per QA set, inside data/qa/heldout.json) before and after 8 EMA-PG steps on the "
-        "answerable training pool (qa_pool); tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
+        "105 held-out questions (15 per QA set, inside data/qa/heldout.json) and 15 search-slice questions "
+        "(data/qa/search_slice.json) before and after 8 EMA-PG steps on the answerable training pool (qa_pool); "
+        "tiny: a random 1.7M-parameter model on a 2k-passage index (CI smoke run, ~2 min)")
     out: str | None = option(None, help="run folder (default runs/demo-<preset>-<timestamp>)")
 
 

@@ -110,19 +110,23 @@ def evaluated_datasets(run_dir: str | Path) -> list[str]:
 
 
 def sampling_protocol(run_dir: str | Path) -> str:
-    """How an evaluation answered each question, in words: ``greedy``, or ``sampled mean@n (T=..., top_p=...)``
-    (its ``results.json`` protocol, or ``run.json``'s while it runs); two evaluations compare like for like only under
-    the same one."""
+    """How an evaluation answered each question, and of which recorded slice, in words: ``greedy``, or ``sampled
+    mean@n (T=..., top_p=...)``, followed by ``, search slice`` (or ``reader``) for a run restricted to a recorded
+    slice (``emapg eval --slice``); from its ``results.json`` (``run.json``'s fingerprint while it runs). Two
+    evaluations compare like for like only under the same one: the demo's greedy run of its 105 held-out questions and
+    its greedy run of search-slice questions answer alike but not the same questions."""
     results, run = Path(run_dir) / "results.json", Path(run_dir) / "run.json"
     if results.is_file():
-        p = json.loads(results.read_text())["protocol"]
+        record = json.loads(results.read_text())
     elif run.is_file():
-        p = json.loads(run.read_text())["fingerprint"]["protocol"]
+        record = json.loads(run.read_text())["fingerprint"]
     else:
         raise ValueError(f"{run_dir}: neither results.json nor run.json says how it sampled")
+    p = record["protocol"]
+    where = f", {record['slice']} slice" if record.get("slice") not in (None, "none") else ""
     if float(p["temperature"]) == 0 and int(p["n"]) == 1:
-        return "greedy"
-    return f"sampled mean@{int(p['n'])} (T={float(p['temperature']):g}, top_p={float(p['top_p']):g})"
+        return "greedy" + where
+    return f"sampled mean@{int(p['n'])} (T={float(p['temperature']):g}, top_p={float(p['top_p']):g})" + where
 
 
 def _percent_difference(a: list[float], b: list[float], seed: int, resamples: int) -> dict[str, float | int]:

@@ -146,21 +146,20 @@ def _records(run_dir, datasets: Sequence[str]) -> list[dict[str, Any]]:
     return [r for ds in datasets if items_file(Path(run_dir), ds).is_file() for r in read_items(Path(run_dir), ds)]
 
 
-def runs_report(greedy_dir, sampled_dir, datasets: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """:func:`slice_report` of an evaluation folder pair (either may be None), read from their ``items/``."""
-    return slice_report(_records(sampled_dir, datasets) if sampled_dir is not None else None,
-                        _records(greedy_dir, datasets) if greedy_dir is not None else None)
-
-
 def demo_section(out, datasets: Sequence[str]) -> dict[str, Any]:
     """The demo's search report: per policy (``base``, ``trained``) the slices of its greedy (``eval_<label>``) and
-    sampled (``eval_<label>_sampled``) evaluations under ``out``."""
+    sampled (``eval_<label>_sampled``) evaluations under ``out``, each joined by its search-slice evaluation
+    (``eval_<label>_search``, ``eval_<label>_search_sampled``) where the demo ran one: ``all`` is every question
+    evaluated."""
     from pathlib import Path
 
     out = Path(out)
-    return {label: runs_report(out / f"eval_{label}", out / f"eval_{label}_sampled"
-                               if (out / f"eval_{label}_sampled").is_dir() else None, datasets)
-            for label in ("base", "trained")}
+
+    def records(label: str, tail: str) -> list[dict[str, Any]] | None:
+        found = [d for d in (out / f"eval_{label}{tail}", out / f"eval_{label}_search{tail}") if d.is_dir()]
+        return [r for d in found for r in _records(d, datasets)] if found else None
+
+    return {label: slice_report(records(label, "_sampled"), records(label, "")) for label in ("base", "trained")}
 
 
 def demo_lines(section: Mapping[str, Mapping[str, Any]]) -> list[str]:

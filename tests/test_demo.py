@@ -76,22 +76,51 @@ def test_make_demo_tiny_writes_a_report(tmp_path, demo_env):
     assert "## Where the misses are" in md and "wrong although a gold answer was in the passages shown" in md
     assert md.index("## Held-out accuracy, sampled and greedy") < md.index("## Starter vs trained per dataset")
     assert "sampled mean@2 EM" in md and "qa_pool" in md
-    # issue 53: searches per question of both policies (greedy, all held-out questions) and the per-slice search metrics
-    for label in ("base", "trained"):
-        spq = results[label]["searches_per_question"]
-        greedy = [json.loads(line) for name in QA_DATASETS
-                  for line in (out / f"eval_{label}" / "items" / f"{name}.jsonl").read_text().splitlines()]
-        assert spq == pytest.approx(sum(r["samples"][0]["searches"] for r in greedy) / len(greedy), abs=1e-4)
-        rows = results["search"][label]
-        assert set(rows) == {"search", "reader", "rest", "all"} and rows["all"]["questions"] == 2 * len(QA_DATASETS)
-        assert sum(rows[s]["questions"] for s in ("search", "reader", "rest")) == rows["all"]["questions"]
-        assert {"searched_again_rate", "second_holds_gold_rate", "sampled_em", "sampled_f1", "greedy_em"} <= set(rows["all"])
-    assert "## Searching, per slice" in md
+    # issue 53: searches per question of both policies (greedy, every question evaluated), the per-slice search
+    # metrics, the search-slice questions evaluated beside the held-out sample, one trajectory that searched twice
+    _search_slice_is_reported(out, results, md)
     # with its output not a terminal, the training stage printed one plain line per step
     assert proc.stdout.count("  train step ") == 2 and "ETA" in proc.stdout
     assert (report / "training_curves.png").is_file()
     _reader_slice_row_counts_the_questions_evaluated(out, results, md)
     _viewer_summary_equals_the_report(report, results)
+
+
+def _items(folder: Path) -> list[dict]:
+    return [json.loads(line) for name in QA_DATASETS if (folder / "items" / f"{name}.jsonl").is_file()
+            for line in (folder / "items" / f"{name}.jsonl").read_text().splitlines()]
+
+
+def _search_slice_is_reported(out: Path, results: dict, md: str) -> None:
+    """The tiny preset evaluates 2 search-slice questions (data/qa/search_slice.json) beside its 2 x 7 held-out ones,
+    greedy and sampled, for both policies; they join every per-slice count, and a row of their own compares them."""
+    from tasks.multihop import search_slice_ids
+
+    recorded = search_slice_ids()
+    ss = results["search_slice"]
+    assert ss["questions"] == 2 and ss["file"] == "data/qa/search_slice.json"
+    for label in ("base", "trained"):
+        searched = _items(out / f"eval_{label}_search")
+        assert len(searched) == 2 and all(r["id"] in recorded[r["dataset"]] for r in searched)
+        greedy = _items(out / f"eval_{label}") + searched
+        assert results[label]["searches_per_question"] == pytest.approx(
+            sum(r["samples"][0]["searches"] for r in greedy) / len(greedy), abs=1e-4)
+        rows = results["search"][label]
+        assert set(rows) == {"search", "reader", "rest", "all"} and rows["all"]["questions"] == 2 * len(QA_DATASETS) + 2
+        assert sum(rows[s]["questions"] for s in ("search", "reader", "rest")) == rows["all"]["questions"]
+        assert rows["search"]["questions"] >= 2
+        assert {"searched_again_rate", "second_holds_gold_rate", "sampled_em", "sampled_f1", "greedy_em"} <= set(rows["all"])
+        every = [smp for folder in ("", "_sampled", "_search", "_search_sampled")
+                 for r in _items(out / f"eval_{label}{folder}") for smp in r["samples"]]
+        assert len(every) == (2 * len(QA_DATASETS) + 2) * 3  # one greedy and 2 sampled trajectories per question
+        assert results["two_searches"][label] == {"trajectories": len(every), "searched_twice": sum(smp["searches"] >= 2 for smp in every)}
+    for key in ("sampled_em_start", "sampled_em_end", "greedy_em_start", "greedy_em_end"):
+        assert 0.0 <= ss[key] <= 100.0
+    assert ss["difference"]["mean"] == pytest.approx(ss["sampled_em_end"] - ss["sampled_em_start"])
+    assert ss["greedy_difference"]["mean"] == pytest.approx(ss["greedy_em_end"] - ss["greedy_em_start"])
+    assert "| search slice, sampled mean@2 EM | 2 |" in md and "| search slice, greedy EM | 2 |" in md
+    assert "## Searching, per slice" in md and "## A held-out trajectory with two searches" in md
+    assert all(Path(results["logs"][f"eval_{label}_search{tail}"]).is_file() for label in ("base", "trained") for tail in ("", "_sampled"))
 
 
 def _reader_slice_row_counts_the_questions_evaluated(out: Path, results: dict, md: str) -> None:
@@ -129,6 +158,10 @@ def _viewer_summary_equals_the_report(report: Path, results: dict) -> None:
         assert (got["difference"], got["interval"]) == (d["mean"], [d["low"], d["high"]])
     crossed = client.get(f"/api/summary?a={by_name['eval_base']}&b={by_name['eval_trained_sampled']}")
     assert crossed.status_code == 409 and "greedy" in crossed.json()["detail"] and "sampled mean@2" in crossed.json()["detail"]
+    other_questions = client.get(f"/api/summary?a={by_name['eval_base']}&b={by_name['eval_trained_search']}")
+    assert other_questions.status_code == 409 and "search slice" in other_questions.json()["detail"]
+    got = client.get(f"/api/summary?a={by_name['eval_base_search']}&b={by_name['eval_trained_search']}").json()
+    assert (got["em_a"], got["em_b"]) == (results["search_slice"]["greedy_em_start"], results["search_slice"]["greedy_em_end"])
 
 
 def test_ctrl_c_stops_every_process_and_keeps_the_cache(tmp_path, demo_env):

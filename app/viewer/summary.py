@@ -16,7 +16,7 @@ from emapg.errors import UserError
 
 
 class NotComparable(UserError):
-    """Two evaluations that do not compare like for like (another protocol, other questions)."""
+    """Two evaluations that do not compare like for like (another protocol, another recorded slice of questions)."""
 
 
 def protocol_of(path: Path) -> str:
@@ -35,7 +35,7 @@ def check_like_for_like(label_a: str, path_a: Path, label_b: str, path_b: Path) 
     a, b = protocol_of(path_a), protocol_of(path_b)
     if a != b or a == "unknown":
         raise NotComparable(f"{label_a} is {a} and {label_b} is {b}: not like for like; compare greedy with greedy, "
-                            "sampled with sampled")
+                            "sampled with sampled, on the same questions")
     return a
 
 

@@ -74,3 +74,21 @@ def test_compare_sampled_pairs_mean_em_f1_and_pass_and_restricts_to_a_slice(tmp_
     assert sliced["mean_em"]["pooled"]["base"] == pytest.approx(25.0) and sliced["mean_em"]["pooled"]["trained"] == pytest.approx(75.0)
     with pytest.raises(ValueError, match="not evaluated"):
         paired_items(base, trained, ["nq"], only={"nq": ["1", "99"]})
+
+
+@pytest.mark.parametrize("where", ["results.json", "run.json"])
+def test_the_sampling_protocol_names_a_recorded_slice_so_other_questions_do_not_pair(tmp_path, where):
+    """Two runs answer alike but compare like for like only on the same questions: a run restricted to a recorded
+    slice (``emapg eval --slice``) says so; ``none`` (every question) and an older record without the key say nothing."""
+    from eval.learning import sampling_protocol
+
+    greedy = {"n": 1, "temperature": 0.0, "top_p": 1.0}
+    sampled = {"n": 2, "temperature": 1.0, "top_p": 1.0}
+    cases = [(greedy, "search", "greedy, search slice"), (greedy, "none", "greedy"), (greedy, None, "greedy"),
+             (sampled, "reader", "sampled mean@2 (T=1, top_p=1), reader slice"), (sampled, "none", "sampled mean@2 (T=1, top_p=1)")]
+    for i, (protocol, slice_name, expected) in enumerate(cases):
+        record = {"protocol": protocol, **({"slice": slice_name} if slice_name is not None else {})}
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / where).write_text(json.dumps(record if where == "results.json" else {"fingerprint": record}))
+        assert sampling_protocol(run) == expected
