@@ -145,12 +145,15 @@ def _shared_prompt_hidden(
         cache = out.past_key_values
         if cache is None or cache.get_seq_length() != P:
             return None
+        last_prompt = out.last_hidden_state[:, -1:]
+        if T > 1 and torch.is_grad_enabled() and last_prompt.requires_grad:
+            # cut before the gather: the gradients the cut holds until the prompt pass's backward are one per distinct
+            # prompt, as the prompt pass's own nodes would hold them; the gather's backward sums the rows' at once
+            last_prompt = _cut_at_the_prompt(body, cache, last_prompt)
         cache.reorder_cache(inverse)
-        last_prompt = out.last_hidden_state[inverse, -1:]
+        last_prompt = last_prompt[inverse]
         if T == 1:
             return last_prompt
-        if torch.is_grad_enabled() and last_prompt.requires_grad:
-            last_prompt = _cut_at_the_prompt(body, cache, last_prompt)
         # The last column predicts nothing, so the response block stops one short of it.
         rest = body(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, P:-1],
                     past_key_values=cache, use_cache=True).last_hidden_state
