@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -278,9 +279,17 @@ def _example_trajectories(eval_dir: Path, n: int = 2) -> str:
         blocks.append(
             f"**{items.stem}** — question: {row.get('question')!s}  \n"
             f"gold: {row.get('golds') or row.get('answers')} · prediction: {row.get('prediction')!r}\n\n"
-            f"```text\n{str(text)[:3000]}\n```\n"
+            f"{_text_block(str(text)[:3000])}\n"
         )
     return "\n".join(blocks)
+
+
+def _text_block(text: str) -> str:
+    """``text`` as a fenced Markdown block whose fence is longer than any run of backticks in it, so a trajectory
+    that writes a fence of its own cannot end the block and have the rest rendered as Markdown."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
 
 
 def _two_search_trajectories(out: Path) -> tuple[dict[str, dict[str, int]], list[str]]:
@@ -320,7 +329,7 @@ def _two_search_trajectories(out: Path) -> tuple[dict[str, dict[str, int]], list
         f"**{r.get('dataset')}** `{r.get('id')}` ({'trained' if label == 'trained' else 'starter'} policy, {how}"
         f"{', a search-slice question' if '_search' in suffix else ''}) — question: {r.get('question')}  ",
         f"gold: {r.get('golds')} · queries: {queries} · prediction: {sample.get('prediction')!r} · EM {em}", "",
-        f"```text\n{str(sample.get('response') or '')[:3000]}\n```", ""]
+        _text_block(str(sample.get("response") or "")[:3000]), ""]
 
 
 def _sampled_learning(out: Path) -> dict[str, Any]:

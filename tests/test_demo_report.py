@@ -42,3 +42,14 @@ def test_the_two_search_section_says_so_when_no_trajectory_searched_twice(tmp_pa
     counts, lines = _two_search_trajectories(tmp_path)
     assert counts == {"trained": {"trajectories": 2, "searched_twice": 0}, "base": {"trajectories": 1, "searched_twice": 0}}
     assert "None of the 2 trained and 1 starter trajectories evaluated (greedy and sampled) searched twice." in lines
+
+
+def test_a_trajectory_that_writes_its_own_fence_stays_inside_the_block(tmp_path):
+    """A response holding ``` (or longer runs) cannot end the report's block and have the rest rendered as Markdown."""
+    from app.demo import _text_block
+
+    response = "<search>a</search>\n```\n<script>alert(1)</script>\n````\n# heading"
+    block = _text_block(response)
+    fence = block.split("text\n", 1)[0]
+    assert fence == "`````" and block.endswith("\n" + fence) and response in block
+    assert _text_block("plain").startswith("```text\n")
