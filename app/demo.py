@@ -711,9 +711,11 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
                            "--no-progress", *preset.eval_overrides]  # fmt: skip
             # (folder suffix, arguments, datasets, questions): the held-out sample, then the search-slice questions
             question_sets = [("", ["--limit", str(preset.eval_limit)], list(QA_DATASETS), preset.eval_limit * len(QA_DATASETS))]
+            search_questions = 0
             if preset.search_limit:
-                question_sets.append(("_search", ["--slice", "search", "--limit", str(preset.search_limit)],
-                                      *_search_slice_size(preset.search_limit)))
+                search_datasets, search_questions = _search_slice_size(preset.search_limit)
+                question_sets.append(("_search", ["--slice", "search", "--limit", str(preset.search_limit)], search_datasets,
+                                      search_questions))
 
             train_temperature = _train_config(preset).rollout.temperature
             sampled_args = ["--n", str(preset.sampled_n), "--temperature", str(train_temperature), "--top-p", "1.0",
@@ -729,7 +731,7 @@ def run_demo(preset_name: str, out: Path | None) -> Path:
                                             *eval_common, *which, *extra],
                                    progress=lambda items=items: _count_lines(items), total=n_questions, unit="q")
 
-            search_part = (f" and {question_sets[1][3]} search-slice questions" if len(question_sets) > 1 else "")
+            search_part = f" and {search_questions} search-slice questions" if search_questions else ""
             stages.banner(4, total, f"evaluating the starter policy on {preset.eval_limit} held-out questions x "
                                     f"{len(QA_DATASETS)} QA datasets{search_part} (greedy, then {preset.sampled_n} samples "
                                     f"each at T = {train_temperature:g})")
