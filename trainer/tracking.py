@@ -140,10 +140,13 @@ class Tracker:
             self._wandb.log(values, step=step)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Append a few decoded trajectories to ``samples.jsonl`` (for reading what the policy does)."""
+        """Append a few decoded trajectories to ``samples.jsonl`` (for reading what the policy does); a NaN/inf reward
+        or advantage is written as a string, as in ``metrics.jsonl`` (bare ``NaN`` is not JSON: a browser's parser,
+        the viewer's, refuses the whole response)."""
         if not self.enabled or not samples:
             return
-        append_jsonl(self.run_dir / SAMPLES_FILE, [{"step": step, **s} for s in samples], escape_non_ascii=True, durable=False)
+        rows = [{"step": step, **{k: _plain(v) for k, v in s.items()}} for s in samples]
+        append_jsonl(self.run_dir / SAMPLES_FILE, rows, escape_non_ascii=True, durable=False)
 
     def message(self, text: str) -> None:
         """A line above the progress bar (or on the console's stderr: :func:`emapg.console.echo`)."""

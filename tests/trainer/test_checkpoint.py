@@ -159,6 +159,22 @@ def test_metrics_are_truncated_on_resume(tmp_path):
     assert any((tmp_path / "tensorboard").iterdir())
 
 
+def test_samples_write_a_nan_reward_as_json(tmp_path):
+    """A NaN reward or advantage in samples.jsonl is a string, as in metrics.jsonl: every line is strict JSON."""
+    t = Tracker(tmp_path, total_steps=2, tensorboard=False, progress=False)
+    t.log_samples(1, [{"reward": float("nan"), "advantage": float("-inf"), "question": "q", "segments": [{"tokens": 3}]},
+                      {"reward": 1.0, "advantage": 0.5, "question": "r", "segments": []}])
+    t.close()
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+
+    def strict(token: str) -> None:
+        raise ValueError(token)
+
+    rows = [json.loads(line, parse_constant=strict) for line in lines]  # bare NaN/Infinity would raise
+    assert [(r["step"], r["reward"], r["advantage"]) for r in rows] == [(1, "nan", "-inf"), (1, 1.0, 0.5)]
+    assert rows[0]["segments"] == [{"tokens": 3}]
+
+
 # ------------------------------------------------------------------------------------------ verification
 
 # Every file kind a checkpoint holds (the policy folder is what `save_pretrained` writes for tiny-qwen2).
