@@ -34,6 +34,7 @@ class ContaminationCheck:
     record_file: Path | None  # the trained_questions.json read; None: the model folder has none
     record: TrainedQuestions | None
     trained_ids: dict[str, set[str]] = field(default_factory=dict)  # dataset -> ids of trained-on questions
+    unchecked_because: str | None = None  # why no record was read (None when one was)
 
     @property
     def excluded(self) -> dict[str, int]:
@@ -41,7 +42,7 @@ class ContaminationCheck:
 
     def summary(self) -> dict[str, Any]:
         """``results.json``'s ``contamination`` section."""
-        return {"checked": self.record is not None,
+        return {"checked": self.record is not None, "unchecked_because": self.unchecked_because,
                 "trained_questions_file": str(self.record_file) if self.record_file is not None else None,
                 "trained_questions_count": self.record.count if self.record is not None else None,
                 "trained_questions_digest": self.record.digest if self.record is not None else None,
@@ -60,9 +61,13 @@ def check_contamination(model_path: str | None, examples: Mapping[str, Sequence[
     ``model_path`` (a folder; anything else has no record). Refuses (:class:`UserError`) when a question was
     trained on, unless ``score_apart``; also when every question of the run was (nothing unseen is left to score)."""
     folder = Path(model_path) if model_path else None
-    record = read_trained_questions(folder) if folder is not None and folder.is_dir() else None
+    if folder is None or not folder.is_dir():
+        return ContaminationCheck(None, None, unchecked_because=f"the model {model_label} is not a local folder (a hub "
+                                  "name, or a name only the engine knows), so no trained_questions.json can be read")
+    record = read_trained_questions(folder)
     if record is None:
-        return ContaminationCheck(None, None)
+        return ContaminationCheck(None, None, unchecked_because=f"the model's folder has no {TRAINED_QUESTIONS} (a model "
+                                  "not trained by emapg, or trained before it recorded its questions)")
     check = ContaminationCheck(folder / TRAINED_QUESTIONS, record,
                                {ds: {ex.id for ex in exs if record.contains(ex.question)} for ds, exs in examples.items()})
     excluded = check.excluded

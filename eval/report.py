@@ -304,8 +304,9 @@ def contamination_line(results: dict[str, Any]) -> str:
     if not c:
         return "contamination check: not recorded (results written before the guard existed)"
     if not c["checked"]:
-        return ("contamination check: none possible -- the model's folder has no trained_questions.json (a model not "
-                "trained by emapg, or trained before it recorded its questions)")
+        because = c.get("unchecked_because") or ("the model's folder has no trained_questions.json (a model not "
+                                                 "trained by emapg, or trained before it recorded its questions)")
+        return f"contamination check: none possible -- {because}"
     record = f"{c['trained_questions_count']} trained-on questions, digest `{c['trained_questions_digest'][:12]}`"
     if not c["excluded"]:
         return f"contamination check: no question here is one the model was trained on ({record})"

@@ -15,6 +15,7 @@ from emapg.errors import UserError
 from emapg.paths import CONFIG_DIR
 from eval.contamination import check_contamination
 from eval.learning import compare_learning
+from eval.report import contamination_line
 from tasks.contamination import TRAINED_QUESTIONS, TrainedQuestions, read_trained_questions
 from tasks.datasets import load_dataset
 
@@ -120,9 +121,18 @@ def test_eval_refuses_a_trained_question_scores_it_apart_on_request_and_runs_on_
 
 def test_models_without_a_record_are_unchecked_and_a_damaged_record_is_refused(tmp_path, tiny_model_dir, capsys):
     examples = {"math500": load_dataset("math500", limit=2, seed=0)}
-    assert check_contamination(str(tiny_model_dir), examples, score_apart=False, model_label="x").summary() == \
-        {"checked": False, "trained_questions_file": None, "trained_questions_count": None,
-         "trained_questions_digest": None, "excluded": {}, "excluded_ids": {}}
+    no_record = check_contamination(str(tiny_model_dir), examples, score_apart=False, model_label="x").summary()
+    assert no_record == {"checked": False, "unchecked_because": no_record["unchecked_because"], "trained_questions_file": None,
+                         "trained_questions_count": None, "trained_questions_digest": None, "excluded": {}, "excluded_ids": {}}
+    assert "folder has no trained_questions.json" in no_record["unchecked_because"]
+    assert "folder has no trained_questions.json" in contamination_line({"contamination": no_record})
+    # a model that is no local folder (a hub name, or a name only the engine knows; eval.runner._model_path None) is
+    # not blamed on a missing file
+    for path in (None, "org/some-hub-model"):
+        hub = check_contamination(path, examples, score_apart=False, model_label="org/some-hub-model").summary()
+        assert not hub["checked"] and "org/some-hub-model is not a local folder" in hub["unchecked_because"]
+        assert "not a local folder" in contamination_line({"contamination": hub})
+        assert "trained_questions.json (a model" not in contamination_line({"contamination": hub})
     everything = TrainedQuestions.from_questions({"x": [ex.question for ex in examples["math500"]]})
     everything.write(tmp_path)
     with pytest.raises(UserError, match="nothing unseen is left to score"):
