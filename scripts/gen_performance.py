@@ -76,8 +76,8 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 #: a list counting each), ``mean(...)`` (a subset of equal-sized parts), ``median(...)``, ``sd(...)`` (the sample
 #: standard deviation) and ``exp(A)`` (a probability from a log-probability), optionally ending in ``*100``, ``/60``,
 #: ``*1000``, ``/1000``, ``/1000000`` or ``/1000000000`` (a fraction as a percentage, seconds as minutes, seconds as ms,
-#: MB as GB, bytes as MB or GB).
-BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*:-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?)")
+#: MB as GB, bytes as MB or GB). A comma belongs to the figure only between digits (1,234), so "4, then" keeps its comma.
+BOUND = re.compile(r"<!--@(?P<file>[\w.+/-]+):(?P<key>[\w.,+~/()*:-]+?)(?P<op>[*/]\d+)?-->(?P<figure>[+−-]?\d(?:,?\d)*(?:\.\d+)?(?:e[+−-]?\d+)?)")
 _OPS = {"": 1.0, "*100": 100.0, "/60": 1 / 60, "*1000": 1000.0, "/1000": 1 / 1000, "/1000000": 1e-6, "/1000000000": 1e-9}
 
 
@@ -192,7 +192,7 @@ UNIT = r"(?:%|\s?pp\b|×|x\b|\s?(?:ms|s|min|h|GB|GiB|MiB|MB|KiB|q/s|req/s|tokens
 FIGURE = re.compile(r"(?<![\w.@/:=#-])[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?(?![\w.]*\d)(?P<unit>" + UNIT + ")?")
 #: Text that holds no figure a reader takes for a measurement: code, HTML comments (with the bound figure after each),
 #: link targets, images, generated tables.
-_NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!--@[^>]*-->[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?|<!--.*?-->|\]\([^)]*\)|https?://\S+",
+_NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!--@[^>]*-->[+−-]?\d(?:,?\d)*(?:\.\d+)?(?:e[+−-]?\d+)?|<!--.*?-->|\]\([^)]*\)|https?://\S+",
                         re.S)
 
 

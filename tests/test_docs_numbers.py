@@ -219,3 +219,7 @@ def test_derived_figures_ratios_differences_and_ranges(tmp_path):
     assert disagreements(bytes_as_gb, results) == [] and gen.bind_numbers(bytes_as_gb.replace("0.82", "0.90"), results) == bytes_as_gb
     with pytest.raises(ValueError, match="where one is shown"):
         gen.bind_numbers("<!--@run:r.*.q-->4.0", results)  # a list needs min(...) or max(...)
+    # a comma after a bound figure is the sentence's, not a thousands separator: rewriting keeps it
+    listed = "(runs <!--@run:a-->3, <!--@run:b*1000-->1,500, and <!--@run:a-->3)"
+    assert [f for *_, f in gen.bound_numbers(listed)] == ["3", "1,500", "3"]
+    assert gen.bind_numbers(listed.replace("-->3,", "-->4,"), results) == listed
