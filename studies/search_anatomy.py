@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-from", default=None, help="an earlier report of this script: its rows of runs not finished "
                    "in --work are kept")
     p.add_argument("--out", default=str(RESULTS / "search_anatomy.json"), help="where to write the JSON")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     work = Path(args.work)
     if not work.is_dir():
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--work: no finished run with samples.jsonl in {work}")
     if args.keep_from and not Path(args.keep_from).is_file():
         p.error(f"--keep-from: no report at {args.keep_from}")
+    provenance = harness.start(__file__, quick=False, allow_dirty=args.allow_dirty)
     need = pool_need()
     rows: list[dict[str, Any]] = []
     for arm, seed, folder in runs:
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [r for r in earlier["rows"] if (r["arm"], int(r["seed"])) not in here]
     rows.sort(key=lambda r: (r["arm"], int(r["seed"]), int(r["step"])))
     report = {"study": "search_learning", "work": str(work), "created": harness.now(),
-              "provenance": harness.provenance(__file__),
+              "provenance": provenance,
               "samples": "the first group of every training step (samples.jsonl, log_samples rows)",
               **build(rows), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

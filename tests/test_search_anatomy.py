@@ -85,7 +85,7 @@ def test_main_reads_finished_runs_and_keeps_earlier_rows(tmp_path, monkeypatch, 
     _run(work, "emapg", 0, [_row(2, [GOLD, OTHER], advantage=-1.0, step=2)])
     _run(work, "grpo", 1, [_row(1, [GOLD])], finished=False)  # unfinished: left out
     out = tmp_path / "a.json"
-    assert sa.main(["--work", str(work), "--out", str(out)]) == 0
+    assert sa.main(["--work", str(work), "--out", str(out), "--allow-dirty"]) == 0
     first = json.loads(out.read_text())
     assert first["seeds"] == {"emapg": [0], "grpo": [0]}
     assert first["arms"]["grpo"]["by_pool_need"]["2"]["searched_again"]["advantage_sum"] == 0.5
@@ -95,7 +95,7 @@ def test_main_reads_finished_runs_and_keeps_earlier_rows(tmp_path, monkeypatch, 
     later = tmp_path / "later"
     _run(later, "grpo", 1, [_row(1, [GOLD], reward=1.0, advantage=0.0)])
     out2 = tmp_path / "b.json"
-    assert sa.main(["--work", str(later), "--keep-from", str(out), "--out", str(out2)]) == 0
+    assert sa.main(["--work", str(later), "--keep-from", str(out), "--out", str(out2), "--allow-dirty"]) == 0
     second = json.loads(out2.read_text())
     assert second["seeds"] == {"emapg": [0], "grpo": [0, 1]}
     assert len(second["rows"]) == 4

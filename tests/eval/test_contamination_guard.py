@@ -88,7 +88,8 @@ def test_eval_refuses_a_trained_question_scores_it_apart_on_request_and_runs_on_
     results = json.loads((apart / "results.json").read_text())
     record = read_trained_questions(trained_run / "step_1" / "policy")
     items = [json.loads(x) for x in (apart / "items" / "mix.jsonl").read_text().splitlines()]
-    assert results["contamination"] == {"checked": True, "excluded": {"mix": 2}, "trained_questions_count": record.count,
+    assert results["contamination"] == {"checked": True, "unchecked_because": None, "excluded": {"mix": 2},
+                                        "trained_questions_count": record.count,
                                         "trained_questions_digest": record.digest,
                                         "excluded_ids": {"mix": sorted(r["id"] for r in items[:2])},
                                         "trained_questions_file": str(trained_run / "step_1" / "policy" / TRAINED_QUESTIONS)}
