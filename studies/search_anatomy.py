@@ -143,9 +143,18 @@ def finished_runs(work: Path) -> list[tuple[str, int, Path]]:
     return runs
 
 
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    """The rows of a ``samples.jsonl`` (a bare NaN, as older runs wrote, read as NaN)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_samples(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The usable rows of a ``samples.jsonl`` and how many lines were skipped: a line torn by a kill, one that is not
+    JSON, or a row without a numeric ``step`` and ``reward`` (:func:`emapg.jsonl.parse_lines`)."""
+    from emapg.jsonl import parse_lines
+
+    records, skipped = parse_lines(path.read_bytes())
+    usable = [r for r in records if isinstance(r, dict) and _number(r.get("step")) and _number(r.get("reward"))]
+    return usable, skipped + len(records) - len(usable)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def markdown(report: Mapping[str, Any]) -> str:
@@ -180,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     provenance = harness.start(__file__, quick=False, allow_dirty=args.allow_dirty)
     need = pool_need()
     rows: list[dict[str, Any]] = []
+    skipped: dict[str, int] = {}
     for arm, seed, folder in runs:
-        rows += [compact(r, arm, seed) for r in classify(read_samples(folder / "samples.jsonl"), need)]
+        samples, skipped[f"{arm}-seed{seed}"] = read_samples(folder / "samples.jsonl")
+        rows += [compact(r, arm, seed) for r in classify(samples, need)]
     here = {(arm, seed) for arm, seed, _ in runs}
     if args.keep_from:
         earlier = json.loads(Path(args.keep_from).read_text())
@@ -190,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"study": "search_learning", "work": str(work), "created": harness.now(),
               "provenance": provenance,
               "samples": "the first group of every training step (samples.jsonl, log_samples rows)",
+              "skipped_lines": {run: n for run, n in skipped.items() if n},
               **build(rows), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(markdown(report))

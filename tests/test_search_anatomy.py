@@ -84,10 +84,13 @@ def test_main_reads_finished_runs_and_keeps_earlier_rows(tmp_path, monkeypatch, 
     _run(work, "grpo", 0, [_row(2, [OTHER, GOLD], reward=1.0, advantage=0.5), _row(1, [OTHER], advantage=-0.5)])
     _run(work, "emapg", 0, [_row(2, [GOLD, OTHER], advantage=-1.0, step=2)])
     _run(work, "grpo", 1, [_row(1, [GOLD])], finished=False)  # unfinished: left out
+    with open(work / "emapg-seed0" / "samples.jsonl", "a") as f:  # a row without a reward, then a line torn by a kill
+        f.write(json.dumps({"step": 3, "question": "q"}) + "\n" + '{"step": 4, "rew')
     out = tmp_path / "a.json"
     assert sa.main(["--work", str(work), "--out", str(out), "--allow-dirty"]) == 0
     first = json.loads(out.read_text())
     assert first["seeds"] == {"emapg": [0], "grpo": [0]}
+    assert first["skipped_lines"] == {"emapg-seed0": 2} and first["arms"]["emapg"]["trajectories"] == 1
     assert first["arms"]["grpo"]["by_pool_need"]["2"]["searched_again"]["advantage_sum"] == 0.5
     assert "| grpo | again_found_gold | 1 |" in capsys.readouterr().out
 
