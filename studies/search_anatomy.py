@@ -100,16 +100,17 @@ def anatomy(rows: Sequence[Mapping[str, Any]], steps: int) -> dict[str, Any]:
     for c in CLASSES:
         by_class[c]["share"] = round(by_class[c]["trajectories"] / total, 4) if total else None
     again = lambda r: r["behaviour"].startswith("again_")  # noqa: E731
+    one = lambda r: r["behaviour"].startswith("one_search")  # noqa: E731
     by_need: dict[str, Any] = {}
     for need in (1, 2):
         part = [r for r in rows if r["need"] == need]
         by_need[str(need)] = {"trajectories": len(part),
                               "searched_again": summary([r for r in part if again(r)]),
-                              "one_search": summary([r for r in part if r["behaviour"].startswith("one_search")])}
+                              "one_search": summary([r for r in part if one(r)])}
     half = steps // 2
     halves = {name: {"searched_again_share": round(sum(again(r) for r in part) / len(part), 4) if part else None,
                      "searched_again": summary([r for r in part if again(r)]),
-                     "one_search": summary([r for r in part if not again(r)])}
+                     "one_search": summary([r for r in part if one(r)])}
               for name, part in (("first_half", [r for r in rows if int(r["step"]) <= half]),
                                  ("second_half", [r for r in rows if int(r["step"]) > half]))}
     return {"trajectories": total, "by_behaviour": by_class, "by_pool_need": by_need, "by_half": halves}
