@@ -194,7 +194,14 @@ def resolve_devices(device: str) -> list[str]:
 
 
 class Encoder:
-    """Encode texts to L2-normalised float32 vectors (numpy) with one replica per device."""
+    """Encode texts to L2-normalised float32 vectors (numpy) with one replica per device.
+
+    ``batch_invariant``: every text gets its own forward pass (a row of its own length: no padding, no other text in it), so
+    its vector depends on the text alone, never on which texts were encoded with it. Batched and packed forwards
+    round differently with their shapes: served over the bundled index, 420 QA questions asked alone and in one
+    request changed 18 top-3 lists (9 as sets) with bf16 queries and none with fp32 (scores within 4e-7)
+    (``benchmarks/retriever_batch_invariance.py``).
+    """
 
     def __init__(
         self,
@@ -206,6 +213,7 @@ class Encoder:
         pack: bool = True,
         row_tokens: int = ROW_TOKENS,
         threads: int = 1,
+        batch_invariant: bool = False,
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -239,6 +247,7 @@ class Encoder:
         self.parallel = len(self.devices) if len(self.devices) > 1 else (1 if on_gpu else threads)
         self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="encoder") if self.parallel > 1 else None
         self._tokenizer_lock = threading.Lock()
+        self.batch_invariant = batch_invariant
         self.row_tokens = row_tokens
         self._packed_forwards: list[Forward] = [eager_forward(m) for m in self.models]
         # Packing texts into rows needs a model that honours 4D masks and position ids (BERT-family
@@ -258,7 +267,8 @@ class Encoder:
         """``texts`` (N,) -> float32 array (N, dim), rows in input order; ``batch_size`` texts per forward pass.
 
         On CPU with ``threads`` > 1 every forward batch is split into ``parts`` (default: ``threads``)
-        run at once; thread-safe: concurrent calls share the ``threads`` forwards in flight.
+        run at once; thread-safe: concurrent calls share the ``threads`` forwards in flight. With
+        ``batch_invariant`` every text is its own forward pass (``batch_size`` and ``parts`` do not apply).
         """
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
@@ -266,12 +276,15 @@ class Encoder:
             enc = self.tokenizer(texts, truncation=True, max_length=self.spec.max_length, padding=False)
         ids = enc["input_ids"]
         order = np.argsort([-len(x) for x in ids], kind="stable")  # longest first: OOM shows early
-        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        split = self.parallel if parts is None else max(1, min(parts, self.parallel))
+        if self.batch_invariant:  # one text per forward: its vector cannot depend on the others
+            batches = [order[i : i + 1] for i in range(len(order))]
+        else:
+            batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        split = 1 if self.batch_invariant else self.parallel if parts is None else max(1, min(parts, self.parallel))
         if len(self.models) < self.parallel and split > 1:  # CPU threads: every forward batch in parts, interleaved so their lengths match
             batches = [part for b in batches for part in (b[j :: split] for j in range(split)) if len(part)]
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        forward = self._forward_packed if self.packed else self._forward_padded
+        forward = self._forward_packed if self.packed else self._forward_padded  # a lone text's row is its own length
 
         def run(job: tuple[int, np.ndarray]) -> None:
             k, rows = job

@@ -4,10 +4,12 @@ Two numbers from two runs are only comparable when they searched the same passag
 the same weights in the same way and ranked by the same index. :func:`index_fingerprint` collects
 exactly those settings from an index's ``meta.json`` (corpus checksum and passage limit, row count,
 encoder name, a hash of its weight and tokenizer files, pooling, prefixes, max length,
-normalisation, encoding dtype, vector dim, FAISS index type, metric, nprobe, the IVF/PQ training
-sample and seed when the index type is trained, whether BM25 is fused in at serve time) and an ``id``: the sha256 of them, so two
-fingerprints are equal exactly when every setting is. What does not change a vector or a ranking
-(chunk size, batch size, device, progress bars, build timings, the corpus's path) is left out.
+normalisation, encoding dtype (and the query encoder's, when served below float32), vector dim,
+FAISS index type, metric, nprobe, the IVF/PQ training sample and seed when the index type is trained,
+whether BM25 is fused in at serve time) and an ``id``: the sha256 of them, so two fingerprints are equal
+exactly when every setting is. What does not change a vector or a ranking (chunk size, device, progress
+bars, build timings, the corpus's path) is left out. Batching is left out too, although it can move a
+reduced-precision query vector in its last bits (``emapg serve --batch-invariant`` removes that).
 
 ``emapg index build`` stores the fingerprint in ``meta.json``; an index built before fingerprints
 existed gets it computed when it is loaded (:func:`fingerprint_of`: ``meta.json`` already holds
@@ -53,10 +55,12 @@ def model_files_sha256(model_dir: str | Path) -> str:
 
 
 def index_fingerprint(meta: dict[str, Any], *, encoder_sha256: str, nprobe: int | None = None,
-                      hybrid_bm25: bool = False) -> dict[str, Any]:
+                      hybrid_bm25: bool = False, query_dtype: str | None = None) -> dict[str, Any]:
     """The fingerprint of the index described by ``meta`` (its ``meta.json``) whose encoder files hash
     to ``encoder_sha256``, searched with ``nprobe`` (default: the stored one) and optionally fused with
-    BM25: the settings, then ``id`` = sha256 of their canonical JSON."""
+    BM25, its queries encoded in ``query_dtype`` (None: float32): the settings, then ``id`` = sha256 of their
+    canonical JSON. A reduced-precision query encoder changes rankings (bf16: top-3 ids as fp32's for 97.8% of
+    3,125 QA questions), so it is a setting; float32 queries add nothing, and fingerprints from before keep their ids."""
     enc, corpus = meta["encoder"], meta["corpus"]
     settings = {
         "version": FINGERPRINT_VERSION,
@@ -80,21 +84,23 @@ def index_fingerprint(meta: dict[str, Any], *, encoder_sha256: str, nprobe: int 
     }
     if meta.get("rerank_depth"):  # only when set: fingerprints of indexes without a re-rank stage keep their ids
         settings["rerank_depth"] = meta["rerank_depth"]
+    if query_dtype not in (None, "float32"):  # likewise: only reduced-precision queries
+        settings["query_dtype"] = query_dtype
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return {"id": digest[:16], **settings}
 
 
 def fingerprint_of(index_dir: str | Path, meta: dict[str, Any] | None = None, *, nprobe: int | None = None,
-                   hybrid_bm25: bool = False) -> dict[str, Any]:
-    """The fingerprint of ``index_dir`` as served with ``nprobe`` / ``hybrid_bm25``: the one stored in its
-    ``meta.json`` when those are the build's defaults, else (an older index, or serve-time overrides)
-    computed from ``meta.json`` (the encoder's files are hashed; the corpus checksum is already there)."""
+                   hybrid_bm25: bool = False, query_dtype: str | None = None) -> dict[str, Any]:
+    """The fingerprint of ``index_dir`` as served with ``nprobe`` / ``hybrid_bm25`` / ``query_dtype``: the one stored
+    in its ``meta.json`` when those are the build's defaults (float32 queries), else (an older index, or serve-time
+    overrides) computed from ``meta.json`` (the encoder's files are hashed; the corpus checksum is already there)."""
     from emapg.models import resolve_model
     from retriever.index_files import read_meta
 
     meta = meta if meta is not None else read_meta(index_dir)
     stored = meta.get("fingerprint")
-    if isinstance(stored, dict) and not hybrid_bm25 and nprobe in (None, stored.get("nprobe")):
+    if isinstance(stored, dict) and not hybrid_bm25 and nprobe in (None, stored.get("nprobe")) and query_dtype in (None, "float32"):
         return stored
     encoder_sha256 = stored["encoder_sha256"] if isinstance(stored, dict) else model_files_sha256(resolve_model(meta["encoder"]["name"]))
-    return index_fingerprint(meta, encoder_sha256=encoder_sha256, nprobe=nprobe, hybrid_bm25=hybrid_bm25)
+    return index_fingerprint(meta, encoder_sha256=encoder_sha256, nprobe=nprobe, hybrid_bm25=hybrid_bm25, query_dtype=query_dtype)

@@ -113,6 +113,8 @@ class RouterConfig(ServerOptions):
                                      "shards' /health names, its weight files checked against their fingerprint); "
                                      "--no-encode forwards the text to every shard's /retrieve, so every shard encodes every query")  # fmt: skip
     encode_threads: int = option(0, help="--encode: CPU forward passes at once (0: CPU cores / OMP_NUM_THREADS), as `emapg serve`")
+    batch_invariant: bool = option(False, help="--encode: each query in a forward pass of its own, as `emapg serve --batch-invariant` (the shards search "
+                                               "each query alone with their own --batch-invariant)")
     max_batch: int = option(64, help="--encode: most queries encoded together across requests")
     max_wait_ms: float = option(5.0, ge=0, help="--encode: how long the first query of a batch may wait for company under concurrent traffic, in ms")
     regroup_wait_ms: float = option(5.0, ge=0, help="--encode: as `emapg serve --regroup-wait-ms`; the router adds the fan-out's "
@@ -286,7 +288,8 @@ class Router:
             mine = model_files_sha256(resolve_model(spec.name))
             if mine != fp["encoder_sha256"]:
                 raise ValueError(f"the encoder {spec.name!r} here has other weight files ({mine}) than the shards' ({fp['encoder_sha256']})")
-            return Encoder(spec, device="cpu", threads=self.cfg.encode_threads or default_encode_threads())
+            return Encoder(spec, device="cpu", threads=self.cfg.encode_threads or default_encode_threads(),
+                           batch_invariant=self.cfg.batch_invariant)
 
         try:
             self.encoder = await asyncio.get_running_loop().run_in_executor(executor, load)

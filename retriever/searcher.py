@@ -96,6 +96,7 @@ class Searcher:
         query_cache_size: int = 0,
         encode_threads: int = 1,
         mmap: bool = False,
+        batch_invariant: bool = False,
     ):
         import faiss
 
@@ -110,11 +111,13 @@ class Searcher:
             raise ValueError(f"{self.index_dir / INDEX_FILE} is not a readable FAISS index ({str(e).strip().splitlines()[-1]}); rebuild it") from None
         if index.ntotal != self.meta["rows"]:
             raise ValueError(f"{index_dir}: FAISS index has {index.ntotal} vectors, meta.json says {self.meta['rows']}")
-        self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16, bf16=bf16, threads=encode_threads)
+        self.encoder = Encoder(EncoderSpec.from_dict(self.meta["encoder"]), device=device, fp16=fp16, bf16=bf16, threads=encode_threads,
+                               batch_invariant=batch_invariant)
         from retriever.fingerprint import fingerprint_of
 
         # Served in /health: which index (and search settings) produced a number.
-        self.fingerprint = fingerprint_of(self.index_dir, self.meta, nprobe=nprobe, hybrid_bm25=hybrid_bm25)
+        self.fingerprint = fingerprint_of(self.index_dir, self.meta, nprobe=nprobe, hybrid_bm25=hybrid_bm25,
+                                          query_dtype=self.encoder.dtype)
         if self.encoder.dim != self.meta["dim"]:
             raise EncoderMismatchError(f"encoder produces {self.encoder.dim}-d vectors, the index holds {self.meta['dim']}-d")
         self.encode_batch_size = encode_batch_size
@@ -190,7 +193,7 @@ class Searcher:
         q = self._encode(queries, parts)
         t1 = time.perf_counter()
         if self.bm25 is None:
-            scores, idx = self.index.search(q, k)
+            scores, idx = self._index_search(q, k)
             idx = idx.astype(np.int64)
         else:
             with self._lock:
@@ -220,11 +223,23 @@ class Searcher:
                 cache.popitem(last=False)
         return np.stack([found[q] for q in queries])
 
+    def _index_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS search of ``q`` [B, dim] float32 -> (scores [B, k], ids [B, k]). With ``batch_invariant`` each query
+        is searched alone: FAISS scans for a few queries and multiplies matrices for more (``SCAN_AT_MOST_QUERIES``),
+        and the two round scores differently (~1e-7), which can reorder near-tied passages."""
+        if self.encoder.batch_invariant and len(q) > 1:
+            parts = [self._index_search(q[i : i + 1], k) for i in range(len(q))]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        if self.index_device == "cpu":
+            return self.index.search(q, k)
+        with self._gpu_lock:  # a GPU index takes one caller at a time
+            return self.index.search(q, k)
+
     def _hybrid(self, queries: list[str], q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import bm25s
 
         depth = min(len(self.store), max(4 * k, 20))  # fuse deeper lists than we return
-        _, dense = self.index.search(q, depth)
+        _, dense = self._index_search(q, depth)
         sparse, sparse_scores = self.bm25.retrieve(bm25s.tokenize(queries, stopwords="en", show_progress=False), k=depth, show_progress=False)
         sparse = np.where(np.asarray(sparse_scores) > 0, np.asarray(sparse, dtype=np.int64), -1)  # no shared term: no vote
         idx = np.full((len(queries), k), -1, dtype=np.int64)
@@ -255,11 +270,7 @@ class Searcher:
         looked up (the router's ``--docs`` reads them itself); -1 marks a missing hit."""
         k = min(topk, len(self.store))
         t0 = time.perf_counter()
-        if self.index_device == "cpu":
-            scores, idx = self.index.search(np.ascontiguousarray(q, dtype=np.float32), k)
-        else:  # a GPU index takes one caller at a time
-            with self._gpu_lock:
-                scores, idx = self.index.search(np.ascontiguousarray(q, dtype=np.float32), k)
+        scores, idx = self._index_search(np.ascontiguousarray(q, dtype=np.float32), k)
         with self._lock:
             self.stage_seconds["search"] += time.perf_counter() - t0
         return idx.astype(np.int64), scores
@@ -298,6 +309,7 @@ class Searcher:
             "encoder_packed_rows": self.encoder.packed,
             "encoder_traced": self.encoder.traced,
             "encoder_parallel_forwards": self.encoder.parallel,
+            "batch_invariant": self.encoder.batch_invariant,
             "concurrent_batches": self.concurrent_batches,
             "hybrid_bm25": self.bm25 is not None,
             "query_cache_size": self.query_cache_size,

@@ -37,7 +37,8 @@ FIGURES = {"eval_throughput": "qa.vllm_over_hf_questions_per_s", "lora": "anchor
            "gpu_check_cpu": "all_ok", "async_parity": "paired_vs_s0.s1.mean_difference",
            "learning_toy": "emapg_last_fifth_mean_reward", "stability": "emapg.collapse_rate",
            "learning_search": "emapg.reader_sampled_end_minus_start.mean",
-           "retriever_vs_searchr1": "ratio.32.ours_over_best_peer"}
+           "retriever_vs_searchr1": "ratio.32.ours_over_best_peer",
+           "retriever_batch_invariance": "invariant_throughput_ratio.bf16.together"}
 
 
 def is_public(module: str) -> bool:

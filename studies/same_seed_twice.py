@@ -73,11 +73,14 @@ def compare(first: list[Any], second: list[Any]) -> dict[str, Any]:
 
 
 def retriever_batch_check(index_dir: Path, questions: list[str], bf16: bool) -> dict[str, Any]:
-    """Top-3 of each question asked alone vs in one request of all of them (same server, micro-batching on)."""
+    """Top-3 of each question asked alone vs in one request of all of them (same server, micro-batching on). The query
+    cache is off: with it on, the batched request would be answered from the vectors the lone requests cached (an
+    earlier version of this check did that, and found nothing). ``benchmarks/retriever_batch_invariance.py`` measures
+    this in more ways, with ``--batch-invariant`` beside it."""
     from retriever.client import RetrieverClient
     from retriever.launch import RetrieverServer
 
-    with RetrieverServer(index_dir, device="cpu", extra_args=["--bf16" if bf16 else "--no-bf16"]) as server:
+    with RetrieverServer(index_dir, device="cpu", extra_args=["--bf16" if bf16 else "--no-bf16", "--query-cache-size", "0"]) as server:
         client = RetrieverClient(server.url)
         alone = [client.retrieve([q], topk=3)[0] for q in questions]
         together = client.retrieve(questions, topk=3)

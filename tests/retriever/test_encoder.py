@@ -110,6 +110,27 @@ def test_bf16_on_cpu_is_close_to_fp32_and_keeps_the_ranking(retriever_index):
         Encoder(EncoderSpec(name="minilm"), device="cpu", fp16=True, bf16=True)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_batch_invariant_vectors_depend_on_the_text_alone(retriever_index, bf16):
+    """batch_invariant: a text's vector is bit-identical alone and in any batch, order, batch size or split. Without
+    it, packed batches round differently with their company (the reason for the option, checked here too)."""
+    texts = [q["question"] for q in retriever_index.questions[:24]] + TEXTS
+    spec = EncoderSpec(name="minilm")
+    invariant = Encoder(spec, device="cpu", bf16=bf16, threads=2, batch_invariant=True)
+    alone = np.concatenate([invariant.encode([t]) for t in texts])
+    rng = np.random.default_rng(0)
+    for batch_size, parts in ((64, None), (5, 2), (3, 1)):
+        perm = rng.permutation(len(texts))
+        got = invariant.encode([texts[i] for i in perm], batch_size=batch_size, parts=parts)[np.argsort(perm)]
+        assert np.array_equal(got, alone), (bf16, batch_size, parts)
+    default = Encoder(spec, device="cpu", bf16=bf16, threads=2)
+    assert np.array_equal(np.concatenate([default.encode([t]) for t in texts]), alone)  # the default, one text at a time
+    batched = default.encode(texts, batch_size=64)
+    assert not np.array_equal(batched, alone)  # company moves some vectors in their last bits
+    cos = np.sum(batched * alone, axis=1)
+    assert cos.min() > 0.999
+
+
 def test_pack_rows_places_every_text_once_in_as_few_and_as_narrow_rows_as_it_can():
     lengths = [12, 3, 40, 7, 7, 25, 1, 64, 9, 100]
     for row_tokens in (1, 16, 64, 128, 1000):

@@ -56,6 +56,10 @@ def test_every_setting_changes_the_fingerprint_and_nothing_else_does():
     assert index_fingerprint(META, encoder_sha256="sha256:w", nprobe=64)["id"] != base["id"]
     assert index_fingerprint(META, encoder_sha256="sha256:w", hybrid_bm25=True)["id"] != base["id"]
     assert index_fingerprint(META, encoder_sha256="sha256:w", nprobe=16) == base  # the stored nprobe
+    # the query encoder's precision: float32 is the reference (ids from before are kept), bf16/fp16 queries rank otherwise
+    assert index_fingerprint(META, encoder_sha256="sha256:w", query_dtype="float32") == base
+    reduced = {index_fingerprint(META, encoder_sha256="sha256:w", query_dtype=d)["id"] for d in ("bfloat16", "float16")}
+    assert len(reduced) == 2 and base["id"] not in reduced
 
 
 def test_encoder_hash_follows_weight_and_tokenizer_files(tmp_path):
@@ -96,10 +100,13 @@ def test_real_builds_fingerprint_settings_not_resume_granularity(tmp_path):
     old = {k: v for k, v in a.items() if k != "fingerprint"}
     (tmp_path / "a" / "meta.json").write_text(json.dumps(old))
     assert fingerprint_of(tmp_path / "a") == a["fingerprint"]
+    assert fingerprint_of(tmp_path / "a", query_dtype="float32") == a["fingerprint"]
+    served_bf16 = fingerprint_of(tmp_path / "a", query_dtype="bfloat16")
+    assert served_bf16["query_dtype"] == "bfloat16" and served_bf16["id"] != a["fingerprint"]["id"]
 
 
 def test_health_serves_the_fingerprint(retriever_index, retriever_server):
     body = httpx.get(retriever_server.url + "/health", timeout=10).json()
-    assert body["fingerprint"] == fingerprint_of(retriever_index.index_dir)
+    assert body["fingerprint"] == fingerprint_of(retriever_index.index_dir, query_dtype=body["index"]["dtype"])
     assert body["fingerprint"]["rows"] == retriever_index.rows and len(body["fingerprint"]["id"]) == 16
 

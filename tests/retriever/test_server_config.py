@@ -270,3 +270,26 @@ def test_health_and_the_startup_line_say_which_encoder_dtype_runs_and_why(retrie
             index = client.get("/health").json()["index"]
             assert index["dtype"] == dtype and reason in index["dtype_reason"], (flags, index)
         assert any(f"in {dtype} (" in r.getMessage() and reason in r.getMessage() for r in caplog.records), (flags, caplog.text)
+
+
+def test_batch_invariant_server_answers_a_query_alone_as_in_any_batch(retriever_index):
+    """--batch-invariant: a query's passages and scores are bit-identical asked alone or among others (the encoder
+    runs it alone and FAISS searches it alone: a batch would take the BLAS path and round scores otherwise)."""
+    from fastapi.testclient import TestClient
+
+    from retriever.server import ServeConfig, create_app
+
+    questions = [q["question"] for q in retriever_index.questions[:12]]
+    app = create_app(ServeConfig(index=str(retriever_index.index_dir), device="cpu", encode_threads=2, bf16=True,
+                                 query_cache_size=0, batch_invariant=True))  # fmt: skip
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        index = client.get("/health").json()["index"]
+        assert index["batch_invariant"] is True and index["dtype"] == "bfloat16"
+        ask = lambda qs: client.post("/retrieve", json={"queries": qs, "topk": 3, "return_scores": True}).json()["result"]  # noqa: E731
+        alone = [ask([q])[0] for q in questions]
+        together = ask(questions[::-1])[::-1]
+        pairs = lambda result: [[(h["document"]["id"], h["score"]) for h in hits] for hits in result]  # noqa: E731
+        assert pairs(together) == pairs(alone)
