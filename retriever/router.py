@@ -380,6 +380,8 @@ class Router:
         if not self.ready.is_set():
             return 503, {"status": "loading"}
         body["encoder"] = "router" if self.batcher is not None else "shards"
+        if self.encoder is not None:  # --encode: whether a query's vector depends on its batch (--batch-invariant)
+            body["encoder_batch_invariant"] = self.encoder.batch_invariant
         body["passages"] = "router" if self.docs is not None else "shards"  # --docs: read here
         return (503 if len(down) == len(self.shards) else 200), body
 

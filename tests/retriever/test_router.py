@@ -211,3 +211,17 @@ def test_the_regroup_wait_follows_the_fanout_round_trip_within_its_bound():
     fixed = router(False)
     fixed._fanout_answered(0.030)
     assert (fixed.fanout_rtt_s, fixed.batcher.regroup_wait_s) == pytest.approx((0.030, 0.005))
+
+
+def test_router_batch_invariant_encodes_each_query_alone(retriever_index, shard_servers):
+    """--batch-invariant on the router: its encoder runs each query alone (/health says so), and a question's
+    passages are the same asked alone or among others."""
+    questions = [q["question"] for q in retriever_index.questions[:12]]
+    with RouterServer([[s.url] for s in shard_servers], extra_args=["--batch-invariant"]) as router:
+        health = httpx.get(router.url + "/health").json()
+        assert health["encoder"] == "router" and health["encoder_batch_invariant"] is True
+        alone = [_post(router.url, [q], 3).json()["result"][0] for q in questions]
+        together = _post(router.url, questions[::-1], 3).json()["result"][::-1]
+        assert [[h["document"] for h in hits] for hits in together] == [[h["document"] for h in hits] for hits in alone]
+    with RouterServer([[s.url] for s in shard_servers]) as router:  # the default batches
+        assert httpx.get(router.url + "/health").json()["encoder_batch_invariant"] is False
