@@ -280,7 +280,7 @@ class Encoder:
             batches = [order[i : i + 1] for i in range(len(order))]
         else:
             batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        split = 1 if self.batch_invariant else self.parallel if parts is None else max(1, min(parts, self.parallel))
+        split = self.parallel if parts is None else max(1, min(parts, self.parallel))  # a batch of one text stays whole
         if len(self.models) < self.parallel and split > 1:  # CPU threads: every forward batch in parts, interleaved so their lengths match
             batches = [part for b in batches for part in (b[j :: split] for j in range(split)) if len(part)]
         out = np.empty((len(texts), self.dim), dtype=np.float32)
