@@ -106,7 +106,8 @@ def anatomy(rows: Sequence[Mapping[str, Any]], steps: int) -> dict[str, Any]:
         part = [r for r in rows if r["need"] == need]
         by_need[str(need)] = {"trajectories": len(part),
                               "searched_again": summary([r for r in part if again(r)]),
-                              "one_search": summary([r for r in part if one(r)])}
+                              "one_search": summary([r for r in part if one(r)]),
+                              "groups": contrasts(part)}
     half = steps // 2
     halves = {name: {"searched_again_share": round(sum(again(r) for r in part) / len(part), 4) if part else None,
                      "searched_again": summary([r for r in part if again(r)]),
@@ -114,6 +115,25 @@ def anatomy(rows: Sequence[Mapping[str, Any]], steps: int) -> dict[str, Any]:
               for name, part in (("first_half", [r for r in rows if int(r["step"]) <= half]),
                                  ("second_half", [r for r in rows if int(r["step"]) > half]))}
     return {"trajectories": total, "by_behaviour": by_class, "by_pool_need": by_need, "by_half": halves}
+
+
+def contrasts(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """How many stored groups ``rows`` hold, and how many of them could teach when to search again.
+
+    A group is the rows of one seed and step (the report stores one group per step). Its GRPO advantages sum to zero,
+    so a behaviour's mean advantage is zero whenever each group holds one behaviour only, even where the rewards in it
+    differ. ``both_behaviours``: groups with a trajectory that searched again and one that answered after one search;
+    ``reward_spread``: groups whose rewards differ (the others get a zero advantage); ``contrasted``: both at once, the
+    only groups whose update can prefer one behaviour to the other.
+    """
+    groups: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(int(r.get("seed", 0)), int(r["step"]))].append(r)
+    both = [g for g in groups.values()
+            if any(r["behaviour"].startswith("again_") for r in g) and any(r["behaviour"].startswith("one_search") for r in g)]
+    spread = [g for g in groups.values() if len({float(r["reward"]) for r in g}) > 1]
+    return {"groups": len(groups), "both_behaviours": len(both), "reward_spread": len(spread),
+            "contrasted": sum(1 for g in both if len({float(r["reward"]) for r in g}) > 1)}
 
 
 ROW_KEYS = ("arm", "seed", "step", "behaviour", "need", "reward", "advantage", "stop_reason")
@@ -210,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         n2 = a["by_pool_need"]["2"]
         print(f"{arm}: groups needing two searches: searched again {n2['searched_again'].get('trajectories', 0)} "
               f"(mean advantage {n2['searched_again'].get('advantage_mean', float('nan')):+.2f}), one search "
-              f"{n2['one_search'].get('trajectories', 0)} (mean advantage {n2['one_search'].get('advantage_mean', float('nan')):+.2f})")
+              f"{n2['one_search'].get('trajectories', 0)} (mean advantage {n2['one_search'].get('advantage_mean', float('nan')):+.2f}); "
+              f"groups {n2['groups']['groups']}, with both behaviours {n2['groups']['both_behaviours']}, with a reward "
+              f"spread {n2['groups']['reward_spread']}, both at once {n2['groups']['contrasted']}")
     print(f"wrote {args.out}")
     return 0
 

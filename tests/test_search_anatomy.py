@@ -66,8 +66,25 @@ def test_anatomy_sums_the_advantage_by_behaviour_need_and_half():
     assert a["by_pool_need"]["2"]["searched_again"]["advantage_mean"] == 0.5
     assert a["by_pool_need"]["2"]["one_search"]["advantage_mean"] == -0.5
     assert a["by_pool_need"]["2"]["trajectories"] == 2  # the question outside the pool counts in neither need
+    # step 2's q2 group holds both behaviours and a reward spread: the one group that contrasts them
+    assert a["by_pool_need"]["2"]["groups"] == {"groups": 1, "both_behaviours": 1, "reward_spread": 1, "contrasted": 1}
+    # step 1's q1 group holds both behaviours and a spread too
+    assert a["by_pool_need"]["1"]["groups"] == {"groups": 1, "both_behaviours": 1, "reward_spread": 1, "contrasted": 1}
     assert a["by_half"]["first_half"]["searched_again_share"] == 0.75
     assert a["by_half"]["second_half"]["searched_again_share"] == pytest.approx(1 / 3, abs=1e-4)
+
+
+def test_a_group_of_one_behaviour_has_a_zero_mean_advantage_but_is_not_contrasted():
+    # every trajectory searched again; one of four was right: advantages +1.5, -0.5 x3 sum to zero
+    rows = sa.classify([_row(2, [OTHER, GOLD], reward=1.0, advantage=1.5, step=3, question="q2")]
+                       + [_row(2, [OTHER, OTHER], reward=0.0, advantage=-0.5, step=3, question="q2")] * 3
+                       + [_row(1, [OTHER], reward=0.0, advantage=0.0, step=4, question="q2")] * 2
+                       + [_row(2, [OTHER, OTHER], reward=0.0, advantage=0.0, step=4, question="q2")] * 2,
+                       {"q2": 2})
+    n2 = sa.anatomy(rows, steps=4)["by_pool_need"]["2"]
+    assert n2["searched_again"]["advantage_mean"] == 0.0
+    # step 3 has a spread but one behaviour; step 4 has both behaviours but equal rewards
+    assert n2["groups"] == {"groups": 2, "both_behaviours": 1, "reward_spread": 1, "contrasted": 0}
 
 
 def _run(work, arm: str, seed: int, rows: list[dict], finished: bool = True) -> None:
