@@ -198,17 +198,24 @@ def golds_outside_question(question: str, golds: str | Iterable[str]) -> list[st
     return [g for g in _as_list(golds) if (n := normalize_answer(g)) and f" {n} " not in padded]
 
 
+# A markup tag (``<information>``, ``</tool_response>``) in shown text: a token boundary, not text. SQuAD normalisation
+# drops its brackets and slash, so a gold at the very end of a tagged observation would otherwise fuse with the tag's
+# name ("austen</information>" -> "austeninformation").
+_MARKUP_RE = re.compile(r"</?[A-Za-z_][\w-]*>")
+
+
 def gold_shown(passages: Iterable[str], golds: str | Iterable[str], question: str | None = None) -> str | None:
     """The first gold answer that occurs in the passages as evidence, or None.
 
     The match is :func:`retrieval_recall`'s (SQuAD-normalised, token-bounded). With the ``question``, a gold that
     it contains itself (:func:`golds_outside_question`: the options of "A or B?", a name the question repeats) is
-    left out: finding it in a passage shows nothing. The one matcher of "was the gold shown" for the reader slice's
+    left out: finding it in a passage shows nothing. Markup tags in the text (the observation's own
+    ``<information>…</information>``) are token boundaries. The one matcher of "was the gold shown" for the reader slice's
     rule, the coverage audit, the search slice, the training pool and the multi-search demonstrations.
     """
     golds = golds_outside_question(question, golds) if question is not None else \
         [g for g in _as_list(golds) if normalize_answer(g)]
-    padded = [_padded(p) for p in passages]
+    padded = [_padded(_MARKUP_RE.sub(" ", p)) for p in passages]
     return next((g for g in golds if any(f" {normalize_answer(g)} " in text for text in padded)), None)
 
 

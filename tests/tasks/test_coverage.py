@@ -17,6 +17,11 @@ def test_gold_shown_is_token_bounded_and_ignores_answers_the_question_names():
     assert gold_shown(["Quiet Harbor is an album."], ["Quiet Harbor"], "Is it Quiet Harbor or Velvet Lanterns?") is None
     assert gold_shown(["by Mira Okafor"], ["Harbor", "Mira Okafor"], "Who set up Harbor?") == "Mira Okafor"
     assert gold_shown([], ["x"]) is None and gold_shown(["a b"], [""]) is None
+    # a gold at the very end (or start) of a tagged observation: the tags are boundaries, not part of the gold's token
+    assert gold_shown(["<information>Doc 1(Title: \"Emma\") A novel by Jane Austen</information>\n\n"],
+                      ["Jane Austen"]) == "Jane Austen"
+    assert gold_shown(["<tool_response>1911 was the year</tool_response>"], ["1911"]) == "1911"
+    assert gold_shown(["<information>Austenite</information>"], ["Austen"]) is None
 
 
 def test_corpus_matcher_finds_whole_token_answers_only():
