@@ -27,7 +27,6 @@ def test_demonstrations_are_replayed_token_exact_and_show_the_gold(coverage_corp
 
     from retriever.client import RetrieverClient
     from tasks.coverage import classify
-    from trainer.sft.data import file_trajectories
     from trainer.sft.multisearch import Demo, build_demonstrations, script, shown_texts
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -59,21 +58,14 @@ def test_demonstrations_are_replayed_token_exact_and_show_the_gold(coverage_corp
             # the model's spans are exactly the scripted turns
             assert [tok.decode(ids) for ids in t.span_ids("model")] == [x for x in d.turns]
         # the SFT file path (emapg sft, data.source=file) replays each row to the very same tokens
-        rows = tmp_path / "demos.jsonl"
-        rows.write_text("".join(json.dumps(d.to_row(t.num_searches)) + "\n" for d, t in kept))
-        again, counts = file_trajectories(rows, tok, client, rollout, max_model_len=max_len)
-    assert counts["kept"] == 2
-    for (_, t), u in zip(kept, again):
-        assert (u.prompt_ids, u.response_ids, u.loss_mask) == (t.prompt_ids, t.response_ids, t.loss_mask)
+        _assert_file_replay_is_token_exact(tmp_path, kept, tok, client, rollout, max_len)
 
 
 def test_shipped_demonstrations_mix_one_and_two_searches():
     from tasks.heldout import heldout_questions, question_key
     from trainer.sft.multisearch import searches_by_type
 
-    rows = [json.loads(line) for line in DEMOS.read_text().splitlines()]
-    record = json.loads((DEMOS.parent / "demonstrations_record.json").read_text())
-    assert record["kept"] == {k: sum(r["kind"] == k for r in rows) for k in record["kept"]}
+    rows, record = _shipped(DEMOS, "demonstrations_record.json")
     assert {r["searches"] for r in rows} == {1, 2} and all(len(r["turns"]) == r["searches"] + 1 for r in rows)
     assert record["searches_per_question_by_type"] == searches_by_type(rows)
     held = heldout_questions()
@@ -121,7 +113,6 @@ def test_think_demonstrations_replay_token_exact_within_the_turn_budget(coverage
     from retriever.client import RetrieverClient
     from tasks.coverage import classify
     from trainer.sft.config import SFTConfig
-    from trainer.sft.data import file_trajectories
     from trainer.sft.multisearch import Demo, build_demonstrations, script
 
     cfg = load_config(SFTConfig, REPO / "configs" / "sft_smollm2_starter_v3.yaml",
@@ -151,21 +142,14 @@ def test_think_demonstrations_replay_token_exact_within_the_turn_budget(coverage
         kept_small, dropped_small = build_demonstrations(cands[1:], {"one": 5}, tok, client, small,
                                                          max_model_len=max_len, think=True)
         assert not kept_small and dropped_small and all(k.startswith("one: with think steps, ") for k in dropped_small)
-        rows = tmp_path / "demos.jsonl"
-        rows.write_text("".join(json.dumps(d.to_row(t.num_searches)) + "\n" for d, t in kept))
-        again, counts = file_trajectories(rows, tok, client, rollout, max_model_len=max_len)
-    assert counts["kept"] == 2
-    for (_, t), u in zip(kept, again):
-        assert (u.prompt_ids, u.response_ids, u.loss_mask) == (t.prompt_ids, t.response_ids, t.loss_mask)
+        _assert_file_replay_is_token_exact(tmp_path, kept, tok, client, rollout, max_len)
 
 
 def test_shipped_v3_demonstrations_think_before_each_decision():
     from tasks.heldout import heldout_questions, question_key
     from trainer.sft.multisearch import searches_by_type
 
-    rows = [json.loads(line) for line in DEMOS_V3.read_text().splitlines()]
-    record = json.loads((DEMOS_V3.parent / "demonstrations_v3_record.json").read_text())
-    assert record["kept"] == {k: sum(r["kind"] == k for r in rows) for k in record["kept"]}
+    rows, record = _shipped(DEMOS_V3, "demonstrations_v3_record.json")
     assert all(record["kept"][k] <= n for k, n in record["mix"].items())
     assert {r["searches"] for r in rows} == {1, 2} and all(len(r["turns"]) == r["searches"] + 1 for r in rows)
     for r in rows:
@@ -178,3 +162,23 @@ def test_shipped_v3_demonstrations_think_before_each_decision():
     held = heldout_questions()
     assert not [r["id"] for r in rows if question_key(r["question"]) in held]
     assert len({question_key(r["question"]) for r in rows}) == len(rows)
+
+
+def _assert_file_replay_is_token_exact(tmp_path, kept, tok, client, rollout, max_len: int) -> None:
+    """The SFT file path (``emapg sft``, ``data.source=file``) replays each kept demonstration to the very same tokens."""
+    from trainer.sft.data import file_trajectories
+
+    rows = tmp_path / "demos.jsonl"
+    rows.write_text("".join(json.dumps(d.to_row(t.num_searches)) + "\n" for d, t in kept))
+    again, counts = file_trajectories(rows, tok, client, rollout, max_model_len=max_len)
+    assert counts["kept"] == len(kept) == 2
+    for (_, t), u in zip(kept, again):
+        assert (u.prompt_ids, u.response_ids, u.loss_mask) == (t.prompt_ids, t.response_ids, t.loss_mask)
+
+
+def _shipped(demos, record_name: str) -> tuple[list[dict], dict]:
+    """A shipped demonstrations file's rows and its record, whose kept counts must match the rows."""
+    rows = [json.loads(line) for line in demos.read_text().splitlines()]
+    record = json.loads((demos.parent / record_name).read_text())
+    assert record["kept"] == {k: sum(r["kind"] == k for r in rows) for k in record["kept"]}
+    return rows, record
