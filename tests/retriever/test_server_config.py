@@ -22,6 +22,17 @@ from retriever.metrics import Metrics
 from retriever.searcher import EncoderMismatchError, check_encoder, rrf_fuse, same_encoder
 
 
+
+def _wait_loaded(client, seconds: float = 300.0) -> float:
+    """Poll ``/health`` of a TestClient until the index has stopped loading (loaded or failed); fail with the last
+    answer if it still loads after ``seconds`` (generous: a loaded 2-core machine can take minutes). Returns the
+    deadline, for later waits of the same test."""
+    deadline = time.monotonic() + seconds
+    while (health := client.get("/health").json())["status"] == "loading":
+        assert time.monotonic() < deadline, f"the index still loads after {seconds:.0f} s: {health}"
+        time.sleep(0.05)
+    return deadline
+
 def test_encoder_mismatch_is_refused_with_a_clear_error(retriever_index, capsys):
     with pytest.raises(EncoderMismatchError, match="built with encoder 'minilm'"):
         check_encoder(retriever_index.index_dir, "intfloat/e5-base-v2")
@@ -196,9 +207,7 @@ def test_a_broken_index_fails_health_and_stops_the_server(retriever_index, tmp_p
     fatal: list[str] = []
     app = create_app(ServeConfig(index=str(broken), device="cpu"), on_fatal=fatal.append)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_loaded(client)
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
         assert "is not a readable FAISS index" in health.json()["error"]
@@ -237,9 +246,7 @@ def test_every_batch_worker_runs_with_more_encoder_threads_than_cores(retriever_
     threads = (os.cpu_count() or 1) + 1
     app = create_app(ServeConfig(index=str(retriever_index.index_dir), device="cpu", encode_threads=threads, query_cache_size=0))
     with TestClient(app) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = _wait_loaded(client)
         assert client.get("/health").json()["index"]["batch_workers"] == threads
         batcher = app.state.retriever.batcher
         while len(batcher.states) < threads and time.monotonic() < deadline:
@@ -264,9 +271,7 @@ def test_health_and_the_startup_line_say_which_encoder_dtype_runs_and_why(retrie
         caplog.clear()
         app = create_app(ServeConfig(index=str(retriever_index.index_dir), device="cpu", encode_threads=1, **flags))
         with caplog.at_level(logging.INFO, logger="retriever.server"), TestClient(app) as client:
-            deadline = time.monotonic() + 120
-            while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_loaded(client)
             index = client.get("/health").json()["index"]
             assert index["dtype"] == dtype and reason in index["dtype_reason"], (flags, index)
         assert any(f"in {dtype} (" in r.getMessage() and reason in r.getMessage() for r in caplog.records), (flags, caplog.text)
@@ -283,9 +288,7 @@ def test_batch_invariant_server_answers_a_query_alone_as_in_any_batch(retriever_
     app = create_app(ServeConfig(index=str(retriever_index.index_dir), device="cpu", encode_threads=2, bf16=True,
                                  query_cache_size=0, batch_invariant=True))  # fmt: skip
     with TestClient(app) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_loaded(client)
         index = client.get("/health").json()["index"]
         assert index["batch_invariant"] is True and index["dtype"] == "bfloat16"
         ask = lambda qs: client.post("/retrieve", json={"queries": qs, "topk": 3, "return_scores": True}).json()["result"]  # noqa: E731
