@@ -89,6 +89,9 @@ class EvalConfig:
     retriever_api_key: str | None = option(None, help="qa: API key of the retrieval server, if it needs one (the CLI reads EMAPG_RETRIEVER_API_KEY)")
     retriever_timeout: float = option(30.0, gt=0, help="qa: seconds per retrieval request")
     retriever_retries: int = option(5, help="qa: retries per retrieval request before the search counts as failed")
+    retriever_batch_invariant: bool = option(
+        False, help="qa: a query's passages never depend on the queries served beside it: the server launched on --index "
+        "runs `emapg serve --batch-invariant`; a --retriever-url server must say so in /health")
     replay: str | None = option(None, help="qa: answer searches from the retrievals recorded in this earlier eval run's folder "
                                 "(its retrievals.jsonl) instead of a server; a query it did not record is an error, unless "
                                 "--retriever-url or --index is also given, which then answers it live")
@@ -496,9 +499,10 @@ def _open_retriever(cfg: EvalConfig):
 
     if cfg.retriever_url:
         return open_retriever(urls=[cfg.retriever_url], api_key=cfg.retriever_api_key, timeout=cfg.retriever_timeout,
-                              retries=cfg.retriever_retries)
+                              retries=cfg.retriever_retries, batch_invariant=cfg.retriever_batch_invariant)
     return open_retriever(index_dir=cfg.index or ensure_bundled_index(), topk=cfg.protocol.retrieval_topk,
-                          api_key=cfg.retriever_api_key, timeout=cfg.retriever_timeout, retries=cfg.retriever_retries)
+                          api_key=cfg.retriever_api_key, timeout=cfg.retriever_timeout, retries=cfg.retriever_retries,
+                          batch_invariant=cfg.retriever_batch_invariant)
 
 
 def _run_batch(cfg, batch: list[tuple[str, Any]], seed: int, tag: str, engine, retriever, pool, out_dir) -> dict[str, int]:

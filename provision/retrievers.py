@@ -15,13 +15,16 @@ broadcast, which the caller owns); every rank then connects to the same server.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from emapg.errors import ConfigError, UserError
 
-__all__ = ["OpenRetriever", "open_retriever", "api_key_from_env"]
+log = logging.getLogger(__name__)
+
+__all__ = ["OpenRetriever", "open_retriever", "api_key_from_env", "batch_invariant_of", "require_batch_invariant"]
 
 
 def api_key_from_env(env: str | None, *, config_key: str = "retriever.api_key_env") -> str | None:
@@ -95,6 +98,7 @@ def open_retriever(
     check: bool = True,
     wait_s: float | None = None,
     log_path: str | Path | None = None,
+    batch_invariant: bool = False,
 ) -> OpenRetriever:
     """Connect to ``urls``, or serve ``index_dir`` and connect to it.
 
@@ -114,6 +118,9 @@ def open_retriever(
             (:meth:`OpenRetriever.wait_ready`); a server that stays down or refuses the key is a
             :class:`UserError` naming its URL.
         log_path: the launched server's log file (default: a temp file).
+        batch_invariant: a query's passages must not depend on the queries served beside it: the launched server
+            runs ``emapg serve --batch-invariant``; a server at ``urls`` must say so in its ``/health`` (a
+            :class:`ConfigError` where it says otherwise, a warning where it does not say).
     """
     if api_key_env:
         api_key = api_key_from_env(api_key_env)
@@ -121,7 +128,8 @@ def open_retriever(
 
     server = None
     url_list = [urls] if isinstance(urls, str) else list(urls)
-    if url_list:
+    connecting = bool(url_list)  # to servers started elsewhere
+    if connecting:
         description = ", ".join(url_list)
     else:
         if index_dir is None:
@@ -133,7 +141,8 @@ def open_retriever(
                 raise UserError(f"{index} is not a finished index (no meta.json); build one with `emapg index build`")
             from retriever.launch import RetrieverServer
 
-            server = RetrieverServer(index, topk=topk, api_key=api_key, log_path=log_path).start()
+            server = RetrieverServer(index, topk=topk, api_key=api_key, log_path=log_path,
+                                     extra_args=["--batch-invariant"] if batch_invariant else None).start()
             url = server.url
         try:
             url_list = [share_url(url) if share_url is not None else url]
@@ -166,4 +175,65 @@ def open_retriever(
         except Exception as e:
             opened.close()
             raise UserError(f"retrieval server at {', '.join(url_list)} is not reachable: {e}") from None
+    if batch_invariant and connecting:
+        try:
+            require_batch_invariant(client)
+        except ConfigError:
+            opened.close()
+            raise
     return opened
+
+
+def batch_invariant_of(health: dict, replica_healths: Callable[[list[str]], list[dict | None]] | None = None) -> bool | None:
+    """Whether a retrieval server's ``/health`` says a query's passages never depend on the queries beside it;
+    None where it does not say (a server of another project, one that does not answer).
+
+    A server: its ``index.batch_invariant``. A router: its encoder, where it encodes (``encoder_batch_invariant``),
+    and every shard replica it names (their own ``/health``, read through ``replica_healths``: URLs -> bodies), since
+    each shard searches the query among the others it is sent.
+    """
+    index = health.get("index")
+    if isinstance(index, dict) and isinstance(index.get("batch_invariant"), bool):
+        return index["batch_invariant"]
+    shards = health.get("shards")
+    if not isinstance(shards, list):
+        return None
+    said: list[bool | None] = []
+    if health.get("encoder") == "router":
+        value = health.get("encoder_batch_invariant")
+        said.append(value if isinstance(value, bool) else None)
+    urls = [r.get("url") for s in shards if isinstance(s, dict) for r in s.get("replicas") or [] if isinstance(r, dict)]
+    if replica_healths is None or not urls:
+        said.append(None)
+    else:
+        said += [batch_invariant_of(h) if isinstance(h, dict) else None for h in replica_healths([u for u in urls if u])]
+    return False if False in said else None if None in said else True
+
+
+def _healths(urls: list[str], timeout: float = 5.0) -> list[dict | None]:
+    """Each URL's ``/health`` body, None where it does not answer 200 with a JSON object."""
+    import httpx
+
+    out: list[dict | None] = []
+    for url in urls:
+        try:
+            resp = httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+            body = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            body = None
+        out.append(body if isinstance(body, dict) else None)
+    return out
+
+
+def require_batch_invariant(client, config_key: str = "retriever.batch_invariant") -> None:
+    """Every server of ``client`` must be batch-invariant (:func:`batch_invariant_of` its ``/health``, a router's
+    shards asked too): a :class:`ConfigError` naming the first that says it is not, a logged warning for each that
+    does not say."""
+    for url, health in client.healths().items():
+        said = batch_invariant_of(health or {}, _healths)
+        if said is False:
+            raise ConfigError(f"{config_key}: the retrieval server at {url} is not batch-invariant; restart it with "
+                              "`emapg serve --batch-invariant` (a router: `--batch-invariant` and shards started with it)")
+        if said is None:
+            log.warning("%s: the retrieval server at %s does not say whether it is batch-invariant; a query's passages "
+                        "may depend on the queries served beside it", config_key, url)

@@ -164,17 +164,23 @@ class RetrieverClient:
         """``/health`` of the next replica that answers 200 (retried like ``retrieve``)."""
         return self._request("GET", "/health").json()
 
-    def fingerprints(self) -> dict[str, dict | None]:
-        """Each replica's index fingerprint (its ``/health`` ``fingerprint``; None where it gives none or
-        does not answer): replicas of one retriever must agree, and run records name each."""
+    def healths(self) -> dict[str, dict | None]:
+        """Each replica's ``/health`` body (None where it does not answer 200 with a JSON object), asked once, without
+        retries: what every replica says of itself, where :meth:`health` asks whichever answers."""
         out: dict[str, dict | None] = {}
         for url in self._p.urls:
             try:
                 resp = self._http.get(url + "/health")
-                out[url] = resp.json().get("fingerprint") if resp.status_code == 200 else None
+                body = resp.json() if resp.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
-                out[url] = None
+                body = None
+            out[url] = body if isinstance(body, dict) else None
         return out
+
+    def fingerprints(self) -> dict[str, dict | None]:
+        """Each replica's index fingerprint (its ``/health`` ``fingerprint``; None where it gives none or
+        does not answer): replicas of one retriever must agree, and run records name each."""
+        return {url: (health or {}).get("fingerprint") for url, health in self.healths().items()}
 
     def wait_ready(self, wait_s: float, *, poll_s: float = 0.5, probe: str = "health check") -> None:
         """Wait up to ``wait_s`` seconds (in all) until every replica answers ``/health`` with 200, then

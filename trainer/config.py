@@ -242,6 +242,11 @@ class RetrieverConfig:
     max_failure_rate: float = option(
         0.5, ge=0, le=1, help="a rollout batch whose fraction of failed searches exceeds this is not trained on: it is rolled out again"
     )
+    batch_invariant: bool = option(
+        False, help="a query's passages never depend on the queries served beside it (repeatable runs from a seed): the "
+        "server launched on retriever.index_dir runs `emapg serve --batch-invariant` (about a quarter of the throughput on "
+        "CPU); servers at retriever.urls must say so in /health"
+    )
     failure_patience: int = option(
         2, help="after this many consecutive rejected rollout batches training pauses, waiting up to retriever.wait for the "
         "retrievers' /health; it stops with an error if they do not come back or searches still fail afterwards"

@@ -154,7 +154,7 @@ def open_run_retriever(cfg: TrainConfig, dist: D.DistInfo) -> Any:
     r = cfg.retriever
     return open_retriever(urls=r.urls, index_dir=r.index_dir, topk=cfg.rollout.topk, timeout=r.timeout, retries=r.retries,
                           api_key_env=r.api_key_env, launch=dist.is_main, share_url=D.broadcast_object, check=False,
-                          wait_s=r.wait)
+                          wait_s=r.wait, batch_invariant=r.batch_invariant)
 
 
 @dataclass

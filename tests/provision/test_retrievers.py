@@ -92,3 +92,62 @@ def test_bundled_index_is_built_once_and_reused_only_when_its_settings_match(tmp
     ensure_bundled_index(16, dtype="bfloat16", log=logs.append)
     assert any("corpus checksum" in m for m in logs)
     assert json.loads((path / "meta.json").read_text())["corpus"]["checksum"] != "0" * len(meta["corpus"]["checksum"])
+
+
+def test_batch_invariant_launches_the_server_so_and_checks_servers_given_by_url(retriever_server, retriever_index, tmp_path):
+    """retriever.batch_invariant / --retriever-batch-invariant: the launched server runs ``--batch-invariant``; a server
+    or router given by URL that says it is not (a router: its encoder or any shard) is refused naming the key."""
+    from emapg.config import load_config
+    from emapg.paths import REPO_ROOT
+    from retriever.launch import RouterServer
+    from trainer.config import TrainConfig
+    from trainer.distributed import DistInfo
+    from trainer.loop import open_run_retriever
+
+    cfg = load_config(TrainConfig, REPO_ROOT / "configs" / "search_tiny_cpu.yaml",
+                      ["retriever.urls=[]", f"retriever.index_dir={retriever_index.index_dir}", "retriever.batch_invariant=true"])
+    with open_run_retriever(cfg, DistInfo()) as launched:
+        assert launched.server is not None and launched.health()["index"]["batch_invariant"] is True
+        with open_retriever(urls=launched.urls, batch_invariant=True) as again:  # it says so: accepted
+            q = retriever_index.questions[0]
+            assert again.retrieve([q["question"]], topk=1)[0][0]["id"] == q["gold_id"]
+        refused = r"retriever.batch_invariant: the retrieval server at %s is not batch-invariant"
+        with RouterServer([launched.urls], extra_args=["--batch-invariant"]) as router:  # both halves invariant
+            with open_retriever(urls=[router.url], batch_invariant=True) as via_router:
+                assert via_router.health()["encoder_batch_invariant"] is True
+        with RouterServer([launched.urls]) as router:  # its own encoder batches queries
+            with pytest.raises(ConfigError, match=refused % router.url):
+                open_retriever(urls=[router.url], batch_invariant=True)
+        with RouterServer([[retriever_server.url]], extra_args=["--batch-invariant"]) as router:  # its shard batches
+            with pytest.raises(ConfigError, match=refused % router.url):
+                open_retriever(urls=[router.url], batch_invariant=True)
+    with pytest.raises(ConfigError, match=refused % retriever_server.url):
+        open_retriever(urls=[retriever_server.url], batch_invariant=True)
+    with open_retriever(urls=[retriever_server.url]) as plain:  # not asked for: no check
+        assert plain.health()["index"]["batch_invariant"] is False
+
+
+def test_a_server_that_does_not_say_is_used_with_a_warning(caplog):
+    """A server of another project (no ``/health``) does not say whether it is batch-invariant: a warning, no error."""
+    import logging
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NoHealth(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server name
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NoHealth)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="provision.retrievers"), \
+                open_retriever(urls=[url], batch_invariant=True, check=False):  # fmt: skip
+            said = [rec.getMessage() for rec in caplog.records]
+    finally:
+        httpd.shutdown()
+    assert said == [f"retriever.batch_invariant: the retrieval server at {url} does not say whether it is "
+                    "batch-invariant; a query's passages may depend on the queries served beside it"]
