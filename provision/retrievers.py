@@ -184,12 +184,12 @@ def open_retriever(
     return opened
 
 
-def batch_invariant_of(health: dict, replica_healths: Callable[[list[str]], list[dict | None]] | None = None) -> bool | None:
+def batch_invariant_of(health: dict, replica_healths: Callable[[list[str]], dict[str, dict | None]] | None = None) -> bool | None:
     """Whether a retrieval server's ``/health`` says a query's passages never depend on the queries beside it;
     None where it does not say (a server of another project, one that does not answer).
 
     A server: its ``index.batch_invariant``. A router: its encoder, where it encodes (``encoder_batch_invariant``),
-    and every shard replica it names (their own ``/health``, read through ``replica_healths``: URLs -> bodies), since
+    and every shard replica it names (their own ``/health``, read through ``replica_healths``: URLs -> {URL: body}), since
     each shard searches the query among the others it is sent.
     """
     index = health.get("index")
@@ -206,31 +206,18 @@ def batch_invariant_of(health: dict, replica_healths: Callable[[list[str]], list
     if replica_healths is None or not urls:
         said.append(None)
     else:
-        said += [batch_invariant_of(h) if isinstance(h, dict) else None for h in replica_healths([u for u in urls if u])]
+        said += [batch_invariant_of(h) if isinstance(h, dict) else None for h in replica_healths([u for u in urls if u]).values()]
     return False if False in said else None if None in said else True
-
-
-def _healths(urls: list[str], timeout: float = 5.0) -> list[dict | None]:
-    """Each URL's ``/health`` body, None where it does not answer 200 with a JSON object."""
-    import httpx
-
-    out: list[dict | None] = []
-    for url in urls:
-        try:
-            resp = httpx.get(url.rstrip("/") + "/health", timeout=timeout)
-            body = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            body = None
-        out.append(body if isinstance(body, dict) else None)
-    return out
 
 
 def require_batch_invariant(client, config_key: str = "retriever.batch_invariant") -> None:
     """Every server of ``client`` must be batch-invariant (:func:`batch_invariant_of` its ``/health``, a router's
     shards asked too): a :class:`ConfigError` naming the first that says it is not, a logged warning for each that
     does not say."""
+    from retriever.client import read_healths
+
     for url, health in client.healths().items():
-        said = batch_invariant_of(health or {}, _healths)
+        said = batch_invariant_of(health or {}, read_healths)
         if said is False:
             raise ConfigError(f"{config_key}: the retrieval server at {url} is not batch-invariant; restart it with "
                               "`emapg serve --batch-invariant` (a router: `--batch-invariant` and shards started with it)")

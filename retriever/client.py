@@ -17,11 +17,13 @@ Raises :class:`RetrievalError` when every attempt failed, with the last server m
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
 
 import httpx
 
@@ -110,6 +112,21 @@ class _Policy:
         return body
 
 
+def read_healths(urls: Sequence[str], http: httpx.Client | None = None, timeout: float = 5.0) -> dict[str, dict | None]:
+    """Each URL's ``/health`` body, asked once without retries (through ``http`` where given); None where it does not
+    answer 200 with a JSON object."""
+    out: dict[str, dict | None] = {}
+    with contextlib.nullcontext(http) if http is not None else httpx.Client(timeout=timeout) as client:
+        for url in urls:
+            try:
+                resp = client.get(url.rstrip("/") + "/health")
+                body = resp.json() if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                body = None
+            out[url] = body if isinstance(body, dict) else None
+    return out
+
+
 class RetrieverClient:
     """Synchronous client: ``RetrieverClient("http://127.0.0.1:8000").retrieve(["q"], topk=3)``."""
 
@@ -165,17 +182,9 @@ class RetrieverClient:
         return self._request("GET", "/health").json()
 
     def healths(self) -> dict[str, dict | None]:
-        """Each replica's ``/health`` body (None where it does not answer 200 with a JSON object), asked once, without
-        retries: what every replica says of itself, where :meth:`health` asks whichever answers."""
-        out: dict[str, dict | None] = {}
-        for url in self._p.urls:
-            try:
-                resp = self._http.get(url + "/health")
-                body = resp.json() if resp.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                body = None
-            out[url] = body if isinstance(body, dict) else None
-        return out
+        """Each replica's ``/health`` body (:func:`read_healths`): what every replica says of itself, where
+        :meth:`health` asks whichever answers."""
+        return read_healths(self._p.urls, self._http)
 
     def fingerprints(self) -> dict[str, dict | None]:
         """Each replica's index fingerprint (its ``/health`` ``fingerprint``; None where it gives none or
